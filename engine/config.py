@@ -1,0 +1,38 @@
+"""Engine configuration: every field is a CLI flag with an env var (see ``engine.flags``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from engine.flags import flag
+
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    """How one engine instance runs a model. Immutable once the engine starts."""
+
+    model: str = flag(help="model directory, .gguf file or alias (e.g. smollm2-135m)")
+    dtype: str = flag("bfloat16", "weights and KV cache dtype", choices=DTYPES)
+    device: str = flag("auto", "cpu, cuda, cuda:N or auto (cuda when available)")
+    block_size: int = flag(16, "tokens per KV block")
+    max_num_seqs: int = flag(128, "max requests in the running batch")
+    max_num_batched_tokens: int = flag(2048, "max tokens computed per step (prefill chunk size)")
+    max_model_len: int | None = flag(None, "max prompt + output tokens (default: model's)")
+    kv_cache_memory_gb: float | None = flag(
+        None, "KV cache size in GiB (default: 2 on CPU, 80%% of free memory on CUDA)"
+    )
+    num_kv_blocks: int | None = flag(None, "exact number of KV blocks (overrides the size)")
+    enable_prefix_caching: bool = flag(True, "reuse KV blocks of shared prompt prefixes")
+    seed: int = flag(0, "seed of the shared sampling generator")
+    num_threads: int | None = flag(None, "torch CPU threads (default: all cores)")
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
+            raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")

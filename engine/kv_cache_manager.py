@@ -1,0 +1,119 @@
+"""Per-request view of the block pool: prefix hits, slot allocation, caching, freeing.
+
+A request's blocks cover its token positions in order::
+
+    | block 0 | block 1 | ... | block k |      block i holds tokens [i*B, (i+1)*B)
+    |<- num_cached_blocks ->|               full, hashed, shareable
+    |<----- num_computed_tokens ----->|      KV written
+    |<------ computed + new tokens --------->| slots allocated this step
+"""
+
+from __future__ import annotations
+
+from engine.block_pool import BlockPool, KVCacheBlock, KVCacheEvent
+from engine.request import Request
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class KVCacheManager:
+    """Allocates and frees the blocks of each request; the scheduler's only door to the pool."""
+
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool) -> None:
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.block_pool = BlockPool(num_blocks, block_size, enable_prefix_caching)
+        self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
+        self._num_cached_blocks: dict[str, int] = {}
+
+    @property
+    def usage(self) -> float:
+        return self.block_pool.usage
+
+    def get_block_ids(self, req_id: str) -> list[int]:
+        return [b.block_id for b in self.req_to_blocks.get(req_id, ())]
+
+    def get_computed_blocks(self, request: Request) -> list[KVCacheBlock]:
+        """Longest run of the request's full blocks already cached here. No side effects.
+
+        At least one token is always left to compute, because its logits give the next token.
+        """
+        if not self.enable_prefix_caching:
+            return []
+        max_hit_blocks = (request.num_tokens - 1) // self.block_size
+        hits: list[KVCacheBlock] = []
+        for block_hash in request.block_hashes[:max_hit_blocks]:
+            block = self.block_pool.get_cached_block(block_hash)
+            if block is None:
+                break
+            hits.append(block)
+        return hits
+
+    def allocate_slots(
+        self,
+        request: Request,
+        num_new_tokens: int,
+        new_computed_blocks: list[KVCacheBlock] | None = None,
+        cache: bool = True,
+    ) -> bool:
+        """Make room for ``num_new_tokens`` after the computed ones; False if out of blocks.
+
+        ``new_computed_blocks`` are prefix hits from ``get_computed_blocks`` (first allocation
+        only); they are referenced and their tokens count as computed. With ``cache`` the blocks
+        that are full once this step's tokens are written are published for prefix hits; pass
+        False when their content arrives later (remote KV) and call ``cache_blocks`` then.
+        On False nothing changed.
+        """
+        hits = new_computed_blocks or []
+        blocks = self.req_to_blocks.setdefault(request.req_id, [])
+        num_computed_tokens = request.num_computed_tokens + len(hits) * self.block_size
+        num_required_blocks = cdiv(num_computed_tokens + num_new_tokens, self.block_size)
+        num_new_blocks = max(num_required_blocks - len(blocks) - len(hits), 0)
+        # Hits that sit in the cached (evictable) set stop being allocatable once touched.
+        num_evictable_hits = sum(b.ref_cnt == 0 for b in hits)
+        if num_new_blocks > self.block_pool.num_free_blocks - num_evictable_hits:
+            if not blocks:
+                del self.req_to_blocks[request.req_id]
+            return False
+        self.block_pool.touch(hits)
+        blocks.extend(hits)
+        if num_new_blocks:
+            blocks.extend(self.block_pool.allocate(num_new_blocks))
+        if hits:
+            self._num_cached_blocks[request.req_id] = len(hits)
+        if cache:
+            self.cache_blocks(request, num_computed_tokens + num_new_tokens)
+        return True
+
+    def cache_blocks(self, request: Request, num_tokens: int) -> None:
+        """Publish the request's blocks that are full within its first ``num_tokens`` tokens."""
+        if not self.enable_prefix_caching:
+            return
+        num_full = min(num_tokens, request.num_tokens) // self.block_size
+        num_cached = self._num_cached_blocks.get(request.req_id, 0)
+        if num_full <= num_cached:
+            return
+        blocks = self.req_to_blocks[request.req_id]
+        hashes = request.block_hashes
+        parent = hashes[num_cached - 1] if num_cached else None
+        self.block_pool.cache_blocks(
+            blocks[num_cached:num_full], hashes[num_cached:num_full], parent
+        )
+        self._num_cached_blocks[request.req_id] = num_full
+
+    def free(self, request: Request) -> None:
+        """Release every block of the request (tail first); cached ones stay hittable."""
+        blocks = self.req_to_blocks.pop(request.req_id, [])
+        self._num_cached_blocks.pop(request.req_id, None)
+        self.block_pool.free(blocks[::-1])
+
+    def take_events(self) -> list[KVCacheEvent]:
+        return self.block_pool.take_events()
+
+    def check_integrity(self) -> None:
+        """Pool invariants plus: every block a request holds has a positive ref count."""
+        self.block_pool.check_integrity()
+        for req_id, blocks in self.req_to_blocks.items():
+            assert all(b.ref_cnt > 0 for b in blocks), f"{req_id} holds a released block"

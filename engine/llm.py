@@ -1,0 +1,78 @@
+"""Offline entry point: ``LLM(model=...).generate(prompts, SamplingParams(...))``."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+from engine.config import EngineConfig
+from engine.llm_engine import LLMEngine
+from engine.outputs import RequestOutput
+from engine.sampling_params import SamplingParams
+
+Prompt = str | Sequence[int]
+
+
+class LLM:
+    """Run batches of prompts through one engine in this process.
+
+    ``prompts`` are strings (tokenized with the model's tokenizer, special tokens added) or
+    lists of token ids. Keyword arguments are ``EngineConfig`` fields.
+    """
+
+    def __init__(self, model: str, **engine_kwargs: Any) -> None:
+        self.engine = LLMEngine(EngineConfig(model=model, **engine_kwargs))
+        self.tokenizer = self.engine.tokenizer
+        self._counter = itertools.count()
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+    ) -> list[RequestOutput]:
+        """Generate to completion; outputs are in prompt order."""
+        final: dict[str, RequestOutput] = {}
+        order = self._add(prompts, params)
+        for out in self._run():
+            if out.finished:
+                final[out.req_id] = out
+        return [final[req_id] for req_id in order]
+
+    def generate_stream(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+    ) -> Iterator[RequestOutput]:
+        """Yield each request's output every step it advances; the last one has ``finished``."""
+        self._add(prompts, params)
+        yield from self._run()
+
+    def chat(
+        self, messages: Sequence[dict[str, str]], params: SamplingParams | None = None
+    ) -> RequestOutput:
+        """Generate a reply to one conversation rendered with the model's chat template."""
+        return self.generate([self.tokenizer.encode_chat(messages)], params)[0]
+
+    def _add(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        params: SamplingParams | Sequence[SamplingParams] | None,
+    ) -> list[str]:
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]  # type: ignore[list-item]
+        if params is None or isinstance(params, SamplingParams):
+            params = [params or SamplingParams()] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(params)} SamplingParams")
+        req_ids = []
+        for prompt, p in zip(prompts, params, strict=True):
+            ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+            req_id = str(next(self._counter))
+            self.engine.add_request(req_id, ids, p)
+            req_ids.append(req_id)
+        return req_ids
+
+    def _run(self) -> Iterator[RequestOutput]:
+        while self.engine.has_unfinished_requests():
+            yield from self.engine.step()

@@ -1,0 +1,211 @@
+"""The engine loop: schedule → run the model → sample → update → detokenize.
+
+One ``step()`` is one forward pass over a mixed batch. Callers (the offline ``LLM``, the
+prefill and decode workers) own the loop and the threading; the engine itself is single-threaded.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from engine.config import EngineConfig
+from engine.detokenizer import IncrementalDetokenizer
+from engine.kv_cache_manager import KVCacheManager
+from engine.loader.models import resolve_model
+from engine.model_runner import ModelRunner
+from engine.outputs import RequestOutput
+from engine.request import Request, RequestStatus
+from engine.sampler import Sampler, SamplingInput, TokenLogprobs
+from engine.sampling_params import SamplingParams
+from engine.scheduler import KVLoad, Scheduler, SchedulerConfig
+from engine.tokenizer import Tokenizer
+
+logger = logging.getLogger(__name__)
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+@dataclass(slots=True)
+class _RequestState:
+    """Engine-side bookkeeping the scheduler does not need."""
+
+    request: Request
+    detokenizer: IncrementalDetokenizer
+    logprobs: list[TokenLogprobs] | None
+    first_token_time_s: float | None = None
+    num_reported_tokens: int = 0
+
+
+class LLMEngine:
+    """A paged-KV, continuous-batching engine for one model on one device."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        self.device = resolve_device(config.device)
+        if config.dtype == "float16" and self.device.type == "cpu":
+            logger.warning("float16 matmuls are very slow on CPU; prefer bfloat16")
+        self.model_dir = resolve_model(config.model)
+        self.tokenizer = Tokenizer(self.model_dir)
+        self.runner = ModelRunner(
+            self.model_dir,
+            config.dtype,
+            self.device,
+            config.block_size,
+            config.max_model_len,
+            config.num_kv_blocks,
+            config.kv_cache_memory_gb,
+        )
+        self.max_model_len = self.runner.max_model_len
+        self.kv_cache_manager = KVCacheManager(
+            self.runner.num_kv_blocks, config.block_size, config.enable_prefix_caching
+        )
+        self.scheduler = Scheduler(
+            SchedulerConfig(
+                max_num_seqs=config.max_num_seqs,
+                max_num_batched_tokens=config.max_num_batched_tokens,
+                max_model_len=self.max_model_len,
+            ),
+            self.kv_cache_manager,
+        )
+        self.sampler = Sampler(config.seed)
+        self.vocab_size = self.runner.config.vocab_size
+        self._states: dict[str, _RequestState] = {}
+        self._kv_loads: list[KVLoad] = []
+        logger.info("engine ready: model=%s pid=%d", self.model_dir, os.getpid())
+
+    # ----------------------------------------------------------------------------- requests
+    def validate_request(self, prompt_token_ids: Sequence[int], params: SamplingParams) -> None:
+        """Raise ``ValueError`` naming the field if the request cannot run on this engine."""
+        if not prompt_token_ids:
+            raise ValueError("prompt is empty")
+        bad = next((t for t in prompt_token_ids if not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            raise ValueError(f"token_ids: id {bad} is outside the vocabulary [0, {self.vocab_size})")
+        if len(prompt_token_ids) >= self.max_model_len:
+            raise ValueError(
+                f"prompt has {len(prompt_token_ids)} tokens; the context is {self.max_model_len}"
+            )
+        if len(prompt_token_ids) + params.max_tokens > self.max_model_len:
+            raise ValueError(
+                f"max_tokens {params.max_tokens} + prompt {len(prompt_token_ids)} tokens exceeds "
+                f"the context of {self.max_model_len}"
+            )
+
+    def add_request(
+        self,
+        req_id: str,
+        prompt_token_ids: Sequence[int],
+        params: SamplingParams,
+        *,
+        num_external_tokens: int = 0,
+        arrival_time_s: float | None = None,
+    ) -> None:
+        """Queue a request. With ``num_external_tokens`` its first tokens' KV must be loaded
+        (see ``take_kv_loads`` / ``finish_kv_load``) instead of computed."""
+        self.validate_request(prompt_token_ids, params)
+        request = Request(
+            req_id=req_id,
+            prompt_token_ids=list(prompt_token_ids),
+            sampling_params=params,
+            eos_token_ids=self.tokenizer.eos_token_ids,
+            block_size=self.config.block_size,
+            arrival_time_s=arrival_time_s if arrival_time_s is not None else time.perf_counter(),
+            num_external_tokens=num_external_tokens,
+        )
+        self.scheduler.add_request(request)
+        self._states[req_id] = _RequestState(
+            request=request,
+            detokenizer=IncrementalDetokenizer(
+                self.tokenizer.backend, request.prompt_token_ids, params
+            ),
+            logprobs=[] if params.logprobs is not None else None,
+        )
+        logger.debug("req_id=%s added: %d prompt tokens", req_id, len(prompt_token_ids))
+
+    def abort_requests(self, req_ids: Iterable[str]) -> list[RequestOutput]:
+        """Abort requests in any state; their blocks are freed at once."""
+        finished = self.scheduler.finish_requests(req_ids, RequestStatus.FINISHED_ABORTED)
+        return [self._make_output(self._states.pop(r.req_id), []) for r in finished]
+
+    def take_kv_loads(self) -> list[KVLoad]:
+        """KV transfers the scheduler started since the last call (each reported once)."""
+        loads, self._kv_loads = self._kv_loads, []
+        return loads
+
+    def finish_kv_load(self, req_id: str, success: bool) -> None:
+        """Report the end of a transfer from ``take_kv_loads``; failure means recompute."""
+        self.scheduler.finish_remote_kv(req_id, success)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.num_unfinished_requests > 0
+
+    # ----------------------------------------------------------------------------- step
+    def step(self) -> list[RequestOutput]:
+        """Run one batch; return an output for every request that got a token or finished."""
+        sched = self.scheduler.schedule()
+        self._kv_loads.extend(sched.kv_loads)
+        if sched.is_empty:
+            return []
+        logits = self.runner.execute(sched.scheduled)
+        rows = [
+            SamplingInput(
+                params=s.request.sampling_params,
+                generator=s.request.generator,
+                prompt_token_ids=s.request.prompt_token_ids,
+                output_token_ids=s.request.output_token_ids,
+            )
+            for s in sched.scheduled
+            if s.samples
+        ]
+        sampled = self.sampler(logits, rows)
+        updated, finished = self.scheduler.update_from_output(sched, sampled.sampled_token_ids)
+        now = time.perf_counter()
+        finished_ids = {r.req_id for r in finished}
+        outputs: list[RequestOutput] = []
+        for request, logprobs in zip(updated, sampled.logprobs, strict=True):
+            state = self._states[request.req_id]
+            if state.first_token_time_s is None:
+                state.first_token_time_s = now
+            if state.logprobs is not None and logprobs is not None:
+                state.logprobs.append(logprobs)
+            stop = state.detokenizer.update(request.output_token_ids[-1:])
+            if stop is not None and request.req_id not in finished_ids:
+                request.stop_reason = stop
+                self.scheduler.finish_requests([request.req_id], RequestStatus.FINISHED_STOPPED)
+            new_ids = request.output_token_ids[state.num_reported_tokens :]
+            outputs.append(self._make_output(state, new_ids))
+            if request.status.is_finished:
+                del self._states[request.req_id]
+        return outputs
+
+    def _make_output(self, state: _RequestState, new_token_ids: list[int]) -> RequestOutput:
+        request = state.request
+        finished = request.status.is_finished
+        state.num_reported_tokens = request.num_output_tokens
+        return RequestOutput(
+            req_id=request.req_id,
+            prompt_token_ids=request.prompt_token_ids,
+            token_ids=list(request.output_token_ids),
+            new_token_ids=new_token_ids,
+            text=state.detokenizer.output_text,
+            delta_text=state.detokenizer.take_delta(finished),
+            finished=finished,
+            finish_reason=request.status.finish_reason,
+            stop_reason=request.stop_reason,
+            num_cached_tokens=max(request.num_cached_tokens, 0),
+            logprobs=list(state.logprobs) if state.logprobs is not None else None,
+            arrival_time_s=request.arrival_time_s,
+            first_token_time_s=state.first_token_time_s,
+        )

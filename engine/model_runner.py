@@ -1,0 +1,157 @@
+"""Owns the model and the paged KV cache tensor; turns a scheduled step into logits."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+from engine.kv_cache_spec import KVCacheSpec
+from engine.loader.hf import load_model
+from engine.model.attention import AttentionMetadata, PrefillSeq, causal_mask, decode_mask
+from engine.model.config import ModelConfig
+from engine.model.rotary import RotaryEmbedding
+from engine.scheduler import ScheduledRequest
+
+logger = logging.getLogger(__name__)
+
+TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class ModelRunner:
+    """Runs forward passes of one model over its KV cache.
+
+    The cache is one tensor ``[num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]``
+    (a block is contiguous across layers, for transfer); layers see strided per-layer views.
+    """
+
+    def __init__(
+        self,
+        model_dir: Path,
+        dtype: str,
+        device: torch.device,
+        block_size: int,
+        max_model_len: int | None,
+        num_kv_blocks: int | None,
+        kv_cache_memory_gb: float | None,
+    ) -> None:
+        self.device = device
+        self.dtype = TORCH_DTYPES[dtype]
+        self.block_size = block_size
+        self.model, self.model_config = load_model(model_dir, self.dtype, device)
+        config = self.model_config
+        self.max_model_len = max_model_len or config.max_position_embeddings
+        self.kv_cache_spec = KVCacheSpec(
+            num_layers=config.num_layers,
+            num_kv_heads=config.num_kv_heads,
+            head_dim=config.head_dim,
+            block_size=block_size,
+            dtype=dtype,
+        )
+        self.num_kv_blocks = num_kv_blocks or self._blocks_for_memory(kv_cache_memory_gb)
+        # Zeroed, not empty: padded block-table entries are read (then masked), and NaN * 0 = NaN.
+        self.kv_cache = torch.zeros(
+            (self.num_kv_blocks, *self.kv_cache_spec.block_shape), dtype=self.dtype, device=device
+        )
+        self.key_caches = [self.kv_cache[:, i, 0] for i in range(config.num_layers)]
+        self.value_caches = [self.kv_cache[:, i, 1] for i in range(config.num_layers)]
+        self.rope = RotaryEmbedding(config, self.max_model_len, self.dtype, device)
+        logger.info(
+            "KV cache: %d blocks x %d tokens (%.2f GiB)",
+            self.num_kv_blocks,
+            block_size,
+            self.kv_cache.numel() * self.kv_cache.element_size() / 2**30,
+        )
+
+    @property
+    def config(self) -> ModelConfig:
+        return self.model_config
+
+    def _blocks_for_memory(self, memory_gb: float | None) -> int:
+        if memory_gb is None:
+            if self.device.type == "cuda":
+                free_bytes, _ = torch.cuda.mem_get_info(self.device)
+                memory_gb = 0.8 * free_bytes / 2**30
+            else:
+                memory_gb = 2.0
+        return max(int(memory_gb * 2**30) // self.kv_cache_spec.block_bytes, 1)
+
+    @torch.inference_mode()
+    def execute(self, scheduled: Sequence[ScheduledRequest]) -> torch.Tensor:
+        """Compute the scheduled tokens; return float32 logits [num_sampling, vocab].
+
+        Rows follow ``scheduled`` order, one per request whose step ends at its last token.
+        Side effect: the tokens' K/V are written into the cache.
+        """
+        input_ids, positions, meta, sample_idx = self._prepare(scheduled)
+        hidden = self.model(
+            input_ids, positions, self.rope, meta, self.key_caches, self.value_caches
+        )
+        return self.model.compute_logits(hidden[sample_idx])
+
+    def _prepare(
+        self, scheduled: Sequence[ScheduledRequest]
+    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
+        bs = self.block_size
+        window = self.model_config.sliding_window
+        token_ids: list[int] = []
+        block_ids: list[torch.Tensor] = []
+        starts: list[int] = []
+        lens: list[int] = []
+        sample_idx: list[int] = []
+        decode_tables: list[list[int]] = []
+        decode_lens: list[int] = []
+        prefills: list[PrefillSeq] = []
+        for item in scheduled:
+            request = item.request
+            start, n = request.num_computed_tokens, item.num_new_tokens
+            token_ids.extend(request.all_token_ids[start : start + n])
+            table = torch.tensor(item.block_ids, dtype=torch.long)
+            block_ids.append(table)
+            q_start = len(token_ids) - n
+            starts.append(start)
+            lens.append(n)
+            if item.samples:
+                sample_idx.append(len(token_ids) - 1)
+            if n == 1:
+                decode_tables.append(item.block_ids)
+                decode_lens.append(start + 1)
+            else:
+                context = start + n
+                prefills.append(
+                    PrefillSeq(
+                        q_start=q_start,
+                        q_len=n,
+                        num_context_tokens=context,
+                        block_ids=table[: -(-context // bs)].to(self.device),
+                        mask=causal_mask(n, context, window, self.device),
+                    )
+                )
+        positions = torch.cat(
+            [torch.arange(s, s + n, dtype=torch.long) for s, n in zip(starts, lens, strict=True)]
+        )
+        slot_blocks = torch.cat(
+            [t[torch.arange(s, s + n) // bs] for t, s, n in zip(block_ids, starts, lens, strict=True)]
+        )
+        max_blocks = max((len(t) for t in decode_tables), default=0)
+        tables = torch.tensor([t + [0] * (max_blocks - len(t)) for t in decode_tables], dtype=torch.long)
+        meta = AttentionMetadata(
+            slot_block_ids=slot_blocks.to(self.device),
+            slot_offsets=(positions % bs).to(self.device),
+            num_decode_tokens=len(decode_tables),
+            decode_block_tables=tables.to(self.device),
+            decode_mask=decode_mask(
+                torch.tensor(decode_lens, dtype=torch.long, device=self.device),
+                max_blocks * bs,
+                window,
+            ),
+            prefills=tuple(prefills),
+        )
+        return (
+            torch.tensor(token_ids, dtype=torch.long, device=self.device),
+            positions.to(self.device),
+            meta,
+            torch.tensor(sample_idx, dtype=torch.long, device=self.device),
+        )

@@ -1,0 +1,31 @@
+"""What the engine reports about a request after each step."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from engine.sampler import TokenLogprobs
+
+
+@dataclass(frozen=True, slots=True)
+class RequestOutput:
+    """A request's state after a step.
+
+    ``new_token_ids`` / ``delta_text`` are what this step added (for streaming); ``token_ids`` /
+    ``text`` are everything generated so far. ``delta_text`` never contains text that a stop
+    string could still retract. Times are ``time.perf_counter()`` stamps.
+    """
+
+    req_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    new_token_ids: list[int]
+    text: str
+    delta_text: str
+    finished: bool
+    finish_reason: str | None
+    stop_reason: int | str | None
+    num_cached_tokens: int
+    logprobs: list[TokenLogprobs] | None
+    arrival_time_s: float
+    first_token_time_s: float | None

@@ -1,0 +1,118 @@
+"""A generation request as the scheduler sees it."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+import torch
+
+from engine.block_hash import ROOT_PARENT_HASH, BlockHash, hash_block_tokens
+from engine.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    """Lifecycle of a request inside one engine.
+
+    WAITING ──▶ RUNNING ──▶ FINISHED_*
+       ▲  │        │
+       │  ▼        ▼ (out of KV blocks: recompute later)
+       │ WAITING_FOR_REMOTE_KV     PREEMPTED ──▶ (back to the front of the waiting queue)
+       └──┘ (transfer done or failed)
+    """
+
+    WAITING = enum.auto()
+    WAITING_FOR_REMOTE_KV = enum.auto()
+    RUNNING = enum.auto()
+    PREEMPTED = enum.auto()
+    FINISHED_STOPPED = enum.auto()
+    FINISHED_LENGTH_CAPPED = enum.auto()
+    FINISHED_ABORTED = enum.auto()
+
+    @property
+    def is_finished(self) -> bool:
+        return self in _FINISHED
+
+    @property
+    def finish_reason(self) -> str | None:
+        return _FINISH_REASONS.get(self)
+
+
+_FINISHED = frozenset(
+    {
+        RequestStatus.FINISHED_STOPPED,
+        RequestStatus.FINISHED_LENGTH_CAPPED,
+        RequestStatus.FINISHED_ABORTED,
+    }
+)
+_FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_LENGTH_CAPPED: "length",
+    RequestStatus.FINISHED_ABORTED: "abort",
+}
+
+
+@dataclass(slots=True, eq=False)
+class Request:
+    """Token state of one request.
+
+    Invariant: ``0 <= num_computed_tokens <= num_tokens``; the KV of the first
+    ``num_computed_tokens`` tokens is in the request's blocks. The request samples a new token in
+    the step that brings ``num_computed_tokens`` up to ``num_tokens``.
+
+    ``num_external_tokens`` > 0 means the KV of the first that many tokens is produced elsewhere
+    (a prefill worker) and arrives by transfer instead of being computed here.
+    """
+
+    req_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    eos_token_ids: frozenset[int]
+    block_size: int
+    arrival_time_s: float
+    extra_key: str = ""
+    num_external_tokens: int = 0
+    output_token_ids: list[int] = field(default_factory=list)
+    all_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = -1
+    num_preemptions: int = 0
+    status: RequestStatus = RequestStatus.WAITING
+    stop_reason: int | str | None = None
+    generator: torch.Generator | None = None
+    _block_hashes: list[BlockHash] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.all_token_ids = list(self.prompt_token_ids) + list(self.output_token_ids)
+        if self.sampling_params.seed is not None:
+            self.generator = torch.Generator().manual_seed(self.sampling_params.seed)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def block_hashes(self) -> list[BlockHash]:
+        """Chained hashes of every full block of the request's tokens, extended lazily."""
+        num_hashed = len(self._block_hashes)
+        if (num_hashed + 1) * self.block_size <= self.num_tokens:
+            parent = self._block_hashes[-1] if self._block_hashes else ROOT_PARENT_HASH
+            start = num_hashed * self.block_size
+            self._block_hashes.extend(
+                hash_block_tokens(
+                    self.all_token_ids[start:], self.block_size, self.extra_key, parent
+                )
+            )
+        return self._block_hashes
+
+    def append_output_token(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        self.all_token_ids.append(token_id)

@@ -1,0 +1,89 @@
+"""Per-request sampling parameters.
+
+Validation happens at construction, so a bad value never reaches the scheduler; every error
+names the offending field (services map these ``ValueError``s to gRPC ``INVALID_ARGUMENT``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+MAX_STOP_STRINGS = 16
+MAX_LOGPROBS = 20
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    """How to pick the next token and when to stop.
+
+    ``temperature == 0`` means greedy. ``top_k`` of ``-1`` (or ``0``) disables top-k.
+    ``logprobs=None`` returns no logprobs; ``logprobs=N`` returns the chosen token's logprob plus
+    the top-``N`` alternatives, all taken from the raw model distribution (before penalties,
+    temperature and truncation), as vLLM does. ``seed`` makes the request's samples reproducible
+    regardless of which other requests share its batch.
+    """
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    logprobs: int | None = None
+    skip_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        # Accept lists from callers but store tuples so the params stay hashable and frozen.
+        object.__setattr__(self, "stop", tuple(self.stop))
+        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        self._validate()
+
+    def _validate(self) -> None:
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < -1:
+            raise ValueError(f"top_k must be -1 (disabled) or >= 0, got {self.top_k}")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        if self.repetition_penalty <= 0:
+            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        if not -2.0 <= self.presence_penalty <= 2.0:
+            raise ValueError(f"presence_penalty must be in [-2, 2], got {self.presence_penalty}")
+        if not -2.0 <= self.frequency_penalty <= 2.0:
+            raise ValueError(f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}")
+        if self.seed is not None and self.seed < 0:
+            raise ValueError(f"seed must be >= 0, got {self.seed}")
+        if len(self.stop) > MAX_STOP_STRINGS:
+            raise ValueError(f"stop has {len(self.stop)} strings; at most {MAX_STOP_STRINGS}")
+        if any(not s for s in self.stop):
+            raise ValueError("stop strings must be non-empty")
+        if any(t < 0 for t in self.stop_token_ids):
+            raise ValueError("stop_token_ids must be >= 0")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    @property
+    def top_k_enabled(self) -> bool:
+        return self.top_k > 0
+
+    @property
+    def needs_penalties(self) -> bool:
+        return (
+            self.repetition_penalty != 1.0
+            or self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+        )

@@ -1,0 +1,271 @@
+"""Continuous-batching scheduler with no prefill/decode phases.
+
+Each step every request catches ``num_computed_tokens`` up towards ``num_tokens`` under a token
+budget: a long prompt is cut into chunks (chunked prefill), prefix hits skip computed blocks, and
+prompt chunks share a step with single-token decodes. When the pool runs dry the newest running
+request is preempted and later recomputed from scratch (its cached blocks usually still hit).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from engine.kv_cache_manager import KVCacheManager
+from engine.request import Request, RequestStatus
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerConfig:
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    max_model_len: int
+
+
+@dataclass(frozen=True, slots=True)
+class ScheduledRequest:
+    """One request's share of a step: compute tokens [num_computed_tokens, + num_new_tokens)."""
+
+    request: Request
+    num_new_tokens: int
+    block_ids: list[int]
+
+    @property
+    def samples(self) -> bool:
+        """Whether this step's logits produce the request's next token."""
+        return self.request.num_computed_tokens + self.num_new_tokens == self.request.num_tokens
+
+
+@dataclass(frozen=True, slots=True)
+class KVLoad:
+    """A request whose first ``num_external_tokens`` tokens' KV must arrive from elsewhere.
+
+    The first ``num_local_hit_tokens`` are already here (own prefix cache); blocks from
+    ``block_ids[num_local_hit_tokens // block_size:]`` must be filled by the transfer.
+    """
+
+    req_id: str
+    block_ids: list[int]
+    num_local_hit_tokens: int
+    num_external_tokens: int
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    """What one step computes, single-token decodes first."""
+
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    preempted_req_ids: list[str] = field(default_factory=list)
+    kv_loads: list[KVLoad] = field(default_factory=list)
+
+    @property
+    def total_num_scheduled_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+class Scheduler:
+    """Owns the waiting queue, the running batch and the KV cache manager of one engine."""
+
+    def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager) -> None:
+        self.config = config
+        self.kv_cache_manager = kv_cache_manager
+        self.block_size = kv_cache_manager.block_size
+        self.requests: dict[str, Request] = {}
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.waiting_for_remote_kv: dict[str, Request] = {}
+        self.num_preemptions = 0
+
+    # ----------------------------------------------------------------------------- requests
+    def add_request(self, request: Request) -> None:
+        if request.req_id in self.requests:
+            raise ValueError(f"duplicate req_id {request.req_id!r}")
+        if not 0 <= request.num_external_tokens < request.num_tokens:
+            raise ValueError("num_external_tokens must leave at least one token to compute")
+        self.requests[request.req_id] = request
+        self.waiting.append(request)
+
+    def finish_requests(self, req_ids: Iterable[str], status: RequestStatus) -> list[Request]:
+        """Finish (e.g. abort, stop string) requests in any state and free their blocks.
+
+        Unknown or already finished ids are ignored. Returns the requests finished here.
+        """
+        finished: list[Request] = []
+        for req_id in req_ids:
+            request = self.requests.pop(req_id, None)
+            if request is None:
+                continue
+            if request.status == RequestStatus.RUNNING:
+                self.running.remove(request)
+            elif request.status == RequestStatus.WAITING_FOR_REMOTE_KV:
+                del self.waiting_for_remote_kv[req_id]
+            else:
+                self.waiting.remove(request)
+            self._finish(request, status)
+            finished.append(request)
+        return finished
+
+    def finish_remote_kv(self, req_id: str, success: bool) -> None:
+        """A transfer announced in ``SchedulerOutput.kv_loads`` completed (or failed).
+
+        On success the external tokens count as computed and their blocks become prefix-cache
+        hits; on failure they are recomputed locally. Either way the request waits to run.
+        """
+        request = self.waiting_for_remote_kv.pop(req_id, None)
+        if request is None:
+            return
+        if success:
+            request.num_computed_tokens = request.num_external_tokens
+            self.kv_cache_manager.cache_blocks(request, request.num_external_tokens)
+        request.num_cached_tokens = request.num_computed_tokens
+        request.num_external_tokens = 0
+        request.status = RequestStatus.WAITING
+        self.waiting.appendleft(request)
+
+    @property
+    def num_unfinished_requests(self) -> int:
+        return len(self.requests)
+
+    @property
+    def num_waiting_tokens(self) -> int:
+        """Tokens still to compute for requests not yet running (a prefill-load signal)."""
+        return sum(r.num_tokens - r.num_computed_tokens for r in self.waiting)
+
+    # ----------------------------------------------------------------------------- schedule
+    def schedule(self) -> SchedulerOutput:
+        """Pick this step's work. Side effects: allocates blocks, may preempt, admits requests."""
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+        decodes: list[ScheduledRequest] = []
+        prefills: list[ScheduledRequest] = []
+
+        i = 0
+        while i < len(self.running) and budget > 0:
+            request = self.running[i]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            while not self.kv_cache_manager.allocate_slots(request, num_new):
+                victim = self.running.pop()
+                self._preempt(victim)
+                out.preempted_req_ids.append(victim.req_id)
+                if victim is request:
+                    break
+            else:
+                item = self._scheduled(request, num_new)
+                (decodes if num_new == 1 else prefills).append(item)
+                budget -= num_new
+                i += 1
+
+        if not out.preempted_req_ids:
+            budget = self._admit_waiting(budget, prefills, out.kv_loads)
+        out.scheduled = decodes + prefills
+        return out
+
+    def _admit_waiting(
+        self, budget: int, prefills: list[ScheduledRequest], kv_loads: list[KVLoad]
+    ) -> int:
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            request = self.waiting[0]
+            hits = []
+            if request.req_id not in self.kv_cache_manager.req_to_blocks:
+                hits = self.kv_cache_manager.get_computed_blocks(request)
+            num_hit_tokens = len(hits) * self.block_size
+            if request.num_external_tokens > 0:
+                if not self._start_remote_kv(request, hits, kv_loads):
+                    break
+                continue
+            num_new = min(request.num_tokens - request.num_computed_tokens - num_hit_tokens, budget)
+            if not self.kv_cache_manager.allocate_slots(request, num_new, hits):
+                break
+            self.waiting.popleft()
+            request.num_computed_tokens += num_hit_tokens
+            if request.num_cached_tokens < 0:
+                request.num_cached_tokens = request.num_computed_tokens
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            prefills.append(self._scheduled(request, num_new))
+            budget -= num_new
+        return budget
+
+    def _start_remote_kv(self, request: Request, hits: list, kv_loads: list[KVLoad]) -> bool:
+        num_hit_tokens = min(len(hits) * self.block_size, request.num_external_tokens)
+        num_missing = request.num_external_tokens - num_hit_tokens
+        if not self.kv_cache_manager.allocate_slots(request, num_missing, hits, cache=False):
+            return False
+        self.waiting.popleft()
+        request.num_computed_tokens = num_hit_tokens
+        request.status = RequestStatus.WAITING_FOR_REMOTE_KV
+        self.waiting_for_remote_kv[request.req_id] = request
+        kv_loads.append(
+            KVLoad(
+                req_id=request.req_id,
+                block_ids=self.kv_cache_manager.get_block_ids(request.req_id),
+                num_local_hit_tokens=num_hit_tokens,
+                num_external_tokens=request.num_external_tokens,
+            )
+        )
+        return True
+
+    def _scheduled(self, request: Request, num_new_tokens: int) -> ScheduledRequest:
+        return ScheduledRequest(
+            request, num_new_tokens, self.kv_cache_manager.get_block_ids(request.req_id)
+        )
+
+    def _preempt(self, request: Request) -> None:
+        self.kv_cache_manager.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(request)
+
+    # ----------------------------------------------------------------------------- update
+    def update_from_output(
+        self, output: SchedulerOutput, sampled_token_ids: list[int]
+    ) -> tuple[list[Request], list[Request]]:
+        """Advance computed tokens and append sampled tokens (one per sampling request, in order).
+
+        Returns (requests that got a new token, requests finished by eos / stop id / length).
+        """
+        updated: list[Request] = []
+        finished: list[Request] = []
+        samples = iter(sampled_token_ids)
+        for item in output.scheduled:
+            request = item.request
+            samples_now = item.samples
+            request.num_computed_tokens += item.num_new_tokens
+            if not samples_now:
+                continue
+            token_id = next(samples)
+            request.append_output_token(token_id)
+            updated.append(request)
+            status = self._check_stop(request, token_id)
+            if status is not None:
+                self.requests.pop(request.req_id)
+                self.running.remove(request)
+                self._finish(request, status)
+                finished.append(request)
+        return updated, finished
+
+    def _check_stop(self, request: Request, token_id: int) -> RequestStatus | None:
+        params = request.sampling_params
+        if not params.ignore_eos and token_id in request.eos_token_ids:
+            request.stop_reason = token_id
+            return RequestStatus.FINISHED_STOPPED
+        if token_id in params.stop_token_ids:
+            request.stop_reason = token_id
+            return RequestStatus.FINISHED_STOPPED
+        if (
+            request.num_output_tokens >= params.max_tokens
+            or request.num_tokens >= self.config.max_model_len
+        ):
+            return RequestStatus.FINISHED_LENGTH_CAPPED
+        return None
+
+    def _finish(self, request: Request, status: RequestStatus) -> None:
+        request.status = status
+        self.kv_cache_manager.free(request)
