@@ -1,9 +1,32 @@
-"""splitserve's engine: paged KV cache, continuous batching, Llama-family models."""
+"""splitserve's engine: paged KV cache, continuous batching, Llama-family models.
 
-from engine.config import EngineConfig
-from engine.llm import LLM
-from engine.llm_engine import LLMEngine
-from engine.outputs import RequestOutput
-from engine.sampling_params import SamplingParams
+The public names are imported lazily so that torch-free modules (``engine.block_hash``,
+``engine.tokenizer``, ``engine.kv_cache_spec``) can be used by the router without torch.
+"""
 
-__all__ = ["LLM", "EngineConfig", "LLMEngine", "RequestOutput", "SamplingParams"]
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from engine.config import EngineConfig
+    from engine.llm import LLM
+    from engine.llm_engine import LLMEngine
+    from engine.outputs import RequestOutput
+    from engine.sampling_params import SamplingParams
+
+_EXPORTS = {
+    "LLM": "engine.llm",
+    "EngineConfig": "engine.config",
+    "LLMEngine": "engine.llm_engine",
+    "RequestOutput": "engine.outputs",
+    "SamplingParams": "engine.sampling_params",
+}
+__all__ = list(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'engine' has no attribute {name!r}")
+    return getattr(importlib.import_module(_EXPORTS[name]), name)

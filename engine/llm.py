@@ -22,7 +22,16 @@ class LLM:
     """
 
     def __init__(self, model: str, **engine_kwargs: Any) -> None:
-        self.engine = LLMEngine(EngineConfig(model=model, **engine_kwargs))
+        self._init(EngineConfig(model=model, **engine_kwargs))
+
+    @classmethod
+    def from_config(cls, config: EngineConfig) -> LLM:
+        llm = cls.__new__(cls)
+        llm._init(config)
+        return llm
+
+    def _init(self, config: EngineConfig) -> None:
+        self.engine = LLMEngine(config)
         self.tokenizer = self.engine.tokenizer
         self._counter = itertools.count()
 
