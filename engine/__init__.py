@@ -23,7 +23,7 @@ _EXPORTS = {
     "RequestOutput": "engine.outputs",
     "SamplingParams": "engine.sampling_params",
 }
-__all__ = list(_EXPORTS)
+__all__ = ["LLM", "EngineConfig", "LLMEngine", "RequestOutput", "SamplingParams"]
 
 
 def __getattr__(name: str) -> Any:

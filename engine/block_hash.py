@@ -25,9 +25,7 @@ def hash_block(parent_hash: BlockHash, token_ids: Sequence[int], extra_key: str 
     """Hash one full block given its parent's hash."""
     extra = extra_key.encode()
     payload = struct.pack(f"<{len(token_ids)}I", *token_ids)
-    return hashlib.sha256(
-        parent_hash + payload + struct.pack("<I", len(extra)) + extra
-    ).digest()
+    return hashlib.sha256(parent_hash + payload + struct.pack("<I", len(extra)) + extra).digest()
 
 
 def hash_block_tokens(

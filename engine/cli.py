@@ -77,4 +77,3 @@ def run(args: argparse.Namespace) -> int:
     else:
         sys.stdout.write("\n")
     return 0
-

@@ -16,9 +16,7 @@ ENV_PREFIX = "SPLITSERVE_"
 _MISSING = dataclasses.MISSING
 
 
-def flag(
-    default: Any = _MISSING, help: str = "", *, choices: tuple[str, ...] | None = None
-) -> Any:
+def flag(default: Any = _MISSING, help: str = "", *, choices: tuple[str, ...] | None = None) -> Any:
     """A dataclass field that is also a CLI flag (no default: the flag is required)."""
     return dataclasses.field(default=default, metadata={"help": help, "choices": choices})
 
@@ -74,9 +72,7 @@ def add_flags(parser: argparse.ArgumentParser, cls: type, skip: tuple[str, ...] 
 def from_args(cls: type, args: argparse.Namespace, **overrides: Any) -> Any:
     """Build ``cls`` from parsed flags (fields absent from ``args`` keep their defaults)."""
     values = {
-        f.name: getattr(args, f.name)
-        for f in dataclasses.fields(cls)
-        if hasattr(args, f.name)
+        f.name: getattr(args, f.name) for f in dataclasses.fields(cls) if hasattr(args, f.name)
     }
     values.update(overrides)
     return cls(**values)

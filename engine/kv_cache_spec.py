@@ -27,7 +27,9 @@ class KVCacheSpec:
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPE_SIZE_BYTES:
-            raise ValueError(f"unsupported KV dtype {self.dtype!r}; one of {list(DTYPE_SIZE_BYTES)}")
+            raise ValueError(
+                f"unsupported KV dtype {self.dtype!r}; one of {list(DTYPE_SIZE_BYTES)}"
+            )
 
     @property
     def block_shape(self) -> tuple[int, int, int, int, int]:

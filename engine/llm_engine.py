@@ -92,7 +92,9 @@ class LLMEngine:
             raise ValueError("prompt is empty")
         bad = next((t for t in prompt_token_ids if not 0 <= t < self.vocab_size), None)
         if bad is not None:
-            raise ValueError(f"token_ids: id {bad} is outside the vocabulary [0, {self.vocab_size})")
+            raise ValueError(
+                f"token_ids: id {bad} is outside the vocabulary [0, {self.vocab_size})"
+            )
         if len(prompt_token_ids) >= self.max_model_len:
             raise ValueError(
                 f"prompt has {len(prompt_token_ids)} tokens; the context is {self.max_model_len}"
@@ -180,7 +182,15 @@ class LLMEngine:
                 state.first_token_time_s = now
             if state.logprobs is not None and logprobs is not None:
                 state.logprobs.append(logprobs)
-            stop = state.detokenizer.update(request.output_token_ids[-1:])
+            # Like vLLM, the eos / stop token that ended a request adds no text.
+            stopped_by_token = request.req_id in finished_ids and isinstance(
+                request.stop_reason, int
+            )
+            stop = (
+                None
+                if stopped_by_token
+                else state.detokenizer.update([request.output_token_ids[-1]])
+            )
             if stop is not None and request.req_id not in finished_ids:
                 request.stop_reason = stop
                 self.scheduler.finish_requests([request.req_id], RequestStatus.FINISHED_STOPPED)
@@ -194,13 +204,14 @@ class LLMEngine:
         request = state.request
         finished = request.status.is_finished
         state.num_reported_tokens = request.num_output_tokens
+        delta_text = state.detokenizer.take_delta(finished)  # flushes the tail when finished
         return RequestOutput(
             req_id=request.req_id,
             prompt_token_ids=request.prompt_token_ids,
             token_ids=list(request.output_token_ids),
             new_token_ids=new_token_ids,
             text=state.detokenizer.output_text,
-            delta_text=state.detokenizer.take_delta(finished),
+            delta_text=delta_text,
             finished=finished,
             finish_reason=request.status.finish_reason,
             stop_reason=request.stop_reason,

@@ -116,6 +116,7 @@ class ModelRunner:
             if item.samples:
                 sample_idx.append(len(token_ids) - 1)
             if n == 1:
+                assert not prefills, "single-token items must precede prefill chunks"
                 decode_tables.append(item.block_ids)
                 decode_lens.append(start + 1)
             else:
@@ -133,10 +134,15 @@ class ModelRunner:
             [torch.arange(s, s + n, dtype=torch.long) for s, n in zip(starts, lens, strict=True)]
         )
         slot_blocks = torch.cat(
-            [t[torch.arange(s, s + n) // bs] for t, s, n in zip(block_ids, starts, lens, strict=True)]
+            [
+                t[torch.arange(s, s + n) // bs]
+                for t, s, n in zip(block_ids, starts, lens, strict=True)
+            ]
         )
         max_blocks = max((len(t) for t in decode_tables), default=0)
-        tables = torch.tensor([t + [0] * (max_blocks - len(t)) for t in decode_tables], dtype=torch.long)
+        tables = torch.tensor(
+            [t + [0] * (max_blocks - len(t)) for t in decode_tables], dtype=torch.long
+        )
         meta = AttentionMetadata(
             slot_block_ids=slot_blocks.to(self.device),
             slot_offsets=(positions % bs).to(self.device),

@@ -53,7 +53,7 @@ class KVLoad:
 
 @dataclass(slots=True)
 class SchedulerOutput:
-    """What one step computes, single-token decodes first."""
+    """What one step computes. Invariant: every single-token item precedes every longer one."""
 
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     preempted_req_ids: list[str] = field(default_factory=list)
@@ -161,13 +161,14 @@ class Scheduler:
                 i += 1
 
         if not out.preempted_req_ids:
-            budget = self._admit_waiting(budget, prefills, out.kv_loads)
+            admitted = self._admit_waiting(budget, out.kv_loads)
+            for item in admitted:
+                (decodes if item.num_new_tokens == 1 else prefills).append(item)
         out.scheduled = decodes + prefills
         return out
 
-    def _admit_waiting(
-        self, budget: int, prefills: list[ScheduledRequest], kv_loads: list[KVLoad]
-    ) -> int:
+    def _admit_waiting(self, budget: int, kv_loads: list[KVLoad]) -> list[ScheduledRequest]:
+        admitted: list[ScheduledRequest] = []
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
             hits = []
@@ -187,9 +188,9 @@ class Scheduler:
                 request.num_cached_tokens = request.num_computed_tokens
             request.status = RequestStatus.RUNNING
             self.running.append(request)
-            prefills.append(self._scheduled(request, num_new))
+            admitted.append(self._scheduled(request, num_new))
             budget -= num_new
-        return budget
+        return admitted
 
     def _start_remote_kv(self, request: Request, hits: list, kv_loads: list[KVLoad]) -> bool:
         num_hit_tokens = min(len(hits) * self.block_size, request.num_external_tokens)

@@ -53,8 +53,13 @@ class Tokenizer:
         if self.chat_template is None and template_file.is_file():
             self.chat_template = template_file.read_text()
         eos_ids = generation.get("eos_token_id")
-        ids = set(eos_ids if isinstance(eos_ids, list) else [eos_ids] if eos_ids is not None else [])
-        if self.eos_token is not None and (eos := self.backend.token_to_id(self.eos_token)) is not None:
+        ids = set(
+            eos_ids if isinstance(eos_ids, list) else [eos_ids] if eos_ids is not None else []
+        )
+        if (
+            self.eos_token is not None
+            and (eos := self.backend.token_to_id(self.eos_token)) is not None
+        ):
             ids.add(eos)
         self.eos_token_ids = frozenset(ids)
         self.bos_token_id = (

@@ -15,7 +15,8 @@ def build_parser() -> argparse.ArgumentParser:
         prog="splitserve", description="Disaggregated prefill/decode LLM serving."
     )
     parser.add_argument(
-        "--log-level", default=os.environ.get("SPLITSERVE_LOG_LEVEL", "WARNING"),
+        "--log-level",
+        default=os.environ.get("SPLITSERVE_LOG_LEVEL", "WARNING"),
         help="logging level [env SPLITSERVE_LOG_LEVEL]",
     )
     subparsers = parser.add_subparsers(dest="command", required=True)

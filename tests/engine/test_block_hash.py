@@ -38,7 +38,9 @@ def test_prefix_and_extra_key_sensitivity():
     a = hash_block_tokens(list(range(32)), 16)
     b = hash_block_tokens([0, *range(1, 16), 99, *range(17, 32)], 16)
     assert a[0] == b[0] and a[1] != b[1]
-    assert hash_block_tokens(list(range(16)), 16, "x") != hash_block_tokens(list(range(16)), 16, "y")
+    assert hash_block_tokens(list(range(16)), 16, "x") != hash_block_tokens(
+        list(range(16)), 16, "y"
+    )
 
 
 def test_hashes_are_identical_in_another_process_and_module_is_torch_free():

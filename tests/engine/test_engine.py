@@ -37,8 +37,11 @@ def run_checked(engine: LLMEngine) -> dict[str, list[int]]:
 def test_integrity_holds_after_every_step(tiny_llama_dir):
     engine = LLMEngine(
         EngineConfig(
-            model=str(tiny_llama_dir), dtype="float32", num_kv_blocks=20,
-            max_num_batched_tokens=40, max_num_seqs=4,
+            model=str(tiny_llama_dir),
+            dtype="float32",
+            num_kv_blocks=20,
+            max_num_batched_tokens=40,
+            max_num_seqs=4,
         )
     )
     for i in range(10):
@@ -90,7 +93,9 @@ def test_seeded_sampling_reproducible_across_runs_and_batches(llm):
     again = llm.generate([target], params)[0].token_ids
     others = [random_prompt(n, seed=n) for n in (3, 30, 45)]
     other_params = SamplingParams(temperature=1.0, max_tokens=12)
-    mixed = llm.generate([others[0], target, *others[1:]], [other_params, params, *[other_params] * 2])
+    mixed = llm.generate(
+        [others[0], target, *others[1:]], [other_params, params, *[other_params] * 2]
+    )
     last = llm.generate([*others, target], [other_params] * 3 + [params])
     assert alone == again == mixed[1].token_ids == last[3].token_ids
 
