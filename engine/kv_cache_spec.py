@@ -13,7 +13,7 @@ DTYPE_SIZE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 class KVCacheSpec:
     """Layout of one engine's KV cache.
 
-    The cache is one tensor ``[num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]``
+    The cache is one tensor ``[num_blocks, num_layers, 2, num_kv_heads, block_size, head_dim]``
     so a block is a single contiguous region across all layers: one transfer descriptor per
     block. Two engines may exchange blocks only if their ``compat_hash()`` values are equal.
     Torch-free so the router and the transfer layer can check compatibility cheaply.
@@ -33,8 +33,8 @@ class KVCacheSpec:
 
     @property
     def block_shape(self) -> tuple[int, int, int, int, int]:
-        """Shape of one block: ``[num_layers, 2, block_size, num_kv_heads, head_dim]``."""
-        return (self.num_layers, 2, self.block_size, self.num_kv_heads, self.head_dim)
+        """Shape of one block: ``[num_layers, 2, num_kv_heads, block_size, head_dim]``."""
+        return (self.num_layers, 2, self.num_kv_heads, self.block_size, self.head_dim)
 
     @property
     def block_bytes(self) -> int:

@@ -10,7 +10,13 @@ import torch
 
 from engine.kv_cache_spec import KVCacheSpec
 from engine.loader.hf import load_model
-from engine.model.attention import AttentionMetadata, PrefillSeq, causal_mask, decode_mask
+from engine.model.attention import (
+    AttentionMetadata,
+    PagedKVCache,
+    PrefillSeq,
+    causal_mask,
+    decode_bias,
+)
 from engine.model.config import ModelConfig
 from engine.model.rotary import RotaryEmbedding
 from engine.scheduler import ScheduledRequest
@@ -23,8 +29,8 @@ TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16":
 class ModelRunner:
     """Runs forward passes of one model over its KV cache.
 
-    The cache is one tensor ``[num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]``
-    (a block is contiguous across layers, for transfer); layers see strided per-layer views.
+    The cache is one tensor ``[num_blocks, num_layers, 2, num_kv_heads, block_size, head_dim]``
+    (a block is contiguous across layers, for transfer); see ``PagedKVCache``.
     """
 
     def __init__(
@@ -55,8 +61,7 @@ class ModelRunner:
         self.kv_cache = torch.zeros(
             (self.num_kv_blocks, *self.kv_cache_spec.block_shape), dtype=self.dtype, device=device
         )
-        self.key_caches = [self.kv_cache[:, i, 0] for i in range(config.num_layers)]
-        self.value_caches = [self.kv_cache[:, i, 1] for i in range(config.num_layers)]
+        self.cache = PagedKVCache(self.kv_cache)
         self.rope = RotaryEmbedding(config, self.max_model_len, self.dtype, device)
         logger.info(
             "KV cache: %d blocks x %d tokens (%.2f GiB)",
@@ -85,21 +90,22 @@ class ModelRunner:
         Rows follow ``scheduled`` order, one per request whose step ends at its last token.
         Side effect: the tokens' K/V are written into the cache.
         """
-        input_ids, positions, meta, sample_idx = self._prepare(scheduled)
-        hidden = self.model(
-            input_ids, positions, self.rope, meta, self.key_caches, self.value_caches
-        )
+        input_ids, meta, sample_idx = self._prepare(scheduled)
+        hidden = self.model(input_ids, meta, self.cache)
         return self.model.compute_logits(hidden[sample_idx])
 
     def _prepare(
         self, scheduled: Sequence[ScheduledRequest]
-    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
+    ) -> tuple[torch.Tensor, AttentionMetadata, torch.Tensor]:
+        """Flatten the step into token ids, positions, cache indices and attention masks.
+
+        Built on the CPU with a handful of tensor ops per request, then moved to the device.
+        """
         bs = self.block_size
         window = self.model_config.sliding_window
         token_ids: list[int] = []
-        block_ids: list[torch.Tensor] = []
-        starts: list[int] = []
-        lens: list[int] = []
+        positions: list[int] = []
+        slot_blocks: list[int] = []
         sample_idx: list[int] = []
         decode_tables: list[list[int]] = []
         decode_lens: list[int] = []
@@ -107,57 +113,51 @@ class ModelRunner:
         for item in scheduled:
             request = item.request
             start, n = request.num_computed_tokens, item.num_new_tokens
-            token_ids.extend(request.all_token_ids[start : start + n])
-            table = torch.tensor(item.block_ids, dtype=torch.long)
-            block_ids.append(table)
-            q_start = len(token_ids) - n
-            starts.append(start)
-            lens.append(n)
+            end = start + n
+            q_start = len(token_ids)
+            token_ids.extend(request.all_token_ids[start:end])
+            positions.extend(range(start, end))
+            blocks = item.block_ids
+            slot_blocks.extend(blocks[p // bs] for p in range(start, end))
             if item.samples:
                 sample_idx.append(len(token_ids) - 1)
             if n == 1:
                 assert not prefills, "single-token items must precede prefill chunks"
-                decode_tables.append(item.block_ids)
-                decode_lens.append(start + 1)
-            else:
-                context = start + n
-                prefills.append(
-                    PrefillSeq(
-                        q_start=q_start,
-                        q_len=n,
-                        num_context_tokens=context,
-                        block_ids=table[: -(-context // bs)].to(self.device),
-                        mask=causal_mask(n, context, window, self.device),
-                    )
+                decode_tables.append(blocks)
+                decode_lens.append(end)
+                continue
+            table = torch.tensor(blocks[: -(-end // bs)], dtype=torch.long)
+            prefills.append(
+                PrefillSeq(
+                    q_start=q_start,
+                    q_len=n,
+                    num_context_tokens=end,
+                    tile_rows=self.cache.tile_rows(table[None, :]).to(self.device),
+                    mask=causal_mask(n, end, window, self.device),
                 )
-        positions = torch.cat(
-            [torch.arange(s, s + n, dtype=torch.long) for s, n in zip(starts, lens, strict=True)]
-        )
-        slot_blocks = torch.cat(
-            [
-                t[torch.arange(s, s + n) // bs]
-                for t, s, n in zip(block_ids, starts, lens, strict=True)
-            ]
-        )
+            )
+        pos = torch.tensor(positions, dtype=torch.long)
         max_blocks = max((len(t) for t in decode_tables), default=0)
         tables = torch.tensor(
             [t + [0] * (max_blocks - len(t)) for t in decode_tables], dtype=torch.long
-        )
+        ).view(len(decode_tables), max_blocks)
+        cos, sin = self.rope.cos_sin(pos.to(self.device))
         meta = AttentionMetadata(
-            slot_block_ids=slot_blocks.to(self.device),
-            slot_offsets=(positions % bs).to(self.device),
+            slot_rows=self.cache.slot_rows(torch.tensor(slot_blocks), pos % bs).to(self.device),
             num_decode_tokens=len(decode_tables),
-            decode_block_tables=tables.to(self.device),
-            decode_mask=decode_mask(
+            decode_tile_rows=self.cache.tile_rows(tables).to(self.device),
+            decode_bias=decode_bias(
                 torch.tensor(decode_lens, dtype=torch.long, device=self.device),
                 max_blocks * bs,
                 window,
+                self.dtype,
             ),
             prefills=tuple(prefills),
+            cos=cos,
+            sin=sin,
         )
         return (
             torch.tensor(token_ids, dtype=torch.long, device=self.device),
-            positions.to(self.device),
             meta,
             torch.tensor(sample_idx, dtype=torch.long, device=self.device),
         )

@@ -6,8 +6,9 @@ The batch is flattened to ``T`` tokens, single-token decodes first::
     |<-- num_decode_tokens -->|  q_start(A)                  q_start(B)
 
 Each layer first writes the new tokens' K/V into their cache slots, then
-- decodes run as one batched SDPA over K/V gathered through padded block tables (the query
-  heads sharing a KV head are folded into the query-length axis, so GQA needs no K/V copy);
+- decodes run as two batched matmuls over K/V gathered through padded block tables (the query
+  heads sharing a KV head form the rows of one matmul, so GQA needs no K/V copy); the score
+  math follows Hugging Face's eager attention (matmul, scale, mask, float32 softmax);
 - each prefill chunk runs SDPA (FlashAttention on CUDA) over its own context: the new tokens
   alone with ``is_causal`` when nothing was cached before them, else cached + new tokens with an
   explicit bottom-right causal mask.
@@ -21,6 +22,57 @@ import torch
 import torch.nn.functional as F
 
 
+class PagedKVCache:
+    """Layer-indexed reads and writes of the engine's KV tensor.
+
+    The tensor is ``[num_blocks, num_layers, 2, num_kv_heads, block_size, head_dim]``: a block
+    is contiguous across layers (one transfer descriptor), and inside a layer the tokens of one
+    KV head are contiguous, so a gather of whole ``[block_size, head_dim]`` tiles yields
+    ``[seqs, kv_heads, tokens, head_dim]`` without a transpose. Indices are precomputed once
+    per step for layer 0 / keys and shifted by a constant per layer and for values.
+    """
+
+    def __init__(self, kv_cache: torch.Tensor) -> None:
+        _, num_layers, _, num_kv_heads, block_size, head_dim = kv_cache.shape
+        self.tensor = kv_cache
+        self.num_layers = num_layers
+        self.num_kv_heads = num_kv_heads
+        self.block_size = block_size
+        self.head_dim = head_dim
+        self._slots = kv_cache.view(-1, head_dim)  # one row per (block, layer, k|v, head, slot)
+        self._tiles = kv_cache.view(-1, block_size, head_dim)  # per (block, layer, k|v, head)
+
+    def slot_rows(self, block_ids: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+        """[T, KVH] rows of layer 0's key slots for tokens at (block, offset)."""
+        heads = torch.arange(self.num_kv_heads, device=block_ids.device) * self.block_size
+        per_block = self.num_layers * 2 * self.num_kv_heads * self.block_size
+        return (block_ids * per_block + offsets)[:, None] + heads[None, :]
+
+    def tile_rows(self, block_tables: torch.Tensor) -> torch.Tensor:
+        """[B, KVH, num_blocks] rows of layer 0's key tiles for block tables [B, num_blocks]."""
+        heads = torch.arange(self.num_kv_heads, device=block_tables.device)
+        per_block = self.num_layers * 2 * self.num_kv_heads
+        return block_tables[:, None, :] * per_block + heads[None, :, None]
+
+    def write(self, layer: int, slot_rows: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store new tokens' ``k``/``v`` [T, KVH, D] at ``slot_rows`` (from ``slot_rows``)."""
+        key_rows = (slot_rows + layer * 2 * self.num_kv_heads * self.block_size).flatten()
+        self._slots.index_copy_(0, key_rows, k.reshape(-1, self.head_dim))
+        value_rows = key_rows + self.num_kv_heads * self.block_size
+        self._slots.index_copy_(0, value_rows, v.reshape(-1, self.head_dim))
+
+    def gather(
+        self, layer: int, tile_rows: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values [B, KVH, num_blocks * block_size, D] of ``tile_rows`` [B, KVH, nb]."""
+        b, kvh, nb = tile_rows.shape
+        key_rows = (tile_rows + layer * 2 * kvh).flatten()
+        shape = (b, kvh, nb * self.block_size, self.head_dim)
+        keys = self._tiles.index_select(0, key_rows).view(shape)
+        values = self._tiles.index_select(0, key_rows + kvh).view(shape)
+        return keys, values
+
+
 @dataclass(frozen=True, slots=True)
 class PrefillSeq:
     """A chunk of ``q_len`` new tokens whose context holds ``num_context_tokens`` tokens."""
@@ -28,7 +80,7 @@ class PrefillSeq:
     q_start: int
     q_len: int
     num_context_tokens: int
-    block_ids: torch.Tensor  # [ceil(num_context_tokens / block_size)] long
+    tile_rows: torch.Tensor  # [1, KVH, ceil(num_context_tokens / block_size)]
     mask: torch.Tensor | None  # [q_len, num_context_tokens] bool, True = attend; None = causal
 
 
@@ -36,12 +88,13 @@ class PrefillSeq:
 class AttentionMetadata:
     """Per-step inputs shared by every layer."""
 
-    slot_block_ids: torch.Tensor  # [T] long: cache block of each new token
-    slot_offsets: torch.Tensor  # [T] long: position inside that block
+    slot_rows: torch.Tensor  # [T, KVH] cache rows of the new tokens (layer 0, keys)
     num_decode_tokens: int
-    decode_block_tables: torch.Tensor  # [num_decode_tokens, max_blocks] long (padded)
-    decode_mask: torch.Tensor  # [num_decode_tokens, 1, 1, max_blocks * block_size] bool
+    decode_tile_rows: torch.Tensor  # [num_decode_tokens, KVH, max_blocks]
+    decode_bias: torch.Tensor  # [num_decode_tokens, 1, 1, max_blocks * block_size]: 0 | -inf
     prefills: tuple[PrefillSeq, ...]
+    cos: torch.Tensor  # [T, 1, D/2] rotary tables at the tokens' positions
+    sin: torch.Tensor
 
 
 def causal_mask(
@@ -58,80 +111,74 @@ def causal_mask(
     return mask
 
 
-def decode_mask(
-    context_lens: torch.Tensor, max_len: int, sliding_window: int | None
+def decode_bias(
+    context_lens: torch.Tensor, max_len: int, sliding_window: int | None, dtype: torch.dtype
 ) -> torch.Tensor:
-    """[B, 1, 1, max_len] mask of the valid (and in-window) context of each decode query."""
+    """[B, 1, 1, max_len] additive mask: 0 on each decode query's valid (in-window) context."""
     k_pos = torch.arange(max_len, device=context_lens.device)[None, :]
     lens = context_lens[:, None]
-    mask = k_pos < lens
+    valid = k_pos < lens
     if sliding_window is not None:
-        mask &= (lens - 1) - k_pos < sliding_window
-    return mask[:, None, None, :]
+        valid &= (lens - 1) - k_pos < sliding_window
+    bias = torch.zeros(valid.shape, dtype=dtype, device=context_lens.device)
+    return bias.masked_fill_(~valid, float("-inf"))[:, None, None, :]
 
 
 def paged_attention(
+    layer: int,
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
+    cache: PagedKVCache,
     meta: AttentionMetadata,
 ) -> torch.Tensor:
     """Attention output [T, H, D] for queries ``q`` [T, H, D] and new ``k``/``v`` [T, KVH, D].
 
-    Side effect: writes ``k``/``v`` into ``key_cache``/``value_cache`` ([num_blocks, block_size,
-    KVH, D] per-layer views of the engine's cache) at the tokens' slots.
+    Side effect: writes ``k``/``v`` into the cache at the tokens' slots.
     """
-    key_cache[meta.slot_block_ids, meta.slot_offsets] = k
-    value_cache[meta.slot_block_ids, meta.slot_offsets] = v
+    cache.write(layer, meta.slot_rows, k, v)
     num_decode = meta.num_decode_tokens
-    if num_decode == q.shape[0] and not meta.prefills:
-        return _decode(q, key_cache, value_cache, meta)
+    if not meta.prefills:
+        return _decode(layer, q, cache, meta)
     out = torch.empty_like(q)
     if num_decode:
-        out[:num_decode] = _decode(q[:num_decode], key_cache, value_cache, meta)
+        out[:num_decode] = _decode(layer, q[:num_decode], cache, meta)
     for seq in meta.prefills:
-        end = seq.q_start + seq.q_len
-        out[seq.q_start : end] = _prefill(q, k, v, key_cache, value_cache, seq)
+        out[seq.q_start : seq.q_start + seq.q_len] = _prefill(layer, q, k, v, cache, seq)
     return out
 
 
 def _decode(
-    q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, meta: AttentionMetadata
+    layer: int, q: torch.Tensor, cache: PagedKVCache, meta: AttentionMetadata
 ) -> torch.Tensor:
     num_seqs, num_heads, head_dim = q.shape
-    num_kv_heads = key_cache.shape[2]
-    group = num_heads // num_kv_heads
-    # [B, KVH, G, D]: the G query heads of one KV head act as G query positions.
-    qg = q.view(num_seqs, num_kv_heads, group, head_dim)
-    keys = key_cache[meta.decode_block_tables].flatten(1, 2).transpose(1, 2)  # [B, KVH, L, D]
-    values = value_cache[meta.decode_block_tables].flatten(1, 2).transpose(1, 2)
-    out = F.scaled_dot_product_attention(qg, keys, values, attn_mask=meta.decode_mask)
-    return out.reshape(num_seqs, num_heads, head_dim)
+    group = num_heads // cache.num_kv_heads
+    keys, values = cache.gather(layer, meta.decode_tile_rows)  # [B, KVH, L, D]
+    qg = q.view(num_seqs, cache.num_kv_heads, group, head_dim)  # [B, KVH, G, D]
+    scores = torch.matmul(qg, keys.transpose(-1, -2)).mul_(head_dim**-0.5)
+    scores.add_(meta.decode_bias)
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    return torch.matmul(probs, values).view(num_seqs, num_heads, head_dim)
 
 
 def _prefill(
+    layer: int,
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
+    cache: PagedKVCache,
     seq: PrefillSeq,
 ) -> torch.Tensor:
     end = seq.q_start + seq.q_len
     qs = q[seq.q_start : end].transpose(0, 1).unsqueeze(0)  # [1, H, q_len, D]
     if seq.num_context_tokens == seq.q_len:
-        keys, values = k[seq.q_start : end], v[seq.q_start : end]
+        keys = k[seq.q_start : end].transpose(0, 1).unsqueeze(0)  # [1, KVH, q_len, D]
+        values = v[seq.q_start : end].transpose(0, 1).unsqueeze(0)
     else:
-        keys = key_cache[seq.block_ids].flatten(0, 1)[: seq.num_context_tokens]
-        values = value_cache[seq.block_ids].flatten(0, 1)[: seq.num_context_tokens]
+        keys, values = cache.gather(layer, seq.tile_rows)
+        keys = keys[:, :, : seq.num_context_tokens]
+        values = values[:, :, : seq.num_context_tokens]
     out = F.scaled_dot_product_attention(
-        qs,
-        keys.transpose(0, 1).unsqueeze(0),
-        values.transpose(0, 1).unsqueeze(0),
-        attn_mask=seq.mask,
-        is_causal=seq.mask is None,
-        enable_gqa=True,
+        qs, keys, values, attn_mask=seq.mask, is_causal=seq.mask is None, enable_gqa=True
     )
     return out[0].transpose(0, 1)

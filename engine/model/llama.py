@@ -11,9 +11,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.model.attention import AttentionMetadata, paged_attention
+from engine.model.attention import AttentionMetadata, PagedKVCache, paged_attention
 from engine.model.config import ModelConfig
-from engine.model.rotary import RotaryEmbedding
+from engine.model.rotary import apply_rotary
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -24,8 +24,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 class Attention(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, layer: int) -> None:
         super().__init__()
+        self.layer = layer
         self.num_heads = config.num_heads
         self.num_kv_heads = config.num_kv_heads
         self.head_dim = config.head_dim
@@ -37,21 +38,15 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False)
 
     def forward(
-        self,
-        hidden: torch.Tensor,
-        positions: torch.Tensor,
-        rope: RotaryEmbedding,
-        meta: AttentionMetadata,
-        key_cache: torch.Tensor,
-        value_cache: torch.Tensor,
+        self, hidden: torch.Tensor, meta: AttentionMetadata, cache: PagedKVCache
     ) -> torch.Tensor:
         num_tokens = hidden.shape[0]
         q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(num_tokens, self.num_heads, self.head_dim)
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
-        q, k = rope(positions, q, k)
-        out = paged_attention(q, k, v, key_cache, value_cache, meta)
+        q, k = apply_rotary(q, k, meta.cos, meta.sin)
+        out = paged_attention(self.layer, q, k, v, cache, meta)
         return self.o_proj(out.reshape(num_tokens, self.q_size))
 
 
@@ -67,25 +62,19 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, layer: int) -> None:
         super().__init__()
         self.eps = config.rms_norm_eps
         self.input_layernorm = nn.Parameter(torch.empty(config.hidden_size))
         self.post_attention_layernorm = nn.Parameter(torch.empty(config.hidden_size))
-        self.self_attn = Attention(config)
+        self.self_attn = Attention(config, layer)
         self.mlp = MLP(config)
 
     def forward(
-        self,
-        hidden: torch.Tensor,
-        positions: torch.Tensor,
-        rope: RotaryEmbedding,
-        meta: AttentionMetadata,
-        key_cache: torch.Tensor,
-        value_cache: torch.Tensor,
+        self, hidden: torch.Tensor, meta: AttentionMetadata, cache: PagedKVCache
     ) -> torch.Tensor:
         attn_in = rms_norm(hidden, self.input_layernorm, self.eps)
-        hidden = hidden + self.self_attn(attn_in, positions, rope, meta, key_cache, value_cache)
+        hidden = hidden + self.self_attn(attn_in, meta, cache)
         mlp_in = rms_norm(hidden, self.post_attention_layernorm, self.eps)
         return hidden + self.mlp(mlp_in)
 
@@ -94,7 +83,7 @@ class LlamaModel(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_layers))
         self.norm = nn.Parameter(torch.empty(config.hidden_size))
 
 
@@ -111,20 +100,12 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
 
     def forward(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        rope: RotaryEmbedding,
-        meta: AttentionMetadata,
-        key_caches: list[torch.Tensor],
-        value_caches: list[torch.Tensor],
+        self, input_ids: torch.Tensor, meta: AttentionMetadata, cache: PagedKVCache
     ) -> torch.Tensor:
         """Final hidden states [T, hidden] of the batch's new tokens; fills their KV slots."""
         hidden = self.model.embed_tokens(input_ids)
-        for layer, key_cache, value_cache in zip(
-            self.model.layers, key_caches, value_caches, strict=True
-        ):
-            hidden = layer(hidden, positions, rope, meta, key_cache, value_cache)
+        for layer in self.model.layers:
+            hidden = layer(hidden, meta, cache)
         return hidden
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
