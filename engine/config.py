@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from engine.flags import flag
 
 DTYPES = ("float32", "bfloat16", "float16")
+ATTENTION_BACKENDS = ("auto", "torch", "cpp")
 
 
 @dataclass(frozen=True, slots=True)
@@ -27,6 +28,12 @@ class EngineConfig:
     enable_prefix_caching: bool = flag(True, "reuse KV blocks of shared prompt prefixes")
     seed: int = flag(0, "seed of the shared sampling generator")
     num_threads: int | None = flag(None, "torch CPU threads (default: all cores)")
+    attention_backend: str = flag(
+        "auto",
+        "decode attention: cpp (compiled CPU kernel), torch (reference path), "
+        "auto (cpp on CPU when it builds, else torch)",
+        choices=ATTENTION_BACKENDS,
+    )
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:

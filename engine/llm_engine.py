@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.config import EngineConfig
+from engine.cpu_tuning import keep_freed_memory_in_heap
 from engine.detokenizer import IncrementalDetokenizer
 from engine.kv_cache_manager import KVCacheManager
 from engine.loader.models import resolve_model
@@ -54,6 +55,8 @@ class LLMEngine:
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         self.device = resolve_device(config.device)
+        if self.device.type == "cpu":
+            keep_freed_memory_in_heap()
         if config.dtype == "float16" and self.device.type == "cpu":
             logger.warning("float16 matmuls are very slow on CPU; prefer bfloat16")
         self.model_dir = resolve_model(config.model)
@@ -66,6 +69,7 @@ class LLMEngine:
             config.max_model_len,
             config.num_kv_blocks,
             config.kv_cache_memory_gb,
+            config.attention_backend,
         )
         self.max_model_len = self.runner.max_model_len
         self.kv_cache_manager = KVCacheManager(

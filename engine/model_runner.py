@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 from pathlib import Path
+from types import ModuleType
 
 import torch
 
@@ -12,12 +13,14 @@ from engine.kv_cache_spec import KVCacheSpec
 from engine.loader.hf import load_model
 from engine.model.attention import (
     AttentionMetadata,
+    DecodeInputs,
     PagedKVCache,
     PrefillSeq,
     causal_mask,
     decode_bias,
 )
 from engine.model.config import ModelConfig
+from engine.model.cpu_kernels import PAGED_DECODE_SHAPES, load_paged_decode
 from engine.model.rotary import RotaryEmbedding
 from engine.scheduler import ScheduledRequest
 
@@ -42,6 +45,7 @@ class ModelRunner:
         max_model_len: int | None,
         num_kv_blocks: int | None,
         kv_cache_memory_gb: float | None,
+        attention_backend: str,
     ) -> None:
         self.device = device
         self.dtype = TORCH_DTYPES[dtype]
@@ -63,6 +67,7 @@ class ModelRunner:
         )
         self.cache = PagedKVCache(self.kv_cache)
         self.rope = RotaryEmbedding(config, self.max_model_len, self.dtype, device)
+        self.decode_kernel = self._select_decode_kernel(attention_backend)
         logger.info(
             "KV cache: %d blocks x %d tokens (%.2f GiB)",
             self.num_kv_blocks,
@@ -73,6 +78,17 @@ class ModelRunner:
     @property
     def config(self) -> ModelConfig:
         return self.model_config
+
+    def _select_decode_kernel(self, backend: str) -> ModuleType | None:
+        if backend == "torch" or self.device.type != "cpu":
+            return None
+        shape = (self.model_config.head_dim, self.block_size)
+        kernel = load_paged_decode() if shape in PAGED_DECODE_SHAPES else None
+        if kernel is None and backend == "cpp":
+            raise RuntimeError(
+                f"attention_backend=cpp: no CPU kernel for (head_dim, block_size) {shape}"
+            )
+        return kernel
 
     def _blocks_for_memory(self, memory_gb: float | None) -> int:
         if memory_gb is None:
@@ -137,21 +153,11 @@ class ModelRunner:
                 )
             )
         pos = torch.tensor(positions, dtype=torch.long)
-        max_blocks = max((len(t) for t in decode_tables), default=0)
-        tables = torch.tensor(
-            [t + [0] * (max_blocks - len(t)) for t in decode_tables], dtype=torch.long
-        ).view(len(decode_tables), max_blocks)
         cos, sin = self.rope.cos_sin(pos.to(self.device))
         meta = AttentionMetadata(
             slot_rows=self.cache.slot_rows(torch.tensor(slot_blocks), pos % bs).to(self.device),
             num_decode_tokens=len(decode_tables),
-            decode_tile_rows=self.cache.tile_rows(tables).to(self.device),
-            decode_bias=decode_bias(
-                torch.tensor(decode_lens, dtype=torch.long, device=self.device),
-                max_blocks * bs,
-                window,
-                self.dtype,
-            ),
+            decode=self._decode_inputs(decode_tables, decode_lens),
             prefills=tuple(prefills),
             cos=cos,
             sin=sin,
@@ -160,4 +166,23 @@ class ModelRunner:
             torch.tensor(token_ids, dtype=torch.long, device=self.device),
             meta,
             torch.tensor(sample_idx, dtype=torch.long, device=self.device),
+        )
+
+    def _decode_inputs(self, tables: list[list[int]], context_lens: list[int]) -> DecodeInputs:
+        max_blocks = max((len(t) for t in tables), default=0)
+        padded = torch.tensor(
+            [t + [0] * (max_blocks - len(t)) for t in tables], dtype=torch.long
+        ).view(len(tables), max_blocks)
+        lens = torch.tensor(context_lens, dtype=torch.long)
+        window = self.model_config.sliding_window
+        if self.decode_kernel is not None:
+            return DecodeInputs(padded, lens, None, None, self.decode_kernel, window)
+        lens = lens.to(self.device)
+        return DecodeInputs(
+            block_tables=padded.to(self.device),
+            context_lens=lens,
+            tile_rows=self.cache.tile_rows(padded).to(self.device),
+            bias=decode_bias(lens, max_blocks * self.block_size, window, self.dtype),
+            kernel=None,
+            sliding_window=window,
         )

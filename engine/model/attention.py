@@ -6,9 +6,11 @@ The batch is flattened to ``T`` tokens, single-token decodes first::
     |<-- num_decode_tokens -->|  q_start(A)                  q_start(B)
 
 Each layer first writes the new tokens' K/V into their cache slots, then
-- decodes run as two batched matmuls over K/V gathered through padded block tables (the query
-  heads sharing a KV head form the rows of one matmul, so GQA needs no K/V copy); the score
-  math follows Hugging Face's eager attention (matmul, scale, mask, float32 softmax);
+- decodes run either in the compiled CPU kernel (``cpu_kernels``: K/V read in place, online
+  softmax in float32) or, as the reference path, as two batched matmuls over K/V gathered
+  through padded block tables (the query heads sharing a KV head form the rows of one matmul,
+  so GQA needs no K/V copy) with Hugging Face's eager score math (matmul, scale, mask, float32
+  softmax);
 - each prefill chunk runs SDPA (FlashAttention on CUDA) over its own context: the new tokens
   alone with ``is_causal`` when nothing was cached before them, else cached + new tokens with an
   explicit bottom-right causal mask.
@@ -17,6 +19,7 @@ Each layer first writes the new tokens' K/V into their cache slots, then
 from __future__ import annotations
 
 from dataclasses import dataclass
+from types import ModuleType
 
 import torch
 import torch.nn.functional as F
@@ -61,9 +64,7 @@ class PagedKVCache:
         value_rows = key_rows + self.num_kv_heads * self.block_size
         self._slots.index_copy_(0, value_rows, v.reshape(-1, self.head_dim))
 
-    def gather(
-        self, layer: int, tile_rows: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    def gather(self, layer: int, tile_rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values [B, KVH, num_blocks * block_size, D] of ``tile_rows`` [B, KVH, nb]."""
         b, kvh, nb = tile_rows.shape
         key_rows = (tile_rows + layer * 2 * kvh).flatten()
@@ -85,13 +86,24 @@ class PrefillSeq:
 
 
 @dataclass(frozen=True, slots=True)
+class DecodeInputs:
+    """The decode rows of a step, in the form the selected decode backend reads."""
+
+    block_tables: torch.Tensor  # [B, max_blocks] long, padded with block 0
+    context_lens: torch.Tensor  # [B] long
+    tile_rows: torch.Tensor | None  # torch path: [B, KVH, max_blocks]
+    bias: torch.Tensor | None  # torch path: [B, 1, 1, max_blocks * block_size], 0 | -inf
+    kernel: ModuleType | None  # compiled CPU kernel (``cpu_kernels``), else the torch path
+    sliding_window: int | None
+
+
+@dataclass(frozen=True, slots=True)
 class AttentionMetadata:
     """Per-step inputs shared by every layer."""
 
     slot_rows: torch.Tensor  # [T, KVH] cache rows of the new tokens (layer 0, keys)
     num_decode_tokens: int
-    decode_tile_rows: torch.Tensor  # [num_decode_tokens, KVH, max_blocks]
-    decode_bias: torch.Tensor  # [num_decode_tokens, 1, 1, max_blocks * block_size]: 0 | -inf
+    decode: DecodeInputs
     prefills: tuple[PrefillSeq, ...]
     cos: torch.Tensor  # [T, 1, D/2] rotary tables at the tokens' positions
     sin: torch.Tensor
@@ -151,12 +163,23 @@ def paged_attention(
 def _decode(
     layer: int, q: torch.Tensor, cache: PagedKVCache, meta: AttentionMetadata
 ) -> torch.Tensor:
+    inputs = meta.decode
     num_seqs, num_heads, head_dim = q.shape
+    if inputs.kernel is not None:
+        return inputs.kernel.paged_decode(
+            q.contiguous(),
+            cache.tensor,
+            inputs.block_tables,
+            inputs.context_lens,
+            layer,
+            head_dim**-0.5,
+            inputs.sliding_window or -1,
+        )
     group = num_heads // cache.num_kv_heads
-    keys, values = cache.gather(layer, meta.decode_tile_rows)  # [B, KVH, L, D]
+    keys, values = cache.gather(layer, inputs.tile_rows)  # [B, KVH, L, D]
     qg = q.view(num_seqs, cache.num_kv_heads, group, head_dim)  # [B, KVH, G, D]
     scores = torch.matmul(qg, keys.transpose(-1, -2)).mul_(head_dim**-0.5)
-    scores.add_(meta.decode_bias)
+    scores.add_(inputs.bias)
     probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
     return torch.matmul(probs, values).view(num_seqs, num_heads, head_dim)
 

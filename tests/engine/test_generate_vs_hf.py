@@ -86,3 +86,12 @@ def test_bfloat16_runs_and_mostly_agrees(arch_case):
     got = [o.token_ids for o in llm.generate(prompts, GREEDY)]
     agree = sum(g[:2] == e[:2] for g, e in zip(got, expected, strict=True))
     assert agree >= len(prompts) - 1
+
+
+@pytest.mark.parametrize("backend", ["torch", "auto"])
+def test_both_decode_backends_match_hf(arch_case, backend):
+    """The pure-torch reference path and the default (compiled kernel on CPU) both match."""
+    model_dir, _, prompts, expected = arch_case
+    llm = LLM(str(model_dir), dtype="float32", num_kv_blocks=256, attention_backend=backend)
+    got = [o.token_ids for o in llm.generate(prompts, GREEDY)]
+    assert got == expected

@@ -1,0 +1,160 @@
+// Paged-attention decode for CPU: one query token per sequence, K/V read in place through the
+// block tables (no gather copy), online softmax in float32.
+// Cache layout: [num_blocks, num_layers, 2, num_kv_heads, block_size, head_dim].
+//
+// Per (sequence, KV head) task, per block: the [block_size, head_dim] K and V tiles are
+// widened to float once, then shared by the query heads of that KV head (GQA).
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+
+namespace {
+
+constexpr int64_t kMaxGroup = 16;  // query heads per KV head
+
+template <typename T>
+inline void widen(const T* src, float* dst, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<float>(src[i]);
+}
+
+template <>
+inline void widen<at::BFloat16>(const at::BFloat16* src, float* dst, int64_t n) {
+  const uint16_t* s = reinterpret_cast<const uint16_t*>(src);
+  for (int64_t i = 0; i < n; ++i) {
+    const uint32_t bits = static_cast<uint32_t>(s[i]) << 16;
+    std::memcpy(dst + i, &bits, sizeof(float));
+  }
+}
+
+template <typename T, int64_t dim, int64_t bs>
+void decode_one(const T* q, const T* cache, const int64_t* table, int64_t ctx, int64_t start,
+                int64_t head_offset, int64_t block_stride, int64_t kv_stride, int64_t group,
+                float scale, T* out) {
+  alignas(64) float qf[kMaxGroup][dim];
+  alignas(64) float acc[kMaxGroup][dim];
+  alignas(64) float kf[bs * dim];  // K tile widened to float
+  alignas(64) float vf[bs * dim];  // V tile widened to float
+  alignas(64) float s[kMaxGroup][bs];
+  float m[kMaxGroup];
+  float l[kMaxGroup];
+  for (int64_t g = 0; g < group; ++g) {
+    widen(q + g * dim, qf[g], dim);
+    for (int64_t d = 0; d < dim; ++d) {
+      qf[g][d] *= scale;
+      acc[g][d] = 0.f;
+    }
+    m[g] = -std::numeric_limits<float>::infinity();
+    l[g] = 0.f;
+  }
+  for (int64_t blk = start / bs; blk * bs < ctx; ++blk) {
+    const int64_t t0 = std::max<int64_t>(start - blk * bs, 0);
+    const int64_t t1 = std::min(bs, ctx - blk * bs);
+    const T* k = cache + table[blk] * block_stride + head_offset;
+    widen(k, kf, bs * dim);
+    widen(k + kv_stride, vf, bs * dim);
+    for (int64_t g = 0; g < group; ++g) {
+      float* sg = s[g];
+      const float* qg = qf[g];
+      for (int64_t t = 0; t < bs; ++t) {
+        const float* kr = kf + t * dim;
+        float dot = 0.f;
+        for (int64_t d = 0; d < dim; ++d) dot += qg[d] * kr[d];
+        sg[t] = (t >= t0 && t < t1) ? dot : -std::numeric_limits<float>::infinity();
+      }
+      float m_new = m[g];
+      for (int64_t t = 0; t < bs; ++t) m_new = std::max(m_new, sg[t]);
+      const float correction = std::exp(m[g] - m_new);
+      float sum = 0.f;
+      for (int64_t t = 0; t < bs; ++t) {
+        sg[t] = std::exp(sg[t] - m_new);
+        sum += sg[t];
+      }
+      l[g] = l[g] * correction + sum;
+      float* ag = acc[g];
+      for (int64_t d = 0; d < dim; ++d) ag[d] *= correction;
+      for (int64_t t = t0; t < t1; ++t) {
+        const float p = sg[t];
+        const float* vr = vf + t * dim;
+        for (int64_t d = 0; d < dim; ++d) ag[d] += p * vr[d];
+      }
+      m[g] = m_new;
+    }
+  }
+  for (int64_t g = 0; g < group; ++g) {
+    const float inv = 1.f / l[g];
+    for (int64_t d = 0; d < dim; ++d) out[g * dim + d] = static_cast<T>(acc[g][d] * inv);
+  }
+}
+
+// Instantiations for the (head_dim, block_size) pairs in PAGED_DECODE_SHAPES (cpu_kernels.py).
+template <typename T>
+void decode_task(const T* q, const T* cache, const int64_t* table, int64_t ctx, int64_t start,
+                 int64_t head_offset, int64_t block_stride, int64_t kv_stride, int64_t group,
+                 int64_t dim, int64_t bs, float scale, T* out) {
+  if (bs == 16) {
+    switch (dim) {
+      case 16:
+        return decode_one<T, 16, 16>(q, cache, table, ctx, start, head_offset, block_stride,
+                                     kv_stride, group, scale, out);
+      case 32:
+        return decode_one<T, 32, 16>(q, cache, table, ctx, start, head_offset, block_stride,
+                                     kv_stride, group, scale, out);
+      case 64:
+        return decode_one<T, 64, 16>(q, cache, table, ctx, start, head_offset, block_stride,
+                                     kv_stride, group, scale, out);
+      case 128:
+        return decode_one<T, 128, 16>(q, cache, table, ctx, start, head_offset, block_stride,
+                                      kv_stride, group, scale, out);
+    }
+  }
+  TORCH_CHECK(false, "paged_decode: head_dim ", dim, " block_size ", bs, " not built");
+}
+
+}  // namespace
+
+// q: [B, H, D] contiguous; kv_cache: [NB, L, 2, KVH, BS, D] contiguous;
+// block_tables: [B, max_blocks] int64; context_lens: [B] int64 (>= 1). Returns [B, H, D].
+torch::Tensor paged_decode(torch::Tensor q, torch::Tensor kv_cache, torch::Tensor block_tables,
+                           torch::Tensor context_lens, int64_t layer, double scale,
+                           int64_t sliding_window) {
+  TORCH_CHECK(q.is_contiguous() && kv_cache.is_contiguous() && block_tables.is_contiguous());
+  TORCH_CHECK(block_tables.scalar_type() == at::kLong && context_lens.scalar_type() == at::kLong);
+  TORCH_CHECK(q.scalar_type() == kv_cache.scalar_type(), "q and cache dtypes differ");
+  const int64_t batch = q.size(0), heads = q.size(1), dim = q.size(2);
+  const int64_t layers = kv_cache.size(1), kv_heads = kv_cache.size(3), bs = kv_cache.size(4);
+  const int64_t group = heads / kv_heads;
+  TORCH_CHECK(group <= kMaxGroup, "paged_decode: too many query heads per KV head");
+  TORCH_CHECK(heads == group * kv_heads, "paged_decode: heads not a multiple of KV heads");
+  auto out = torch::empty_like(q);
+  const int64_t block_stride = layers * 2 * kv_heads * bs * dim;
+  const int64_t kv_stride = kv_heads * bs * dim;
+  const int64_t max_blocks = block_tables.size(1);
+  const int64_t* tables = block_tables.data_ptr<int64_t>();
+  const int64_t* lens = context_lens.data_ptr<int64_t>();
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_decode", [&] {
+    const scalar_t* qp = q.data_ptr<scalar_t>();
+    const scalar_t* cp = kv_cache.data_ptr<scalar_t>();
+    scalar_t* op = out.data_ptr<scalar_t>();
+    at::parallel_for(0, batch * kv_heads, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t i = begin; i < end; ++i) {
+        const int64_t b = i / kv_heads, h = i % kv_heads;
+        const int64_t ctx = lens[b];
+        const int64_t start = sliding_window > 0 ? std::max<int64_t>(0, ctx - sliding_window) : 0;
+        const int64_t q_offset = (b * heads + h * group) * dim;
+        decode_task<scalar_t>(qp + q_offset, cp, tables + b * max_blocks, ctx, start,
+                              (layer * 2 * kv_heads + h) * bs * dim, block_stride, kv_stride,
+                              group, dim, bs, static_cast<float>(scale), op + q_offset);
+      }
+    });
+  });
+  return out;
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("paged_decode", &paged_decode, "paged-attention decode over block tables (CPU)");
+}
