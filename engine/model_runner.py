@@ -21,6 +21,7 @@ from engine.model.attention import (
 )
 from engine.model.config import ModelConfig
 from engine.model.cpu_kernels import PAGED_DECODE_SHAPES, load_paged_decode
+from engine.model.packed_linear import pack_linears
 from engine.model.rotary import RotaryEmbedding
 from engine.scheduler import ScheduledRequest
 
@@ -51,6 +52,8 @@ class ModelRunner:
         self.dtype = TORCH_DTYPES[dtype]
         self.block_size = block_size
         self.model, self.model_config = load_model(model_dir, self.dtype, device)
+        if device.type == "cpu" and self.dtype == torch.bfloat16:
+            pack_linears(self.model.model)
         config = self.model_config
         self.max_model_len = max_model_len or config.max_position_embeddings
         self.kv_cache_spec = KVCacheSpec(

@@ -105,7 +105,7 @@ class AttentionMetadata:
     num_decode_tokens: int
     decode: DecodeInputs
     prefills: tuple[PrefillSeq, ...]
-    cos: torch.Tensor  # [T, 1, D/2] rotary tables at the tokens' positions
+    cos: torch.Tensor  # [T, 1, D] rotary tables at the tokens' positions (see RotaryEmbedding)
     sin: torch.Tensor
 
 

@@ -17,10 +17,11 @@ from engine.model.rotary import apply_rotary
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    dtype = x.dtype
-    xf = x.float()
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * xf.to(dtype)
+    """Hugging Face's RMSNorm bit for bit: normalize in float32, round, then scale.
+
+    (``F.rms_norm`` straight on bfloat16 is both slower on CPU and rounds differently.)
+    """
+    return F.rms_norm(x.float(), (x.shape[-1],), None, eps).to(x.dtype) * weight
 
 
 class Attention(nn.Module):
@@ -41,11 +42,11 @@ class Attention(nn.Module):
         self, hidden: torch.Tensor, meta: AttentionMetadata, cache: PagedKVCache
     ) -> torch.Tensor:
         num_tokens = hidden.shape[0]
-        q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(num_tokens, self.num_heads, self.head_dim)
-        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
-        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
-        q, k = apply_rotary(q, k, meta.cos, meta.sin)
+        qkv = self.qkv_proj(hidden).view(num_tokens, -1, self.head_dim)
+        # q and k heads are adjacent: rotate them in one pass.
+        qk = apply_rotary(qkv[:, : self.num_heads + self.num_kv_heads], meta.cos, meta.sin)
+        q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
+        v = qkv[:, self.num_heads + self.num_kv_heads :]
         out = paged_attention(self.layer, q, k, v, cache, meta)
         return self.o_proj(out.reshape(num_tokens, self.q_size))
 

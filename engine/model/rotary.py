@@ -53,17 +53,20 @@ class RotaryEmbedding:
         self.sin = freqs.sin().to(dtype=dtype, device=device)
 
     def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Tables [T, 1, D/2] for token ``positions`` [T]; computed once per step."""
-        return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
+        """Tables [T, 1, D] for token ``positions`` [T]; computed once per step.
+
+        Returned as ``[cos, cos]`` and ``[-sin, sin]`` so that rotating is two multiplies and
+        an add: ``x * cos + cat(x2, x1) * sin`` equals ``(x1 cos - x2 sin, x2 cos + x1 sin)``
+        bit for bit (negation is exact).
+        """
+        cos, sin = self.cos[positions], self.sin[positions]
+        return (
+            torch.cat((cos, cos), dim=-1).unsqueeze(1),
+            torch.cat((-sin, sin), dim=-1).unsqueeze(1),
+        )
 
 
-def apply_rotary(
-    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rotate ``q`` [T, H, D] and ``k`` [T, KVH, D] with tables from ``cos_sin``."""
-    return _rotate(q, cos, sin), _rotate(k, cos, sin)
-
-
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate heads ``x`` [T, heads, D] with tables from ``cos_sin``."""
     x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+    return x * cos + torch.cat((x2, x1), dim=-1) * sin
