@@ -1,0 +1,75 @@
+"""splitserve arm of ``bench_engine``: ``engine.LLM.generate_stream`` over all prompts at once.
+
+Each streamed ``RequestOutput`` is mapped back to its prompt by ``prompt_token_ids`` (the
+workload guarantees distinct prompts) the first time its ``req_id`` is seen; the first item
+carrying ``new_token_ids`` stamps the request's first token, the ``finished`` item its end.
+"""
+
+from __future__ import annotations
+
+import time
+
+from loadtest.arm_protocol import ArmJob, ArmResult, RequestTimeline, arm_main, self_maxrss_mib
+
+
+def run(job: ArmJob) -> ArmResult:
+    """Load ``engine.LLM`` and stream every prompt greedily with ignore_eos."""
+    import torch
+
+    from engine.llm import LLM
+    from engine.sampling_params import SamplingParams
+
+    torch.set_num_threads(job.threads)
+    load_start_s = time.perf_counter()
+    llm = LLM(
+        model=job.model_dir,
+        dtype=job.dtype,
+        max_num_seqs=job.max_num_seqs,
+        max_num_batched_tokens=job.max_num_batched_tokens,
+    )
+    load_s = time.perf_counter() - load_start_s
+
+    params = SamplingParams(max_tokens=job.output_tokens, temperature=0.0, ignore_eos=True)
+    prompts = job.prompt_token_ids
+    index_of_prompt = {tuple(p): i for i, p in enumerate(prompts)}
+    index_of_req: dict[str, int] = {}
+    output_token_ids: list[list[int]] = [[] for _ in prompts]
+    timeline = RequestTimeline(len(prompts))
+    timeline.start()
+    for output in llm.generate_stream(prompts, params):
+        index = index_of_req.get(output.req_id)
+        if index is None:
+            index = index_of_prompt[tuple(output.prompt_token_ids)]
+            index_of_req[output.req_id] = index
+        if output.new_token_ids or output.finished:
+            timeline.mark(index, output.finished)
+        if output.finished:
+            output_token_ids[index] = list(output.token_ids)
+    gen_wall_s = timeline.elapsed_s()
+    gen_cpu_s = timeline.cpu_s()
+
+    return ArmResult(
+        system="splitserve",
+        version=_version(),
+        load_s=load_s,
+        gen_wall_s=gen_wall_s,
+        first_token_s=timeline.first_token_s(),
+        finish_s=timeline.finish_s(),
+        output_token_ids=output_token_ids,
+        maxrss_mib=self_maxrss_mib(),
+        gen_cpu_s=gen_cpu_s,
+        settings={"torch_threads": torch.get_num_threads(), "torch": torch.__version__},
+    )
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("splitserve")
+    except PackageNotFoundError:
+        return "source"
+
+
+if __name__ == "__main__":
+    arm_main(run)

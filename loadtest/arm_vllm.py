@@ -1,0 +1,85 @@
+"""vLLM arm of ``bench_engine``; runs under the vLLM venv's interpreter.
+
+Drives ``LLM.llm_engine`` step by step (the same loop ``LLM.generate`` runs) with
+``RequestOutputKind.DELTA`` so each request's first token is stamped when the front end
+receives it. Environment (``VLLM_CPU_KVCACHE_SPACE``, ``VLLM_CPU_OMP_THREADS_BIND``) is set
+by the parent.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+from loadtest.arm_protocol import ArmJob, ArmResult, RequestTimeline, arm_main, self_maxrss_mib
+
+_RECORDED_ENV = (
+    "VLLM_CPU_KVCACHE_SPACE",
+    "VLLM_CPU_OMP_THREADS_BIND",
+    "VLLM_CPU_NUM_OF_RESERVED_CPU",
+    "VLLM_ENABLE_V1_MULTIPROCESSING",
+    "LD_PRELOAD",
+)
+
+
+def run(job: ArmJob) -> ArmResult:
+    """Load the model in vLLM, run every prompt greedily with ignore_eos, time it."""
+    import vllm
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+    from vllm.sampling_params import RequestOutputKind
+
+    load_start_s = time.perf_counter()
+    llm = LLM(
+        model=job.model_dir,
+        dtype=job.dtype,
+        enforce_eager=True,
+        max_num_seqs=job.max_num_seqs,
+        max_num_batched_tokens=job.max_num_batched_tokens,
+        max_model_len=job.max_model_len,
+        seed=job.seed,
+    )
+    load_s = time.perf_counter() - load_start_s
+
+    params = SamplingParams(
+        max_tokens=job.output_tokens,
+        temperature=0.0,
+        ignore_eos=True,
+        output_kind=RequestOutputKind.DELTA,
+    )
+    engine = llm.llm_engine
+    num_requests = len(job.prompt_token_ids)
+    output_token_ids: list[list[int]] = [[] for _ in range(num_requests)]
+    timeline = RequestTimeline(num_requests)
+    timeline.start()
+    for index, prompt in enumerate(job.prompt_token_ids):
+        engine.add_request(str(index), TokensPrompt(prompt_token_ids=prompt), params)
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            index = int(output.request_id)
+            new_token_ids = output.outputs[0].token_ids
+            output_token_ids[index].extend(new_token_ids)
+            if new_token_ids or output.finished:
+                timeline.mark(index, output.finished)
+    gen_wall_s = timeline.elapsed_s()
+    gen_cpu_s = timeline.cpu_s()
+
+    return ArmResult(
+        system="vllm",
+        version=vllm.__version__,
+        load_s=load_s,
+        gen_wall_s=gen_wall_s,
+        first_token_s=timeline.first_token_s(),
+        finish_s=timeline.finish_s(),
+        output_token_ids=output_token_ids,
+        maxrss_mib=self_maxrss_mib(),
+        gen_cpu_s=gen_cpu_s,
+        settings={
+            "enforce_eager": True,
+            "env": {k: os.environ[k] for k in _RECORDED_ENV if k in os.environ},
+        },
+    )
+
+
+if __name__ == "__main__":
+    arm_main(run)
