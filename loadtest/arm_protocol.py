@@ -113,6 +113,28 @@ class RequestTimeline:
     def finish_s(self) -> list[float]:
         return _complete(self._finish_s, "finish")
 
+    def result(
+        self,
+        system: str,
+        version: str,
+        load_s: float,
+        output_token_ids: list[list[int]],
+        settings: dict[str, Any],
+    ) -> ArmResult:
+        """The arm's result, read at the end of generation (call once, right after it)."""
+        return ArmResult(
+            system=system,
+            version=version,
+            load_s=load_s,
+            gen_wall_s=self.elapsed_s(),
+            first_token_s=self.first_token_s(),
+            finish_s=self.finish_s(),
+            output_token_ids=output_token_ids,
+            maxrss_mib=self_maxrss_mib(),
+            gen_cpu_s=self.cpu_s(),
+            settings=settings,
+        )
+
 
 def _complete(stamps: list[float | None], what: str) -> list[float]:
     missing = [i for i, s in enumerate(stamps) if s is None]

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import time
 
-from loadtest.arm_protocol import ArmJob, ArmResult, RequestTimeline, arm_main, self_maxrss_mib
+from loadtest.arm_protocol import ArmJob, ArmResult, RequestTimeline, arm_main
 
 
 def run(job: ArmJob) -> ArmResult:
@@ -45,19 +45,11 @@ def run(job: ArmJob) -> ArmResult:
             timeline.mark(index, output.finished)
         if output.finished:
             output_token_ids[index] = list(output.token_ids)
-    gen_wall_s = timeline.elapsed_s()
-    gen_cpu_s = timeline.cpu_s()
-
-    return ArmResult(
-        system="splitserve",
-        version=_version(),
-        load_s=load_s,
-        gen_wall_s=gen_wall_s,
-        first_token_s=timeline.first_token_s(),
-        finish_s=timeline.finish_s(),
-        output_token_ids=output_token_ids,
-        maxrss_mib=self_maxrss_mib(),
-        gen_cpu_s=gen_cpu_s,
+    return timeline.result(
+        "splitserve",
+        _version(),
+        load_s,
+        output_token_ids,
         settings={"torch_threads": torch.get_num_threads(), "torch": torch.__version__},
     )
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from loadtest.arm_protocol import ArmJob, ArmResult, RequestTimeline, arm_main, self_maxrss_mib
+from loadtest.arm_protocol import ArmJob, ArmResult, RequestTimeline, arm_main
 
 
 def _pad_token_id(model: Any) -> int:
@@ -87,19 +87,11 @@ def run(job: ArmJob) -> ArmResult:
         for i in indices:
             timeline.mark(i, finished=True)
         output_token_ids.extend(out[:, width:].tolist())
-    gen_wall_s = timeline.elapsed_s()
-    gen_cpu_s = timeline.cpu_s()
-
-    return ArmResult(
-        system="transformers",
-        version=transformers.__version__,
-        load_s=load_s,
-        gen_wall_s=gen_wall_s,
-        first_token_s=timeline.first_token_s(),
-        finish_s=timeline.finish_s(),
-        output_token_ids=output_token_ids,
-        maxrss_mib=self_maxrss_mib(),
-        gen_cpu_s=gen_cpu_s,
+    return timeline.result(
+        "transformers",
+        transformers.__version__,
+        load_s,
+        output_token_ids,
         settings={
             "hf_batch_size": job.hf_batch_size,
             "attn_implementation": model.config._attn_implementation,

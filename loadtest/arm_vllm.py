@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 import time
 
-from loadtest.arm_protocol import ArmJob, ArmResult, RequestTimeline, arm_main, self_maxrss_mib
+from loadtest.arm_protocol import ArmJob, ArmResult, RequestTimeline, arm_main
 
 _RECORDED_ENV = (
     "VLLM_CPU_KVCACHE_SPACE",
@@ -61,19 +61,11 @@ def run(job: ArmJob) -> ArmResult:
             output_token_ids[index].extend(new_token_ids)
             if new_token_ids or output.finished:
                 timeline.mark(index, output.finished)
-    gen_wall_s = timeline.elapsed_s()
-    gen_cpu_s = timeline.cpu_s()
-
-    return ArmResult(
-        system="vllm",
-        version=vllm.__version__,
-        load_s=load_s,
-        gen_wall_s=gen_wall_s,
-        first_token_s=timeline.first_token_s(),
-        finish_s=timeline.finish_s(),
-        output_token_ids=output_token_ids,
-        maxrss_mib=self_maxrss_mib(),
-        gen_cpu_s=gen_cpu_s,
+    return timeline.result(
+        "vllm",
+        vllm.__version__,
+        load_s,
+        output_token_ids,
         settings={
             "enforce_eager": True,
             "env": {k: os.environ[k] for k in _RECORDED_ENV if k in os.environ},
