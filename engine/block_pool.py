@@ -80,11 +80,6 @@ class BlockPool:
         """Blocks an allocation can take right now (free plus evictable cached)."""
         return len(self._free) + len(self._cached)
 
-    @property
-    def usage(self) -> float:
-        """Fraction of blocks held by requests."""
-        return 1.0 - self.num_free_blocks / self.num_blocks
-
     def get_cached_block(self, block_hash: BlockHash) -> KVCacheBlock | None:
         """The block holding ``block_hash``'s KV, in use or cached, if any. No side effects."""
         return self._hash_to_block.get(block_hash)

@@ -28,10 +28,6 @@ class KVCacheManager:
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
         self._num_cached_blocks: dict[str, int] = {}
 
-    @property
-    def usage(self) -> float:
-        return self.block_pool.usage
-
     def get_block_ids(self, req_id: str) -> list[int]:
         return [b.block_id for b in self.req_to_blocks.get(req_id, ())]
 

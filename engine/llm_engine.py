@@ -84,7 +84,7 @@ class LLMEngine:
             self.kv_cache_manager,
         )
         self.sampler = Sampler(config.seed)
-        self.vocab_size = self.runner.config.vocab_size
+        self.vocab_size = self.runner.model_config.vocab_size
         self._states: dict[str, _RequestState] = {}
         self._kv_loads: list[KVLoad] = []
         logger.info("engine ready: model=%s pid=%d", self.model_dir, os.getpid())

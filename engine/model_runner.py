@@ -19,7 +19,6 @@ from engine.model.attention import (
     causal_mask,
     decode_bias,
 )
-from engine.model.config import ModelConfig
 from engine.model.cpu_kernels import PAGED_DECODE_SHAPES, load_paged_decode
 from engine.model.packed_linear import pack_linears
 from engine.model.rotary import RotaryEmbedding
@@ -77,10 +76,6 @@ class ModelRunner:
             block_size,
             self.kv_cache.numel() * self.kv_cache.element_size() / 2**30,
         )
-
-    @property
-    def config(self) -> ModelConfig:
-        return self.model_config
 
     def _select_decode_kernel(self, backend: str) -> ModuleType | None:
         if backend == "torch" or self.device.type != "cpu":

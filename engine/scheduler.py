@@ -131,11 +131,6 @@ class Scheduler:
     def num_unfinished_requests(self) -> int:
         return len(self.requests)
 
-    @property
-    def num_waiting_tokens(self) -> int:
-        """Tokens still to compute for requests not yet running (a prefill-load signal)."""
-        return sum(r.num_tokens - r.num_computed_tokens for r in self.waiting)
-
     # ----------------------------------------------------------------------------- schedule
     def schedule(self) -> SchedulerOutput:
         """Pick this step's work. Side effects: allocates blocks, may preempt, admits requests."""

@@ -16,12 +16,12 @@ import pytest
 import torch
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import (
-    LlamaConfig,
     LlamaForCausalLM,
     PreTrainedModel,
-    Qwen2Config,
     Qwen2ForCausalLM,
 )
+
+from tests.fixtures.tiny_models import hf_config
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 USER_DEFINED_TOKEN = "<think>"
@@ -95,6 +95,14 @@ def train_tokenizer(pre: str = "gpt-2") -> Tokenizer:
     return tokenizer
 
 
+_GGUF_OVERRIDES = dict(
+    max_position_embeddings=256,
+    rms_norm_eps=1e-6,
+    bos_token_id=BOS_TOKEN_ID,
+    eos_token_id=EOS_TOKEN_ID,
+)
+
+
 def _randomize(model: PreTrainedModel) -> PreTrainedModel:
     generator = torch.Generator().manual_seed(0)
     with torch.no_grad():
@@ -105,39 +113,14 @@ def _randomize(model: PreTrainedModel) -> PreTrainedModel:
 
 
 def tiny_llama(vocab_size: int, *, tied: bool = False) -> LlamaForCausalLM:
-    config = LlamaConfig(
-        vocab_size=vocab_size,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        max_position_embeddings=256,
-        rms_norm_eps=1e-6,
-        rope_theta=10000.0,
-        tie_word_embeddings=tied,
-        bos_token_id=BOS_TOKEN_ID,
-        eos_token_id=EOS_TOKEN_ID,
+    config = hf_config(
+        "llama", vocab_size, tie_word_embeddings=tied, head_dim=16, **_GGUF_OVERRIDES
     )
     return _randomize(LlamaForCausalLM(config))
 
 
 def tiny_qwen2(vocab_size: int) -> Qwen2ForCausalLM:
-    config = Qwen2Config(
-        vocab_size=vocab_size,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-        rms_norm_eps=1e-6,
-        rope_theta=1000000.0,
-        tie_word_embeddings=False,
-        bos_token_id=BOS_TOKEN_ID,
-        eos_token_id=EOS_TOKEN_ID,
-    )
+    config = hf_config("qwen2", vocab_size, rope_theta=1000000.0, **_GGUF_OVERRIDES)
     return _randomize(Qwen2ForCausalLM(config))
 
 

@@ -2,14 +2,22 @@
 
 from __future__ import annotations
 
+import shutil
+
 import pytest
 import torch
 
 from engine.model.attention import DecodeInputs, PagedKVCache, _decode, decode_bias
 from engine.model.cpu_kernels import PAGED_DECODE_SHAPES, load_paged_decode
 
-kernel = load_paged_decode()
-pytestmark = pytest.mark.skipif(kernel is None, reason="no C++ toolchain to build the kernel")
+# Skip only where no compiler exists; a build failure on a machine with one must fail loudly
+# rather than let the engine fall back unnoticed.
+pytestmark = pytest.mark.skipif(shutil.which("c++") is None, reason="no C++ compiler")
+kernel = load_paged_decode() if shutil.which("c++") else None
+
+
+def test_kernel_builds():
+    assert kernel is not None
 
 
 def torch_reference(layer, q, cache, tables, lens, window):
