@@ -80,6 +80,11 @@ class BlockPool:
         """Blocks an allocation can take right now (free plus evictable cached)."""
         return len(self._free) + len(self._cached)
 
+    @property
+    def num_cached_blocks(self) -> int:
+        """Free blocks that still hold reusable prefix KV (evicted last-released-last)."""
+        return len(self._cached)
+
     def get_cached_block(self, block_hash: BlockHash) -> KVCacheBlock | None:
         """The block holding ``block_hash``'s KV, in use or cached, if any. No side effects."""
         return self._hash_to_block.get(block_hash)

@@ -28,6 +28,8 @@ class EngineConfig:
     enable_prefix_caching: bool = flag(True, "reuse KV blocks of shared prompt prefixes")
     seed: int = flag(0, "seed of the shared sampling generator")
     num_threads: int | None = flag(None, "torch CPU threads (default: all cores)")
+    # Not a flag: workers turn it off because the router owns text and stop strings.
+    detokenize: bool = True
     attention_backend: str = flag(
         "auto",
         "decode attention: cpp (compiled CPU kernel), torch (reference path), "

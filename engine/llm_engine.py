@@ -36,12 +36,31 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
+@dataclass(frozen=True, slots=True)
+class EngineStats:
+    """A snapshot of the engine's load, for routing and the Status RPC."""
+
+    num_running: int
+    num_waiting: int
+    num_waiting_for_kv: int
+    num_held_kv: int
+    num_total_blocks: int
+    num_used_blocks: int
+    num_cached_blocks: int
+    num_queued_prefill_tokens: int
+    num_preemptions: int
+
+    @property
+    def kv_usage(self) -> float:
+        return self.num_used_blocks / self.num_total_blocks
+
+
 @dataclass(slots=True)
 class _RequestState:
     """Engine-side bookkeeping the scheduler does not need."""
 
     request: Request
-    detokenizer: IncrementalDetokenizer
+    detokenizer: IncrementalDetokenizer | None
     logprobs: list[TokenLogprobs] | None
     first_token_time_s: float | None = None
     num_reported_tokens: int = 0
@@ -87,17 +106,30 @@ class LLMEngine:
         self.vocab_size = self.runner.model_config.vocab_size
         self._states: dict[str, _RequestState] = {}
         self._kv_loads: list[KVLoad] = []
+        self.last_num_scheduled_tokens = 0
         logger.info("engine ready: model=%s pid=%d", self.model_dir, os.getpid())
 
     # ----------------------------------------------------------------------------- requests
-    def validate_request(self, prompt_token_ids: Sequence[int], params: SamplingParams) -> None:
+    def validate_request(
+        self,
+        prompt_token_ids: Sequence[int],
+        params: SamplingParams,
+        output_token_ids: Sequence[int] = (),
+    ) -> None:
         """Raise ``ValueError`` naming the field if the request cannot run on this engine."""
         if not prompt_token_ids:
             raise ValueError("prompt is empty")
-        bad = next((t for t in prompt_token_ids if not 0 <= t < self.vocab_size), None)
-        if bad is not None:
+        checked = (("token_ids", prompt_token_ids), ("output_token_ids", output_token_ids))
+        for field_name, ids in checked:
+            bad = next((t for t in ids if not 0 <= t < self.vocab_size), None)
+            if bad is not None:
+                raise ValueError(
+                    f"{field_name}: id {bad} is outside the vocabulary [0, {self.vocab_size})"
+                )
+        if len(output_token_ids) >= params.max_tokens:
             raise ValueError(
-                f"token_ids: id {bad} is outside the vocabulary [0, {self.vocab_size})"
+                f"output_token_ids: {len(output_token_ids)} tokens already reach "
+                f"max_tokens {params.max_tokens}"
             )
         if len(prompt_token_ids) >= self.max_model_len:
             raise ValueError(
@@ -115,12 +147,19 @@ class LLMEngine:
         prompt_token_ids: Sequence[int],
         params: SamplingParams,
         *,
+        output_token_ids: Sequence[int] = (),
         num_external_tokens: int = 0,
+        hold_kv: bool = False,
         arrival_time_s: float | None = None,
     ) -> None:
-        """Queue a request. With ``num_external_tokens`` its first tokens' KV must be loaded
-        (see ``take_kv_loads`` / ``finish_kv_load``) instead of computed."""
-        self.validate_request(prompt_token_ids, params)
+        """Queue a request.
+
+        ``output_token_ids`` were sampled elsewhere (a prefill worker's first token); they count
+        towards ``max_tokens`` and are not reported again. With ``num_external_tokens`` the
+        first tokens' KV must be loaded (see ``take_kv_loads`` / ``finish_kv_load``) instead of
+        computed. With ``hold_kv`` the blocks outlive the request until ``release_held_kv``.
+        """
+        self.validate_request(prompt_token_ids, params, output_token_ids)
         request = Request(
             req_id=req_id,
             prompt_token_ids=list(prompt_token_ids),
@@ -129,14 +168,23 @@ class LLMEngine:
             block_size=self.config.block_size,
             arrival_time_s=arrival_time_s if arrival_time_s is not None else time.perf_counter(),
             num_external_tokens=num_external_tokens,
+            hold_kv=hold_kv,
+            output_token_ids=list(output_token_ids),
         )
         self.scheduler.add_request(request)
+        detokenizer = None
+        if self.config.detokenize:
+            detokenizer = IncrementalDetokenizer(
+                self.tokenizer.backend, request.prompt_token_ids, params
+            )
+            if output_token_ids:
+                detokenizer.update(output_token_ids)
+                detokenizer.take_delta(False)
         self._states[req_id] = _RequestState(
             request=request,
-            detokenizer=IncrementalDetokenizer(
-                self.tokenizer.backend, request.prompt_token_ids, params
-            ),
+            detokenizer=detokenizer,
             logprobs=[] if params.logprobs is not None else None,
+            num_reported_tokens=len(output_token_ids),
         )
         logger.debug("req_id=%s added: %d prompt tokens", req_id, len(prompt_token_ids))
 
@@ -154,21 +202,47 @@ class LLMEngine:
         """Report the end of a transfer from ``take_kv_loads``; failure means recompute."""
         self.scheduler.finish_remote_kv(req_id, success)
 
+    def release_held_kv(self, req_id: str) -> bool:
+        """Free the blocks kept by a finished ``hold_kv`` request; False if it held none."""
+        return self.scheduler.release_held_kv(req_id)
+
+    def held_kv_block_ids(self, req_id: str) -> list[int]:
+        """Blocks a finished ``hold_kv`` request keeps, in token order ([] if none)."""
+        if req_id not in self.scheduler.held_kv:
+            return []
+        return self.kv_cache_manager.get_block_ids(req_id)
+
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.num_unfinished_requests > 0
+
+    def stats(self) -> EngineStats:
+        pool = self.kv_cache_manager.block_pool
+        scheduler = self.scheduler
+        return EngineStats(
+            num_running=len(scheduler.running),
+            num_waiting=len(scheduler.waiting),
+            num_waiting_for_kv=len(scheduler.waiting_for_remote_kv),
+            num_held_kv=len(scheduler.held_kv),
+            num_total_blocks=pool.num_blocks,
+            num_used_blocks=pool.num_blocks - pool.num_free_blocks,
+            num_cached_blocks=pool.num_cached_blocks,
+            num_queued_prefill_tokens=scheduler.num_queued_prefill_tokens,
+            num_preemptions=scheduler.num_preemptions,
+        )
 
     # ----------------------------------------------------------------------------- step
     def step(self) -> list[RequestOutput]:
         """Run one batch; return an output for every request that got a token or finished."""
         sched = self.scheduler.schedule()
         self._kv_loads.extend(sched.kv_loads)
+        self.last_num_scheduled_tokens = sched.total_num_scheduled_tokens
         if sched.is_empty:
             return []
         logits = self.runner.execute(sched.scheduled)
         rows = [
             SamplingInput(
                 params=s.request.sampling_params,
-                generator=s.request.generator,
+                generator=s.request.next_token_generator(),
                 prompt_token_ids=s.request.prompt_token_ids,
                 output_token_ids=s.request.output_token_ids,
             )
@@ -192,7 +266,7 @@ class LLMEngine:
             )
             stop = (
                 None
-                if stopped_by_token
+                if stopped_by_token or state.detokenizer is None
                 else state.detokenizer.update([request.output_token_ids[-1]])
             )
             if stop is not None and request.req_id not in finished_ids:
@@ -208,13 +282,15 @@ class LLMEngine:
         request = state.request
         finished = request.status.is_finished
         state.num_reported_tokens = request.num_output_tokens
-        delta_text = state.detokenizer.take_delta(finished)  # flushes the tail when finished
+        detokenizer = state.detokenizer
+        # take_delta flushes the tail when finished.
+        delta_text = detokenizer.take_delta(finished) if detokenizer is not None else ""
         return RequestOutput(
             req_id=request.req_id,
             prompt_token_ids=request.prompt_token_ids,
             token_ids=list(request.output_token_ids),
             new_token_ids=new_token_ids,
-            text=state.detokenizer.output_text,
+            text=detokenizer.output_text if detokenizer is not None else "",
             delta_text=delta_text,
             finished=finished,
             finish_reason=request.status.finish_reason,

@@ -10,6 +10,16 @@ import torch
 from engine.block_hash import ROOT_PARENT_HASH, BlockHash, hash_block_tokens
 from engine.sampling_params import SamplingParams
 
+_MASK_63 = (1 << 63) - 1
+
+
+def _mix_seed(seed: int, position: int) -> int:
+    """splitmix64 finalizer of (seed, position): nearby inputs give unrelated seeds."""
+    z = (seed * 0x9E3779B97F4A7C15 + position + 1) & ((1 << 64) - 1)
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & ((1 << 64) - 1)
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & ((1 << 64) - 1)
+    return (z ^ (z >> 31)) & _MASK_63
+
 
 class RequestStatus(enum.Enum):
     """Lifecycle of a request inside one engine.
@@ -61,7 +71,9 @@ class Request:
     the step that brings ``num_computed_tokens`` up to ``num_tokens``.
 
     ``num_external_tokens`` > 0 means the KV of the first that many tokens is produced elsewhere
-    (a prefill worker) and arrives by transfer instead of being computed here.
+    (a prefill worker) and arrives by transfer instead of being computed here. ``hold_kv``
+    keeps the blocks allocated after the request finishes (a prefill worker's lease) until the
+    scheduler is told to release them.
     """
 
     req_id: str
@@ -72,6 +84,7 @@ class Request:
     arrival_time_s: float
     extra_key: str = ""
     num_external_tokens: int = 0
+    hold_kv: bool = False
     output_token_ids: list[int] = field(default_factory=list)
     all_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
@@ -112,6 +125,19 @@ class Request:
                 )
             )
         return self._block_hashes
+
+    def next_token_generator(self) -> torch.Generator | None:
+        """The request's generator, reseeded for the token it samples next (None if unseeded).
+
+        Seeding from (seed, output position) makes each token's draws a function of the seed
+        and its position only: the same whichever engine samples it (a prefill worker samples
+        the first token, a decode worker the rest) and after a preemption.
+        """
+        if self.generator is None:
+            return None
+        seed = self.sampling_params.seed
+        assert seed is not None
+        return self.generator.manual_seed(_mix_seed(seed, self.num_output_tokens))
 
     def append_output_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)

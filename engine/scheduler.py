@@ -79,6 +79,8 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.waiting_for_remote_kv: dict[str, Request] = {}
+        # Finished requests whose blocks stay allocated until ``release_held_kv`` (hold_kv).
+        self.held_kv: dict[str, Request] = {}
         self.num_preemptions = 0
 
     # ----------------------------------------------------------------------------- requests
@@ -127,9 +129,27 @@ class Scheduler:
         request.status = RequestStatus.WAITING
         self.waiting.appendleft(request)
 
+    def release_held_kv(self, req_id: str) -> bool:
+        """Free the blocks a finished ``hold_kv`` request kept; False if it holds none."""
+        request = self.held_kv.pop(req_id, None)
+        if request is None:
+            return False
+        self.kv_cache_manager.free(request)
+        return True
+
     @property
     def num_unfinished_requests(self) -> int:
         return len(self.requests)
+
+    @property
+    def num_queued_prefill_tokens(self) -> int:
+        """Prompt tokens admitted or waiting but not computed yet (excludes remote KV)."""
+        pending = [*self.waiting, *self.running]
+        return sum(
+            r.num_tokens - r.num_computed_tokens - r.num_external_tokens
+            for r in pending
+            if r.num_tokens - r.num_computed_tokens > 1
+        )
 
     # ----------------------------------------------------------------------------- schedule
     def schedule(self) -> SchedulerOutput:
@@ -264,4 +284,7 @@ class Scheduler:
 
     def _finish(self, request: Request, status: RequestStatus) -> None:
         request.status = status
-        self.kv_cache_manager.free(request)
+        if request.hold_kv and status != RequestStatus.FINISHED_ABORTED:
+            self.held_kv[request.req_id] = request
+        else:
+            self.kv_cache_manager.free(request)

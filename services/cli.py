@@ -8,6 +8,7 @@ import os
 import sys
 
 from engine import cli as generate_cli
+from services import client, launcher
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -21,6 +22,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     subparsers = parser.add_subparsers(dest="command", required=True)
     generate_cli.add_parser(subparsers)
+    launcher.add_parser(subparsers)
+    client.add_parser(subparsers)
     return parser
 
 

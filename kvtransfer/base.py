@@ -1,0 +1,117 @@
+"""The contract every KV transfer backend implements.
+
+Two engines pair through ``PeerInfo``: the source (a prefill worker) registers its paged cache
+and *publishes* the blocks of a finished prefill under the request's id; the destination (a decode
+worker) *reads* some of those blocks into blocks of its own cache, polls until the read is DONE
+or FAILED, then *releases* it so the source may free the blocks. Reads are pulls, never pushes,
+so a destination only moves blocks it does not already hold.
+
+Threading: every method may be called from one thread (the engine loop); backends do their I/O
+on their own threads. ``poll`` and ``take_released`` never block.
+"""
+
+from __future__ import annotations
+
+import abc
+import enum
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
+
+    from engine.kv_cache_spec import KVCacheSpec
+
+# Bumped whenever the meaning of PeerInfo or a backend's wire format changes.
+KV_TRANSFER_VERSION = 1
+
+
+class TransferState(enum.Enum):
+    """State of one read, as seen by the destination. DONE / FAILED are reported once."""
+
+    PENDING = enum.auto()
+    DONE = enum.auto()
+    FAILED = enum.auto()
+
+
+class KVTransferError(RuntimeError):
+    """A peer cannot be used (incompatible layout or version, unreachable, unknown)."""
+
+
+@dataclass(frozen=True, slots=True)
+class PeerInfo:
+    """What a destination needs to reach a source's KV cache."""
+
+    engine_id: str
+    backend: str
+    address: str
+    compat_hash: str
+    version: int = KV_TRANSFER_VERSION
+    metadata: bytes = b""
+
+
+@dataclass(frozen=True, slots=True)
+class KVRef:
+    """The KV of ``req_id``'s first ``num_tokens`` tokens, in ``block_ids`` of ``engine_id``."""
+
+    engine_id: str
+    req_id: str
+    block_ids: tuple[int, ...]
+    num_tokens: int
+
+
+class KVTransferBackend(abc.ABC):
+    """One engine's endpoint: serves its published blocks and reads blocks from peers."""
+
+    name: str
+
+    @abc.abstractmethod
+    def register_kv_cache(self, kv_cache: torch.Tensor, spec: KVCacheSpec) -> PeerInfo:
+        """Expose ``kv_cache`` (``[num_blocks, *spec.block_shape]``, contiguous) for transfers.
+
+        Called once, before anything else; returns the info peers pass to ``add_peer``.
+        """
+
+    @abc.abstractmethod
+    def add_peer(self, peer: PeerInfo) -> None:
+        """Make ``peer`` readable. Raises ``KVTransferError`` naming the mismatch when its
+        backend, version or ``compat_hash`` differ from ours. Idempotent."""
+
+    # ------------------------------------------------------------------ source side
+    @abc.abstractmethod
+    def publish(self, req_id: str, block_ids: Sequence[int]) -> None:
+        """Allow peers to read ``block_ids`` under ``req_id`` until ``unpublish``.
+
+        The caller keeps the blocks pinned (unchanged) while they are published.
+        """
+
+    @abc.abstractmethod
+    def unpublish(self, req_id: str) -> None:
+        """Stop serving ``req_id``; reads that arrive later fail. Unknown ids are ignored."""
+
+    @abc.abstractmethod
+    def take_released(self) -> list[str]:
+        """Ids of published requests that a peer released since the last call."""
+
+    # ------------------------------------------------------------------ destination side
+    @abc.abstractmethod
+    def start_read(self, req_id: str, src: KVRef, dst_block_ids: Sequence[int]) -> None:
+        """Start copying ``src.block_ids[i]`` of peer ``src.engine_id`` into our block
+        ``dst_block_ids[i]`` (equal lengths). The peer must have been added. Never blocks;
+        progress is reported by ``poll``. Our destination blocks must stay allocated until then.
+        """
+
+    @abc.abstractmethod
+    def poll(self) -> dict[str, TransferState]:
+        """State of every read started and not yet reported terminal; each DONE or FAILED is
+        reported exactly once, after which the read is forgotten."""
+
+    @abc.abstractmethod
+    def release(self, req_id: str) -> None:
+        """Tell the source of a finished read (any terminal state) that it may free the blocks.
+        Best effort: a source that went away simply lets its lease expire."""
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Stop serving and reading; reads in flight end FAILED. Idempotent."""

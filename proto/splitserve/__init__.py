@@ -1,0 +1,1 @@
+"""Generated protobuf/gRPC stubs of splitserve's wire protocol (sources in ``proto/``)."""

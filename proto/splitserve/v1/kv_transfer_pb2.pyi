@@ -1,0 +1,67 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class KVHello(_message.Message):
+    __slots__ = ("version", "compat_hash", "engine_id")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    COMPAT_HASH_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    compat_hash: str
+    engine_id: str
+    def __init__(self, version: _Optional[int] = ..., compat_hash: _Optional[str] = ..., engine_id: _Optional[str] = ...) -> None: ...
+
+class KVHelloAck(_message.Message):
+    __slots__ = ("ok", "error")
+    OK_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    ok: bool
+    error: str
+    def __init__(self, ok: _Optional[bool] = ..., error: _Optional[str] = ...) -> None: ...
+
+class KVReadRequest(_message.Message):
+    __slots__ = ("seq", "req_id", "block_ids")
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    REQ_ID_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    seq: int
+    req_id: str
+    block_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, seq: _Optional[int] = ..., req_id: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class KVReadResponse(_message.Message):
+    __slots__ = ("seq", "ok", "error", "num_bytes")
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    OK_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    NUM_BYTES_FIELD_NUMBER: _ClassVar[int]
+    seq: int
+    ok: bool
+    error: str
+    num_bytes: int
+    def __init__(self, seq: _Optional[int] = ..., ok: _Optional[bool] = ..., error: _Optional[str] = ..., num_bytes: _Optional[int] = ...) -> None: ...
+
+class KVReleaseRequest(_message.Message):
+    __slots__ = ("req_id",)
+    REQ_ID_FIELD_NUMBER: _ClassVar[int]
+    req_id: str
+    def __init__(self, req_id: _Optional[str] = ...) -> None: ...
+
+class KVFrame(_message.Message):
+    __slots__ = ("hello", "hello_ack", "read", "read_response", "release")
+    HELLO_FIELD_NUMBER: _ClassVar[int]
+    HELLO_ACK_FIELD_NUMBER: _ClassVar[int]
+    READ_FIELD_NUMBER: _ClassVar[int]
+    READ_RESPONSE_FIELD_NUMBER: _ClassVar[int]
+    RELEASE_FIELD_NUMBER: _ClassVar[int]
+    hello: KVHello
+    hello_ack: KVHelloAck
+    read: KVReadRequest
+    read_response: KVReadResponse
+    release: KVReleaseRequest
+    def __init__(self, hello: _Optional[_Union[KVHello, _Mapping]] = ..., hello_ack: _Optional[_Union[KVHelloAck, _Mapping]] = ..., read: _Optional[_Union[KVReadRequest, _Mapping]] = ..., read_response: _Optional[_Union[KVReadResponse, _Mapping]] = ..., release: _Optional[_Union[KVReleaseRequest, _Mapping]] = ...) -> None: ...

@@ -1,0 +1,100 @@
+"""``splitserve client``: stream one generation from a router to the terminal."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+import grpc
+
+from services.common.grpc_server import CHANNEL_OPTIONS
+from splitserve.v1 import router_pb2, router_pb2_grpc
+
+FINISH_REASON_NAMES = {
+    router_pb2.FINISH_REASON_STOP: "stop",
+    router_pb2.FINISH_REASON_LENGTH: "length",
+    router_pb2.FINISH_REASON_ABORT: "abort",
+}
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser("client", help="stream a generation from a running router")
+    parser.add_argument("prompt", help="prompt text (the user message with --chat)")
+    parser.add_argument("--target", default="127.0.0.1:50051", help="router host:port")
+    parser.add_argument("--chat", action="store_true", help="send as a chat message")
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--top-p", type=float, default=None)
+    parser.add_argument("--top-k", type=int, default=None)
+    parser.add_argument("--seed", type=int, default=None)
+    parser.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    parser.add_argument("--ignore-eos", action="store_true")
+    parser.add_argument("--timeout-s", type=float, default=300.0, help="deadline of the call")
+    parser.add_argument("--json", action="store_true", help="print one JSON object at the end")
+    parser.set_defaults(func=run)
+
+
+def build_request(args: argparse.Namespace) -> router_pb2.GenerateRequest:
+    sampling = router_pb2.SamplingParams(
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        stop=args.stop,
+        ignore_eos=args.ignore_eos,
+    )
+    for name in ("top_p", "top_k", "seed"):
+        value = getattr(args, name)
+        if value is not None:
+            setattr(sampling, name, value)
+    request = router_pb2.GenerateRequest(sampling=sampling)
+    if args.chat:
+        request.messages.append(router_pb2.ChatMessage(role="user", content=args.prompt))
+    else:
+        request.prompt = args.prompt
+    return request
+
+
+def run(args: argparse.Namespace) -> int:
+    request = build_request(args)
+    start_s = time.perf_counter()
+    first_token_s: float | None = None
+    token_ids: list[int] = []
+    text: list[str] = []
+    last = router_pb2.GenerateResponse()
+    with grpc.insecure_channel(args.target, options=CHANNEL_OPTIONS) as channel:
+        stub = router_pb2_grpc.RouterStub(channel)
+        try:
+            for message in stub.Generate(request, timeout=args.timeout_s):
+                if first_token_s is None and message.token_ids:
+                    first_token_s = time.perf_counter() - start_s
+                token_ids.extend(message.token_ids)
+                text.append(message.text)
+                if not args.json:
+                    sys.stdout.write(message.text)
+                    sys.stdout.flush()
+                last = message
+        except grpc.RpcError as exc:
+            print(f"\nerror: {exc.code().name}: {exc.details()}", file=sys.stderr)
+            return 2
+    if args.json:
+        print(
+            json.dumps(
+                {
+                    "request_id": last.request_id,
+                    "token_ids": token_ids,
+                    "text": "".join(text),
+                    "finish_reason": FINISH_REASON_NAMES.get(last.finish_reason),
+                    "usage": {
+                        "prompt_tokens": last.usage.prompt_tokens,
+                        "completion_tokens": last.usage.completion_tokens,
+                        "cached_tokens": last.usage.cached_tokens,
+                    },
+                    "ttft_s": round(first_token_s, 4) if first_token_s is not None else None,
+                    "elapsed_s": round(time.perf_counter() - start_s, 4),
+                }
+            )
+        )
+    else:
+        sys.stdout.write("\n")
+    return 0

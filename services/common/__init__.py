@@ -1,0 +1,1 @@
+"""What every splitserve server shares: the engine thread, gRPC plumbing, proto conversions."""

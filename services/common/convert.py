@@ -1,0 +1,168 @@
+"""Conversions between the wire messages (``splitserve.v1``) and engine / kvtransfer types.
+
+Torch-free, so the router can use it.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from engine.sampling_params import SamplingParams
+from kvtransfer.base import KVRef, PeerInfo
+from splitserve.v1 import router_pb2, worker_pb2
+
+if TYPE_CHECKING:
+    from engine.llm_engine import EngineStats
+    from engine.sampler import TokenLogprobs
+
+FINISH_REASONS = {
+    None: router_pb2.FINISH_REASON_UNSPECIFIED,
+    "": router_pb2.FINISH_REASON_UNSPECIFIED,
+    "stop": router_pb2.FINISH_REASON_STOP,
+    "length": router_pb2.FINISH_REASON_LENGTH,
+    "abort": router_pb2.FINISH_REASON_ABORT,
+}
+
+
+def sampling_params_from_client(msg: router_pb2.SamplingParams) -> SamplingParams:
+    """Engine params from a client's message (unset fields take the engine defaults).
+
+    Raises ``ValueError`` naming the field, as ``SamplingParams`` validation does.
+    """
+    defaults = SamplingParams()
+    return SamplingParams(
+        max_tokens=msg.max_tokens if msg.HasField("max_tokens") else defaults.max_tokens,
+        temperature=msg.temperature if msg.HasField("temperature") else defaults.temperature,
+        top_p=msg.top_p if msg.HasField("top_p") else defaults.top_p,
+        top_k=msg.top_k if msg.HasField("top_k") else defaults.top_k,
+        min_p=msg.min_p if msg.HasField("min_p") else defaults.min_p,
+        repetition_penalty=(
+            msg.repetition_penalty
+            if msg.HasField("repetition_penalty")
+            else defaults.repetition_penalty
+        ),
+        presence_penalty=(
+            msg.presence_penalty if msg.HasField("presence_penalty") else defaults.presence_penalty
+        ),
+        frequency_penalty=(
+            msg.frequency_penalty
+            if msg.HasField("frequency_penalty")
+            else defaults.frequency_penalty
+        ),
+        seed=msg.seed if msg.HasField("seed") else None,
+        stop=tuple(msg.stop),
+        stop_token_ids=tuple(msg.stop_token_ids),
+        ignore_eos=msg.ignore_eos,
+        logprobs=msg.logprobs if msg.HasField("logprobs") else None,
+    )
+
+
+def sampling_params_to_worker(params: SamplingParams) -> worker_pb2.WorkerSamplingParams:
+    """The model-facing part of ``params``; stop strings stay with the router."""
+    msg = worker_pb2.WorkerSamplingParams(
+        max_tokens=params.max_tokens,
+        temperature=params.temperature,
+        top_p=params.top_p,
+        top_k=params.top_k,
+        min_p=params.min_p,
+        stop_token_ids=params.stop_token_ids,
+        ignore_eos=params.ignore_eos,
+        repetition_penalty=params.repetition_penalty,
+        presence_penalty=params.presence_penalty,
+        frequency_penalty=params.frequency_penalty,
+    )
+    if params.seed is not None:
+        msg.seed = params.seed
+    if params.logprobs is not None:
+        msg.logprobs = params.logprobs
+    return msg
+
+
+def sampling_params_from_worker(msg: worker_pb2.WorkerSamplingParams) -> SamplingParams:
+    """Raises ``ValueError`` naming the field on a bad value."""
+    return SamplingParams(
+        max_tokens=msg.max_tokens,
+        temperature=msg.temperature,
+        top_p=msg.top_p,
+        top_k=msg.top_k,
+        min_p=msg.min_p,
+        repetition_penalty=msg.repetition_penalty,
+        presence_penalty=msg.presence_penalty,
+        frequency_penalty=msg.frequency_penalty,
+        seed=msg.seed if msg.HasField("seed") else None,
+        stop_token_ids=tuple(msg.stop_token_ids),
+        ignore_eos=msg.ignore_eos,
+        logprobs=msg.logprobs if msg.HasField("logprobs") else None,
+    )
+
+
+def logprobs_to_proto(logprobs: TokenLogprobs) -> worker_pb2.TokenLogprob:
+    return worker_pb2.TokenLogprob(
+        token_id=logprobs.token_id,
+        logprob=logprobs.logprob,
+        rank=logprobs.rank,
+        top=[worker_pb2.TopLogprob(token_id=t, logprob=lp) for t, lp in logprobs.top],
+    )
+
+
+def peer_info_to_proto(info: PeerInfo) -> worker_pb2.KVPeerInfo:
+    return worker_pb2.KVPeerInfo(
+        engine_id=info.engine_id,
+        backend=info.backend,
+        address=info.address,
+        metadata=info.metadata,
+        compat_hash=info.compat_hash,
+        version=info.version,
+    )
+
+
+def peer_info_from_proto(msg: worker_pb2.KVPeerInfo) -> PeerInfo:
+    return PeerInfo(
+        engine_id=msg.engine_id,
+        backend=msg.backend,
+        address=msg.address,
+        compat_hash=msg.compat_hash,
+        version=msg.version,
+        metadata=msg.metadata,
+    )
+
+
+def kv_ref_to_proto(ref: KVRef) -> worker_pb2.KVRef:
+    return worker_pb2.KVRef(
+        engine_id=ref.engine_id,
+        req_id=ref.req_id,
+        block_ids=ref.block_ids,
+        num_tokens=ref.num_tokens,
+    )
+
+
+def kv_ref_from_proto(msg: worker_pb2.KVRef) -> KVRef:
+    return KVRef(
+        engine_id=msg.engine_id,
+        req_id=msg.req_id,
+        block_ids=tuple(msg.block_ids),
+        num_tokens=msg.num_tokens,
+    )
+
+
+def load_to_proto(
+    stats: EngineStats,
+    *,
+    num_kv_leases: int = 0,
+    num_transfers_failed: int = 0,
+    num_leases_expired: int = 0,
+) -> worker_pb2.WorkerLoad:
+    return worker_pb2.WorkerLoad(
+        num_running=stats.num_running,
+        num_waiting=stats.num_waiting,
+        num_waiting_for_kv=stats.num_waiting_for_kv,
+        num_kv_leases=num_kv_leases,
+        num_total_blocks=stats.num_total_blocks,
+        num_used_blocks=stats.num_used_blocks,
+        num_cached_blocks=stats.num_cached_blocks,
+        kv_usage=stats.kv_usage,
+        num_queued_prefill_tokens=stats.num_queued_prefill_tokens,
+        num_preemptions=stats.num_preemptions,
+        num_transfers_failed=num_transfers_failed,
+        num_leases_expired=num_leases_expired,
+    )

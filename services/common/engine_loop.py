@@ -1,0 +1,227 @@
+"""Run one ``LLMEngine`` on its own thread and stream its outputs to asyncio callers.
+
+The engine is single-threaded and its steps are long (milliseconds to seconds), so it gets a
+dedicated thread; gRPC handlers live on the asyncio loop. The two sides talk through:
+
+- a command queue (asyncio → engine thread): add, abort, any call that touches engine state;
+- one ``call_soon_threadsafe`` per step (engine thread → asyncio) carrying that step's outputs,
+  fanned out to per-request ``asyncio.Queue``s.
+
+Role-specific work that must happen between steps (pulling KV on a decode worker, expiring
+leases on a prefill worker) plugs in as ``EngineHooks``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import queue
+import threading
+from collections.abc import AsyncIterator, Callable
+from typing import Any, Protocol, TypeVar
+
+from engine.llm_engine import EngineStats, LLMEngine
+from engine.outputs import RequestOutput
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+# How long the engine thread sleeps when idle but hooks have transfers or leases to watch.
+_BUSY_POLL_S = 0.002
+_IDLE_POLL_S = 0.5
+
+
+class EngineHooks(Protocol):
+    """Role-specific work run on the engine thread around each step."""
+
+    def before_step(self, engine: LLMEngine) -> None:
+        """Called before every step (and every idle poll)."""
+
+    def after_step(self, engine: LLMEngine, outputs: list[RequestOutput]) -> None:
+        """Called after every step with its outputs, before they reach the callers."""
+
+    def abort(self, engine: LLMEngine, req_id: str) -> list[RequestOutput]:
+        """Abort ``req_id`` (possibly later, e.g. once its KV transfer ends)."""
+
+    @property
+    def busy(self) -> bool:
+        """Whether ``before_step`` has work pending (e.g. transfers in flight) while idle."""
+
+
+class NoHooks:
+    """Plain engine: abort at once, nothing between steps."""
+
+    def before_step(self, engine: LLMEngine) -> None:
+        return None
+
+    def after_step(self, engine: LLMEngine, outputs: list[RequestOutput]) -> None:
+        return None
+
+    def abort(self, engine: LLMEngine, req_id: str) -> list[RequestOutput]:
+        return engine.abort_requests([req_id])
+
+    @property
+    def busy(self) -> bool:
+        return False
+
+
+class EngineDeadError(RuntimeError):
+    """The engine thread stopped (crashed or shut down); no request can make progress."""
+
+
+class EngineLoop:
+    """Owns the engine thread. Create on the asyncio loop, then ``start()``.
+
+    Invariant: only the engine thread touches ``engine`` after ``start()``; everything else
+    goes through ``call`` / ``add_request`` / ``abort``.
+    """
+
+    def __init__(self, engine: LLMEngine, hooks: EngineHooks | None = None) -> None:
+        self.engine = engine
+        self.hooks: EngineHooks = hooks or NoHooks()
+        self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+        self._wakeup = threading.Event()
+        self._streams: dict[str, asyncio.Queue[RequestOutput]] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+        self._error: BaseException | None = None
+        self._pending: set[concurrent.futures.Future[Any]] = set()
+        self._stats = engine.stats()
+
+    def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
+        self._thread.start()
+
+    def shutdown(self) -> None:
+        """Stop the engine thread after its current step. Idempotent."""
+        self._stopping = True
+        self._wakeup.set()
+        if self._thread is not None:
+            self._thread.join(timeout=30)
+
+    @property
+    def stats(self) -> EngineStats:
+        """Snapshot taken after the latest step (never blocks on the engine)."""
+        return self._stats
+
+    @property
+    def is_alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive() and self._error is None
+
+    # ----------------------------------------------------------------------------- asyncio side
+    async def call(self, fn: Callable[[LLMEngine], T]) -> T:
+        """Run ``fn(engine)`` on the engine thread between steps and return its result."""
+        self._check_alive()
+        future: concurrent.futures.Future[T] = concurrent.futures.Future()
+
+        def command() -> None:
+            self._pending.discard(future)
+            if not future.set_running_or_notify_cancel():
+                return
+            try:
+                future.set_result(fn(self.engine))
+            except BaseException as exc:  # handed to the awaiting caller
+                future.set_exception(exc)
+
+        self._pending.add(future)
+        self._commands.put(command)
+        self._wakeup.set()
+        return await asyncio.wrap_future(future)
+
+    async def generate(
+        self, req_id: str, add: Callable[[LLMEngine], Any]
+    ) -> AsyncIterator[RequestOutput]:
+        """Add a request with ``add(engine)`` (which may raise ``ValueError``) and yield its
+        outputs until the finished one. Closing or cancelling the iterator early aborts it."""
+        if req_id in self._streams:
+            raise ValueError(f"request_id {req_id!r} is already in flight")
+        stream: asyncio.Queue[RequestOutput] = asyncio.Queue()
+        self._streams[req_id] = stream
+        finished = False
+        try:
+            await self.call(add)
+            while True:
+                output = await stream.get()
+                if isinstance(output, EngineDeadError):
+                    raise output
+                yield output
+                if output.finished:
+                    finished = True
+                    return
+        finally:
+            self._streams.pop(req_id, None)
+            if not finished and self.is_alive:
+                self.abort(req_id)
+
+    def abort(self, req_id: str) -> None:
+        """Abort ``req_id`` on the engine thread (fire and forget; unknown ids are ignored)."""
+        self._commands.put(lambda: self._dispatch_abort(req_id))
+        self._wakeup.set()
+
+    async def abort_and_wait(self, req_id: str) -> bool:
+        """Abort ``req_id`` and wait for it; True if a request was aborted there and then."""
+        return await self.call(lambda _: self._dispatch_abort(req_id))
+
+    def _check_alive(self) -> None:
+        if not self.is_alive:
+            raise EngineDeadError(f"engine is not running: {self._error!r}")
+
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        for output in outputs:
+            stream = self._streams.get(output.req_id)
+            if stream is not None:
+                stream.put_nowait(output)
+
+    def _fail_all(self, error: EngineDeadError) -> None:
+        for stream in self._streams.values():
+            stream.put_nowait(error)  # type: ignore[arg-type]
+
+    # ----------------------------------------------------------------------------- engine thread
+    def _dispatch_abort(self, req_id: str) -> bool:
+        outputs = self.hooks.abort(self.engine, req_id)
+        if outputs:
+            self._post(outputs)
+        return bool(outputs)
+
+    def _post(self, outputs: list[RequestOutput]) -> None:
+        assert self._loop is not None
+        self._loop.call_soon_threadsafe(self._deliver, outputs)
+
+    def _run(self) -> None:
+        engine = self.engine
+        try:
+            while not self._stopping:
+                self._drain_commands()
+                self.hooks.before_step(engine)
+                did_work = False
+                if engine.has_unfinished_requests():
+                    outputs = engine.step()
+                    did_work = engine.last_num_scheduled_tokens > 0
+                    self.hooks.after_step(engine, outputs)
+                    if outputs:
+                        self._post(outputs)
+                self._stats = engine.stats()
+                if not did_work:
+                    self._wakeup.wait(_BUSY_POLL_S if self.hooks.busy else _IDLE_POLL_S)
+                    self._wakeup.clear()
+        except BaseException as exc:
+            logger.exception("engine loop crashed")
+            self._error = exc
+            error = EngineDeadError(f"engine loop crashed: {exc!r}")
+            for future in list(self._pending):
+                if not future.done():
+                    future.set_exception(error)
+            assert self._loop is not None
+            self._loop.call_soon_threadsafe(self._fail_all, error)
+
+    def _drain_commands(self) -> None:
+        while True:
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            command()

@@ -1,0 +1,97 @@
+"""gRPC server plumbing shared by the router and the workers.
+
+Every server gets standard ``grpc.health.v1`` health checking (NOT_SERVING until ready) and
+server reflection, stops gracefully on SIGTERM / SIGINT, and exposes the same channel options.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+from collections.abc import Awaitable, Callable, Sequence
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+logger = logging.getLogger(__name__)
+
+# Prompts of 100k+ tokens and their responses must fit.
+MAX_MESSAGE_BYTES = 64 * 2**20
+CHANNEL_OPTIONS = (
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+)
+OVERALL_HEALTH = ""  # the health service name that covers the whole server
+
+
+class ServingServer:
+    """A started ``grpc.aio`` server plus its health servicer."""
+
+    def __init__(
+        self, server: grpc.aio.Server, health_servicer: health.aio.HealthServicer, port: int
+    ):
+        self.server = server
+        self.health = health_servicer
+        self.port = port
+
+    async def set_serving(self, service_names: Sequence[str]) -> None:
+        for name in (OVERALL_HEALTH, *service_names):
+            await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+
+    async def stop(self, grace_s: float) -> None:
+        await self.health.enter_graceful_shutdown()
+        await self.server.stop(grace_s)
+
+
+async def start_server(
+    host: str,
+    port: int,
+    register: Callable[[grpc.aio.Server], None],
+    service_names: Sequence[str],
+) -> ServingServer:
+    """Create, bind and start a server; ``register`` adds the servicers.
+
+    Health reports NOT_SERVING until ``ServingServer.set_serving`` is called.
+    """
+    server = grpc.aio.server(options=CHANNEL_OPTIONS)
+    register(server)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    for name in (OVERALL_HEALTH, *service_names):
+        await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+    reflection.enable_server_reflection(
+        (*service_names, health.SERVICE_NAME, reflection.SERVICE_NAME), server
+    )
+    bound_port = server.add_insecure_port(f"{host}:{port}")
+    if bound_port == 0:
+        raise OSError(f"cannot bind gRPC server to {host}:{port}")
+    await server.start()
+    return ServingServer(server, health_servicer, bound_port)
+
+
+async def serve_until_signal(
+    serving: ServingServer, cleanup: Callable[[], Awaitable[None]] | None = None
+) -> None:
+    """Block until SIGTERM / SIGINT, then stop the server (5 s grace) and run ``cleanup``."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    server_done = asyncio.ensure_future(serving.server.wait_for_termination())
+    stop_requested = asyncio.ensure_future(stop.wait())
+    await asyncio.wait({server_done, stop_requested}, return_when=asyncio.FIRST_COMPLETED)
+    logger.info("shutting down")
+    await serving.stop(grace_s=5.0)
+    if cleanup is not None:
+        await cleanup()
+    for task in (server_done, stop_requested):
+        task.cancel()
+
+
+def grpc_abort_code(exc: BaseException) -> grpc.StatusCode:
+    """The status code a handler should answer for an exception from request handling."""
+    if isinstance(exc, ValueError):
+        return grpc.StatusCode.INVALID_ARGUMENT
+    return grpc.StatusCode.INTERNAL

@@ -1,0 +1,64 @@
+"""Configuration and process entry shared by the prefill and decode workers."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import socket
+from dataclasses import dataclass
+
+from engine.config import EngineConfig
+from engine.flags import add_flags, flag, from_args
+
+KV_TRANSFER_BACKENDS = ("tcp",)
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerConfig:
+    """A worker process: its engine plus how it serves gRPC and KV transfers."""
+
+    engine: EngineConfig
+    host: str = flag("127.0.0.1", "address the gRPC server binds (0.0.0.0 in a pod)")
+    port: int = flag(50061, "gRPC port (0: any free port)")
+    worker_id: str = flag("", "unique worker id (default: <role>-<hostname>-<port>)")
+    kv_transfer: str = flag("tcp", "KV transfer backend", choices=KV_TRANSFER_BACKENDS)
+    kv_host: str = flag("127.0.0.1", "address the KV transfer listener binds")
+    kv_advertise_host: str | None = flag(
+        None, "address peers use to reach this worker's KV (default: --kv-host)"
+    )
+    lease_ttl_s: float = flag(
+        30.0, "prefill: seconds a finished prefill's blocks wait for the decode side's pull"
+    )
+
+    def __post_init__(self) -> None:
+        if self.lease_ttl_s <= 0:
+            raise ValueError(f"lease_ttl_s must be > 0, got {self.lease_ttl_s}")
+
+    def resolved_worker_id(self, role: str, port: int) -> str:
+        return self.worker_id or f"{role}-{socket.gethostname()}-{port}"
+
+
+def parse_worker_args(role: str, argv: list[str] | None) -> WorkerConfig:
+    """``python -m services.<role>`` flags: every engine flag plus the worker's own."""
+    parser = argparse.ArgumentParser(
+        prog=f"python -m services.{role}", description=f"splitserve {role} worker"
+    )
+    add_flags(parser, EngineConfig)
+    add_flags(parser, WorkerConfig)
+    parser.add_argument(
+        "--log-level",
+        default=os.environ.get("SPLITSERVE_LOG_LEVEL", "INFO"),
+        help="logging level [env SPLITSERVE_LOG_LEVEL]",
+    )
+    args = parser.parse_args(argv)
+    configure_logging(args.log_level)
+    # Workers hand text and stop strings to the router.
+    engine = from_args(EngineConfig, args, detokenize=False)
+    return from_args(WorkerConfig, args, engine=engine)
+
+
+def configure_logging(level: str) -> None:
+    logging.basicConfig(
+        level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )

@@ -1,0 +1,100 @@
+"""Process lifecycle of a worker: load the engine, open the KV transfer endpoint, serve gRPC."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import grpc
+
+from engine.llm_engine import LLMEngine
+from kvtransfer.base import KVTransferBackend, PeerInfo
+from kvtransfer.registry import make_backend
+from services.common.convert import peer_info_to_proto
+from services.common.engine_loop import EngineHooks, EngineLoop
+from services.common.grpc_server import serve_until_signal, start_server
+from services.common.worker_config import WorkerConfig
+from splitserve.v1 import worker_pb2
+
+logger = logging.getLogger(__name__)
+
+ROLE_NAMES = {worker_pb2.WORKER_ROLE_PREFILL: "prefill", worker_pb2.WORKER_ROLE_DECODE: "decode"}
+
+
+@dataclass(slots=True)
+class WorkerRuntime:
+    """Everything a worker's gRPC servicer needs. ``loop`` owns the engine once started."""
+
+    config: WorkerConfig
+    role: worker_pb2.WorkerRole.ValueType
+    worker_id: str
+    engine: LLMEngine
+    loop: EngineLoop
+    kv_backend: KVTransferBackend
+    kv_peer: PeerInfo
+
+    def info(self) -> worker_pb2.WorkerInfo:
+        return worker_pb2.WorkerInfo(
+            worker_id=self.worker_id,
+            role=self.role,
+            model=self.config.engine.model,
+            vocab_size=self.engine.vocab_size,
+            max_model_len=self.engine.max_model_len,
+            block_size=self.config.engine.block_size,
+            kv_peer=peer_info_to_proto(self.kv_peer),
+            kv_transfer_backend=self.kv_backend.name,
+        )
+
+
+def build_runtime(
+    config: WorkerConfig,
+    role: worker_pb2.WorkerRole.ValueType,
+    port: int,
+    make_hooks: Callable[[KVTransferBackend], EngineHooks],
+) -> WorkerRuntime:
+    """Load the model and register its KV cache with the transfer backend (blocking)."""
+    worker_id = config.resolved_worker_id(ROLE_NAMES[role], port)
+    engine = LLMEngine(config.engine)
+    backend = make_backend(
+        config.kv_transfer,
+        worker_id,
+        host=config.kv_host,
+        advertise_host=config.kv_advertise_host,
+    )
+    runner = engine.runner
+    kv_peer = backend.register_kv_cache(runner.kv_cache, runner.kv_cache_spec)
+    loop = EngineLoop(engine, make_hooks(backend))
+    return WorkerRuntime(config, role, worker_id, engine, loop, backend, kv_peer)
+
+
+async def serve_worker(
+    config: WorkerConfig,
+    role: worker_pb2.WorkerRole.ValueType,
+    service_name: str,
+    make_hooks: Callable[[KVTransferBackend], EngineHooks],
+    add_servicer: Callable[[WorkerRuntime, grpc.aio.Server], None],
+) -> None:
+    """Run a worker until SIGTERM / SIGINT. Health turns SERVING once the engine is loaded."""
+    runtime = await asyncio.to_thread(build_runtime, config, role, config.port, make_hooks)
+    serving = await start_server(
+        config.host, config.port, lambda server: add_servicer(runtime, server), (service_name,)
+    )
+    runtime.loop.start()
+    await serving.set_serving((service_name,))
+    logger.info(
+        "%s worker %s serving on %s:%d (KV over %s at %s)",
+        ROLE_NAMES[role],
+        runtime.worker_id,
+        config.host,
+        serving.port,
+        runtime.kv_backend.name,
+        runtime.kv_peer.address,
+    )
+
+    async def cleanup() -> None:
+        runtime.loop.shutdown()
+        runtime.kv_backend.close()
+
+    await serve_until_signal(serving, cleanup)

@@ -1,0 +1,1 @@
+"""The decode worker: pulls prefilled KV, continues requests in its running batch."""

@@ -1,0 +1,128 @@
+"""Pulling prefilled KV into a decode engine without stalling its running batch.
+
+A request that arrives with a ``KVRef`` is added with ``num_external_tokens`` = its prompt
+length. When the scheduler admits it, it allocates the request's blocks (reusing this worker's own
+prefix-cache hits) and announces a ``KVLoad``; only the blocks after the local hits are read from
+the source. Reads run on the backend's threads while the engine keeps stepping; each finished
+read is reported to the scheduler (a failed one means the prompt is recomputed here) and released
+at the source so its lease ends.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+from engine.kv_cache_manager import cdiv
+from engine.llm_engine import LLMEngine
+from engine.outputs import RequestOutput
+from engine.scheduler import KVLoad
+from kvtransfer.base import KVRef, KVTransferBackend, KVTransferError, PeerInfo, TransferState
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class PullResult:
+    """How a request's KV arrived: blocks read from the source, or failed (recomputed)."""
+
+    num_transferred_blocks: int
+    failed: bool
+
+
+class KVPullHooks:
+    """``EngineHooks`` of a decode worker. Methods run on the engine thread except
+    ``take_result``, called by the gRPC handler after the request's final output."""
+
+    def __init__(self, backend: KVTransferBackend, block_size: int) -> None:
+        self.backend = backend
+        self.block_size = block_size
+        self._sources: dict[str, KVRef] = {}
+        self._in_flight: dict[str, int] = {}  # req_id -> number of blocks being read
+        self._abort_when_done: set[str] = set()
+        self._results: dict[str, PullResult] = {}
+        self.num_transfers_failed = 0
+
+    def expect(self, req_id: str, src: KVRef, peer: PeerInfo) -> bool:
+        """Register the source of ``req_id``'s external KV before the request is added.
+
+        False (and the failure is recorded) when the peer cannot be paired with: the caller
+        then prefills the prompt locally.
+        """
+        try:
+            self.backend.add_peer(peer)
+        except KVTransferError as exc:
+            logger.warning("req_id=%s cannot pair with KV peer (%s); prefilling here", req_id, exc)
+            self.num_transfers_failed += 1
+            self._results[req_id] = PullResult(0, failed=True)
+            return False
+        self._sources[req_id] = src
+        return True
+
+    def take_result(self, req_id: str) -> PullResult | None:
+        return self._results.pop(req_id, None)
+
+    @property
+    def busy(self) -> bool:
+        return bool(self._in_flight)
+
+    def before_step(self, engine: LLMEngine) -> None:
+        self._start_loads(engine)
+        if not self._in_flight:
+            return
+        for req_id, state in self.backend.poll().items():
+            if state == TransferState.PENDING:
+                continue
+            num_blocks = self._in_flight.pop(req_id)
+            ok = state == TransferState.DONE
+            if not ok:
+                self.num_transfers_failed += 1
+                logger.warning("req_id=%s KV pull failed; recomputing the prompt", req_id)
+            self._results[req_id] = PullResult(num_blocks if ok else 0, failed=not ok)
+            self.backend.release(req_id)
+            if req_id in self._abort_when_done:
+                self._abort_when_done.discard(req_id)
+                engine.abort_requests([req_id])
+                continue
+            engine.finish_kv_load(req_id, ok)
+
+    def after_step(self, engine: LLMEngine, outputs: list[RequestOutput]) -> None:
+        # Reads start right after the step that admitted their requests, not a step later.
+        self._start_loads(engine)
+        for output in outputs:
+            if output.finished:
+                self._sources.pop(output.req_id, None)
+
+    def abort(self, engine: LLMEngine, req_id: str) -> list[RequestOutput]:
+        if req_id in self._in_flight:
+            # The read still writes into the request's blocks: free them only once it ends.
+            self._abort_when_done.add(req_id)
+            return []
+        self._sources.pop(req_id, None)
+        self._results.pop(req_id, None)
+        return engine.abort_requests([req_id])
+
+    def _start_loads(self, engine: LLMEngine) -> None:
+        for load in engine.take_kv_loads():
+            self._start(engine, load)
+
+    def _start(self, engine: LLMEngine, load: KVLoad) -> None:
+        src = self._sources.pop(load.req_id, None)
+        if src is None:  # aborted between the step that admitted it and now
+            return
+        first = load.num_local_hit_tokens // self.block_size
+        last = cdiv(load.num_external_tokens, self.block_size)
+        dst_block_ids = load.block_ids[first:last]
+        src_ref = KVRef(src.engine_id, src.req_id, src.block_ids[first:last], src.num_tokens)
+        try:
+            self.backend.start_read(load.req_id, src_ref, dst_block_ids)
+        except KVTransferError as exc:
+            logger.warning("req_id=%s cannot start KV pull (%s); recomputing", load.req_id, exc)
+            self.num_transfers_failed += 1
+            self._results[load.req_id] = PullResult(0, failed=True)
+            engine.finish_kv_load(load.req_id, False)
+            return
+        self._in_flight[load.req_id] = len(dst_block_ids)
+        logger.debug(
+            "req_id=%s pulling %d blocks (%d local hits)", load.req_id, len(dst_block_ids), first
+        )

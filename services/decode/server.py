@@ -1,0 +1,149 @@
+"""``DecodeWorker`` gRPC service: the engine in decode role.
+
+A request arrives with its prompt and the tokens already sampled (the prefill worker's first
+token). With a ``KVRef`` the prompt's KV is pulled (see ``kv_puller``); without one, or when the
+pull fails, the prompt is prefilled here (colocated mode, no prefill worker, failed transfer).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import sys
+from collections.abc import AsyncIterator
+
+import grpc
+
+from engine.llm_engine import LLMEngine
+from engine.outputs import RequestOutput
+from kvtransfer.base import KVRef, KVTransferBackend
+from services.common.convert import (
+    kv_ref_from_proto,
+    load_to_proto,
+    logprobs_to_proto,
+    peer_info_from_proto,
+    sampling_params_from_worker,
+)
+from services.common.engine_loop import EngineDeadError
+from services.common.worker_config import parse_worker_args
+from services.common.worker_runtime import WorkerRuntime, serve_worker
+from services.decode.kv_puller import KVPullHooks
+from splitserve.v1 import worker_pb2, worker_pb2_grpc
+
+logger = logging.getLogger(__name__)
+
+SERVICE_NAME = "splitserve.v1.DecodeWorker"
+
+
+class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
+    """Handlers run on the asyncio loop; the engine runs on ``runtime.loop``'s thread."""
+
+    def __init__(self, runtime: WorkerRuntime) -> None:
+        assert isinstance(runtime.loop.hooks, KVPullHooks)
+        self.runtime = runtime
+        self.puller: KVPullHooks = runtime.loop.hooks
+
+    async def Decode(
+        self, request: worker_pb2.DecodeRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[worker_pb2.DecodeResponse]:
+        req_id = request.request_id
+        try:
+            params = sampling_params_from_worker(request.sampling)
+        except ValueError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"sampling.{exc}")
+        prompt = list(request.prompt_token_ids)
+        output_token_ids = list(request.output_token_ids)
+        src: KVRef | None = None
+        if request.HasField("kv_ref"):
+            src = kv_ref_from_proto(request.kv_ref)
+            error = self._check_kv_ref(src, len(prompt))
+            if error:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, error)
+        peer = peer_info_from_proto(request.kv_peer)
+
+        def add(engine: LLMEngine) -> None:
+            if src is None or not self.puller.expect(req_id, src, peer):
+                engine.add_request(req_id, prompt, params, output_token_ids=output_token_ids)
+                return
+            try:
+                engine.add_request(
+                    req_id,
+                    prompt,
+                    params,
+                    output_token_ids=output_token_ids,
+                    num_external_tokens=src.num_tokens,
+                )
+            except ValueError:
+                self.puller.abort(engine, req_id)
+                raise
+
+        try:
+            async for output in self.runtime.loop.generate(req_id, add):
+                yield self._response(output)
+        except ValueError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        except EngineDeadError as exc:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+        except asyncio.CancelledError:
+            logger.info("req_id=%s cancelled by the caller", req_id)
+            raise
+
+    def _check_kv_ref(self, src: KVRef, num_prompt_tokens: int) -> str | None:
+        block_size = self.runtime.config.engine.block_size
+        if src.num_tokens != num_prompt_tokens:
+            return f"kv_ref: covers {src.num_tokens} tokens, the prompt has {num_prompt_tokens}"
+        if len(src.block_ids) != -(-src.num_tokens // block_size):
+            return (
+                f"kv_ref: {len(src.block_ids)} blocks cannot hold {src.num_tokens} tokens "
+                f"of block_size {block_size}"
+            )
+        return None
+
+    def _response(self, output: RequestOutput) -> worker_pb2.DecodeResponse:
+        new_ids = output.new_token_ids
+        response = worker_pb2.DecodeResponse(token_ids=new_ids, finished=output.finished)
+        if output.logprobs and new_ids:
+            response.logprobs.extend(
+                logprobs_to_proto(lp) for lp in output.logprobs[-len(new_ids) :]
+            )
+        if output.finished:
+            response.finish_reason = output.finish_reason or ""
+            if output.stop_reason is not None:
+                response.stop_reason = str(output.stop_reason)
+            response.num_cached_tokens = output.num_cached_tokens
+            result = self.puller.take_result(output.req_id)
+            if result is not None:
+                response.num_transferred_blocks = result.num_transferred_blocks
+                response.kv_transfer_failed = result.failed
+        return response
+
+    async def GetInfo(
+        self, request: worker_pb2.GetInfoRequest, context: grpc.aio.ServicerContext
+    ) -> worker_pb2.WorkerInfo:
+        return self.runtime.info()
+
+    async def GetLoad(
+        self, request: worker_pb2.GetLoadRequest, context: grpc.aio.ServicerContext
+    ) -> worker_pb2.WorkerLoad:
+        return load_to_proto(
+            self.runtime.loop.stats, num_transfers_failed=self.puller.num_transfers_failed
+        )
+
+
+def main(argv: list[str] | None = None) -> int:
+    config = parse_worker_args("decode", argv)
+
+    def make_hooks(backend: KVTransferBackend) -> KVPullHooks:
+        return KVPullHooks(backend, config.engine.block_size)
+
+    def add_servicer(runtime: WorkerRuntime, server: grpc.aio.Server) -> None:
+        worker_pb2_grpc.add_DecodeWorkerServicer_to_server(DecodeServicer(runtime), server)
+
+    asyncio.run(
+        serve_worker(config, worker_pb2.WORKER_ROLE_DECODE, SERVICE_NAME, make_hooks, add_servicer)
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,224 @@
+"""``splitserve up``: run a router and its workers as local processes.
+
+Each process is the plain service (``python -m services.prefill`` / ``.decode`` / ``.router``),
+exactly what a Kubernetes pod runs; the launcher only picks ports, passes the engine flags to
+every worker, waits for gRPC health, and tears everything down on Ctrl-C or when one of the
+processes it cannot lose (the router) exits. Ray replaces this launcher in its own module.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from engine.config import EngineConfig
+from engine.flags import add_flags, flag_name, from_args
+from services.router.config import MODES
+
+logger = logging.getLogger(__name__)
+
+_HEALTH_POLL_S = 0.2
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
+def engine_flags(config: EngineConfig) -> list[str]:
+    """Command-line flags that reproduce ``config`` in a worker process."""
+    argv: list[str] = []
+    for f in dataclasses.fields(config):
+        if "help" not in f.metadata:
+            continue
+        value = getattr(config, f.name)
+        if value is None:
+            continue
+        name = flag_name(f.name)
+        if isinstance(value, bool):
+            argv.append(name if value else "--no-" + name[2:])
+        else:
+            argv += [name, str(value)]
+    return argv
+
+
+@dataclass(slots=True)
+class ServiceProcess:
+    """One child process and the gRPC address it serves."""
+
+    role: str
+    address: str
+    argv: list[str]
+    popen: subprocess.Popen[bytes] | None = None
+
+    def start(self, env: dict[str, str]) -> None:
+        self.popen = subprocess.Popen(self.argv, env=env, start_new_session=True)
+
+    @property
+    def alive(self) -> bool:
+        return self.popen is not None and self.popen.poll() is None
+
+    def signal(self, sig: int) -> None:
+        if self.alive:
+            assert self.popen is not None
+            os.killpg(self.popen.pid, sig)
+
+
+@dataclass(slots=True)
+class LocalCluster:
+    """Router + workers on this machine. ``start()`` returns once everything is healthy."""
+
+    engine: EngineConfig
+    num_prefill: int = 1
+    num_decode: int = 1
+    mode: str = "disaggregated"
+    host: str = "127.0.0.1"
+    port: int = 0
+    extra_worker_flags: Sequence[str] = ()
+    extra_router_flags: Sequence[str] = ()
+    log_level: str = "WARNING"
+    processes: list[ServiceProcess] = field(default_factory=list)
+
+    @property
+    def router_address(self) -> str:
+        return self.processes[-1].address
+
+    def workers(self, role: str) -> list[ServiceProcess]:
+        return [p for p in self.processes if p.role == role]
+
+    def start(self, timeout_s: float = 300.0) -> str:
+        """Spawn workers, wait for their health, then the router; return its address."""
+        if self.mode == "colocated":
+            self.num_prefill = 0
+        env = dict(os.environ, SPLITSERVE_LOG_LEVEL=self.log_level)
+        python = sys.executable
+        worker_argv = [*engine_flags(self._engine_for_workers()), *self.extra_worker_flags]
+        for role, count in (("prefill", self.num_prefill), ("decode", self.num_decode)):
+            for _ in range(count):
+                port = free_port(self.host)
+                argv = [python, "-m", f"services.{role}", "--host", self.host, "--port", str(port)]
+                self.processes.append(
+                    ServiceProcess(role, f"{self.host}:{port}", argv + worker_argv)
+                )
+        for process in self.processes:
+            process.start(env)
+        deadline_s = time.monotonic() + timeout_s
+        for process in self.processes:
+            wait_healthy(process, deadline_s)
+        router_port = self.port or free_port(self.host)
+        router = ServiceProcess(
+            "router",
+            f"{self.host}:{router_port}",
+            [
+                python, "-m", "services.router",
+                "--model", self.engine.model,
+                "--host", self.host,
+                "--port", str(router_port),
+                "--mode", self.mode,
+                "--prefill-workers", ",".join(p.address for p in self.workers("prefill")),
+                "--decode-workers", ",".join(p.address for p in self.workers("decode")),
+                *self.extra_router_flags,
+            ],
+        )  # fmt: skip
+        self.processes.append(router)
+        router.start(env)
+        wait_healthy(router, deadline_s)
+        return router.address
+
+    def _engine_for_workers(self) -> EngineConfig:
+        """Split the cores between engine processes unless the thread count was given."""
+        if self.engine.num_threads is not None:
+            return self.engine
+        num_engines = max(self.num_prefill + self.num_decode, 1)
+        threads = max((os.cpu_count() or 1) // num_engines, 1)
+        return dataclasses.replace(self.engine, num_threads=threads)
+
+    def stop(self, timeout_s: float = 15.0) -> None:
+        """SIGTERM everything (router first), then SIGKILL what is left after ``timeout_s``."""
+        for process in reversed(self.processes):
+            process.signal(signal.SIGTERM)
+        deadline_s = time.monotonic() + timeout_s
+        for process in self.processes:
+            if process.popen is None:
+                continue
+            try:
+                process.popen.wait(max(deadline_s - time.monotonic(), 0.1))
+            except subprocess.TimeoutExpired:
+                process.signal(signal.SIGKILL)
+                process.popen.wait()
+
+
+def wait_healthy(process: ServiceProcess, deadline_s: float) -> None:
+    """Block until ``process`` answers SERVING on gRPC health; raise if it dies or times out."""
+    with grpc.insecure_channel(process.address) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        while True:
+            if not process.alive:
+                raise RuntimeError(f"{process.role} process ({' '.join(process.argv)}) exited")
+            try:
+                reply = stub.Check(health_pb2.HealthCheckRequest(), timeout=1.0)
+                if reply.status == health_pb2.HealthCheckResponse.SERVING:
+                    return
+            except grpc.RpcError:
+                pass
+            if time.monotonic() > deadline_s:
+                raise TimeoutError(f"{process.role} at {process.address} is not healthy in time")
+            time.sleep(_HEALTH_POLL_S)
+
+
+# ----------------------------------------------------------------------------- CLI
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "up", help="start a router plus prefill and decode workers as local processes"
+    )
+    add_flags(parser, EngineConfig)
+    parser.add_argument("--prefill", type=int, default=1, help="number of prefill workers")
+    parser.add_argument("--decode", type=int, default=1, help="number of decode workers")
+    parser.add_argument("--mode", default="disaggregated", choices=MODES)
+    parser.add_argument("--host", default="127.0.0.1", help="address every server binds")
+    parser.add_argument("--port", type=int, default=50051, help="router port")
+    parser.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    engine = from_args(EngineConfig, args)
+    cluster = LocalCluster(
+        engine=engine,
+        num_prefill=args.prefill,
+        num_decode=args.decode,
+        mode=args.mode,
+        host=args.host,
+        port=args.port,
+        log_level=args.log_level,
+    )
+    stop = False
+
+    def on_signal(signum: int, frame: object) -> None:
+        nonlocal stop
+        stop = True
+
+    signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGTERM, on_signal)
+    try:
+        address = cluster.start()
+        roles = ", ".join(f"{p.role}@{p.address}" for p in cluster.processes[:-1])
+        print(f"splitserve router listening on {address} ({args.mode}; {roles})", flush=True)
+        print(f'try: splitserve client --target {address} --chat "Hello!"', flush=True)
+        while not stop and cluster.processes[-1].alive:
+            time.sleep(0.5)
+    finally:
+        cluster.stop()
+    return 0

@@ -1,0 +1,80 @@
+"""Leases: the blocks of finished prefills, pinned until the decode side has pulled them.
+
+A finished prefill's blocks are published to the KV transfer backend under the request id and
+stay allocated until one of: the decode side releases them through the backend after its pull,
+the router calls ``Release`` (the request ended without a decode), or the lease expires (the
+decode side never came). An abandoned request therefore never strands KV for longer than the TTL.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+from engine.llm_engine import LLMEngine
+from engine.outputs import RequestOutput
+from kvtransfer.base import KVTransferBackend
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class Lease:
+    block_ids: tuple[int, ...]
+    expires_at_s: float
+
+
+class LeaseHooks:
+    """``EngineHooks`` of a prefill worker. All methods run on the engine thread except
+    ``get``, a lock-free read used by gRPC handlers after the request's final output."""
+
+    def __init__(self, backend: KVTransferBackend, ttl_s: float) -> None:
+        self.backend = backend
+        self.ttl_s = ttl_s
+        self._leases: dict[str, Lease] = {}
+        self.num_leases_expired = 0
+
+    def get(self, req_id: str) -> Lease | None:
+        return self._leases.get(req_id)
+
+    @property
+    def num_leases(self) -> int:
+        return len(self._leases)
+
+    @property
+    def busy(self) -> bool:
+        return bool(self._leases)
+
+    def after_step(self, engine: LLMEngine, outputs: list[RequestOutput]) -> None:
+        for output in outputs:
+            if not output.finished:
+                continue
+            block_ids = engine.held_kv_block_ids(output.req_id)
+            if not block_ids:
+                continue
+            self.backend.publish(output.req_id, block_ids)
+            self._leases[output.req_id] = Lease(tuple(block_ids), time.monotonic() + self.ttl_s)
+
+    def before_step(self, engine: LLMEngine) -> None:
+        for req_id in self.backend.take_released():
+            self.release(engine, req_id)
+        if not self._leases:
+            return
+        now_s = time.monotonic()
+        expired = [r for r, lease in self._leases.items() if lease.expires_at_s <= now_s]
+        for req_id in expired:
+            logger.warning("req_id=%s KV lease expired after %.1f s", req_id, self.ttl_s)
+            self.num_leases_expired += 1
+            self.release(engine, req_id)
+
+    def abort(self, engine: LLMEngine, req_id: str) -> list[RequestOutput]:
+        outputs = engine.abort_requests([req_id])
+        self.release(engine, req_id)
+        return outputs
+
+    def release(self, engine: LLMEngine, req_id: str) -> bool:
+        """Free a finished prefill's blocks (unpublishing them first). False if none held."""
+        self._leases.pop(req_id, None)
+        self.backend.unpublish(req_id)
+        return engine.release_held_kv(req_id)

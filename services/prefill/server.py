@@ -1,0 +1,147 @@
+"""``PrefillWorker`` gRPC service: the engine in prefill role.
+
+A prefill runs the request with ``max_tokens=1``: prefix-cache hits are reused, the rest of the
+prompt is computed, the first token is sampled. Unless that token already ends the request, the
+prompt's blocks stay pinned under a lease (see ``leases``) and the response carries a ``KVRef``
+the decode worker pulls them with.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import sys
+
+import grpc
+
+from engine.llm_engine import LLMEngine
+from engine.outputs import RequestOutput
+from kvtransfer.base import KVRef, KVTransferBackend
+from services.common.convert import (
+    kv_ref_to_proto,
+    load_to_proto,
+    logprobs_to_proto,
+    peer_info_to_proto,
+    sampling_params_from_worker,
+)
+from services.common.engine_loop import EngineDeadError
+from services.common.worker_config import parse_worker_args
+from services.common.worker_runtime import WorkerRuntime, serve_worker
+from services.prefill.leases import LeaseHooks
+from splitserve.v1 import worker_pb2, worker_pb2_grpc
+
+logger = logging.getLogger(__name__)
+
+SERVICE_NAME = "splitserve.v1.PrefillWorker"
+
+
+class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
+    """Handlers run on the asyncio loop; the engine runs on ``runtime.loop``'s thread."""
+
+    def __init__(self, runtime: WorkerRuntime) -> None:
+        assert isinstance(runtime.loop.hooks, LeaseHooks)
+        self.runtime = runtime
+        self.leases: LeaseHooks = runtime.loop.hooks
+
+    async def Prefill(
+        self, request: worker_pb2.PrefillRequest, context: grpc.aio.ServicerContext
+    ) -> worker_pb2.PrefillResponse:
+        req_id = request.request_id
+        prompt = list(request.prompt_token_ids)
+        try:
+            params = sampling_params_from_worker(request.sampling)
+        except ValueError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"sampling.{exc}")
+        hold_kv = params.max_tokens > 1
+        first_token_params = dataclasses.replace(params, max_tokens=1)
+
+        def add(engine: LLMEngine) -> None:
+            engine.add_request(req_id, prompt, first_token_params, hold_kv=hold_kv)
+
+        loop = self.runtime.loop
+        final: RequestOutput | None = None
+        try:
+            async for output in loop.generate(req_id, add):
+                final = output
+        except ValueError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        except EngineDeadError as exc:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+        except asyncio.CancelledError:
+            # The request may have finished (and leased its blocks) just before the cancel.
+            loop.abort(req_id)
+            raise
+        assert final is not None and final.finished
+        return await self._respond(req_id, prompt, params.max_tokens, final)
+
+    async def _respond(
+        self, req_id: str, prompt: list[int], max_tokens: int, final: RequestOutput
+    ) -> worker_pb2.PrefillResponse:
+        token_id = final.token_ids[0]
+        response = worker_pb2.PrefillResponse(
+            token_id=token_id,
+            num_cached_tokens=final.num_cached_tokens,
+            kv_peer=peer_info_to_proto(self.runtime.kv_peer),
+        )
+        if final.logprobs:
+            response.logprob.CopyFrom(logprobs_to_proto(final.logprobs[0]))
+        # "length" only means the max_tokens=1 cap of the prefill unless the client asked for 1.
+        if final.finish_reason == "stop" or max_tokens == 1:
+            response.finished = True
+            response.finish_reason = final.finish_reason or "length"
+            await self.runtime.loop.call(lambda e: self.leases.release(e, req_id))
+            return response
+        lease = self.leases.get(req_id)
+        assert lease is not None, f"req_id={req_id} finished prefill without a lease"
+        ref = KVRef(
+            engine_id=self.runtime.kv_peer.engine_id,
+            req_id=req_id,
+            block_ids=lease.block_ids,
+            num_tokens=len(prompt),
+        )
+        response.kv_ref.CopyFrom(kv_ref_to_proto(ref))
+        logger.debug("req_id=%s prefilled: %d blocks leased", req_id, len(lease.block_ids))
+        return response
+
+    async def Release(
+        self, request: worker_pb2.ReleaseRequest, context: grpc.aio.ServicerContext
+    ) -> worker_pb2.ReleaseResponse:
+        req_id = request.request_id
+        loop = self.runtime.loop
+        released = await loop.call(lambda e: self.leases.release(e, req_id))
+        aborted = await loop.abort_and_wait(req_id)
+        return worker_pb2.ReleaseResponse(released=released or aborted)
+
+    async def GetInfo(
+        self, request: worker_pb2.GetInfoRequest, context: grpc.aio.ServicerContext
+    ) -> worker_pb2.WorkerInfo:
+        return self.runtime.info()
+
+    async def GetLoad(
+        self, request: worker_pb2.GetLoadRequest, context: grpc.aio.ServicerContext
+    ) -> worker_pb2.WorkerLoad:
+        return load_to_proto(
+            self.runtime.loop.stats,
+            num_kv_leases=self.leases.num_leases,
+            num_leases_expired=self.leases.num_leases_expired,
+        )
+
+
+def main(argv: list[str] | None = None) -> int:
+    config = parse_worker_args("prefill", argv)
+
+    def make_hooks(backend: KVTransferBackend) -> LeaseHooks:
+        return LeaseHooks(backend, config.lease_ttl_s)
+
+    def add_servicer(runtime: WorkerRuntime, server: grpc.aio.Server) -> None:
+        worker_pb2_grpc.add_PrefillWorkerServicer_to_server(PrefillServicer(runtime), server)
+
+    asyncio.run(
+        serve_worker(config, worker_pb2.WORKER_ROLE_PREFILL, SERVICE_NAME, make_hooks, add_servicer)
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

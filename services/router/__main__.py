@@ -1,0 +1,9 @@
+"""``python -m services.router``: run the router."""
+
+from __future__ import annotations
+
+import sys
+
+from services.router.server import main
+
+sys.exit(main())

@@ -1,0 +1,71 @@
+"""Router configuration: every field is a flag with an env var (see ``engine.flags``)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from dataclasses import dataclass
+
+from engine.flags import add_flags, flag, from_args
+
+MODES = ("disaggregated", "colocated")
+
+
+def _split_addresses(text: str) -> tuple[str, ...]:
+    return tuple(a.strip() for a in text.split(",") if a.strip())
+
+
+@dataclass(frozen=True, slots=True)
+class RouterConfig:
+    """How the router listens, which workers it drives, and its admission limits."""
+
+    model: str = flag(help="model directory, .gguf file or alias (for the tokenizer)")
+    host: str = flag("127.0.0.1", "address the gRPC server binds (0.0.0.0 in a pod)")
+    port: int = flag(50051, "client-facing gRPC port")
+    prefill_workers: str = flag("", "comma-separated host:port of prefill workers")
+    decode_workers: str = flag("", "comma-separated host:port of decode workers")
+    mode: str = flag(
+        "disaggregated",
+        "disaggregated: prefill workers build the KV, decode workers pull it; "
+        "colocated: decode workers run whole requests",
+        choices=MODES,
+    )
+    max_inflight_requests: int = flag(1024, "requests in flight before RESOURCE_EXHAUSTED")
+    health_check_interval_s: float = flag(0.5, "seconds between worker load/health polls")
+    max_decode_retries: int = flag(
+        2, "times a request moves to another decode worker when its worker fails"
+    )
+    seed: int = flag(0, "seed of the router's tie-breaking")
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
+        if not self.decode_address_list:
+            raise ValueError("decode_workers: at least one decode worker address is required")
+        if self.max_inflight_requests < 1:
+            raise ValueError(
+                f"max_inflight_requests must be >= 1, got {self.max_inflight_requests}"
+            )
+
+    @property
+    def prefill_address_list(self) -> tuple[str, ...]:
+        return _split_addresses(self.prefill_workers)
+
+    @property
+    def decode_address_list(self) -> tuple[str, ...]:
+        return _split_addresses(self.decode_workers)
+
+
+def parse_router_args(argv: list[str] | None) -> tuple[RouterConfig, str]:
+    """Flags of ``python -m services.router``; returns the config and the log level."""
+    parser = argparse.ArgumentParser(
+        prog="python -m services.router", description="splitserve router"
+    )
+    add_flags(parser, RouterConfig)
+    parser.add_argument(
+        "--log-level",
+        default=os.environ.get("SPLITSERVE_LOG_LEVEL", "INFO"),
+        help="logging level [env SPLITSERVE_LOG_LEVEL]",
+    )
+    args = parser.parse_args(argv)
+    return from_args(RouterConfig, args), args.log_level

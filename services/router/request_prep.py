@@ -1,0 +1,111 @@
+"""Validate a client's ``GenerateRequest`` and turn it into token ids plus engine params.
+
+Every rejection is a ``ValueError`` whose message names the offending field; the server maps it
+to ``INVALID_ARGUMENT``. Checks that need the model (vocabulary, context length) use the
+``WorkerInfo`` the workers report, so the router and the engines agree on the limits.
+"""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass
+
+import jinja2
+
+from engine.sampling_params import SamplingParams
+from engine.tokenizer import Tokenizer
+from services.common.convert import sampling_params_from_client
+from splitserve.v1 import router_pb2
+
+MAX_REQUEST_ID_CHARS = 256
+CHAT_ROLES = frozenset({"system", "user", "assistant", "tool"})
+
+
+@dataclass(frozen=True, slots=True)
+class ModelLimits:
+    vocab_size: int
+    max_model_len: int
+
+
+@dataclass(frozen=True, slots=True)
+class PreparedRequest:
+    req_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+
+
+def prepare_request(
+    request: router_pb2.GenerateRequest, tokenizer: Tokenizer, limits: ModelLimits
+) -> PreparedRequest:
+    """Raises ``ValueError`` naming the field when the request cannot be served."""
+    req_id = request.request_id or uuid.uuid4().hex
+    if len(req_id) > MAX_REQUEST_ID_CHARS:
+        raise ValueError(f"request_id: longer than {MAX_REQUEST_ID_CHARS} characters")
+    try:
+        params = sampling_params_from_client(request.sampling)
+    except ValueError as exc:
+        raise ValueError(f"sampling.{exc}") from None
+    prompt_token_ids = _prompt_token_ids(request, tokenizer)
+    _check_limits(prompt_token_ids, params, limits)
+    return PreparedRequest(req_id, prompt_token_ids, params)
+
+
+def _prompt_token_ids(request: router_pb2.GenerateRequest, tokenizer: Tokenizer) -> list[int]:
+    given = [
+        name
+        for name, present in (
+            ("prompt", request.HasField("prompt")),
+            ("token_ids", bool(request.token_ids)),
+            ("messages", bool(request.messages)),
+        )
+        if present
+    ]
+    if not given:
+        raise ValueError("prompt: one of prompt, token_ids or messages is required")
+    if len(given) > 1:
+        raise ValueError(
+            f"{given[0]}: only one of prompt, token_ids, messages may be set; got {given}"
+        )
+    if request.HasField("prompt"):
+        if not request.prompt:
+            raise ValueError("prompt: must not be empty")
+        return tokenizer.encode(request.prompt)
+    if request.token_ids:
+        return list(request.token_ids)
+    for i, message in enumerate(request.messages):
+        if message.role not in CHAT_ROLES:
+            raise ValueError(
+                f"messages[{i}].role: {message.role!r} is not one of {sorted(CHAT_ROLES)}"
+            )
+    try:
+        ids = tokenizer.encode_chat(
+            [{"role": m.role, "content": m.content} for m in request.messages]
+        )
+    except (jinja2.TemplateError, ValueError) as exc:
+        raise ValueError(f"messages: the chat template rejected them: {exc}") from None
+    if not ids:
+        raise ValueError("messages: rendered to an empty prompt")
+    return ids
+
+
+def _check_limits(prompt_token_ids: list[int], params: SamplingParams, limits: ModelLimits) -> None:
+    bad = next((t for t in prompt_token_ids if not 0 <= t < limits.vocab_size), None)
+    if bad is not None:
+        raise ValueError(f"token_ids: id {bad} is outside the vocabulary [0, {limits.vocab_size})")
+    bad_stop = next((t for t in params.stop_token_ids if t >= limits.vocab_size), None)
+    if bad_stop is not None:
+        raise ValueError(
+            f"sampling.stop_token_ids: id {bad_stop} is outside the vocabulary "
+            f"[0, {limits.vocab_size})"
+        )
+    num_prompt = len(prompt_token_ids)
+    if num_prompt >= limits.max_model_len:
+        raise ValueError(
+            f"prompt: {num_prompt} tokens do not fit the context of {limits.max_model_len} "
+            "(at least one token must be generated)"
+        )
+    if num_prompt + params.max_tokens > limits.max_model_len:
+        raise ValueError(
+            f"sampling.max_tokens: {params.max_tokens} + {num_prompt} prompt tokens exceeds the "
+            f"context of {limits.max_model_len}"
+        )

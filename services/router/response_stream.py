@@ -1,0 +1,84 @@
+"""Turn the token batches workers send into the client's stream of ``GenerateResponse``s.
+
+The router owns text: it detokenizes incrementally, enforces stop strings (no text past one;
+the worker is then cancelled) and fills ``finish_reason`` and ``usage`` on the last message.
+Like the offline engine, a stop token (eos / stop_token_ids) adds no text.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from engine.detokenizer import IncrementalDetokenizer
+from engine.sampling_params import SamplingParams
+from engine.tokenizer import Tokenizer
+from services.common.convert import FINISH_REASONS
+from splitserve.v1 import router_pb2, worker_pb2
+
+
+class ResponseStream:
+    """Per-request state of the client stream. ``finished`` once the last message is built."""
+
+    def __init__(
+        self,
+        req_id: str,
+        tokenizer: Tokenizer,
+        prompt_token_ids: Sequence[int],
+        params: SamplingParams,
+    ) -> None:
+        self.req_id = req_id
+        self.num_prompt_tokens = len(prompt_token_ids)
+        self.detokenizer = IncrementalDetokenizer(tokenizer.backend, prompt_token_ids, params)
+        self.output_token_ids: list[int] = []
+        self.num_cached_tokens = 0
+        self.finished = False
+
+    def push(
+        self,
+        token_ids: Sequence[int],
+        logprobs: Sequence[worker_pb2.TokenLogprob] = (),
+        *,
+        finish_reason: str = "",
+        stop_reason: str = "",
+    ) -> router_pb2.GenerateResponse:
+        """Append a worker's new tokens; return the client message for them.
+
+        ``finish_reason`` / ``stop_reason`` are the worker's (``stop`` with a token id means the
+        last token is a stop token). A stop string matched here finishes the stream too; tokens
+        after the one completing it are dropped.
+        """
+        assert not self.finished, "push() after the stream finished"
+        stop_by_token = finish_reason == "stop" and bool(stop_reason)
+        text_ids = token_ids[:-1] if stop_by_token else token_ids
+        kept = list(token_ids)
+        stop_str = None
+        for i, token_id in enumerate(text_ids):
+            stop_str = self.detokenizer.update([token_id])
+            if stop_str is not None:
+                kept = kept[: i + 1]
+                finish_reason, stop_reason = "stop", stop_str
+                break
+        self.output_token_ids.extend(kept)
+        self.finished = bool(finish_reason)
+        message = router_pb2.GenerateResponse(
+            request_id=self.req_id,
+            token_ids=kept,
+            text=self.detokenizer.take_delta(self.finished),
+            logprobs=list(logprobs)[: len(kept)],
+        )
+        if self.finished:
+            message.finish_reason = FINISH_REASONS[finish_reason]
+            message.stop_reason = stop_reason
+            message.usage.CopyFrom(self.usage())
+        return message
+
+    def abort(self) -> router_pb2.GenerateResponse:
+        """The last message of a request the router ends itself (e.g. every worker failed)."""
+        return self.push((), finish_reason="abort")
+
+    def usage(self) -> router_pb2.Usage:
+        return router_pb2.Usage(
+            prompt_tokens=self.num_prompt_tokens,
+            completion_tokens=len(self.output_token_ids),
+            cached_tokens=self.num_cached_tokens,
+        )

@@ -1,0 +1,310 @@
+"""``Router`` gRPC service: validate, tokenize, prefill on one worker, decode on another.
+
+One generation (disaggregated mode)::
+
+    Generate ─▶ prepare (INVALID_ARGUMENT on bad input) ─▶ pick prefill P, decode D
+       P.Prefill ─▶ first token streamed to the client at once, KVRef of the leased prompt
+       D.Decode(prompt, [first], KVRef) ─▶ D pulls the blocks, streams tokens 2.. ─▶ client
+
+Failures degrade instead of failing the request: a prefill worker that is down or fails makes
+the decode worker prefill locally; a decode worker that fails mid-stream is replaced by another
+one that continues from the prompt plus the tokens already sent. A client cancel or an expired
+deadline cancels the worker calls (which abort the request and free its blocks) and releases a
+lease that no decode worker has consumed yet.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import sys
+from collections.abc import AsyncIterator
+
+import grpc
+
+from engine.loader.models import resolve_model
+from engine.tokenizer import Tokenizer
+from services.common.convert import sampling_params_to_worker
+from services.common.grpc_server import serve_until_signal, start_server
+from services.common.worker_config import configure_logging
+from services.router.config import RouterConfig, parse_router_args
+from services.router.request_prep import ModelLimits, PreparedRequest, prepare_request
+from services.router.response_stream import ResponseStream
+from services.router.worker_pool import WorkerHandle, WorkerPool
+from splitserve.v1 import router_pb2, router_pb2_grpc, worker_pb2
+
+logger = logging.getLogger(__name__)
+
+SERVICE_NAME = "splitserve.v1.Router"
+# Worker errors after which the request is retried elsewhere instead of failed.
+_RETRYABLE = frozenset(
+    {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN}
+)
+
+
+class RouterServicer(router_pb2_grpc.RouterServicer):
+    """Stateless per request except for the in-flight table used for admission."""
+
+    def __init__(self, config: RouterConfig, tokenizer: Tokenizer) -> None:
+        self.config = config
+        self.tokenizer = tokenizer
+        rng = random.Random(config.seed)
+        prefill = config.prefill_address_list if config.mode == "disaggregated" else ()
+        self.prefill_pool = WorkerPool(worker_pb2.WORKER_ROLE_PREFILL, prefill, rng)
+        self.decode_pool = WorkerPool(
+            worker_pb2.WORKER_ROLE_DECODE, config.decode_address_list, rng
+        )
+        self._inflight: set[str] = set()
+        self._background: set[asyncio.Future[None]] = set()
+        self._poller: asyncio.Task[None] | None = None
+
+    # ----------------------------------------------------------------------------- lifecycle
+    async def start(self) -> None:
+        await self._poll_once()
+        self._poller = asyncio.create_task(self._poll_forever())
+
+    async def stop(self) -> None:
+        if self._poller is not None:
+            self._poller.cancel()
+        await self.prefill_pool.close()
+        await self.decode_pool.close()
+
+    async def _poll_once(self) -> None:
+        await asyncio.gather(self.prefill_pool.poll_all(), self.decode_pool.poll_all())
+
+    async def _poll_forever(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.health_check_interval_s)
+            await self._poll_once()
+
+    def limits(self) -> ModelLimits | None:
+        """The model's limits as the workers report them (None until one has answered)."""
+        infos = [w.info for w in self.decode_pool.workers if w.info is not None]
+        if not infos:
+            return None
+        return ModelLimits(
+            vocab_size=min(i.vocab_size for i in infos),
+            max_model_len=min(i.max_model_len for i in infos),
+        )
+
+    # ----------------------------------------------------------------------------- Generate
+    async def Generate(
+        self, request: router_pb2.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[router_pb2.GenerateResponse]:
+        limits = self.limits()
+        if limits is None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "no decode worker has answered yet")
+        try:
+            prepared = prepare_request(request, self.tokenizer, limits)
+        except ValueError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        if prepared.req_id in self._inflight:
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"request_id: {prepared.req_id!r} is already in flight",
+            )
+        if len(self._inflight) >= self.config.max_inflight_requests:
+            await context.abort(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"{len(self._inflight)} requests in flight (max_inflight_requests)",
+            )
+        self._inflight.add(prepared.req_id)
+        try:
+            async for message in self._generate(prepared, context):
+                yield message
+        finally:
+            self._inflight.discard(prepared.req_id)
+
+    async def _generate(
+        self, prepared: PreparedRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[router_pb2.GenerateResponse]:
+        req_id = prepared.req_id
+        stream = ResponseStream(req_id, self.tokenizer, prepared.prompt_token_ids, prepared.params)
+        worker_params = sampling_params_to_worker(prepared.params)
+        decode_request = worker_pb2.DecodeRequest(
+            request_id=req_id, prompt_token_ids=prepared.prompt_token_ids, sampling=worker_params
+        )
+        lease_holder: WorkerHandle | None = None
+        try:
+            prefill = self.prefill_pool.pick()
+            if prefill is not None:
+                response = await self._prefill(prefill, prepared, worker_params, context)
+                if response is not None:
+                    stream.num_cached_tokens = response.num_cached_tokens
+                    logprobs = [response.logprob] if response.HasField("logprob") else []
+                    yield stream.push(
+                        [response.token_id],
+                        logprobs,
+                        finish_reason=response.finish_reason if response.finished else "",
+                        stop_reason=str(response.token_id)
+                        if response.finish_reason == "stop"
+                        else "",
+                    )
+                    decode_request.output_token_ids.extend(stream.output_token_ids)
+                    if response.HasField("kv_ref"):
+                        lease_holder = prefill
+                        decode_request.kv_ref.CopyFrom(response.kv_ref)
+                        decode_request.kv_peer.CopyFrom(response.kv_peer)
+                    if stream.finished:
+                        return
+            async for message in self._decode(decode_request, stream, context):
+                lease_holder = None  # the decode worker owns the pull and its release now
+                yield message
+        finally:
+            if lease_holder is not None:
+                await self._release(lease_holder, req_id)
+
+    async def _prefill(
+        self,
+        worker: WorkerHandle,
+        prepared: PreparedRequest,
+        worker_params: worker_pb2.WorkerSamplingParams,
+        context: grpc.aio.ServicerContext,
+    ) -> worker_pb2.PrefillResponse | None:
+        """Run the prefill; None when the worker failed (the decode worker prefills instead)."""
+        request = worker_pb2.PrefillRequest(
+            request_id=prepared.req_id,
+            prompt_token_ids=prepared.prompt_token_ids,
+            sampling=worker_params,
+        )
+        worker.num_inflight += 1
+        call = worker.stub.Prefill(request, timeout=context.time_remaining())
+        try:
+            return await call
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() not in _RETRYABLE:
+                await context.abort(exc.code(), exc.details() or "prefill failed")
+            worker.mark_failed(f"{exc.code().name}: {exc.details()}")
+            logger.warning(
+                "req_id=%s prefill on %s failed (%s); decoding worker prefills locally",
+                prepared.req_id,
+                worker.address,
+                exc.code().name,
+            )
+            return None
+        except asyncio.CancelledError:
+            call.cancel()
+            # A prefill that completed as we were cancelled leaves a lease; drop it now.
+            task = asyncio.ensure_future(self._release(worker, prepared.req_id))
+            self._background.add(task)
+            task.add_done_callback(self._background.discard)
+            raise
+        finally:
+            worker.num_inflight -= 1
+
+    async def _decode(
+        self,
+        request: worker_pb2.DecodeRequest,
+        stream: ResponseStream,
+        context: grpc.aio.ServicerContext,
+    ) -> AsyncIterator[router_pb2.GenerateResponse]:
+        """Stream the decode; on a worker failure continue on another worker."""
+        tried: set[str] = set()
+        for _ in range(self.config.max_decode_retries + 1):
+            worker = self.decode_pool.pick(exclude=tried)
+            if worker is None:
+                break
+            tried.add(worker.address)
+            worker.num_inflight += 1
+            call = worker.stub.Decode(request, timeout=context.time_remaining())
+            try:
+                async for response in call:
+                    if response.finished and not request.HasField("kv_ref"):
+                        stream.num_cached_tokens = response.num_cached_tokens
+                    message = stream.push(
+                        response.token_ids,
+                        response.logprobs,
+                        finish_reason=response.finish_reason if response.finished else "",
+                        stop_reason=response.stop_reason,
+                    )
+                    if message.token_ids or message.text or stream.finished:
+                        yield message
+                    if stream.finished:
+                        return
+            except grpc.aio.AioRpcError as exc:
+                if exc.code() not in _RETRYABLE:
+                    await context.abort(exc.code(), exc.details() or "decode failed")
+                worker.mark_failed(f"{exc.code().name}: {exc.details()}")
+                logger.warning(
+                    "req_id=%s decode on %s failed after %d tokens (%s); moving on",
+                    request.request_id,
+                    worker.address,
+                    len(stream.output_token_ids),
+                    exc.code().name,
+                )
+                # Continue from what the client already has, prefilling it locally.
+                del request.output_token_ids[:]
+                request.output_token_ids.extend(stream.output_token_ids)
+                request.ClearField("kv_ref")
+                request.ClearField("kv_peer")
+            finally:
+                # A no-op when the call completed; otherwise the worker aborts the request.
+                call.cancel()
+                worker.num_inflight -= 1
+        await context.abort(grpc.StatusCode.UNAVAILABLE, "no healthy decode worker")
+
+    async def _release(self, worker: WorkerHandle, req_id: str) -> None:
+        try:
+            await worker.stub.Release(worker_pb2.ReleaseRequest(request_id=req_id), timeout=5.0)
+        except grpc.aio.AioRpcError as exc:
+            logger.warning(
+                "req_id=%s release on %s failed: %s", req_id, worker.address, exc.code().name
+            )
+
+    # ----------------------------------------------------------------------------- Status
+    async def Status(
+        self, request: router_pb2.StatusRequest, context: grpc.aio.ServicerContext
+    ) -> router_pb2.StatusResponse:
+        """Fresh load of every worker (polled now, not the last periodic poll)."""
+        await self._poll_once()
+        workers = [
+            router_pb2.WorkerStatus(
+                address=w.address,
+                role=w.role,
+                healthy=w.healthy,
+                info=w.info,
+                load=w.load,
+                last_error=w.last_error,
+            )
+            for w in (*self.prefill_pool.workers, *self.decode_pool.workers)
+        ]
+        return router_pb2.StatusResponse(
+            mode=self.config.mode,
+            model=self.config.model,
+            workers=workers,
+            num_inflight_requests=len(self._inflight),
+        )
+
+
+async def serve(config: RouterConfig) -> None:
+    tokenizer = await asyncio.to_thread(lambda: Tokenizer(resolve_model(config.model)))
+    servicer = RouterServicer(config, tokenizer)
+    serving = await start_server(
+        config.host,
+        config.port,
+        lambda server: router_pb2_grpc.add_RouterServicer_to_server(servicer, server),
+        (SERVICE_NAME,),
+    )
+    await servicer.start()
+    await serving.set_serving((SERVICE_NAME,))
+    logger.info(
+        "router serving on %s:%d (%s; %d prefill, %d decode workers)",
+        config.host,
+        serving.port,
+        config.mode,
+        len(servicer.prefill_pool.workers),
+        len(servicer.decode_pool.workers),
+    )
+    await serve_until_signal(serving, servicer.stop)
+
+
+def main(argv: list[str] | None = None) -> int:
+    config, log_level = parse_router_args(argv)
+    configure_logging(log_level)
+    asyncio.run(serve(config))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
