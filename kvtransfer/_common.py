@@ -7,6 +7,7 @@ table of read states, and the same rules for pairing with a peer and viewing the
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Iterable, Sequence
 
@@ -16,6 +17,8 @@ from engine.kv_cache_spec import KVCacheSpec
 from kvtransfer.base import KV_TRANSFER_VERSION, KVTransferError, PeerInfo, TransferState
 
 _TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+logger = logging.getLogger(__name__)
 
 
 def cache_rows(kv_cache: torch.Tensor, spec: KVCacheSpec) -> torch.Tensor:
@@ -79,24 +82,30 @@ class PublishedBlocks:
 
     Thread-safe: the engine thread publishes and unpublishes while I/O threads check reads and
     record releases. A released id is reported by ``take_released`` once and unpublished.
+    Reads in progress (``begin_read`` … ``end_read``) hold ``unpublish`` back, so the caller
+    never frees (and reuses) blocks whose bytes are still being sent.
     """
 
     def __init__(self) -> None:
-        self._lock = threading.Lock()
+        self._cond = threading.Condition()
         self._blocks: dict[str, frozenset[int]] = {}
+        self._num_readers: dict[str, int] = {}
         self._released: list[str] = []
 
     def publish(self, req_id: str, block_ids: Sequence[int]) -> None:
-        with self._lock:
+        with self._cond:
             self._blocks[req_id] = frozenset(block_ids)
 
-    def unpublish(self, req_id: str) -> None:
-        with self._lock:
+    def unpublish(self, req_id: str, wait_s: float = 0.0) -> None:
+        """Stop serving ``req_id``; wait up to ``wait_s`` for its reads in progress to end."""
+        with self._cond:
             self._blocks.pop(req_id, None)
+            if not self._cond.wait_for(lambda: req_id not in self._num_readers, wait_s):
+                logger.warning("req_id=%s unpublished while a read was still sending", req_id)
 
     def check_read(self, req_id: str, block_ids: Sequence[int]) -> str | None:
         """Return why reading ``block_ids`` under ``req_id`` is refused, or None if allowed."""
-        with self._lock:
+        with self._cond:
             published = self._blocks.get(req_id)
         if published is None:
             return f"req_id={req_id} is not published"
@@ -105,16 +114,32 @@ class PublishedBlocks:
             return f"blocks {missing[:8]} were not published under req_id={req_id}"
         return None
 
+    def begin_read(self, req_id: str, block_ids: Sequence[int]) -> str | None:
+        """``check_read``, and if allowed count a read in progress until ``end_read``."""
+        with self._cond:
+            error = self.check_read(req_id, block_ids)
+            if error is None:
+                self._num_readers[req_id] = self._num_readers.get(req_id, 0) + 1
+            return error
+
+    def end_read(self, req_id: str) -> None:
+        with self._cond:
+            remaining = self._num_readers.pop(req_id) - 1
+            if remaining:
+                self._num_readers[req_id] = remaining
+            else:
+                self._cond.notify_all()
+
     def release(self, req_id: str) -> bool:
         """Unpublish ``req_id`` and queue it for ``take_released``; False if not published."""
-        with self._lock:
+        with self._cond:
             if self._blocks.pop(req_id, None) is None:
                 return False
             self._released.append(req_id)
             return True
 
     def take_released(self) -> list[str]:
-        with self._lock:
+        with self._cond:
             released, self._released = self._released, []
         return released
 

@@ -165,9 +165,9 @@ class TcpBackend(KVTransferBackend):
         self._published.publish(req_id, block_ids)
 
     def unpublish(self, req_id: str) -> None:
-        """Stop serving ``req_id``; unknown ids are ignored. A read whose response has already
-        started keeps streaming the blocks' bytes, so they should stay unchanged until it ends."""
-        self._published.unpublish(req_id)
+        """Stop serving ``req_id``; unknown ids are ignored. Blocks until reads of it that are
+        already sending finish (at most the io timeout), so the blocks may be reused after."""
+        self._published.unpublish(req_id, wait_s=self._io_timeout_s)
 
     def take_released(self) -> list[str]:
         """Published ids released by a peer since the last call (each already unpublished)."""
@@ -239,19 +239,23 @@ class TcpBackend(KVTransferBackend):
 
     def _serve_read(self, conn: socket.socket, read: pb.KVReadRequest) -> None:
         block_ids = list(read.block_ids)
-        error = self._published.check_read(read.req_id, block_ids)
+        error = self._published.begin_read(read.req_id, block_ids)
         num_bytes = 0 if error else len(block_ids) * self._block_bytes
         response = pb.KVReadResponse(
             seq=read.seq, ok=error is None, error=error or "", num_bytes=num_bytes
         )
-        send_frame(conn, pb.KVFrame(read_response=response))
         if error:
+            send_frame(conn, pb.KVFrame(read_response=response))
             logger.info("refused kv read req_id=%s: %s", read.req_id, error)
             return
-        for first, count in contiguous_runs(block_ids):
-            conn.sendall(
-                self._flat[first * self._block_bytes : (first + count) * self._block_bytes]
-            )
+        try:
+            send_frame(conn, pb.KVFrame(read_response=response))
+            for first, count in contiguous_runs(block_ids):
+                conn.sendall(
+                    self._flat[first * self._block_bytes : (first + count) * self._block_bytes]
+                )
+        finally:
+            self._published.end_read(read.req_id)
 
     # ------------------------------------------------------------------ destination side
     def start_read(self, req_id: str, src: KVRef, dst_block_ids: Sequence[int]) -> None:

@@ -31,7 +31,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--seed", type=int, default=None)
     parser.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     parser.add_argument("--ignore-eos", action="store_true")
-    parser.add_argument("--timeout-s", type=float, default=300.0, help="deadline of the call")
+    parser.add_argument(
+        "--timeout-s",
+        type=float,
+        default=300.0,
+        help="deadline of the call, including waiting for a router that is still starting",
+    )
     parser.add_argument("--json", action="store_true", help="print one JSON object at the end")
     parser.set_defaults(func=run)
 
@@ -65,7 +70,9 @@ def run(args: argparse.Namespace) -> int:
     with grpc.insecure_channel(args.target, options=CHANNEL_OPTIONS) as channel:
         stub = router_pb2_grpc.RouterStub(channel)
         try:
-            for message in stub.Generate(request, timeout=args.timeout_s):
+            # wait_for_ready: a router that is still starting is waited for, up to the deadline.
+            calls = stub.Generate(request, timeout=args.timeout_s, wait_for_ready=True)
+            for message in calls:
                 if first_token_s is None and message.token_ids:
                     first_token_s = time.perf_counter() - start_s
                 token_ids.extend(message.token_ids)

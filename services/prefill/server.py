@@ -79,10 +79,12 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
         self, req_id: str, prompt: list[int], max_tokens: int, final: RequestOutput
     ) -> worker_pb2.PrefillResponse:
         token_id = final.token_ids[0]
+        assert final.first_token_time_s is not None
         response = worker_pb2.PrefillResponse(
             token_id=token_id,
             num_cached_tokens=final.num_cached_tokens,
             kv_peer=peer_info_to_proto(self.runtime.kv_peer),
+            prefill_time_s=final.first_token_time_s - final.arrival_time_s,
         )
         if final.logprobs:
             response.logprob.CopyFrom(logprobs_to_proto(final.logprobs[0]))

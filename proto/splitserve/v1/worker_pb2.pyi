@@ -103,7 +103,7 @@ class PrefillRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[WorkerSamplingParams, _Mapping]] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
-    __slots__ = ("token_id", "logprob", "finished", "finish_reason", "num_cached_tokens", "kv_ref", "kv_peer")
+    __slots__ = ("token_id", "logprob", "finished", "finish_reason", "num_cached_tokens", "kv_ref", "kv_peer", "prefill_time_s")
     TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     LOGPROB_FIELD_NUMBER: _ClassVar[int]
     FINISHED_FIELD_NUMBER: _ClassVar[int]
@@ -111,6 +111,7 @@ class PrefillResponse(_message.Message):
     NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     KV_REF_FIELD_NUMBER: _ClassVar[int]
     KV_PEER_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_TIME_S_FIELD_NUMBER: _ClassVar[int]
     token_id: int
     logprob: TokenLogprob
     finished: bool
@@ -118,7 +119,8 @@ class PrefillResponse(_message.Message):
     num_cached_tokens: int
     kv_ref: KVRef
     kv_peer: KVPeerInfo
-    def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[_Union[TokenLogprob, _Mapping]] = ..., finished: _Optional[bool] = ..., finish_reason: _Optional[str] = ..., num_cached_tokens: _Optional[int] = ..., kv_ref: _Optional[_Union[KVRef, _Mapping]] = ..., kv_peer: _Optional[_Union[KVPeerInfo, _Mapping]] = ...) -> None: ...
+    prefill_time_s: float
+    def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[_Union[TokenLogprob, _Mapping]] = ..., finished: _Optional[bool] = ..., finish_reason: _Optional[str] = ..., num_cached_tokens: _Optional[int] = ..., kv_ref: _Optional[_Union[KVRef, _Mapping]] = ..., kv_peer: _Optional[_Union[KVPeerInfo, _Mapping]] = ..., prefill_time_s: _Optional[float] = ...) -> None: ...
 
 class ReleaseRequest(_message.Message):
     __slots__ = ("request_id",)

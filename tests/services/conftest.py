@@ -1,0 +1,104 @@
+"""Real local clusters (router + worker processes over loopback gRPC) and a small client."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+import grpc
+import pytest
+
+from engine import EngineConfig
+from services.launcher import LocalCluster
+from splitserve.v1 import router_pb2, router_pb2_grpc, worker_pb2
+
+NUM_KV_BLOCKS = 256
+
+
+def tiny_engine_config(model_dir) -> EngineConfig:
+    return EngineConfig(
+        model=str(model_dir), dtype="float32", num_kv_blocks=NUM_KV_BLOCKS, num_threads=1
+    )
+
+
+@dataclass(slots=True)
+class Generation:
+    """Everything a client saw for one request."""
+
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    logprobs: list[worker_pb2.TokenLogprob] = field(default_factory=list)
+    messages: list[router_pb2.GenerateResponse] = field(default_factory=list)
+
+    @property
+    def last(self) -> router_pb2.GenerateResponse:
+        return self.messages[-1]
+
+
+class Client:
+    """Synchronous gRPC client of one router."""
+
+    def __init__(self, address: str) -> None:
+        self.channel = grpc.insecure_channel(address)
+        self.stub = router_pb2_grpc.RouterStub(self.channel)
+
+    def generate(self, timeout_s: float = 120.0, **request_fields) -> Generation:
+        request = router_pb2.GenerateRequest(**request_fields)
+        out = Generation()
+        for message in self.stub.Generate(request, timeout=timeout_s):
+            out.messages.append(message)
+            out.token_ids.extend(message.token_ids)
+            out.text += message.text
+            out.logprobs.extend(message.logprobs)
+        return out
+
+    def status(self) -> router_pb2.StatusResponse:
+        return self.stub.Status(router_pb2.StatusRequest(), timeout=10)
+
+    def wait_idle(self, timeout_s: float = 10.0) -> router_pb2.StatusResponse:
+        """Poll Status until no worker holds a block, a lease or a request; return it."""
+        deadline_s = time.monotonic() + timeout_s
+        while True:
+            status = self.status()
+            busy = [
+                w.address
+                for w in status.workers
+                if w.healthy
+                and (w.load.num_used_blocks or w.load.num_kv_leases or w.load.num_running)
+            ]
+            if not busy and status.num_inflight_requests == 0:
+                return status
+            if time.monotonic() > deadline_s:
+                raise AssertionError(f"workers still busy after {timeout_s} s: {status}")
+            time.sleep(0.05)
+
+    def close(self) -> None:
+        self.channel.close()
+
+
+def greedy(max_tokens: int, **extra) -> router_pb2.SamplingParams:
+    return router_pb2.SamplingParams(max_tokens=max_tokens, temperature=0.0, **extra)
+
+
+@pytest.fixture(scope="module")
+def start_cluster(tiny_llama_dir) -> Iterator[Callable[..., tuple[LocalCluster, Client]]]:
+    """Factory: ``start_cluster(num_prefill=1, num_decode=1, mode=..., ...)``; all stopped at the
+    end of the module."""
+    started: list[tuple[LocalCluster, Client]] = []
+
+    def start(**kwargs) -> tuple[LocalCluster, Client]:
+        cluster = LocalCluster(engine=tiny_engine_config(tiny_llama_dir), **kwargs)
+        try:
+            address = cluster.start(timeout_s=180)
+        except BaseException:
+            cluster.stop()
+            raise
+        client = Client(address)
+        started.append((cluster, client))
+        return cluster, client
+
+    yield start
+    for cluster, client in started:
+        client.close()
+        cluster.stop()

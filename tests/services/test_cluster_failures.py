@@ -1,0 +1,109 @@
+"""Failures degrade, never lose: lease expiry, a decode worker dying mid-stream, the prefill
+worker dying mid-run. Real processes, killed with SIGKILL."""
+
+from __future__ import annotations
+
+import random
+import signal
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+import pytest
+
+from engine import LLM, SamplingParams
+from services.common.convert import sampling_params_to_worker
+from splitserve.v1 import router_pb2, worker_pb2, worker_pb2_grpc
+from tests.services.conftest import NUM_KV_BLOCKS, greedy
+
+LEASE_TTL_S = 1.0
+
+
+@pytest.fixture(scope="module")
+def offline(tiny_llama_dir):
+    return LLM(str(tiny_llama_dir), dtype="float32", num_kv_blocks=NUM_KV_BLOCKS)
+
+
+@pytest.fixture(scope="module")
+def cluster(start_cluster):
+    return start_cluster(
+        num_prefill=1, num_decode=2, extra_worker_flags=("--lease-ttl-s", str(LEASE_TTL_S))
+    )
+
+
+def prompts(seed: int, n: int, max_len: int = 90) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, 480) for _ in range(rng.randrange(1, max_len))] for _ in range(n)]
+
+
+def test_lease_expires_when_no_decode_worker_pulls(cluster):
+    local, _ = cluster
+    prefill = local.workers("prefill")[0]
+    with grpc.insecure_channel(prefill.address) as channel:
+        stub = worker_pb2_grpc.PrefillWorkerStub(channel)
+        response = stub.Prefill(
+            worker_pb2.PrefillRequest(
+                request_id="orphan",
+                prompt_token_ids=[11] * 40,
+                sampling=sampling_params_to_worker(SamplingParams(temperature=0, max_tokens=8)),
+            ),
+            timeout=30,
+        )
+        assert not response.finished and len(response.kv_ref.block_ids) == 3
+        load = stub.GetLoad(worker_pb2.GetLoadRequest(), timeout=5)
+        assert load.num_kv_leases == 1 and load.num_used_blocks == 3
+        time.sleep(LEASE_TTL_S + 0.5)
+        load = stub.GetLoad(worker_pb2.GetLoadRequest(), timeout=5)
+        assert load.num_kv_leases == 0 and load.num_used_blocks == 0
+        assert load.num_leases_expired == 1
+        # Release after expiry is a harmless no-op.
+        released = stub.Release(worker_pb2.ReleaseRequest(request_id="orphan"), timeout=5)
+        assert not released.released
+
+
+def test_decode_worker_death_mid_stream_continues_elsewhere(cluster, offline):
+    local, client = cluster
+    prompt = prompts(seed=1, n=1)[0]
+    want = offline.generate(
+        [prompt], SamplingParams(temperature=0.0, max_tokens=300, ignore_eos=True)
+    )
+    call = client.stub.Generate(
+        router_pb2.GenerateRequest(token_ids=prompt, sampling=greedy(300, ignore_eos=True)),
+        timeout=120,
+    )
+    token_ids: list[int] = []
+    killed = False
+    for message in call:
+        token_ids.extend(message.token_ids)
+        if not killed and len(token_ids) >= 20:
+            busy = [w for w in client.status().workers if w.role == 2 and w.load.num_running]
+            assert len(busy) == 1
+            victim = next(p for p in local.workers("decode") if p.address == busy[0].address)
+            victim.signal(signal.SIGKILL)
+            killed = True
+    assert killed
+    assert token_ids == want[0].token_ids
+    status = client.status()
+    assert sum(not w.healthy for w in status.workers) == 1
+
+
+def test_prefill_worker_death_does_not_fail_requests(cluster, offline):
+    local, client = cluster
+    batch = prompts(seed=2, n=8)
+    want = offline.generate(batch, SamplingParams(temperature=0.0, max_tokens=40))
+    with ThreadPoolExecutor(max_workers=8) as pool:
+        futures = [pool.submit(client.generate, token_ids=p, sampling=greedy(40)) for p in batch]
+        time.sleep(0.05)
+        local.workers("prefill")[0].signal(signal.SIGKILL)
+        got = [f.result(timeout=120) for f in futures]
+    assert [g.token_ids for g in got] == [w.token_ids for w in want]
+
+    after = prompts(seed=3, n=4)
+    want = offline.generate(after, SamplingParams(temperature=0.0, max_tokens=16))
+    for prompt, expected in zip(after, want, strict=True):
+        got = client.generate(token_ids=prompt, sampling=greedy(16))
+        assert got.token_ids == expected.token_ids
+        # The decode worker prefilled locally: every prompt token was computed there.
+        assert got.last.usage.prompt_tokens == len(prompt)
+    prefill_status = [w for w in client.status().workers if w.role == 1]
+    assert not prefill_status[0].healthy

@@ -1,0 +1,85 @@
+"""``splitserve up`` and ``splitserve client`` as a newcomer runs them, in subprocesses."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import signal
+import subprocess
+import sys
+import time
+
+import psutil
+import pytest
+
+from engine import LLM, EngineConfig, SamplingParams
+from engine.flags import add_flags, from_args
+from services.launcher import engine_flags, free_port
+
+
+def test_engine_flags_round_trip():
+    config = EngineConfig(
+        model="m", dtype="float32", max_num_seqs=7, enable_prefix_caching=False, num_threads=1
+    )
+    parser = argparse.ArgumentParser()
+    add_flags(parser, EngineConfig)
+    assert from_args(EngineConfig, parser.parse_args(engine_flags(config))) == config
+
+
+@pytest.fixture
+def up_process(tiny_llama_dir):
+    port = free_port()
+    argv = [
+        sys.executable, "-m", "services.cli", "up", "--model", str(tiny_llama_dir),
+        "--dtype", "float32", "--num-kv-blocks", "64", "--port", str(port),
+    ]  # fmt: skip
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True)
+    yield proc, port
+    if proc.poll() is None:
+        proc.kill()
+        proc.wait()
+
+
+def test_up_serves_the_client_and_shuts_down_on_ctrl_c(up_process, tiny_llama_dir):
+    proc, port = up_process
+    assert proc.stdout is not None
+    banner = proc.stdout.readline()
+    assert f"listening on 127.0.0.1:{port}" in banner, banner
+    children = psutil.Process(proc.pid).children(recursive=True)
+    assert len(children) == 3  # prefill, decode, router
+
+    client = subprocess.run(
+        [
+            sys.executable, "-m", "services.cli", "client", "--target", f"127.0.0.1:{port}",
+            "--max-tokens", "8", "--json", "hello world",
+        ],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert client.returncode == 0, client.stderr
+    got = json.loads(client.stdout)
+    llm = LLM(str(tiny_llama_dir), dtype="float32", num_kv_blocks=64)
+    want = llm.generate(["hello world"], SamplingParams(temperature=0.0, max_tokens=8))[0]
+    assert got["token_ids"] == want.token_ids and got["text"] == want.text
+    assert got["finish_reason"] == want.finish_reason
+    assert got["usage"]["prompt_tokens"] == len(want.prompt_token_ids)
+
+    proc.send_signal(signal.SIGINT)
+    assert proc.wait(timeout=60) == 0
+    deadline_s = time.monotonic() + 10
+    while any(c.is_running() and c.status() != psutil.STATUS_ZOMBIE for c in children):
+        assert time.monotonic() < deadline_s, "a service process outlived `splitserve up`"
+        time.sleep(0.1)
+
+
+def test_client_reports_bad_input_clearly(up_process):
+    proc, port = up_process
+    assert proc.stdout is not None and "listening" in proc.stdout.readline()
+    client = subprocess.run(
+        [
+            sys.executable, "-m", "services.cli", "client", "--target", f"127.0.0.1:{port}",
+            "--max-tokens", "0", "hello",
+        ],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert client.returncode == 2
+    assert "INVALID_ARGUMENT" in client.stderr and "max_tokens" in client.stderr
