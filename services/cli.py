@@ -3,23 +3,18 @@
 from __future__ import annotations
 
 import argparse
-import logging
-import os
 import sys
 
 from engine import cli as generate_cli
 from services import client, launcher
+from services.common.logs import add_log_level_flag, configure_logging
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="splitserve", description="Disaggregated prefill/decode LLM serving."
     )
-    parser.add_argument(
-        "--log-level",
-        default=os.environ.get("SPLITSERVE_LOG_LEVEL", "WARNING"),
-        help="logging level [env SPLITSERVE_LOG_LEVEL]",
-    )
+    add_log_level_flag(parser, default="WARNING")
     subparsers = parser.add_subparsers(dest="command", required=True)
     generate_cli.add_parser(subparsers)
     launcher.add_parser(subparsers)
@@ -29,10 +24,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(
-        level=args.log_level.upper(),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
+    configure_logging(args.log_level)
     return args.func(args)
 
 

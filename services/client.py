@@ -9,14 +9,9 @@ import time
 
 import grpc
 
+from services.common.convert import FINISH_REASON_NAMES
 from services.common.grpc_server import CHANNEL_OPTIONS
 from splitserve.v1 import router_pb2, router_pb2_grpc
-
-FINISH_REASON_NAMES = {
-    router_pb2.FINISH_REASON_STOP: "stop",
-    router_pb2.FINISH_REASON_LENGTH: "length",
-    router_pb2.FINISH_REASON_ABORT: "abort",
-}
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:

@@ -61,6 +61,7 @@ class ServiceProcess:
 
     role: str
     address: str
+    metrics_port: int
     argv: list[str]
     popen: subprocess.Popen[bytes] | None = None
 
@@ -108,10 +109,13 @@ class LocalCluster:
         worker_argv = [*engine_flags(self._engine_for_workers()), *self.extra_worker_flags]
         for role, count in (("prefill", self.num_prefill), ("decode", self.num_decode)):
             for _ in range(count):
-                port = free_port(self.host)
-                argv = [python, "-m", f"services.{role}", "--host", self.host, "--port", str(port)]
+                port, metrics_port = free_port(self.host), free_port(self.host)
+                argv = [
+                    python, "-m", f"services.{role}", "--host", self.host, "--port", str(port),
+                    "--metrics-port", str(metrics_port),
+                ]  # fmt: skip
                 self.processes.append(
-                    ServiceProcess(role, f"{self.host}:{port}", argv + worker_argv)
+                    ServiceProcess(role, f"{self.host}:{port}", metrics_port, argv + worker_argv)
                 )
         for process in self.processes:
             process.start(env)
@@ -119,15 +123,18 @@ class LocalCluster:
         for process in self.processes:
             wait_healthy(process, deadline_s)
         router_port = self.port or free_port(self.host)
+        metrics_port = free_port(self.host)
         router = ServiceProcess(
             "router",
             f"{self.host}:{router_port}",
+            metrics_port,
             [
                 python, "-m", "services.router",
                 "--model", self.engine.model,
                 "--host", self.host,
                 "--port", str(router_port),
                 "--mode", self.mode,
+                "--metrics-port", str(metrics_port),
                 "--prefill-workers", ",".join(p.address for p in self.workers("prefill")),
                 "--decode-workers", ",".join(p.address for p in self.workers("decode")),
                 *self.extra_router_flags,
@@ -216,6 +223,8 @@ def run(args: argparse.Namespace) -> int:
         address = cluster.start()
         roles = ", ".join(f"{p.role}@{p.address}" for p in cluster.processes[:-1])
         print(f"splitserve router listening on {address} ({args.mode}; {roles})", flush=True)
+        metrics = ", ".join(f"{p.role}:{p.metrics_port}" for p in cluster.processes)
+        print(f"Prometheus /metrics on {args.host}: {metrics}", flush=True)
         print(f'try: splitserve client --target {address} --chat "Hello!"', flush=True)
         while not stop and cluster.processes[-1].alive:
             time.sleep(0.5)

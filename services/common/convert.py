@@ -22,6 +22,7 @@ FINISH_REASONS = {
     "length": router_pb2.FINISH_REASON_LENGTH,
     "abort": router_pb2.FINISH_REASON_ABORT,
 }
+FINISH_REASON_NAMES = {v: k for k, v in FINISH_REASONS.items() if k}
 
 
 def sampling_params_from_client(msg: router_pb2.SamplingParams) -> SamplingParams:

@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import argparse
-import logging
-import os
 import socket
 from dataclasses import dataclass
 
 from engine.config import EngineConfig
 from engine.flags import add_flags, flag, from_args
+from services.common.logs import add_log_level_flag, configure_logging
 
 KV_TRANSFER_BACKENDS = ("tcp",)
 
@@ -27,6 +26,7 @@ class WorkerConfig:
     kv_advertise_host: str | None = flag(
         None, "address peers use to reach this worker's KV (default: --kv-host)"
     )
+    metrics_port: int = flag(0, "port of the Prometheus /metrics endpoint (0: off)")
     lease_ttl_s: float = flag(
         30.0, "prefill: seconds a finished prefill's blocks wait for the decode side's pull"
     )
@@ -46,19 +46,9 @@ def parse_worker_args(role: str, argv: list[str] | None) -> WorkerConfig:
     )
     add_flags(parser, EngineConfig)
     add_flags(parser, WorkerConfig)
-    parser.add_argument(
-        "--log-level",
-        default=os.environ.get("SPLITSERVE_LOG_LEVEL", "INFO"),
-        help="logging level [env SPLITSERVE_LOG_LEVEL]",
-    )
+    add_log_level_flag(parser)
     args = parser.parse_args(argv)
     configure_logging(args.log_level)
     # Workers hand text and stop strings to the router.
     engine = from_args(EngineConfig, args, detokenize=False)
     return from_args(WorkerConfig, args, engine=engine)
-
-
-def configure_logging(level: str) -> None:
-    logging.basicConfig(
-        level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )

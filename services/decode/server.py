@@ -125,6 +125,9 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
     async def GetLoad(
         self, request: worker_pb2.GetLoadRequest, context: grpc.aio.ServicerContext
     ) -> worker_pb2.WorkerLoad:
+        return self.load()
+
+    def load(self) -> worker_pb2.WorkerLoad:
         return load_to_proto(
             self.runtime.loop.stats, num_transfers_failed=self.puller.num_transfers_failed
         )
@@ -136,8 +139,10 @@ def main(argv: list[str] | None = None) -> int:
     def make_hooks(backend: KVTransferBackend) -> KVPullHooks:
         return KVPullHooks(backend, config.engine.block_size)
 
-    def add_servicer(runtime: WorkerRuntime, server: grpc.aio.Server) -> None:
-        worker_pb2_grpc.add_DecodeWorkerServicer_to_server(DecodeServicer(runtime), server)
+    def add_servicer(runtime: WorkerRuntime, server: grpc.aio.Server) -> DecodeServicer:
+        servicer = DecodeServicer(runtime)
+        worker_pb2_grpc.add_DecodeWorkerServicer_to_server(servicer, server)
+        return servicer
 
     asyncio.run(
         serve_worker(config, worker_pb2.WORKER_ROLE_DECODE, SERVICE_NAME, make_hooks, add_servicer)

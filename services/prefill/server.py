@@ -123,6 +123,9 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
     async def GetLoad(
         self, request: worker_pb2.GetLoadRequest, context: grpc.aio.ServicerContext
     ) -> worker_pb2.WorkerLoad:
+        return self.load()
+
+    def load(self) -> worker_pb2.WorkerLoad:
         return load_to_proto(
             self.runtime.loop.stats,
             num_kv_leases=self.leases.num_leases,
@@ -136,8 +139,10 @@ def main(argv: list[str] | None = None) -> int:
     def make_hooks(backend: KVTransferBackend) -> LeaseHooks:
         return LeaseHooks(backend, config.lease_ttl_s)
 
-    def add_servicer(runtime: WorkerRuntime, server: grpc.aio.Server) -> None:
-        worker_pb2_grpc.add_PrefillWorkerServicer_to_server(PrefillServicer(runtime), server)
+    def add_servicer(runtime: WorkerRuntime, server: grpc.aio.Server) -> PrefillServicer:
+        servicer = PrefillServicer(runtime)
+        worker_pb2_grpc.add_PrefillWorkerServicer_to_server(servicer, server)
+        return servicer
 
     asyncio.run(
         serve_worker(config, worker_pb2.WORKER_ROLE_PREFILL, SERVICE_NAME, make_hooks, add_servicer)

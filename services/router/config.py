@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import argparse
-import os
 from dataclasses import dataclass
 
 from engine.flags import add_flags, flag, from_args
+from services.common.logs import add_log_level_flag
 
 MODES = ("disaggregated", "colocated")
 
@@ -35,6 +35,7 @@ class RouterConfig:
     max_decode_retries: int = flag(
         2, "times a request moves to another decode worker when its worker fails"
     )
+    metrics_port: int = flag(0, "port of the Prometheus /metrics endpoint (0: off)")
     seed: int = flag(0, "seed of the router's tie-breaking")
 
     def __post_init__(self) -> None:
@@ -62,10 +63,6 @@ def parse_router_args(argv: list[str] | None) -> tuple[RouterConfig, str]:
         prog="python -m services.router", description="splitserve router"
     )
     add_flags(parser, RouterConfig)
-    parser.add_argument(
-        "--log-level",
-        default=os.environ.get("SPLITSERVE_LOG_LEVEL", "INFO"),
-        help="logging level [env SPLITSERVE_LOG_LEVEL]",
-    )
+    add_log_level_flag(parser)
     args = parser.parse_args(argv)
     return from_args(RouterConfig, args), args.log_level

@@ -19,15 +19,18 @@ import asyncio
 import logging
 import random
 import sys
+import time
 from collections.abc import AsyncIterator
 
 import grpc
 
 from engine.loader.models import resolve_model
 from engine.tokenizer import Tokenizer
-from services.common.convert import sampling_params_to_worker
+from services.common.convert import FINISH_REASON_NAMES, sampling_params_to_worker
 from services.common.grpc_server import serve_until_signal, start_server
-from services.common.worker_config import configure_logging
+from services.common.logs import configure_logging
+from services.common.metrics import start_metrics_server
+from services.router import metrics
 from services.router.config import RouterConfig, parse_router_args
 from services.router.request_prep import ModelLimits, PreparedRequest, prepare_request
 from services.router.response_stream import ResponseStream
@@ -92,29 +95,57 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
     async def Generate(
         self, request: router_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[router_pb2.GenerateResponse]:
+        start_s = time.perf_counter()
+        prepared = await self._admit(request, context)
+        self._inflight.add(prepared.req_id)
+        metrics.INFLIGHT.inc()
+        outcome = "error"
+        first_token_sent = False
+        try:
+            async for message in self._generate(prepared, context):
+                if not first_token_sent and message.token_ids:
+                    metrics.TTFT.observe(time.perf_counter() - start_s)
+                    first_token_sent = True
+                metrics.GENERATION_TOKENS.inc(len(message.token_ids))
+                if message.finish_reason:
+                    outcome = FINISH_REASON_NAMES[message.finish_reason]
+                    metrics.E2E.observe(time.perf_counter() - start_s)
+                    metrics.PROMPT_TOKENS.inc(len(prepared.prompt_token_ids))
+                yield message
+        except asyncio.CancelledError:
+            outcome = "cancelled"
+            raise
+        finally:
+            self._inflight.discard(prepared.req_id)
+            metrics.INFLIGHT.dec()
+            metrics.REQUESTS.labels(outcome).inc()
+
+    async def _admit(
+        self, request: router_pb2.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> PreparedRequest:
+        """Validate and tokenize, or abort the call (INVALID_ARGUMENT, RESOURCE_EXHAUSTED, ...)."""
         limits = self.limits()
         if limits is None:
+            metrics.REQUESTS.labels("rejected").inc()
             await context.abort(grpc.StatusCode.UNAVAILABLE, "no decode worker has answered yet")
         try:
             prepared = prepare_request(request, self.tokenizer, limits)
         except ValueError as exc:
+            metrics.REQUESTS.labels("invalid").inc()
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         if prepared.req_id in self._inflight:
+            metrics.REQUESTS.labels("invalid").inc()
             await context.abort(
                 grpc.StatusCode.INVALID_ARGUMENT,
                 f"request_id: {prepared.req_id!r} is already in flight",
             )
         if len(self._inflight) >= self.config.max_inflight_requests:
+            metrics.REQUESTS.labels("rejected").inc()
             await context.abort(
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
                 f"{len(self._inflight)} requests in flight (max_inflight_requests)",
             )
-        self._inflight.add(prepared.req_id)
-        try:
-            async for message in self._generate(prepared, context):
-                yield message
-        finally:
-            self._inflight.discard(prepared.req_id)
+        return prepared
 
     async def _generate(
         self, prepared: PreparedRequest, context: grpc.aio.ServicerContext
@@ -176,6 +207,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             if exc.code() not in _RETRYABLE:
                 await context.abort(exc.code(), exc.details() or "prefill failed")
             worker.mark_failed(f"{exc.code().name}: {exc.details()}")
+            metrics.PREFILL_FALLBACKS.inc()
             logger.warning(
                 "req_id=%s prefill on %s failed (%s); decoding worker prefills locally",
                 prepared.req_id,
@@ -226,6 +258,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                 if exc.code() not in _RETRYABLE:
                     await context.abort(exc.code(), exc.details() or "decode failed")
                 worker.mark_failed(f"{exc.code().name}: {exc.details()}")
+                metrics.DECODE_FAILOVERS.inc()
                 logger.warning(
                     "req_id=%s decode on %s failed after %d tokens (%s); moving on",
                     request.request_id,
@@ -287,6 +320,7 @@ async def serve(config: RouterConfig) -> None:
         (SERVICE_NAME,),
     )
     await servicer.start()
+    start_metrics_server(config.host, config.metrics_port)
     await serving.set_serving((SERVICE_NAME,))
     logger.info(
         "router serving on %s:%d (%s; %d prefill, %d decode workers)",

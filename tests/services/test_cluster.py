@@ -8,11 +8,16 @@ from __future__ import annotations
 
 import random
 import time
+import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
+    ProtoReflectionDescriptorDatabase,
+)
+from prometheus_client.parser import text_string_to_metric_families
 
 from engine import LLM, SamplingParams
 from splitserve.v1 import router_pb2
@@ -211,3 +216,49 @@ def test_duplicate_in_flight_request_id_is_rejected(client):
     call.cancel()
     time.sleep(0.1)
     client.wait_idle()
+
+
+def scrape(port: int) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """Samples of a process's /metrics as {(name, sorted labels): value}."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as reply:
+        text = reply.read().decode()
+    return {
+        (sample.name, tuple(sorted(sample.labels.items()))): sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+    }
+
+
+def test_prometheus_metrics_agree_with_status(cluster):
+    local, client = cluster
+    client.generate(token_ids=[3, 4, 5], sampling=greedy(4, ignore_eos=True))
+    status = client.wait_idle()
+    by_address = {w.address: w for w in status.workers}
+    for process in local.processes:
+        samples = scrape(process.metrics_port)
+        if process.role == "router":
+            finished = samples[("splitserve_router_requests_total", (("outcome", "length"),))]
+            assert finished >= 1
+            assert samples[("splitserve_router_inflight_requests", ())] == 0
+            assert samples[("splitserve_router_time_to_first_token_seconds_count", ())] >= 1
+            continue
+        worker = by_address[process.address]
+        labels = (("role", process.role), ("worker_id", worker.info.worker_id))
+        assert samples[("splitserve_worker_num_total_blocks", labels)] == NUM_KV_BLOCKS
+        assert samples[("splitserve_worker_num_used_blocks", labels)] == 0
+        assert samples[("splitserve_worker_num_cached_blocks", labels)] == (
+            worker.load.num_cached_blocks
+        )
+
+
+def test_every_server_offers_reflection(cluster):
+    local, _ = cluster
+    expected = {
+        "router": "splitserve.v1.Router",
+        "prefill": "splitserve.v1.PrefillWorker",
+        "decode": "splitserve.v1.DecodeWorker",
+    }
+    for process in local.processes:
+        with grpc.insecure_channel(process.address) as channel:
+            services = set(ProtoReflectionDescriptorDatabase(channel).get_services())
+        assert {expected[process.role], "grpc.health.v1.Health"} <= services

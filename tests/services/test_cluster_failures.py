@@ -107,3 +107,20 @@ def test_prefill_worker_death_does_not_fail_requests(cluster, offline):
         assert got.last.usage.prompt_tokens == len(prompt)
     prefill_status = [w for w in client.status().workers if w.role == 1]
     assert not prefill_status[0].healthy
+
+
+def test_overload_gets_resource_exhausted(start_cluster):
+    _, client = start_cluster(
+        num_decode=1, mode="colocated", extra_router_flags=("--max-inflight-requests", "1")
+    )
+    call = client.stub.Generate(
+        router_pb2.GenerateRequest(token_ids=[6] * 20, sampling=greedy(900, ignore_eos=True)),
+        timeout=60,
+    )
+    next(iter(call))
+    with pytest.raises(grpc.RpcError) as info:
+        client.generate(token_ids=[6], sampling=greedy(2))
+    assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    call.cancel()
+    client.wait_idle()
+    assert client.generate(token_ids=[6], sampling=greedy(2)).last.finish_reason

@@ -1,0 +1,69 @@
+"""Prometheus metrics: an HTTP ``/metrics`` endpoint per process and the workers' load gauges.
+
+Worker gauges are read at scrape time from the same ``WorkerLoad`` that ``GetLoad`` returns, so
+the two never disagree. The router's request metrics live in ``services.router.metrics``.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterator
+
+from prometheus_client import REGISTRY, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from splitserve.v1 import worker_pb2
+
+logger = logging.getLogger(__name__)
+
+# WorkerLoad fields exported as gauges / as counters (name -> help).
+_GAUGES = {
+    "num_running": "requests in the running batch",
+    "num_waiting": "requests waiting to be scheduled",
+    "num_waiting_for_kv": "requests waiting for a KV transfer",
+    "num_kv_leases": "finished prefills whose blocks await a pull",
+    "num_total_blocks": "KV blocks in the cache",
+    "num_used_blocks": "KV blocks referenced by a request or a lease",
+    "num_cached_blocks": "free KV blocks still holding reusable prefix KV",
+    "kv_usage": "used / total KV blocks",
+    "num_queued_prefill_tokens": "prompt tokens admitted or waiting but not computed",
+}
+_COUNTERS = {
+    "num_preemptions": ("preemptions", "requests preempted for lack of KV blocks"),
+    "num_transfers_failed": ("kv_transfers_failed", "KV pulls that failed (prompt recomputed)"),
+    "num_leases_expired": ("kv_leases_expired", "KV leases that expired without a pull"),
+}
+
+
+def start_metrics_server(host: str, port: int) -> None:
+    """Serve ``/metrics`` on ``host:port`` from a background thread; port 0 disables it."""
+    if port:
+        start_http_server(port, addr=host)
+        logger.info("metrics on http://%s:%d/metrics", host, port)
+
+
+class WorkerLoadCollector(Collector):
+    """Exports ``splitserve_worker_*`` from ``load()`` at each scrape."""
+
+    def __init__(self, role: str, worker_id: str, load: Callable[[], worker_pb2.WorkerLoad]):
+        self._labels = {"role": role, "worker_id": worker_id}
+        self._load = load
+
+    def collect(self) -> Iterator[Metric]:
+        load = self._load()
+        names, values = list(self._labels), list(self._labels.values())
+        for field, help_text in _GAUGES.items():
+            gauge = GaugeMetricFamily(f"splitserve_worker_{field}", help_text, labels=names)
+            gauge.add_metric(values, getattr(load, field))
+            yield gauge
+        for field, (name, help_text) in _COUNTERS.items():
+            counter = CounterMetricFamily(f"splitserve_worker_{name}", help_text, labels=names)
+            counter.add_metric(values, getattr(load, field))
+            yield counter
+
+
+def register_worker_metrics(
+    role: str, worker_id: str, load: Callable[[], worker_pb2.WorkerLoad]
+) -> None:
+    REGISTRY.register(WorkerLoadCollector(role, worker_id, load))

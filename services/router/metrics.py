@@ -1,0 +1,34 @@
+"""The router's Prometheus metrics (served by ``start_metrics_server``)."""
+
+from __future__ import annotations
+
+from prometheus_client import Counter, Gauge, Histogram
+
+_LATENCY_BUCKETS_S = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+
+REQUESTS = Counter(
+    "splitserve_router_requests_total",
+    "Generate calls by outcome: stop, length, abort, invalid, rejected, cancelled, error",
+    ["outcome"],
+)
+INFLIGHT = Gauge("splitserve_router_inflight_requests", "Generate calls in flight")
+TTFT = Histogram(
+    "splitserve_router_time_to_first_token_seconds",
+    "from receiving Generate to sending the first token",
+    buckets=_LATENCY_BUCKETS_S,
+)
+E2E = Histogram(
+    "splitserve_router_e2e_request_latency_seconds",
+    "from receiving Generate to its last message",
+    buckets=_LATENCY_BUCKETS_S,
+)
+PROMPT_TOKENS = Counter("splitserve_router_prompt_tokens_total", "prompt tokens of served requests")
+GENERATION_TOKENS = Counter("splitserve_router_generation_tokens_total", "tokens streamed")
+PREFILL_FALLBACKS = Counter(
+    "splitserve_router_prefill_fallbacks_total",
+    "requests prefilled on their decode worker because the prefill worker failed",
+)
+DECODE_FAILOVERS = Counter(
+    "splitserve_router_decode_failovers_total",
+    "times a request moved to another decode worker after its worker failed",
+)
