@@ -88,10 +88,3 @@ async def serve_until_signal(
         await cleanup()
     for task in (server_done, stop_requested):
         task.cancel()
-
-
-def grpc_abort_code(exc: BaseException) -> grpc.StatusCode:
-    """The status code a handler should answer for an exception from request handling."""
-    if isinstance(exc, ValueError):
-        return grpc.StatusCode.INVALID_ARGUMENT
-    return grpc.StatusCode.INTERNAL

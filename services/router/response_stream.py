@@ -72,10 +72,6 @@ class ResponseStream:
             message.usage.CopyFrom(self.usage())
         return message
 
-    def abort(self) -> router_pb2.GenerateResponse:
-        """The last message of a request the router ends itself (e.g. every worker failed)."""
-        return self.push((), finish_reason="abort")
-
     def usage(self) -> router_pb2.Usage:
         return router_pb2.Usage(
             prompt_tokens=self.num_prompt_tokens,
