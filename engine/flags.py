@@ -76,3 +76,18 @@ def from_args(cls: type, args: argparse.Namespace, **overrides: Any) -> Any:
     }
     values.update(overrides)
     return cls(**values)
+
+
+def to_argv(config: Any) -> list[str]:
+    """The flags that ``add_flags`` + ``from_args`` turn back into ``config`` (None: omitted)."""
+    argv: list[str] = []
+    for f in dataclasses.fields(config):
+        value = getattr(config, f.name)
+        if "help" not in f.metadata or value is None:
+            continue
+        name = flag_name(f.name)
+        if isinstance(value, bool):
+            argv.append(name if value else "--no-" + name[2:])
+        else:
+            argv += [name, str(value)]
+    return argv

@@ -22,6 +22,7 @@ from engine.loader.models import resolve_model
 from engine.model_runner import ModelRunner
 from engine.outputs import RequestOutput
 from engine.request import Request, RequestStatus
+from engine.request_limits import check_request_limits
 from engine.sampler import Sampler, SamplingInput, TokenLogprobs
 from engine.sampling_params import SamplingParams
 from engine.scheduler import KVLoad, Scheduler, SchedulerConfig
@@ -117,29 +118,13 @@ class LLMEngine:
         output_token_ids: Sequence[int] = (),
     ) -> None:
         """Raise ``ValueError`` naming the field if the request cannot run on this engine."""
-        if not prompt_token_ids:
-            raise ValueError("prompt is empty")
-        checked = (("token_ids", prompt_token_ids), ("output_token_ids", output_token_ids))
-        for field_name, ids in checked:
-            bad = next((t for t in ids if not 0 <= t < self.vocab_size), None)
-            if bad is not None:
-                raise ValueError(
-                    f"{field_name}: id {bad} is outside the vocabulary [0, {self.vocab_size})"
-                )
-        if len(output_token_ids) >= params.max_tokens:
-            raise ValueError(
-                f"output_token_ids: {len(output_token_ids)} tokens already reach "
-                f"max_tokens {params.max_tokens}"
-            )
-        if len(prompt_token_ids) >= self.max_model_len:
-            raise ValueError(
-                f"prompt has {len(prompt_token_ids)} tokens; the context is {self.max_model_len}"
-            )
-        if len(prompt_token_ids) + params.max_tokens > self.max_model_len:
-            raise ValueError(
-                f"max_tokens {params.max_tokens} + prompt {len(prompt_token_ids)} tokens exceeds "
-                f"the context of {self.max_model_len}"
-            )
+        check_request_limits(
+            prompt_token_ids,
+            params,
+            vocab_size=self.vocab_size,
+            max_model_len=self.max_model_len,
+            output_token_ids=output_token_ids,
+        )
 
     def add_request(
         self,

@@ -24,7 +24,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from engine.config import EngineConfig
-from engine.flags import add_flags, flag_name, from_args
+from engine.flags import add_flags, from_args, to_argv
 from services.router.config import MODES
 
 logger = logging.getLogger(__name__)
@@ -36,23 +36,6 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as sock:
         sock.bind((host, 0))
         return sock.getsockname()[1]
-
-
-def engine_flags(config: EngineConfig) -> list[str]:
-    """Command-line flags that reproduce ``config`` in a worker process."""
-    argv: list[str] = []
-    for f in dataclasses.fields(config):
-        if "help" not in f.metadata:
-            continue
-        value = getattr(config, f.name)
-        if value is None:
-            continue
-        name = flag_name(f.name)
-        if isinstance(value, bool):
-            argv.append(name if value else "--no-" + name[2:])
-        else:
-            argv += [name, str(value)]
-    return argv
 
 
 @dataclass(slots=True)
@@ -106,7 +89,7 @@ class LocalCluster:
             self.num_prefill = 0
         env = dict(os.environ, SPLITSERVE_LOG_LEVEL=self.log_level)
         python = sys.executable
-        worker_argv = [*engine_flags(self._engine_for_workers()), *self.extra_worker_flags]
+        worker_argv = [*to_argv(self._engine_for_workers()), *self.extra_worker_flags]
         for role, count in (("prefill", self.num_prefill), ("decode", self.num_decode)):
             for _ in range(count):
                 port, metrics_port = free_port(self.host), free_port(self.host)

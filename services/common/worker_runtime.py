@@ -6,14 +6,14 @@ import asyncio
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import grpc
 
 from engine.llm_engine import LLMEngine
 from kvtransfer.base import KVTransferBackend, PeerInfo
 from kvtransfer.registry import make_backend
-from services.common.convert import peer_info_to_proto
+from services.common.convert import ROLE_NAMES, peer_info_to_proto
 from services.common.engine_loop import EngineHooks, EngineLoop
 from services.common.grpc_server import serve_until_signal, start_server
 from services.common.metrics import register_worker_metrics, start_metrics_server
@@ -21,8 +21,6 @@ from services.common.worker_config import WorkerConfig
 from splitserve.v1 import worker_pb2
 
 logger = logging.getLogger(__name__)
-
-ROLE_NAMES = {worker_pb2.WORKER_ROLE_PREFILL: "prefill", worker_pb2.WORKER_ROLE_DECODE: "decode"}
 
 
 class WorkerServicer(Protocol):
@@ -81,18 +79,19 @@ async def serve_worker(
     role: worker_pb2.WorkerRole.ValueType,
     service_name: str,
     make_hooks: Callable[[KVTransferBackend], EngineHooks],
-    add_servicer: Callable[[WorkerRuntime, grpc.aio.Server], WorkerServicer],
+    make_servicer: Callable[[WorkerRuntime], WorkerServicer],
+    add_to_server: Callable[[Any, grpc.aio.Server], None],
 ) -> None:
-    """Run a worker until SIGTERM / SIGINT. Health turns SERVING once the engine is loaded."""
+    """Run a worker until SIGTERM / SIGINT. Health turns SERVING once the engine is loaded.
+
+    ``add_to_server`` is the generated ``add_<Service>Servicer_to_server``.
+    """
     runtime = await asyncio.to_thread(build_runtime, config, role, config.port, make_hooks)
-    servicers: list[WorkerServicer] = []
+    servicer = make_servicer(runtime)
     serving = await start_server(
-        config.host,
-        config.port,
-        lambda server: servicers.append(add_servicer(runtime, server)),
-        (service_name,),
+        config.host, config.port, lambda server: add_to_server(servicer, server), (service_name,)
     )
-    register_worker_metrics(ROLE_NAMES[role], runtime.worker_id, servicers[0].load)
+    register_worker_metrics(ROLE_NAMES[role], runtime.worker_id, servicer.load)
     start_metrics_server(config.host, config.metrics_port)
     runtime.loop.start()
     await serving.set_serving((service_name,))

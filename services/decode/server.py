@@ -139,13 +139,15 @@ def main(argv: list[str] | None = None) -> int:
     def make_hooks(backend: KVTransferBackend) -> KVPullHooks:
         return KVPullHooks(backend, config.engine.block_size)
 
-    def add_servicer(runtime: WorkerRuntime, server: grpc.aio.Server) -> DecodeServicer:
-        servicer = DecodeServicer(runtime)
-        worker_pb2_grpc.add_DecodeWorkerServicer_to_server(servicer, server)
-        return servicer
-
     asyncio.run(
-        serve_worker(config, worker_pb2.WORKER_ROLE_DECODE, SERVICE_NAME, make_hooks, add_servicer)
+        serve_worker(
+            config,
+            worker_pb2.WORKER_ROLE_DECODE,
+            SERVICE_NAME,
+            make_hooks,
+            DecodeServicer,
+            worker_pb2_grpc.add_DecodeWorkerServicer_to_server,
+        )
     )
     return 0
 

@@ -139,13 +139,15 @@ def main(argv: list[str] | None = None) -> int:
     def make_hooks(backend: KVTransferBackend) -> LeaseHooks:
         return LeaseHooks(backend, config.lease_ttl_s)
 
-    def add_servicer(runtime: WorkerRuntime, server: grpc.aio.Server) -> PrefillServicer:
-        servicer = PrefillServicer(runtime)
-        worker_pb2_grpc.add_PrefillWorkerServicer_to_server(servicer, server)
-        return servicer
-
     asyncio.run(
-        serve_worker(config, worker_pb2.WORKER_ROLE_PREFILL, SERVICE_NAME, make_hooks, add_servicer)
+        serve_worker(
+            config,
+            worker_pb2.WORKER_ROLE_PREFILL,
+            SERVICE_NAME,
+            make_hooks,
+            PrefillServicer,
+            worker_pb2_grpc.add_PrefillWorkerServicer_to_server,
+        )
     )
     return 0
 

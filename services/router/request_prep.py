@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import jinja2
 
+from engine.request_limits import check_request_limits
 from engine.sampling_params import SamplingParams
 from engine.tokenizer import Tokenizer
 from services.common.convert import sampling_params_from_client
@@ -89,23 +90,16 @@ def _prompt_token_ids(request: router_pb2.GenerateRequest, tokenizer: Tokenizer)
 
 
 def _check_limits(prompt_token_ids: list[int], params: SamplingParams, limits: ModelLimits) -> None:
-    bad = next((t for t in prompt_token_ids if not 0 <= t < limits.vocab_size), None)
-    if bad is not None:
-        raise ValueError(f"token_ids: id {bad} is outside the vocabulary [0, {limits.vocab_size})")
+    check_request_limits(
+        prompt_token_ids,
+        params,
+        vocab_size=limits.vocab_size,
+        max_model_len=limits.max_model_len,
+    )
+    # Only the router checks these: an engine simply never samples an id outside its vocabulary.
     bad_stop = next((t for t in params.stop_token_ids if t >= limits.vocab_size), None)
     if bad_stop is not None:
         raise ValueError(
             f"sampling.stop_token_ids: id {bad_stop} is outside the vocabulary "
             f"[0, {limits.vocab_size})"
-        )
-    num_prompt = len(prompt_token_ids)
-    if num_prompt >= limits.max_model_len:
-        raise ValueError(
-            f"prompt: {num_prompt} tokens do not fit the context of {limits.max_model_len} "
-            "(at least one token must be generated)"
-        )
-    if num_prompt + params.max_tokens > limits.max_model_len:
-        raise ValueError(
-            f"sampling.max_tokens: {params.max_tokens} + {num_prompt} prompt tokens exceeds the "
-            f"context of {limits.max_model_len}"
         )

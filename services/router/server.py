@@ -204,12 +204,10 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         try:
             return await call
         except grpc.aio.AioRpcError as exc:
-            if exc.code() not in _RETRYABLE:
-                await context.abort(exc.code(), exc.details() or "prefill failed")
-            worker.mark_failed(f"{exc.code().name}: {exc.details()}")
+            await self._worker_failed(worker, exc, context)
             metrics.PREFILL_FALLBACKS.inc()
             logger.warning(
-                "req_id=%s prefill on %s failed (%s); decoding worker prefills locally",
+                "req_id=%s prefill on %s failed (%s); the decode worker prefills locally",
                 prepared.req_id,
                 worker.address,
                 exc.code().name,
@@ -255,9 +253,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                     if stream.finished:
                         return
             except grpc.aio.AioRpcError as exc:
-                if exc.code() not in _RETRYABLE:
-                    await context.abort(exc.code(), exc.details() or "decode failed")
-                worker.mark_failed(f"{exc.code().name}: {exc.details()}")
+                await self._worker_failed(worker, exc, context)
                 metrics.DECODE_FAILOVERS.inc()
                 logger.warning(
                     "req_id=%s decode on %s failed after %d tokens (%s); moving on",
@@ -276,6 +272,16 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                 call.cancel()
                 worker.num_inflight -= 1
         await context.abort(grpc.StatusCode.UNAVAILABLE, "no healthy decode worker")
+
+    @staticmethod
+    async def _worker_failed(
+        worker: WorkerHandle, exc: grpc.aio.AioRpcError, context: grpc.aio.ServicerContext
+    ) -> None:
+        """Fail the call with the worker's status if retrying cannot help; else mark the worker
+        unhealthy (until a poll succeeds) so that the caller moves on to another path."""
+        if exc.code() not in _RETRYABLE:
+            await context.abort(exc.code(), exc.details() or f"{worker.role_name} worker failed")
+        worker.mark_failed(f"{exc.code().name}: {exc.details()}")
 
     async def _release(self, worker: WorkerHandle, req_id: str) -> None:
         try:

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
+from services.common.convert import ROLE_NAMES
 from services.common.grpc_server import CHANNEL_OPTIONS
 from splitserve.v1 import worker_pb2, worker_pb2_grpc
 
@@ -45,7 +46,7 @@ class WorkerHandle:
 
     @property
     def role_name(self) -> str:
-        return "prefill" if self.role == worker_pb2.WORKER_ROLE_PREFILL else "decode"
+        return ROLE_NAMES[self.role]
 
     async def poll(self) -> None:
         """Refresh info (once) and load; updates ``healthy``. Never raises."""

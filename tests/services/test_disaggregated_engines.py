@@ -175,7 +175,7 @@ def test_unpulled_lease_expires_and_frees_the_blocks(tiny_llama_dir):
         pair.close()
 
 
-def test_first_token_that_ends_the_request_leaves_no_lease(pair):
+def test_releasing_a_finished_one_token_prefill_frees_its_blocks(pair):
     prompt = make_prompts(lens=(20,))[0]
     out = pair.run_prefill("r0", prompt, SamplingParams(temperature=0.0, max_tokens=1))
     assert out.finish_reason == "length"

@@ -13,8 +13,8 @@ import psutil
 import pytest
 
 from engine import LLM, EngineConfig, SamplingParams
-from engine.flags import add_flags, from_args
-from services.launcher import engine_flags, free_port
+from engine.flags import add_flags, from_args, to_argv
+from services.launcher import free_port
 
 
 def test_engine_flags_round_trip():
@@ -23,7 +23,7 @@ def test_engine_flags_round_trip():
     )
     parser = argparse.ArgumentParser()
     add_flags(parser, EngineConfig)
-    assert from_args(EngineConfig, parser.parse_args(engine_flags(config))) == config
+    assert from_args(EngineConfig, parser.parse_args(to_argv(config))) == config
 
 
 @pytest.fixture
