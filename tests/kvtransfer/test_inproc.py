@@ -1,4 +1,4 @@
-"""The inproc backend between two engines of this process, and ``make_backend``."""
+"""The inproc backend between two engines of this process."""
 
 from __future__ import annotations
 
@@ -12,8 +12,6 @@ import torch
 from engine.kv_cache_spec import KVCacheSpec
 from kvtransfer.base import KVRef, KVTransferError, TransferState
 from kvtransfer.inproc import InprocBackend
-from kvtransfer.registry import BACKENDS, make_backend
-from kvtransfer.tcp import TcpBackend
 
 SPEC = KVCacheSpec(num_layers=2, num_kv_heads=2, head_dim=16, block_size=4, dtype="bfloat16")
 NUM_BLOCKS = 64
@@ -111,17 +109,3 @@ def test_closed_source_fails_reads_and_close_is_idempotent(pair: Pair):
     pair.dst.close()
     with pytest.raises(KVTransferError):
         pair.dst.start_read("late", pair.ref("r", (5,)), [0])
-
-
-def test_make_backend_builds_each_backend_and_names_the_choices():
-    assert BACKENDS == ("tcp", "inproc")
-    inproc = make_backend("inproc", "made-inproc")
-    assert isinstance(inproc, InprocBackend)
-    inproc.close()
-    tcp = make_backend("tcp", "made-tcp", advertise_host="kv.example")
-    assert isinstance(tcp, TcpBackend)
-    info = tcp.register_kv_cache(torch.zeros((2, *SPEC.block_shape), dtype=torch.bfloat16), SPEC)
-    assert info.backend == "tcp" and info.address.startswith("kv.example:")
-    tcp.close()
-    with pytest.raises(ValueError, match=r"'nope'.*'tcp', 'inproc'"):
-        make_backend("nope", "x")

@@ -1,0 +1,145 @@
+"""Two-process harness for KV transfer backends: a spawned source process serving random caches,
+and a destination backend in the test process."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import signal
+import time
+from collections.abc import Sequence
+from multiprocessing.connection import Connection
+from multiprocessing.process import BaseProcess
+
+import torch
+
+from engine.kv_cache_spec import KVCacheSpec
+from kvtransfer.base import KVRef, KVTransferBackend, PeerInfo, TransferState
+from kvtransfer.registry import make_backend
+
+SMALL_SPEC = KVCacheSpec(num_layers=2, num_kv_heads=2, head_dim=32, block_size=8, dtype="bfloat16")
+BIG_SPEC = KVCacheSpec(num_layers=4, num_kv_heads=4, head_dim=64, block_size=16, dtype="bfloat16")
+NUM_BLOCKS = 64  # small: 64 x 4 KiB; big: 64 x 64 KiB = 4 MiB
+DONE, FAILED, PENDING = TransferState.DONE, TransferState.FAILED, TransferState.PENDING
+
+
+def make_cache(spec: KVCacheSpec, seed: int) -> torch.Tensor:
+    """The random bf16 cache a source process fills; the same seed gives the same bytes."""
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randn((NUM_BLOCKS, *spec.block_shape), generator=generator).to(torch.bfloat16)
+
+
+def rows(kv_cache: torch.Tensor) -> torch.Tensor:
+    return kv_cache.view(torch.uint8).view(kv_cache.shape[0], -1)
+
+
+def source_main(
+    conn: Connection, backend_name: str, engines: list[tuple[str, KVCacheSpec, int]]
+) -> None:
+    """Child process: one backend per ``(engine_id, spec, seed)``, driven through ``conn``."""
+    backends = {engine_id: make_backend(backend_name, engine_id) for engine_id, _, _ in engines}
+    caches = [make_cache(spec, seed) for _, spec, seed in engines]
+    conn.send(
+        [
+            backends[engine_id].register_kv_cache(cache, spec)
+            for (engine_id, spec, _), cache in zip(engines, caches, strict=True)
+        ]
+    )
+    while True:
+        command, *args = conn.recv()
+        if command == "publish":
+            engine_id, req_id, block_ids = args
+            backends[engine_id].publish(req_id, block_ids)
+            conn.send(None)
+        elif command == "unpublish":
+            engine_id, req_id = args
+            backends[engine_id].unpublish(req_id)
+            conn.send(None)
+        elif command == "take_released":
+            conn.send(backends[args[0]].take_released())
+        else:
+            break
+    for backend in backends.values():
+        backend.close()
+
+
+class SourceProcess:
+    """A spawned source process and the pipe that drives it."""
+
+    def __init__(self, backend_name: str, engines: list[tuple[str, KVCacheSpec, int]]) -> None:
+        ctx = multiprocessing.get_context("spawn")
+        self.conn, child_conn = ctx.Pipe()
+        self.process: BaseProcess = ctx.Process(
+            target=source_main, args=(child_conn, backend_name, engines), daemon=True
+        )
+        self.process.start()
+        self._infos: dict[str, PeerInfo] | None = None
+
+    def info(self, engine_id: str) -> PeerInfo:
+        if self._infos is None:
+            assert self.conn.poll(60), "source process did not start"
+            self._infos = {info.engine_id: info for info in self.conn.recv()}
+        return self._infos[engine_id]
+
+    def publish(self, engine_id: str, req_id: str, block_ids: Sequence[int]) -> None:
+        self.conn.send(("publish", engine_id, req_id, list(block_ids)))
+        self.conn.recv()
+
+    def unpublish(self, engine_id: str, req_id: str) -> None:
+        self.conn.send(("unpublish", engine_id, req_id))
+        self.conn.recv()
+
+    def take_released(self, engine_id: str) -> list[str]:
+        self.conn.send(("take_released", engine_id))
+        return self.conn.recv()
+
+    def wait_released(self, engine_id: str, timeout_s: float = 5.0) -> list[str]:
+        """Poll ``take_released`` until something was released or ``timeout_s`` passed."""
+        deadline_s = time.monotonic() + timeout_s
+        while True:
+            released = self.take_released(engine_id)
+            if released or time.monotonic() > deadline_s:
+                return released
+            time.sleep(0.01)
+
+    def signal(self, signum: int) -> None:
+        assert self.process.pid is not None
+        os.kill(self.process.pid, signum)
+
+    def stop(self) -> None:
+        if self.process.is_alive():
+            self.signal(signal.SIGKILL)
+        self.process.join(timeout=10)
+
+
+def make_dst(
+    backend_name: str, spec: KVCacheSpec, engine_id: str = "dst", io_timeout_s: float = 5.0
+) -> tuple[KVTransferBackend, torch.Tensor]:
+    """A registered destination backend over a zeroed cache of ``NUM_BLOCKS`` blocks."""
+    backend = make_backend(backend_name, engine_id, io_timeout_s=io_timeout_s)
+    kv_cache = torch.zeros((NUM_BLOCKS, *spec.block_shape), dtype=torch.bfloat16)
+    backend.register_kv_cache(kv_cache, spec)
+    return backend, kv_cache
+
+
+def wait_terminal(
+    backend: KVTransferBackend, req_ids: Sequence[str], timeout_s: float = 10.0
+) -> dict[str, TransferState]:
+    """Poll until every read in ``req_ids`` is terminal, checking each is reported once."""
+    terminal: dict[str, TransferState] = {}
+    deadline_s = time.monotonic() + timeout_s
+    while len(terminal) < len(req_ids):
+        for req_id, state in backend.poll().items():
+            if state is not PENDING:
+                assert req_id not in terminal, f"{req_id} reported terminal twice"
+                terminal[req_id] = state
+        assert time.monotonic() < deadline_s, f"reads still pending: {backend.poll()}"
+        time.sleep(0.002)
+    return terminal
+
+
+def read(
+    backend: KVTransferBackend, req_id: str, src: KVRef, dst_block_ids: Sequence[int]
+) -> TransferState:
+    backend.start_read(req_id, src, dst_block_ids)
+    return wait_terminal(backend, [req_id])[req_id]

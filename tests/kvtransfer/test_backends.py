@@ -1,0 +1,212 @@
+"""Every installed KV transfer backend between real processes: bit-exact blocks, refusals,
+release, dead or hung sources, concurrency. The same contract tests run for nixl, ucx and tcp."""
+
+from __future__ import annotations
+
+import signal
+import time
+from collections.abc import Iterator
+from dataclasses import replace
+
+import pytest
+import torch
+
+from kvtransfer.base import KV_TRANSFER_VERSION, KVRef, KVTransferBackend, KVTransferError
+from kvtransfer.registry import available_backends, make_backend
+from tests.kvtransfer.harness import (
+    BIG_SPEC,
+    DONE,
+    FAILED,
+    NUM_BLOCKS,
+    PENDING,
+    SMALL_SPEC,
+    SourceProcess,
+    make_cache,
+    make_dst,
+    read,
+    rows,
+    wait_terminal,
+)
+
+NETWORK_BACKENDS = [name for name in available_backends() if name != "inproc"]
+
+
+@pytest.fixture(scope="module", params=NETWORK_BACKENDS)
+def backend_name(request: pytest.FixtureRequest) -> str:
+    return request.param
+
+
+@pytest.fixture(scope="module")
+def sources(backend_name: str) -> Iterator[dict[str, SourceProcess]]:
+    """Three source processes started together (their imports overlap): ``shared`` serves a
+    small and a big engine; ``hung`` and ``killed`` are stopped or killed by one test each."""
+    procs = {
+        "shared": SourceProcess(
+            backend_name, [("small", SMALL_SPEC, 1), ("big", BIG_SPEC, 2)]
+        ),
+        "hung": SourceProcess(backend_name, [("hung", SMALL_SPEC, 3)]),
+        "killed": SourceProcess(backend_name, [("killed", SMALL_SPEC, 4)]),
+    }
+    yield procs
+    for proc in procs.values():
+        proc.stop()
+
+
+@pytest.fixture
+def dst_small(backend_name: str) -> Iterator[tuple[KVTransferBackend, torch.Tensor]]:
+    backend, kv_cache = make_dst(backend_name, SMALL_SPEC)
+    yield backend, kv_cache
+    backend.close()
+
+
+def test_read_between_processes_is_bit_exact_with_reordered_blocks(sources, dst_small):
+    dst, dst_cache = dst_small
+    info = sources["shared"].info("small")
+    dst.add_peer(info)
+    dst.add_peer(info)  # idempotent
+    src_ids = [5, 6, 7, 40, 2, 3, 63]
+    dst_ids = [0, 1, 2, 20, 50, 10, 9]
+    sources["shared"].publish("small", "exact", src_ids)
+    assert read(dst, "exact", KVRef("small", "exact", tuple(src_ids), 56), dst_ids) is DONE
+    expected = rows(make_cache(SMALL_SPEC, seed=1))
+    assert torch.equal(rows(dst_cache)[dst_ids], expected[src_ids])
+    untouched = [b for b in range(NUM_BLOCKS) if b not in dst_ids]
+    assert not rows(dst_cache)[untouched].any()
+    assert dst.connection_setup_s["small"] > 0
+    assert dst.poll() == {}
+
+
+def test_four_mib_read_is_bit_exact(backend_name, sources):
+    dst, dst_cache = make_dst(backend_name, BIG_SPEC)
+    try:
+        dst.add_peer(sources["shared"].info("big"))
+        src_ids = torch.randperm(NUM_BLOCKS, generator=torch.Generator().manual_seed(0)).tolist()
+        sources["shared"].publish("big", "whole", src_ids)
+        src = KVRef("big", "whole", tuple(src_ids), NUM_BLOCKS * 16)
+        assert read(dst, "whole", src, list(range(NUM_BLOCKS))) is DONE
+        assert torch.equal(rows(dst_cache), rows(make_cache(BIG_SPEC, seed=2))[src_ids])
+    finally:
+        dst.close()
+
+
+def test_unpublished_request_or_block_is_refused_and_the_pair_survives(sources, dst_small):
+    dst, dst_cache = dst_small
+    dst.add_peer(sources["shared"].info("small"))
+    assert read(dst, "a", KVRef("small", "never-published", (1,), 8), [1]) is FAILED
+    sources["shared"].publish("small", "partial", [1, 2])
+    assert read(dst, "b", KVRef("small", "partial", (1, 3), 16), [1, 3]) is FAILED
+    assert not rows(dst_cache).any()  # a refused read writes nothing
+    assert read(dst, "c", KVRef("small", "partial", (2, 1), 16), [1, 3]) is DONE
+    sources["shared"].unpublish("small", "partial")
+    assert read(dst, "d", KVRef("small", "partial", (2, 1), 16), [1, 3]) is FAILED
+
+
+def test_release_reaches_the_source_and_unpublishes(sources, dst_small):
+    dst, _ = dst_small
+    dst.add_peer(sources["shared"].info("small"))
+    sources["shared"].publish("small", "to-release", [4, 5])
+    src = KVRef("small", "to-release", (4, 5), 16)
+    assert read(dst, "dst-req", src, [0, 1]) is DONE
+    dst.release("dst-req")
+    assert sources["shared"].wait_released("small") == ["to-release"]
+    assert read(dst, "again", src, [0, 1]) is FAILED
+
+
+def test_32_concurrent_reads_are_all_done_and_correct(backend_name, sources):
+    dst, dst_cache = make_dst(backend_name, SMALL_SPEC)
+    try:
+        dst.add_peer(sources["shared"].info("small"))
+        perm = torch.randperm(NUM_BLOCKS, generator=torch.Generator().manual_seed(1)).tolist()
+        req_ids = [f"many-{i}" for i in range(32)]
+        for i, req_id in enumerate(req_ids):
+            sources["shared"].publish("small", req_id, perm[2 * i : 2 * i + 2])
+        for i, req_id in enumerate(req_ids):
+            src = KVRef("small", req_id, tuple(perm[2 * i : 2 * i + 2]), 16)
+            dst.start_read(req_id, src, [2 * i + 1, 2 * i])  # swapped: reordered destination
+        assert wait_terminal(dst, req_ids) == dict.fromkeys(req_ids, DONE)
+        dst_order = [b for i in range(32) for b in (2 * i + 1, 2 * i)]
+        assert torch.equal(rows(dst_cache)[dst_order], rows(make_cache(SMALL_SPEC, seed=1))[perm])
+    finally:
+        dst.close()
+
+
+def test_add_peer_rejects_mismatched_compat_hash_version_and_backend(
+    backend_name, sources, dst_small
+):
+    dst, _ = dst_small
+    info = sources["shared"].info("small")
+    with pytest.raises(KVTransferError, match=f"'bogus'.*{SMALL_SPEC.compat_hash()}"):
+        dst.add_peer(replace(info, compat_hash="bogus"))
+    with pytest.raises(KVTransferError, match=f"version {KV_TRANSFER_VERSION + 1}"):
+        dst.add_peer(replace(info, version=KV_TRANSFER_VERSION + 1))
+    with pytest.raises(KVTransferError, match=f"'other'.*'{backend_name}'"):
+        dst.add_peer(replace(info, backend="other"))
+    with pytest.raises(KVTransferError, match="was not added"):
+        dst.start_read("x", KVRef("small", "x", (1,), 8), [1])
+    dst.add_peer(info)
+    with pytest.raises(ValueError, match="1 source blocks but 2"):
+        dst.start_read("x", KVRef("small", "x", (1,), 8), [1, 2])
+    with pytest.raises(ValueError, match="out of range"):
+        dst.start_read("x", KVRef("small", "x", (1,), 8), [NUM_BLOCKS])
+
+
+def test_source_killed_mid_read_or_before_read_fails_in_bounded_time(backend_name, sources):
+    source = sources["killed"]
+    io_timeout_s = 2.0
+    dst, _ = make_dst(backend_name, SMALL_SPEC, io_timeout_s=io_timeout_s)
+    try:
+        dst.add_peer(source.info("killed"))
+        source.publish("killed", "r", [1, 2])
+        src = KVRef("killed", "r", (1, 2), 16)
+        assert read(dst, "warm", src, [1, 2]) is DONE
+        source.signal(signal.SIGSTOP)
+        dst.start_read("in-flight", src, [3, 4])
+        time.sleep(0.2)
+        assert dst.poll() == {"in-flight": PENDING}  # the source cannot answer
+        start_s = time.monotonic()
+        source.stop()
+        assert wait_terminal(dst, ["in-flight"]) == {"in-flight": FAILED}
+        assert time.monotonic() - start_s < io_timeout_s + 1.0
+        assert read(dst, "after-death", src, [3, 4]) is FAILED
+    finally:
+        dst.close()
+    fresh, _ = make_dst(backend_name, SMALL_SPEC, engine_id="fresh", io_timeout_s=io_timeout_s)
+    try:
+        fresh.add_peer(source.info("killed"))
+        assert read(fresh, "never-connected", src, [3, 4]) is FAILED
+    finally:
+        fresh.close()
+
+
+def test_hung_source_fails_within_io_timeout_and_close_fails_reads_in_flight(
+    backend_name, sources
+):
+    source = sources["hung"]
+    dst, _ = make_dst(backend_name, SMALL_SPEC, io_timeout_s=0.5)
+    dst.add_peer(source.info("hung"))
+    source.publish("hung", "r", [7])
+    src = KVRef("hung", "r", (7,), 8)
+    assert read(dst, "warm", src, [0]) is DONE
+    source.signal(signal.SIGSTOP)
+    start_s = time.monotonic()
+    assert read(dst, "timed-out", src, [0]) is FAILED
+    assert 0.4 < time.monotonic() - start_s < 2.0
+    dst.start_read("cut-by-close", src, [1])
+    time.sleep(0.05)
+    start_s = time.monotonic()
+    dst.close()
+    assert time.monotonic() - start_s < 1.0
+    assert dst.poll() == {"cut-by-close": FAILED}
+    assert dst.poll() == {}
+    dst.close()  # idempotent
+    with pytest.raises(KVTransferError):
+        dst.start_read("after-close", src, [1])
+    source.stop()
+
+
+def test_register_rejects_a_cache_on_an_unsupported_device(backend_name):
+    backend = make_backend(backend_name, "meta")
+    kv_cache = torch.empty((4, *SMALL_SPEC.block_shape), dtype=torch.bfloat16, device="meta")
+    with pytest.raises(ValueError, match="meta"):
+        backend.register_kv_cache(kv_cache, SMALL_SPEC)
+    backend.close()
