@@ -103,6 +103,11 @@ class PublishedBlocks:
             if not self._cond.wait_for(lambda: req_id not in self._num_readers, wait_s):
                 logger.warning("req_id=%s unpublished while a read was still sending", req_id)
 
+    def has_blocks(self) -> bool:
+        """True while anything is published (a peer may ask to read it)."""
+        with self._cond:
+            return bool(self._blocks)
+
     def check_read(self, req_id: str, block_ids: Sequence[int]) -> str | None:
         """Return why reading ``block_ids`` under ``req_id`` is refused, or None if allowed."""
         with self._cond:

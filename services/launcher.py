@@ -25,6 +25,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from engine.config import EngineConfig
 from engine.flags import add_flags, from_args, to_argv
+from kvtransfer.registry import default_backend
+from services.common.worker_config import KV_TRANSFER_BACKENDS
 from services.router.config import MODES
 
 logger = logging.getLogger(__name__)
@@ -180,6 +182,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--mode", default="disaggregated", choices=MODES)
     parser.add_argument("--host", default="127.0.0.1", help="address every server binds")
     parser.add_argument("--port", type=int, default=50051, help="router port")
+    parser.add_argument(
+        "--kv-transfer",
+        default=default_backend(),
+        choices=KV_TRANSFER_BACKENDS,
+        help="KV transfer backend of the workers (default: nixl when installed, else tcp)",
+    )
     parser.set_defaults(func=run)
 
 
@@ -193,6 +201,7 @@ def run(args: argparse.Namespace) -> int:
         host=args.host,
         port=args.port,
         log_level=args.log_level,
+        extra_worker_flags=("--kv-transfer", args.kv_transfer),
     )
     stop = False
 
@@ -205,7 +214,11 @@ def run(args: argparse.Namespace) -> int:
     try:
         address = cluster.start()
         roles = ", ".join(f"{p.role}@{p.address}" for p in cluster.processes[:-1])
-        print(f"splitserve router listening on {address} ({args.mode}; {roles})", flush=True)
+        print(
+            f"splitserve router listening on {address} "
+            f"({args.mode}, kv transfer {args.kv_transfer}; {roles})",
+            flush=True,
+        )
         metrics = ", ".join(f"{p.role}:{p.metrics_port}" for p in cluster.processes)
         print(f"Prometheus /metrics on {args.host}: {metrics}", flush=True)
         print(f'try: splitserve client --target {address} --chat "Hello!"', flush=True)

@@ -8,9 +8,10 @@ from dataclasses import dataclass
 
 from engine.config import EngineConfig
 from engine.flags import add_flags, flag, from_args
+from kvtransfer.registry import default_backend, is_available
 from services.common.logs import add_log_level_flag, configure_logging
 
-KV_TRANSFER_BACKENDS = ("tcp",)
+KV_TRANSFER_BACKENDS = ("nixl", "ucx", "tcp")
 
 
 @dataclass(frozen=True, slots=True)
@@ -21,10 +22,17 @@ class WorkerConfig:
     host: str = flag("127.0.0.1", "address the gRPC server binds (0.0.0.0 in a pod)")
     port: int = flag(50061, "gRPC port (0: any free port)")
     worker_id: str = flag("", "unique worker id (default: <role>-<hostname>-<port>)")
-    kv_transfer: str = flag("tcp", "KV transfer backend", choices=KV_TRANSFER_BACKENDS)
+    kv_transfer: str = flag(
+        default_backend(),
+        "KV transfer backend (default: nixl when installed, else tcp)",
+        choices=KV_TRANSFER_BACKENDS,
+    )
     kv_host: str = flag("127.0.0.1", "address the KV transfer listener binds")
     kv_advertise_host: str | None = flag(
         None, "address peers use to reach this worker's KV (default: --kv-host)"
+    )
+    kv_io_timeout_s: float = flag(
+        10.0, "seconds a KV read may wait on a silent peer before it fails (and is recomputed)"
     )
     metrics_port: int = flag(0, "port of the Prometheus /metrics endpoint (0: off)")
     lease_ttl_s: float = flag(
@@ -34,6 +42,11 @@ class WorkerConfig:
     def __post_init__(self) -> None:
         if self.lease_ttl_s <= 0:
             raise ValueError(f"lease_ttl_s must be > 0, got {self.lease_ttl_s}")
+        if self.kv_io_timeout_s <= 0:
+            raise ValueError(f"kv_io_timeout_s must be > 0, got {self.kv_io_timeout_s}")
+        if not is_available(self.kv_transfer):
+            extra = self.kv_transfer
+            raise ValueError(f"--kv-transfer {extra} needs pip install 'splitserve[{extra}]'")
 
     def resolved_worker_id(self, role: str, port: int) -> str:
         return self.worker_id or f"{role}-{socket.gethostname()}-{port}"

@@ -67,6 +67,7 @@ def build_runtime(
         worker_id,
         host=config.kv_host,
         advertise_host=config.kv_advertise_host,
+        io_timeout_s=config.kv_io_timeout_s,
     )
     runner = engine.runner
     kv_peer = backend.register_kv_cache(runner.kv_cache, runner.kv_cache_spec)

@@ -52,6 +52,14 @@ class KVReleaseRequest(_message.Message):
     req_id: str
     def __init__(self, req_id: _Optional[str] = ...) -> None: ...
 
+class KVReadEnd(_message.Message):
+    __slots__ = ("seq", "req_id")
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    REQ_ID_FIELD_NUMBER: _ClassVar[int]
+    seq: int
+    req_id: str
+    def __init__(self, seq: _Optional[int] = ..., req_id: _Optional[str] = ...) -> None: ...
+
 class KVFrame(_message.Message):
     __slots__ = ("hello", "hello_ack", "read", "read_response", "release")
     HELLO_FIELD_NUMBER: _ClassVar[int]
@@ -65,3 +73,35 @@ class KVFrame(_message.Message):
     read_response: KVReadResponse
     release: KVReleaseRequest
     def __init__(self, hello: _Optional[_Union[KVHello, _Mapping]] = ..., hello_ack: _Optional[_Union[KVHelloAck, _Mapping]] = ..., read: _Optional[_Union[KVReadRequest, _Mapping]] = ..., read_response: _Optional[_Union[KVReadResponse, _Mapping]] = ..., release: _Optional[_Union[KVReleaseRequest, _Mapping]] = ...) -> None: ...
+
+class NixlPeerMetadata(_message.Message):
+    __slots__ = ("agent_metadata", "agent_name", "base_addr", "num_blocks", "block_bytes", "device_id", "mem_type")
+    AGENT_METADATA_FIELD_NUMBER: _ClassVar[int]
+    AGENT_NAME_FIELD_NUMBER: _ClassVar[int]
+    BASE_ADDR_FIELD_NUMBER: _ClassVar[int]
+    NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_ID_FIELD_NUMBER: _ClassVar[int]
+    MEM_TYPE_FIELD_NUMBER: _ClassVar[int]
+    agent_metadata: bytes
+    agent_name: str
+    base_addr: int
+    num_blocks: int
+    block_bytes: int
+    device_id: int
+    mem_type: str
+    def __init__(self, agent_metadata: _Optional[bytes] = ..., agent_name: _Optional[str] = ..., base_addr: _Optional[int] = ..., num_blocks: _Optional[int] = ..., block_bytes: _Optional[int] = ..., device_id: _Optional[int] = ..., mem_type: _Optional[str] = ...) -> None: ...
+
+class NixlNotif(_message.Message):
+    __slots__ = ("read_begin", "read_grant", "read_end", "release", "reader_metadata")
+    READ_BEGIN_FIELD_NUMBER: _ClassVar[int]
+    READ_GRANT_FIELD_NUMBER: _ClassVar[int]
+    READ_END_FIELD_NUMBER: _ClassVar[int]
+    RELEASE_FIELD_NUMBER: _ClassVar[int]
+    READER_METADATA_FIELD_NUMBER: _ClassVar[int]
+    read_begin: KVReadRequest
+    read_grant: KVReadResponse
+    read_end: KVReadEnd
+    release: KVReleaseRequest
+    reader_metadata: bytes
+    def __init__(self, read_begin: _Optional[_Union[KVReadRequest, _Mapping]] = ..., read_grant: _Optional[_Union[KVReadResponse, _Mapping]] = ..., read_end: _Optional[_Union[KVReadEnd, _Mapping]] = ..., release: _Optional[_Union[KVReleaseRequest, _Mapping]] = ..., reader_metadata: _Optional[bytes] = ...) -> None: ...

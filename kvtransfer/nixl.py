@@ -1,0 +1,476 @@
+"""``nixl``: KV transfer with NVIDIA NIXL over UCX: one-sided READs straight between the caches.
+
+The engine's whole paged cache is registered with a NIXL agent once (host memory on CPU, VRAM
+on CUDA). ``PeerInfo.metadata`` carries a ``NixlPeerMetadata``: the agent's metadata (its UCX
+connection info and memory keys) and where block 0 lives, so a reader can describe every
+remote block itself. Pairing is lazy: the first read from a peer loads its metadata, prepares a
+descriptor list with one entry per remote block and connects; the pair stays warm.
+
+A read is granted before it moves bytes, so a source never frees blocks under a READ::
+
+    reader                                          source
+    read_begin(seq, req_id, block_ids)   ---->      PublishedBlocks.begin_read
+                                         <----      read_grant(seq, ok | error)
+    READ of the blocks (UCX get; NIXL merges adjacent descriptors into one region)
+    read_end(seq, req_id)                ---->      PublishedBlocks.end_read
+    ...
+    release(req_id)                      ---->      the lease may end
+
+All four are NIXL notifications carrying a serialized ``NixlNotif``. Every NIXL call runs on
+one I/O thread per backend; NIXL's own progress thread drives UCX. A read is FAILED when the
+source refuses it, when NIXL reports an error (a dead peer is seen as a disconnect), or when it
+is not over within ``io_timeout_s``.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import queue
+import threading
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from engine.kv_cache_spec import KVCacheSpec
+from kvtransfer._common import (
+    PublishedBlocks,
+    ReadStates,
+    cache_rows,
+    check_block_ids,
+    check_peer,
+)
+from kvtransfer.base import KVRef, KVTransferBackend, KVTransferError, PeerInfo, TransferState
+from splitserve.v1 import kv_transfer_pb2 as pb
+
+logger = logging.getLogger(__name__)
+
+_MEM_TYPES = {"cpu": "DRAM", "cuda": "VRAM"}
+# How often the I/O thread polls NIXL while a read waits on it, and while it only serves.
+_BUSY_POLL_S = 0.0005
+_IDLE_POLL_S = 0.005
+
+
+@dataclass(slots=True)
+class _Remote:
+    """A peer paired on the I/O thread: its agent name and prepared block descriptors."""
+
+    agent_name: str
+    blocks: Any  # nixl_prepped_dlist_handle, one descriptor per remote block
+
+
+@dataclass(slots=True)
+class _Read:
+    """A read owned by the I/O thread, from ``read_begin`` until its state is terminal."""
+
+    req_id: str
+    src: KVRef
+    dst_block_ids: tuple[int, ...]
+    deadline_s: float
+    remote: _Remote | None = None
+    handle: Any = None  # nixl_xfer_handle once granted
+    granted: bool = False
+
+
+@dataclass(slots=True)
+class _Grant:
+    """A read this source granted and has not seen end: ``(reader agent, seq)``."""
+
+    req_id: str
+    expires_s: float
+
+
+def _notif(**body: Any) -> bytes:
+    return pb.NixlNotif(**body).SerializeToString()
+
+
+class NixlBackend(KVTransferBackend):
+    """KV transfer through a NIXL agent (UCX backend), CPU or CUDA caches.
+
+    Public methods are called from one engine thread and never block on the network, except
+    ``unpublish``, which waits (at most ``io_timeout_s``) for granted reads of that request to
+    end. ``connection_setup_s[engine_id]`` is how long pairing with that peer took (loading its
+    metadata, preparing descriptors, connecting), in seconds.
+    """
+
+    name = "nixl"
+
+    def __init__(self, engine_id: str, io_timeout_s: float = 10.0) -> None:
+        self.engine_id = engine_id
+        self.connection_setup_s: dict[str, float] = {}
+        self._io_timeout_s = io_timeout_s
+        # Unique per incarnation: a restarted worker must not reuse its predecessor's name.
+        self._agent_name = f"{engine_id}-{uuid.uuid4().hex[:8]}"
+        self._agent: Any = None
+        self._connection_metadata = b""
+        self._local_blocks: Any = None
+        self._num_blocks = 0
+        self._compat_hash = ""
+        self._published = PublishedBlocks()
+        self._reads = ReadStates()
+        self._read_sources: dict[str, tuple[str, str]] = {}  # req_id -> (engine_id, src req_id)
+        self._peers: dict[str, PeerInfo] = {}
+        self._seq = itertools.count(1)
+        self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+        self._io_thread: threading.Thread | None = None
+        self._closed = False
+        # Owned by the I/O thread.
+        self._remotes: dict[str, _Remote] = {}
+        self._pending: dict[int, _Read] = {}  # seq -> read, granted or awaiting the grant
+        self._grants: dict[tuple[str, int], _Grant] = {}
+        self._readers: set[str] = set()  # agents whose connection info we loaded
+
+    def register_kv_cache(self, kv_cache: torch.Tensor, spec: KVCacheSpec) -> PeerInfo:
+        """Register the cache with a new NIXL agent, start the I/O thread, return our info."""
+        mem_type = _MEM_TYPES.get(kv_cache.device.type)
+        if mem_type is None:
+            raise ValueError(f"the nixl backend needs a CPU or CUDA cache, got {kv_cache.device}")
+        if self._agent is not None or self._closed:
+            raise KVTransferError("register_kv_cache must be called once, before close")
+        rows = cache_rows(kv_cache, spec)
+        from nixl._api import nixl_agent, nixl_agent_config, nixlBind
+
+        self._num_blocks, block_bytes = rows.shape
+        self._compat_hash = spec.compat_hash()
+        device_id = max(kv_cache.get_device(), 0)
+        self._agent = nixl_agent(self._agent_name, nixl_agent_config(backends=["UCX"]))
+        self._agent.register_memory(kv_cache)
+        no_memory = nixlBind.nixlRegDList(self._agent.nixl_mems[mem_type])
+        self._connection_metadata = self._agent.get_partial_agent_metadata(
+            no_memory, inc_conn_info=True
+        )
+        base_addr = kv_cache.data_ptr()
+        self._local_blocks = self._agent.prep_xfer_dlist(
+            "NIXL_INIT_AGENT",
+            _block_descs(base_addr, self._num_blocks, block_bytes, device_id),
+            mem_type,
+        )
+        metadata = pb.NixlPeerMetadata(
+            agent_metadata=self._agent.get_agent_metadata(),
+            agent_name=self._agent_name,
+            base_addr=base_addr,
+            num_blocks=self._num_blocks,
+            block_bytes=block_bytes,
+            device_id=device_id,
+            mem_type=mem_type,
+        )
+        self._io_thread = threading.Thread(
+            target=self._io_loop, name=f"kv-nixl-{self.engine_id}", daemon=True
+        )
+        self._io_thread.start()
+        logger.info(
+            "kv nixl engine %s registered %d blocks (%s)",
+            self.engine_id,
+            self._num_blocks,
+            mem_type,
+        )
+        return PeerInfo(
+            engine_id=self.engine_id,
+            backend=self.name,
+            address=self._agent_name,
+            compat_hash=self._compat_hash,
+            metadata=metadata.SerializeToString(),
+        )
+
+    def add_peer(self, peer: PeerInfo) -> None:
+        """Check compatibility and remember ``peer``; pairing happens at its first read.
+        Idempotent; new info for a known engine replaces the old pairing."""
+        if self._agent is None:
+            raise KVTransferError("register_kv_cache must be called before add_peer")
+        check_peer(self.name, self._compat_hash, peer)
+        metadata = pb.NixlPeerMetadata.FromString(peer.metadata)
+        if not metadata.agent_metadata or metadata.mem_type not in _MEM_TYPES.values():
+            raise KVTransferError(f"peer {peer.engine_id!r} sent no usable NIXL metadata")
+        if self._peers.get(peer.engine_id) == peer:
+            return
+        replaced = peer.engine_id in self._peers
+        self._peers[peer.engine_id] = peer
+        if replaced:
+            self._commands.put(lambda: self._forget_remote(peer.engine_id))
+
+    # ------------------------------------------------------------------ source side
+    def publish(self, req_id: str, block_ids: Sequence[int]) -> None:
+        """Expose ``block_ids`` under ``req_id`` (replacing an earlier publication of it)."""
+        if self._agent is None:
+            raise KVTransferError("register_kv_cache must be called before publish")
+        check_block_ids(block_ids, self._num_blocks, "published")
+        self._published.publish(req_id, block_ids)
+
+    def unpublish(self, req_id: str) -> None:
+        """Refuse new reads of ``req_id``; wait (at most the io timeout) for granted ones to
+        end, so the blocks may be reused after. Unknown ids are ignored."""
+        self._published.unpublish(req_id, wait_s=self._io_timeout_s)
+
+    def take_released(self) -> list[str]:
+        """Published ids released by a peer since the last call (each already unpublished)."""
+        return self._published.take_released()
+
+    # ------------------------------------------------------------------ destination side
+    def start_read(self, req_id: str, src: KVRef, dst_block_ids: Sequence[int]) -> None:
+        """Queue the read for the I/O thread and return at once; ``poll`` reports it.
+
+        Raises ``ValueError`` for mismatched lengths, out-of-range destination ids or a
+        ``req_id`` still being tracked, ``KVTransferError`` for an unknown peer or after close.
+        """
+        if self._agent is None or self._closed:
+            raise KVTransferError("start_read needs a registered, open backend")
+        if len(src.block_ids) != len(dst_block_ids):
+            raise ValueError(
+                f"req_id={req_id}: {len(src.block_ids)} source blocks "
+                f"but {len(dst_block_ids)} destination blocks"
+            )
+        check_block_ids(dst_block_ids, self._num_blocks, "destination")
+        if src.engine_id not in self._peers:
+            raise KVTransferError(f"peer {src.engine_id!r} was not added")
+        self._reads.start(req_id)
+        self._read_sources[req_id] = (src.engine_id, src.req_id)
+        read = _Read(req_id, src, tuple(dst_block_ids), time.monotonic() + self._io_timeout_s)
+        self._commands.put(lambda: self._begin_read(next(self._seq), read))
+
+    def poll(self) -> dict[str, TransferState]:
+        """State of every read not yet reported terminal; DONE / FAILED reported once."""
+        return self._reads.poll()
+
+    def release(self, req_id: str) -> None:
+        """Tell the source of read ``req_id`` it may free the blocks (background, best effort).
+        Unknown ids are ignored."""
+        source = self._read_sources.pop(req_id, None)
+        if source is None or self._closed:
+            return
+        engine_id, src_req_id = source
+        release = pb.KVReleaseRequest(req_id=src_req_id)
+        self._commands.put(lambda: self._notify_engine(engine_id, _notif(release=release)))
+
+    def close(self) -> None:
+        """Stop the I/O thread (reads in flight end FAILED) and drop the agent. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._io_thread is not None:
+            self._io_thread.join(timeout=self._io_timeout_s)
+        self._reads.fail_pending()
+        self._read_sources.clear()
+        self._agent = None
+
+    # ------------------------------------------------------------------ I/O thread
+    def _io_loop(self) -> None:
+        try:
+            while not self._closed:
+                busy = bool(self._pending) or self._published.has_blocks()
+                try:
+                    command = self._commands.get(timeout=_BUSY_POLL_S if busy else _IDLE_POLL_S)
+                except queue.Empty:
+                    pass
+                else:
+                    command()
+                    while not self._commands.empty() and not self._closed:
+                        self._commands.get_nowait()()
+                self._handle_notifs()
+                self._check_reads()
+                self._expire_grants()
+        except Exception:
+            logger.exception("kv nixl I/O thread of %s crashed", self.engine_id)
+        finally:
+            self._shutdown()
+
+    def _shutdown(self) -> None:
+        for read in self._pending.values():
+            self._drop_handle(read)
+        self._pending.clear()
+        self._reads.fail_pending()
+        for remote in self._remotes.values():
+            self._agent.release_dlist_handle(remote.blocks)
+        self._remotes.clear()
+
+    def _remote(self, engine_id: str) -> _Remote:
+        remote = self._remotes.get(engine_id)
+        if remote is not None:
+            return remote
+        peer = self._peers[engine_id]
+        metadata = pb.NixlPeerMetadata.FromString(peer.metadata)
+        start_s = time.perf_counter()
+        agent_name = self._agent.add_remote_agent(metadata.agent_metadata)
+        agent_name = agent_name.decode() if isinstance(agent_name, bytes) else agent_name
+        blocks = self._agent.prep_xfer_dlist(
+            agent_name,
+            _block_descs(
+                metadata.base_addr, metadata.num_blocks, metadata.block_bytes, metadata.device_id
+            ),
+            metadata.mem_type,
+        )
+        self._agent.make_connection(agent_name)
+        self.connection_setup_s.setdefault(engine_id, time.perf_counter() - start_s)
+        remote = _Remote(agent_name, blocks)
+        self._remotes[engine_id] = remote
+        return remote
+
+    def _forget_remote(self, engine_id: str) -> None:
+        remote = self._remotes.pop(engine_id, None)
+        if remote is None:
+            return
+        try:
+            self._agent.release_dlist_handle(remote.blocks)
+            self._agent.remove_remote_agent(remote.agent_name)
+        except Exception as exc:  # nixl raises its own exception types
+            logger.debug("dropping kv peer %s: %s", engine_id, exc)
+
+    def _begin_read(self, seq: int, read: _Read) -> None:
+        begin = pb.KVReadRequest(seq=seq, req_id=read.src.req_id, block_ids=read.src.block_ids)
+        try:
+            read.remote = self._remote(read.src.engine_id)
+            message = _notif(read_begin=begin, reader_metadata=self._connection_metadata)
+            self._agent.send_notif(read.remote.agent_name, message)
+        except Exception as exc:
+            self._fail(read, f"cannot reach the source: {exc}")
+            self._forget_remote(read.src.engine_id)
+            return
+        self._pending[seq] = read
+
+    def _on_grant(self, agent_name: str, grant: pb.KVReadResponse) -> None:
+        read = self._pending.get(grant.seq)
+        if read is None or read.remote is None or read.remote.agent_name != agent_name:
+            if grant.ok:  # granted after we gave up: end it so the source does not wait
+                self._send(agent_name, _notif(read_end=pb.KVReadEnd(seq=grant.seq)))
+            return
+        if not grant.ok:
+            del self._pending[grant.seq]
+            self._fail(read, f"source refused the read: {grant.error}")
+            return
+        read.granted = True
+        try:
+            read.handle = self._agent.make_prepped_xfer(
+                "READ",
+                self._local_blocks,
+                np.asarray(read.dst_block_ids, dtype=np.int32),
+                read.remote.blocks,
+                np.asarray(read.src.block_ids, dtype=np.int32),
+            )
+            self._agent.transfer(read.handle)
+        except Exception as exc:
+            self._end(grant.seq, read, TransferState.FAILED, f"READ could not start: {exc}")
+
+    def _check_reads(self) -> None:
+        now_s = time.monotonic()
+        for seq, read in list(self._pending.items()):
+            if read.handle is not None:
+                state = self._agent.check_xfer_state(read.handle)
+                if state == "DONE":
+                    self._end(seq, read, TransferState.DONE)
+                    continue
+                if state == "ERR":
+                    self._end(seq, read, TransferState.FAILED, "NIXL reported an error")
+                    self._forget_remote(read.src.engine_id)
+                    continue
+            if now_s > read.deadline_s:
+                phase = "READ" if read.granted else "grant"
+                self._end(seq, read, TransferState.FAILED, f"{phase} timed out")
+                self._forget_remote(read.src.engine_id)
+
+    def _end(self, seq: int, read: _Read, state: TransferState, error: str = "") -> None:
+        self._pending.pop(seq, None)
+        self._drop_handle(read)
+        if read.granted and read.remote is not None:
+            end = pb.KVReadEnd(seq=seq, req_id=read.src.req_id)
+            self._send(read.remote.agent_name, _notif(read_end=end))
+        if state is TransferState.DONE:
+            self._reads.finish(read.req_id, state)
+        else:
+            self._fail(read, error)
+
+    def _fail(self, read: _Read, error: str) -> None:
+        logger.warning(
+            "kv read failed req_id=%s from %s: %s", read.req_id, read.src.engine_id, error
+        )
+        self._reads.finish(read.req_id, TransferState.FAILED)
+
+    def _drop_handle(self, read: _Read) -> None:
+        if read.handle is None:
+            return
+        try:
+            self._agent.release_xfer_handle(read.handle)
+        except Exception as exc:  # an active READ NIXL could not cancel
+            logger.error("req_id=%s: could not release a NIXL transfer: %s", read.req_id, exc)
+        read.handle = None
+
+    # ------------------------------------------------------------------ notifications
+    def _handle_notifs(self) -> None:
+        for agent_name, messages in self._agent.get_new_notifs().items():
+            agent_name = agent_name.decode() if isinstance(agent_name, bytes) else agent_name
+            for message in messages:
+                try:
+                    notif = pb.NixlNotif.FromString(message)
+                except Exception:
+                    logger.warning("undecodable nixl notification from %s", agent_name)
+                    continue
+                self._on_notif(agent_name, notif)
+
+    def _on_notif(self, agent_name: str, notif: pb.NixlNotif) -> None:
+        kind = notif.WhichOneof("body")
+        if kind == "read_begin":
+            self._on_read_begin(agent_name, notif.read_begin, notif.reader_metadata)
+        elif kind == "read_grant":
+            self._on_grant(agent_name, notif.read_grant)
+        elif kind == "read_end":
+            grant = self._grants.pop((agent_name, notif.read_end.seq), None)
+            if grant is not None:
+                self._published.end_read(grant.req_id)
+        elif kind == "release":
+            if not self._published.release(notif.release.req_id):
+                logger.debug("release of unpublished req_id=%s", notif.release.req_id)
+        else:
+            logger.warning("unexpected nixl notification %s from %s", kind, agent_name)
+
+    def _on_read_begin(
+        self, agent_name: str, begin: pb.KVReadRequest, reader_metadata: bytes
+    ) -> None:
+        if agent_name not in self._readers:
+            try:
+                self._agent.add_remote_agent(reader_metadata)
+            except Exception as exc:
+                logger.warning("cannot answer kv reader %s: %s", agent_name, exc)
+                return
+            self._readers.add(agent_name)
+        error = self._published.begin_read(begin.req_id, list(begin.block_ids))
+        if error is None:
+            expires_s = time.monotonic() + 2 * self._io_timeout_s
+            self._grants[(agent_name, begin.seq)] = _Grant(begin.req_id, expires_s)
+        else:
+            logger.info("refused kv read req_id=%s: %s", begin.req_id, error)
+        grant = pb.KVReadResponse(seq=begin.seq, ok=error is None, error=error or "")
+        if not self._send(agent_name, _notif(read_grant=grant)) and error is None:
+            self._published.end_read(self._grants.pop((agent_name, begin.seq)).req_id)
+
+    def _expire_grants(self) -> None:
+        # A reader that died mid-read never sends read_end; its own deadline has long passed.
+        now_s = time.monotonic()
+        for key, grant in list(self._grants.items()):
+            if now_s > grant.expires_s:
+                del self._grants[key]
+                self._published.end_read(grant.req_id)
+
+    def _notify_engine(self, engine_id: str, message: bytes) -> None:
+        remote = self._remotes.get(engine_id)
+        if remote is not None:
+            self._send(remote.agent_name, message)
+
+    def _send(self, agent_name: str, message: bytes) -> bool:
+        try:
+            self._agent.send_notif(agent_name, message)
+        except Exception as exc:
+            logger.warning("nixl notification to %s failed: %s", agent_name, exc)
+            return False
+        return True
+
+
+def _block_descs(base_addr: int, num_blocks: int, block_bytes: int, device_id: int) -> np.ndarray:
+    """One ``(address, length, device)`` row per block of a cache starting at ``base_addr``."""
+    descs = np.empty((num_blocks, 3), dtype=np.int64)
+    descs[:, 0] = base_addr + np.arange(num_blocks, dtype=np.int64) * block_bytes
+    descs[:, 1] = block_bytes
+    descs[:, 2] = device_id
+    return descs

@@ -1,0 +1,170 @@
+"""Each installed KV transfer backend end to end, through real worker processes: greedy output
+identical to the offline engine, suffix-only pulls, lease expiry, and a prefill worker killed
+during a transfer (the decode side fails the read, recomputes, and the request completes)."""
+
+from __future__ import annotations
+
+import random
+import signal
+import threading
+import time
+
+import grpc
+import pytest
+
+from engine import LLM, SamplingParams
+from kvtransfer.registry import available_backends
+from services.common.convert import sampling_params_to_worker
+from splitserve.v1 import worker_pb2, worker_pb2_grpc
+from tests.services.conftest import NUM_KV_BLOCKS, greedy
+
+LEASE_TTL_S = 1.0
+KV_IO_TIMEOUT_S = 2.0
+BLOCK_SIZE = 16
+BACKENDS = [name for name in available_backends() if name != "inproc"]
+
+
+@pytest.fixture(scope="module")
+def offline(tiny_llama_dir):
+    return LLM(str(tiny_llama_dir), dtype="float32", num_kv_blocks=NUM_KV_BLOCKS)
+
+
+@pytest.fixture(scope="module", params=BACKENDS)
+def cluster(request, start_cluster):
+    flags = ("--kv-transfer", request.param, "--lease-ttl-s", str(LEASE_TTL_S),
+             "--kv-io-timeout-s", str(KV_IO_TIMEOUT_S))  # fmt: skip
+    local, client = start_cluster(num_prefill=1, num_decode=1, extra_worker_flags=flags)
+    return request.param, local, client
+
+
+class Workers:
+    """Direct gRPC stubs of the cluster's prefill and decode worker."""
+
+    def __init__(self, local) -> None:
+        self.prefill_process = local.workers("prefill")[0]
+        self._channels = [
+            grpc.insecure_channel(local.workers(role)[0].address) for role in ("prefill", "decode")
+        ]
+        self.prefill = worker_pb2_grpc.PrefillWorkerStub(self._channels[0])
+        self.decode = worker_pb2_grpc.DecodeWorkerStub(self._channels[1])
+
+    def prefill_then_decode(
+        self, request_id: str, prompt: list[int], max_tokens: int
+    ) -> tuple[list[int], worker_pb2.DecodeResponse]:
+        """Prefill on the prefill worker, then decode with its KV; all tokens and the last
+        decode message."""
+        sampling = sampling_params_to_worker(SamplingParams(temperature=0, max_tokens=max_tokens))
+        first = self.prefill_only(request_id, prompt, max_tokens)
+        return self.decode_with(request_id, prompt, sampling, first)
+
+    def prefill_only(
+        self, request_id: str, prompt: list[int], max_tokens: int
+    ) -> worker_pb2.PrefillResponse:
+        sampling = sampling_params_to_worker(SamplingParams(temperature=0, max_tokens=max_tokens))
+        request = worker_pb2.PrefillRequest(
+            request_id=request_id, prompt_token_ids=prompt, sampling=sampling
+        )
+        return self.prefill.Prefill(request, timeout=30)
+
+    def decode_with(
+        self,
+        request_id: str,
+        prompt: list[int],
+        sampling: worker_pb2.WorkerSamplingParams,
+        first: worker_pb2.PrefillResponse,
+    ) -> tuple[list[int], worker_pb2.DecodeResponse]:
+        request = worker_pb2.DecodeRequest(
+            request_id=request_id,
+            prompt_token_ids=prompt,
+            output_token_ids=[first.token_id],
+            sampling=sampling,
+            kv_ref=first.kv_ref,
+            kv_peer=first.kv_peer,
+        )
+        token_ids = [first.token_id]
+        last = None
+        for last in self.decode.Decode(request, timeout=60):
+            token_ids.extend(last.token_ids)
+        assert last is not None and last.finished
+        return token_ids, last
+
+    def close(self) -> None:
+        for channel in self._channels:
+            channel.close()
+
+
+@pytest.fixture(scope="module")
+def workers(cluster):
+    workers = Workers(cluster[1])
+    yield workers
+    workers.close()
+
+
+def make_prompts(seed: int, lens) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, 480) for _ in range(n)] for n in lens]
+
+
+def test_status_shows_the_backend_of_every_worker(cluster):
+    name, _, client = cluster
+    assert {w.info.kv_transfer_backend for w in client.status().workers} == {name}
+
+
+def test_greedy_output_is_identical_to_the_offline_engine(cluster, offline):
+    _, _, client = cluster
+    prompts = make_prompts(seed=0, lens=(1, 5, 16, 17, 48, 97, 200))
+    want = offline.generate(prompts, SamplingParams(temperature=0.0, max_tokens=12))
+    for prompt, expected in zip(prompts, want, strict=True):
+        assert client.generate(token_ids=prompt, sampling=greedy(12)).token_ids == (
+            expected.token_ids
+        )
+    client.wait_idle()
+
+
+def test_decode_worker_holding_the_prefix_pulls_only_the_suffix(workers, offline):
+    shared = make_prompts(seed=1, lens=(48,))[0]  # three full blocks
+    first_prompt = [*shared, 5, 6]  # 50 tokens: 4 blocks
+    second_prompt = [*shared, *range(9, 26)]  # 65 tokens: 5 blocks, 3 cached on the decode side
+    want = offline.generate(
+        [first_prompt, second_prompt], SamplingParams(temperature=0.0, max_tokens=4)
+    )
+    token_ids, last = workers.prefill_then_decode("suffix-a", first_prompt, 4)
+    assert token_ids == want[0].token_ids
+    assert last.num_transferred_blocks == 4 and not last.kv_transfer_failed
+    token_ids, last = workers.prefill_then_decode("suffix-b", second_prompt, 4)
+    assert token_ids == want[1].token_ids
+    assert last.num_transferred_blocks == 2 and not last.kv_transfer_failed
+    assert last.num_cached_tokens == len(second_prompt)
+
+
+def test_unpulled_lease_expires_and_frees_the_prefill_blocks(workers):
+    response = workers.prefill_only("orphan", [11] * 40, max_tokens=8)
+    assert len(response.kv_ref.block_ids) == 3
+    load = workers.prefill.GetLoad(worker_pb2.GetLoadRequest(), timeout=5)
+    assert load.num_kv_leases == 1
+    deadline_s = time.monotonic() + LEASE_TTL_S + 5
+    while load.num_kv_leases and time.monotonic() < deadline_s:
+        time.sleep(0.1)
+        load = workers.prefill.GetLoad(worker_pb2.GetLoadRequest(), timeout=5)
+    assert load.num_kv_leases == 0 and load.num_leases_expired >= 1
+    assert load.num_used_blocks == 0
+
+
+def test_prefill_killed_during_the_transfer_is_recomputed_on_the_decode_side(workers, offline):
+    """Runs last: it kills the prefill worker. The worker is stopped (so its KV cannot be read)
+    before the decode side starts pulling, and killed while the pull waits on it."""
+    prompt = make_prompts(seed=2, lens=(90,))[0]
+    want = offline.generate([prompt], SamplingParams(temperature=0.0, max_tokens=10))[0]
+    sampling = sampling_params_to_worker(SamplingParams(temperature=0, max_tokens=10))
+    first = workers.prefill_only("killed", prompt, max_tokens=10)
+    workers.prefill_process.signal(signal.SIGSTOP)
+    killer = threading.Timer(0.5, workers.prefill_process.signal, args=(signal.SIGKILL,))
+    killer.start()
+    try:
+        token_ids, last = workers.decode_with("killed", prompt, sampling, first)
+    finally:
+        killer.join()
+    assert last.kv_transfer_failed and last.num_transferred_blocks == 0
+    assert token_ids == want.token_ids
+    load = workers.decode.GetLoad(worker_pb2.GetLoadRequest(), timeout=5)
+    assert load.num_transfers_failed == 1 and load.num_running == 0
