@@ -107,6 +107,7 @@ class NixlBackend(KVTransferBackend):
         # Unique per incarnation: a restarted worker must not reuse its predecessor's name.
         self._agent_name = f"{engine_id}-{uuid.uuid4().hex[:8]}"
         self._agent: Any = None
+        self._kv_cache: torch.Tensor | None = None
         self._connection_metadata = b""
         self._local_blocks: Any = None
         self._num_blocks = 0
@@ -133,6 +134,7 @@ class NixlBackend(KVTransferBackend):
         if self._agent is not None or self._closed:
             raise KVTransferError("register_kv_cache must be called once, before close")
         rows = cache_rows(kv_cache, spec)
+        self._kv_cache = kv_cache  # registered memory must outlive the agent's use of it
         from nixl._api import nixl_agent, nixl_agent_config, nixlBind
 
         self._num_blocks, block_bytes = rows.shape

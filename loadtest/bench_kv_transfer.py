@@ -1,0 +1,271 @@
+"""KV transfer throughput per backend between two processes, beside a memcpy bound.
+
+``python -m loadtest.bench_kv_transfer [--backends nixl,ucx,tcp] [--sizes-mib 1,16,64,256]
+[--model smollm2-135m] [--prompt-tokens 2000] [--repeats 5] [--out DIR]``
+
+For each backend a source process registers a cache shaped like SmolLM2-135M's (30 layers,
+3 KV heads, head_dim 64, 16-token blocks, bf16: 360 KiB per block) and this process, the
+destination, reads from it through the backend's normal path (``start_read`` / ``poll``):
+
+- **sizes**: 1, 16, 64 and 256 MiB as whole blocks at scattered source and destination ids
+  (a randomly permuted block pool, the layout after churn); each read's bytes are checked;
+- **real KV**: the source loads ``--model``, prefills one ``--prompt-tokens`` prompt with its
+  KV held (what a prefill worker does), publishes its blocks, and the destination reads them;
+  ``transfer share of TTFT`` = read time / (prefill time + read time);
+- **memcpy bound**: in the same run, a torch copy of the same number of bytes between two
+  preallocated buffers of this process;
+- **first connection**: the backend's ``connection_setup_s`` and the first read's wall time.
+
+Before each timed read or copy the CPU caches are flushed by writing a 256 MiB buffer, so
+neither side reads cache-hot bytes. Medians of ``--repeats``. Prints a Markdown table and writes
+``kv_transfer.json`` under ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing
+import statistics
+import time
+from multiprocessing.connection import Connection
+from pathlib import Path
+
+import torch
+
+from engine.config import EngineConfig
+from engine.kv_cache_spec import KVCacheSpec
+from engine.llm_engine import LLMEngine
+from engine.sampling_params import SamplingParams
+from kvtransfer.base import KVRef, KVTransferBackend, PeerInfo, TransferState
+from kvtransfer.registry import available_backends, make_backend
+
+SMOLLM2_SPEC = KVCacheSpec(
+    num_layers=30, num_kv_heads=3, head_dim=64, block_size=16, dtype="bfloat16"
+)
+MIB = 1 << 20
+_FLUSH = torch.empty(0, dtype=torch.uint8)
+
+
+def flush_caches() -> None:
+    """Write a buffer larger than the last-level cache so the next copy starts cold."""
+    global _FLUSH
+    if _FLUSH.numel() == 0:
+        _FLUSH = torch.empty(256 * MIB, dtype=torch.uint8)
+    _FLUSH.fill_(1)
+
+
+def synthetic_cache(num_blocks: int) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(num_blocks)
+    shape = (num_blocks, *SMOLLM2_SPEC.block_shape)
+    return torch.randint(-(2**15), 2**15, shape, generator=generator, dtype=torch.int16).view(
+        torch.bfloat16
+    )
+
+
+def rows(kv_cache: torch.Tensor) -> torch.Tensor:
+    return kv_cache.view(torch.uint8).view(kv_cache.shape[0], -1)
+
+
+# ----------------------------------------------------------------------------- source process
+def source_main(
+    conn: Connection, backend_name: str, num_blocks: int, model: str, prompt_tokens: int
+) -> None:
+    """Serve a synthetic cache; on ``real``, also a real engine's cache after one prefill."""
+    torch.set_num_threads(1)
+    synthetic = make_backend(backend_name, "bench-synthetic")
+    conn.send(synthetic.register_kv_cache(synthetic_cache(num_blocks), SMOLLM2_SPEC))
+    real: KVTransferBackend | None = None
+    while True:
+        command, *args = conn.recv()
+        if command == "publish":
+            synthetic.publish(*args)
+            conn.send(None)
+        elif command == "real":
+            real = make_backend(backend_name, "bench-real")
+            conn.send(held_prefill(real, model, prompt_tokens))
+        else:
+            break
+    synthetic.close()
+    if real is not None:
+        real.close()
+
+
+def held_prefill(
+    backend: KVTransferBackend, model: str, prompt_tokens: int
+) -> tuple[PeerInfo, KVCacheSpec, list[int], float, torch.Tensor]:
+    """Load ``model``, register its cache, prefill one random prompt with its KV held and
+    publish it as ``real``: (info, spec, block ids, prefill seconds, the blocks' bytes)."""
+    engine = LLMEngine(EngineConfig(model=model, dtype="bfloat16", num_threads=1))
+    info = backend.register_kv_cache(engine.runner.kv_cache, engine.runner.kv_cache_spec)
+    prompt = torch.randint(100, engine.vocab_size, (prompt_tokens,)).tolist()
+    start_s = time.perf_counter()
+    engine.add_request("real", prompt, SamplingParams(max_tokens=1), hold_kv=True)
+    while engine.has_unfinished_requests():
+        engine.step()
+    prefill_s = time.perf_counter() - start_s
+    block_ids = engine.held_kv_block_ids("real")
+    backend.publish("real", block_ids)
+    expected = rows(engine.runner.kv_cache)[block_ids].clone()
+    return info, engine.runner.kv_cache_spec, block_ids, prefill_s, expected
+
+
+# ----------------------------------------------------------------------------- destination
+def timed_read(dst: KVTransferBackend, req_id: str, src: KVRef, dst_ids: list[int]) -> float:
+    start_s = time.perf_counter()
+    dst.start_read(req_id, src, dst_ids)
+    while True:
+        state = dst.poll().get(req_id, TransferState.PENDING)
+        if state is not TransferState.PENDING:
+            break
+        time.sleep(0.0002)
+    elapsed_s = time.perf_counter() - start_s
+    if state is not TransferState.DONE:
+        raise RuntimeError(f"read {req_id} failed")
+    return elapsed_s
+
+
+def memcpy_s(num_bytes: int, repeats: int) -> float:
+    src = torch.ones(num_bytes, dtype=torch.uint8)
+    dst = torch.empty(num_bytes, dtype=torch.uint8)
+    dst.copy_(src)  # fault the pages in: the KV caches are allocated once, ahead of time
+    times = []
+    for _ in range(repeats):
+        flush_caches()
+        start_s = time.perf_counter()
+        dst.copy_(src)
+        times.append(time.perf_counter() - start_s)
+    return statistics.median(times)
+
+
+def bench_backend(backend_name: str, args: argparse.Namespace) -> dict:
+    sizes_mib = [int(s) for s in args.sizes_mib.split(",")]
+    num_blocks = max(sizes_mib) * MIB // SMOLLM2_SPEC.block_bytes + 1
+    ctx = multiprocessing.get_context("spawn")
+    conn, child_conn = ctx.Pipe()
+    source = ctx.Process(
+        target=source_main,
+        args=(child_conn, backend_name, num_blocks, args.model, args.prompt_tokens),
+        daemon=True,
+    )
+    source.start()
+    try:
+        synthetic_info: PeerInfo = conn.recv()
+        expected_rows = rows(synthetic_cache(num_blocks))
+        dst = make_backend(backend_name, "bench-dst")
+        dst_cache = torch.zeros((num_blocks, *SMOLLM2_SPEC.block_shape), dtype=torch.bfloat16)
+        dst.register_kv_cache(dst_cache, SMOLLM2_SPEC)
+        dst.add_peer(synthetic_info)
+        perm = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(0)).tolist()
+        result: dict = {"backend": backend_name, "sizes": []}
+        for size_mib in sizes_mib:
+            n = max(size_mib * MIB // SMOLLM2_SPEC.block_bytes, 1)
+            src_ids, dst_ids = perm[:n], perm[-n:]
+            times = []
+            for repeat in range(args.repeats + 1):  # the first read of each size is a warmup
+                req_id = f"{size_mib}-{repeat}"
+                conn.send(("publish", req_id, src_ids))
+                conn.recv()
+                flush_caches()
+                elapsed_s = timed_read(
+                    dst, req_id, KVRef("bench-synthetic", req_id, tuple(src_ids), 0), dst_ids
+                )
+                if size_mib == sizes_mib[0] and repeat == 0:
+                    result["first_read_s"] = elapsed_s
+                    result["connection_setup_s"] = dst.connection_setup_s["bench-synthetic"]
+                elif repeat:
+                    times.append(elapsed_s)
+            if not torch.equal(rows(dst_cache)[dst_ids], expected_rows[src_ids]):
+                raise RuntimeError(f"{backend_name}: {size_mib} MiB arrived corrupted")
+            num_bytes = n * SMOLLM2_SPEC.block_bytes
+            result["sizes"].append(
+                {
+                    "mib": size_mib,
+                    "bytes": num_bytes,
+                    "read_s": statistics.median(times),
+                    "memcpy_s": memcpy_s(num_bytes, args.repeats),
+                }
+            )
+        conn.send(("real",))
+        real_info, spec, block_ids, prefill_s, expected = conn.recv()
+        real_dst = make_backend(backend_name, "bench-real-dst")
+        real_cache = torch.zeros((len(block_ids), *spec.block_shape), dtype=torch.bfloat16)
+        real_dst.register_kv_cache(real_cache, spec)
+        real_dst.add_peer(real_info)
+        real_dst_ids = list(range(len(block_ids)))
+        src = KVRef("bench-real", "real", tuple(block_ids), args.prompt_tokens)
+        timed_read(real_dst, "real-warmup", src, real_dst_ids)
+        flush_caches()
+        read_s = timed_read(real_dst, "real", src, real_dst_ids)
+        if not torch.equal(rows(real_cache), expected):
+            raise RuntimeError(f"{backend_name}: the real KV arrived corrupted")
+        num_bytes = len(block_ids) * spec.block_bytes
+        result["real"] = {
+            "prompt_tokens": args.prompt_tokens,
+            "blocks": len(block_ids),
+            "bytes": num_bytes,
+            "read_s": read_s,
+            "memcpy_s": memcpy_s(num_bytes, args.repeats),
+            "prefill_s": prefill_s,
+            "ttft_share": read_s / (prefill_s + read_s),
+        }
+        conn.send(("stop",))
+        dst.close()
+        real_dst.close()
+        return result
+    finally:
+        source.join(timeout=30)
+        if source.is_alive():
+            source.kill()
+
+
+def to_markdown(results: list[dict]) -> str:
+    lines = [
+        "| backend | payload | read ms | GB/s | memcpy GB/s | % of memcpy |",
+        "|---|---|---:|---:|---:|---:|",
+    ]
+    for result in results:
+        cases = [(f"{s['mib']} MiB", s) for s in result["sizes"]]
+        real = result["real"]
+        cases.append((f"SmolLM2 KV, {real['prompt_tokens']} tokens", real))
+        for label, case in cases:
+            gbps = case["bytes"] / case["read_s"] / 1e9
+            bound = case["bytes"] / case["memcpy_s"] / 1e9
+            lines.append(
+                f"| {result['backend']} | {label} | {case['read_s'] * 1e3:.2f} | {gbps:.2f} "
+                f"| {bound:.2f} | {100 * gbps / bound:.0f}% |"
+            )
+    lines += [
+        "",
+        "| backend | connection setup ms | first read ms | prefill s | transfer share of TTFT |",
+        "|---|---:|---:|---:|---:|",
+    ]
+    for result in results:
+        real = result["real"]
+        lines.append(
+            f"| {result['backend']} | {result['connection_setup_s'] * 1e3:.1f} "
+            f"| {result['first_read_s'] * 1e3:.1f} | {real['prefill_s']:.2f} "
+            f"| {100 * real['ttft_share']:.1f}% |"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    networked = [b for b in available_backends() if b != "inproc"]
+    parser.add_argument("--backends", default=",".join(networked))
+    parser.add_argument("--sizes-mib", default="1,16,64,256")
+    parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--prompt-tokens", type=int, default=2000)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--out", type=Path, default=Path("bench-out"))
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)
+    results = [bench_backend(name, args) for name in args.backends.split(",")]
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "kv_transfer.json").write_text(json.dumps(results, indent=2))
+    print(to_markdown(results))
+
+
+if __name__ == "__main__":
+    main()
