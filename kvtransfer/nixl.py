@@ -45,6 +45,7 @@ from kvtransfer._common import (
     check_block_ids,
     check_peer,
 )
+from kvtransfer._nixl_source import NixlSource, notif_bytes, remove_agent, send_notif
 from kvtransfer.base import KVRef, KVTransferBackend, KVTransferError, PeerInfo, TransferState
 from splitserve.v1 import kv_transfer_pb2 as pb
 
@@ -75,18 +76,6 @@ class _Read:
     remote: _Remote | None = None
     handle: Any = None  # nixl_xfer_handle once granted
     granted: bool = False
-
-
-@dataclass(slots=True)
-class _Grant:
-    """A read this source granted and has not seen end: ``(reader agent, seq)``."""
-
-    req_id: str
-    expires_s: float
-
-
-def _notif(**body: Any) -> bytes:
-    return pb.NixlNotif(**body).SerializeToString()
 
 
 class NixlBackend(KVTransferBackend):
@@ -123,8 +112,7 @@ class NixlBackend(KVTransferBackend):
         # Owned by the I/O thread.
         self._remotes: dict[str, _Remote] = {}
         self._pending: dict[int, _Read] = {}  # seq -> read, granted or awaiting the grant
-        self._grants: dict[tuple[str, int], _Grant] = {}
-        self._readers: set[str] = set()  # agents whose connection info we loaded
+        self._source: NixlSource  # created with the agent, in register_kv_cache
 
     def register_kv_cache(self, kv_cache: torch.Tensor, spec: KVCacheSpec) -> PeerInfo:
         """Register the cache with a new NIXL agent, start the I/O thread, return our info."""
@@ -161,6 +149,7 @@ class NixlBackend(KVTransferBackend):
             device_id=device_id,
             mem_type=mem_type,
         )
+        self._source = NixlSource(self._agent, self._published, self._io_timeout_s)
         self._io_thread = threading.Thread(
             target=self._io_loop, name=f"kv-nixl-{self.engine_id}", daemon=True
         )
@@ -246,7 +235,7 @@ class NixlBackend(KVTransferBackend):
             return
         engine_id, src_req_id = source
         release = pb.KVReleaseRequest(req_id=src_req_id)
-        self._commands.put(lambda: self._notify_engine(engine_id, _notif(release=release)))
+        self._commands.put(lambda: self._notify_engine(engine_id, notif_bytes(release=release)))
 
     def close(self) -> None:
         """Stop the I/O thread (reads in flight end FAILED) and drop the agent. Idempotent."""
@@ -274,7 +263,7 @@ class NixlBackend(KVTransferBackend):
                         self._commands.get_nowait()()
                 self._handle_notifs()
                 self._check_reads()
-                self._expire_grants()
+                self._source.expire_grants()
         except Exception:
             logger.exception("kv nixl I/O thread of %s crashed", self.engine_id)
         finally:
@@ -285,9 +274,8 @@ class NixlBackend(KVTransferBackend):
             self._drop_handle(read)
         self._pending.clear()
         self._reads.fail_pending()
-        for remote in self._remotes.values():
-            self._agent.release_dlist_handle(remote.blocks)
-        self._remotes.clear()
+        for engine_id in list(self._remotes):
+            self._forget_remote(engine_id)
 
     def _remote(self, engine_id: str) -> _Remote:
         remote = self._remotes.get(engine_id)
@@ -306,7 +294,9 @@ class NixlBackend(KVTransferBackend):
             metadata.mem_type,
         )
         self._agent.make_connection(agent_name)
-        self.connection_setup_s.setdefault(engine_id, time.perf_counter() - start_s)
+        setup_s = time.perf_counter() - start_s
+        self.connection_setup_s.setdefault(engine_id, setup_s)
+        logger.info("kv nixl paired with %s in %.1f ms", engine_id, setup_s * 1e3)
         remote = _Remote(agent_name, blocks)
         self._remotes[engine_id] = remote
         return remote
@@ -317,15 +307,15 @@ class NixlBackend(KVTransferBackend):
             return
         try:
             self._agent.release_dlist_handle(remote.blocks)
-            self._agent.remove_remote_agent(remote.agent_name)
         except Exception as exc:  # nixl raises its own exception types
             logger.debug("dropping kv peer %s: %s", engine_id, exc)
+        remove_agent(self._agent, remote.agent_name)
 
     def _begin_read(self, seq: int, read: _Read) -> None:
         begin = pb.KVReadRequest(seq=seq, req_id=read.src.req_id, block_ids=read.src.block_ids)
         try:
             read.remote = self._remote(read.src.engine_id)
-            message = _notif(read_begin=begin, reader_metadata=self._connection_metadata)
+            message = notif_bytes(read_begin=begin, reader_metadata=self._connection_metadata)
             self._agent.send_notif(read.remote.agent_name, message)
         except Exception as exc:
             self._fail(read, f"cannot reach the source: {exc}")
@@ -337,7 +327,8 @@ class NixlBackend(KVTransferBackend):
         read = self._pending.get(grant.seq)
         if read is None or read.remote is None or read.remote.agent_name != agent_name:
             if grant.ok:  # granted after we gave up: end it so the source does not wait
-                self._send(agent_name, _notif(read_end=pb.KVReadEnd(seq=grant.seq)))
+                end = pb.KVReadEnd(seq=grant.seq)
+                send_notif(self._agent, agent_name, notif_bytes(read_end=end))
             return
         if not grant.ok:
             del self._pending[grant.seq]
@@ -378,7 +369,7 @@ class NixlBackend(KVTransferBackend):
         self._drop_handle(read)
         if read.granted and read.remote is not None:
             end = pb.KVReadEnd(seq=seq, req_id=read.src.req_id)
-            self._send(read.remote.agent_name, _notif(read_end=end))
+            send_notif(self._agent, read.remote.agent_name, notif_bytes(read_end=end))
         if state is TransferState.DONE:
             self._reads.finish(read.req_id, state)
         else:
@@ -412,61 +403,15 @@ class NixlBackend(KVTransferBackend):
                 self._on_notif(agent_name, notif)
 
     def _on_notif(self, agent_name: str, notif: pb.NixlNotif) -> None:
-        kind = notif.WhichOneof("body")
-        if kind == "read_begin":
-            self._on_read_begin(agent_name, notif.read_begin, notif.reader_metadata)
-        elif kind == "read_grant":
+        if notif.WhichOneof("body") == "read_grant":
             self._on_grant(agent_name, notif.read_grant)
-        elif kind == "read_end":
-            grant = self._grants.pop((agent_name, notif.read_end.seq), None)
-            if grant is not None:
-                self._published.end_read(grant.req_id)
-        elif kind == "release":
-            if not self._published.release(notif.release.req_id):
-                logger.debug("release of unpublished req_id=%s", notif.release.req_id)
         else:
-            logger.warning("unexpected nixl notification %s from %s", kind, agent_name)
-
-    def _on_read_begin(
-        self, agent_name: str, begin: pb.KVReadRequest, reader_metadata: bytes
-    ) -> None:
-        if agent_name not in self._readers:
-            try:
-                self._agent.add_remote_agent(reader_metadata)
-            except Exception as exc:
-                logger.warning("cannot answer kv reader %s: %s", agent_name, exc)
-                return
-            self._readers.add(agent_name)
-        error = self._published.begin_read(begin.req_id, list(begin.block_ids))
-        if error is None:
-            expires_s = time.monotonic() + 2 * self._io_timeout_s
-            self._grants[(agent_name, begin.seq)] = _Grant(begin.req_id, expires_s)
-        else:
-            logger.info("refused kv read req_id=%s: %s", begin.req_id, error)
-        grant = pb.KVReadResponse(seq=begin.seq, ok=error is None, error=error or "")
-        if not self._send(agent_name, _notif(read_grant=grant)) and error is None:
-            self._published.end_read(self._grants.pop((agent_name, begin.seq)).req_id)
-
-    def _expire_grants(self) -> None:
-        # A reader that died mid-read never sends read_end; its own deadline has long passed.
-        now_s = time.monotonic()
-        for key, grant in list(self._grants.items()):
-            if now_s > grant.expires_s:
-                del self._grants[key]
-                self._published.end_read(grant.req_id)
+            self._source.on_notif(agent_name, notif)
 
     def _notify_engine(self, engine_id: str, message: bytes) -> None:
         remote = self._remotes.get(engine_id)
         if remote is not None:
-            self._send(remote.agent_name, message)
-
-    def _send(self, agent_name: str, message: bytes) -> bool:
-        try:
-            self._agent.send_notif(agent_name, message)
-        except Exception as exc:
-            logger.warning("nixl notification to %s failed: %s", agent_name, exc)
-            return False
-        return True
+            send_notif(self._agent, remote.agent_name, message)
 
 
 def _block_descs(base_addr: int, num_blocks: int, block_bytes: int, device_id: int) -> np.ndarray:
