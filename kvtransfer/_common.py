@@ -77,6 +77,25 @@ def contiguous_runs(block_ids: Sequence[int]) -> list[tuple[int, int]]:
     return runs
 
 
+def joint_runs(src_block_ids: Sequence[int], dst_block_ids: Sequence[int]) -> list[int]:
+    """Lengths of the runs over which both id lists advance by one at each step.
+
+    ``[4, 5, 6, 9]`` into ``[0, 1, 7, 8]`` -> ``[2, 1, 1]``: each run is one contiguous region
+    on both sides, so it can move as one message straight between the two caches.
+    """
+    lengths: list[int] = []
+    for i in range(len(src_block_ids)):
+        if (
+            i
+            and src_block_ids[i] == src_block_ids[i - 1] + 1
+            and dst_block_ids[i] == dst_block_ids[i - 1] + 1
+        ):
+            lengths[-1] += 1
+        else:
+            lengths.append(1)
+    return lengths
+
+
 class PublishedBlocks:
     """Source side: which blocks each ``req_id`` exposes, and which ids peers released.
 

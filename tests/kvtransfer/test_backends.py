@@ -41,9 +41,7 @@ def sources(backend_name: str) -> Iterator[dict[str, SourceProcess]]:
     """Three source processes started together (their imports overlap): ``shared`` serves a
     small and a big engine; ``hung`` and ``killed`` are stopped or killed by one test each."""
     procs = {
-        "shared": SourceProcess(
-            backend_name, [("small", SMALL_SPEC, 1), ("big", BIG_SPEC, 2)]
-        ),
+        "shared": SourceProcess(backend_name, [("small", SMALL_SPEC, 1), ("big", BIG_SPEC, 2)]),
         "hung": SourceProcess(backend_name, [("hung", SMALL_SPEC, 3)]),
         "killed": SourceProcess(backend_name, [("killed", SMALL_SPEC, 4)]),
     }
@@ -178,9 +176,7 @@ def test_source_killed_mid_read_or_before_read_fails_in_bounded_time(backend_nam
         fresh.close()
 
 
-def test_hung_source_fails_within_io_timeout_and_close_fails_reads_in_flight(
-    backend_name, sources
-):
+def test_hung_source_fails_within_io_timeout_and_close_fails_reads_in_flight(backend_name, sources):
     source = sources["hung"]
     dst, _ = make_dst(backend_name, SMALL_SPEC, io_timeout_s=0.5)
     dst.add_peer(source.info("hung"))

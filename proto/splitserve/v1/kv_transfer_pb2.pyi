@@ -25,14 +25,16 @@ class KVHelloAck(_message.Message):
     def __init__(self, ok: _Optional[bool] = ..., error: _Optional[str] = ...) -> None: ...
 
 class KVReadRequest(_message.Message):
-    __slots__ = ("seq", "req_id", "block_ids")
+    __slots__ = ("seq", "req_id", "block_ids", "run_lengths")
     SEQ_FIELD_NUMBER: _ClassVar[int]
     REQ_ID_FIELD_NUMBER: _ClassVar[int]
     BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    RUN_LENGTHS_FIELD_NUMBER: _ClassVar[int]
     seq: int
     req_id: str
     block_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, seq: _Optional[int] = ..., req_id: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    run_lengths: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, seq: _Optional[int] = ..., req_id: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., run_lengths: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class KVReadResponse(_message.Message):
     __slots__ = ("seq", "ok", "error", "num_bytes")

@@ -1,0 +1,106 @@
+"""Plumbing of the ``ucx`` backend (private to ``kvtransfer.ucx``): the process's ucxx event
+loop, control frames over UCX tagged messages, bounded waits.
+
+A frame is two messages on one endpoint (which arrive in order): its length (8 bytes,
+little-endian), then the serialized ``KVFrame``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import threading
+from collections.abc import Awaitable
+from typing import TypeVar
+
+import numpy as np
+from google.protobuf.message import DecodeError
+
+from kvtransfer._tcp_wire import MAX_FRAME_BYTES, ProtocolError
+from kvtransfer.base import KVTransferError
+from splitserve.v1 import kv_transfer_pb2 as pb
+
+# Unless it is set, importing ucxx writes UCX_RNDV_FRAG_MEM_TYPE=cuda into os.environ, where
+# every later UCX context of this process (nixl's too) reads it; cuda fragments slow host-memory
+# rendezvous (64 MiB: ~0.9 vs ~1.3 GiB/s here). "host" is what UCX itself uses for host memory,
+# so nixl's host transfers keep their behaviour; setdefault lets an operator's own value win.
+os.environ.setdefault("UCX_RNDV_FRAG_MEM_TYPE", "host")
+
+import ucxx
+from ucxx._lib_async import Endpoint, Listener
+from ucxx.exceptions import UCXError
+
+# kvtransfer.ucx takes ucxx from here, after the environment above is set.
+__all__ = [
+    "Endpoint",
+    "Listener",
+    "UCXError",
+    "abort",
+    "recv_frame",
+    "send_frame",
+    "ucx_loop",
+    "ucxx",
+    "within",
+]
+
+_T = TypeVar("_T")
+_LENGTH = np.dtype("<u8")
+_ABORT_PERIOD_NS = 100_000_000  # the longest an endpoint abort waits on UCX
+_loop_lock = threading.Lock()
+_loop: asyncio.AbstractEventLoop | None = None
+
+
+def ucx_loop() -> asyncio.AbstractEventLoop:
+    """The process's ucxx loop; the first call starts it and runs ``ucxx.init`` on it."""
+    global _loop
+    with _loop_lock:
+        if _loop is None:
+            loop = asyncio.new_event_loop()
+            threading.Thread(target=loop.run_forever, name="kv-ucx-loop", daemon=True).start()
+            asyncio.run_coroutine_threadsafe(_init_ucxx(), loop).result()
+            _loop = loop
+        return _loop
+
+
+async def _init_ucxx() -> None:
+    ucxx.init(progress_mode="thread", enable_python_future=True)
+
+
+async def within(awaitable: Awaitable[_T], timeout_s: float | None, what: str) -> _T:
+    """Await ``awaitable``, or raise ``KVTransferError`` after ``timeout_s`` (None: no limit)."""
+    try:
+        return await asyncio.wait_for(awaitable, timeout_s)
+    except TimeoutError:
+        raise KVTransferError(f"{what} timed out after {timeout_s} s") from None
+
+
+async def send_frame(ep: Endpoint, frame: pb.KVFrame, timeout_s: float) -> None:
+    body = frame.SerializeToString()
+    await within(ep.send(np.array([len(body)], dtype=_LENGTH)), timeout_s, "sending a frame")
+    await within(ep.send(np.frombuffer(body, dtype=np.uint8)), timeout_s, "sending a frame")
+
+
+async def recv_frame(ep: Endpoint, wait_s: float | None, timeout_s: float) -> pb.KVFrame:
+    """Wait up to ``wait_s`` (None: forever) for a frame, then ``timeout_s`` for its body.
+    Raises ``ProtocolError`` on a bad frame."""
+    header = np.zeros(1, dtype=_LENGTH)
+    await within(ep.recv(header), wait_s, "waiting for a frame")
+    length = int(header[0])
+    if not 0 < length <= MAX_FRAME_BYTES:
+        raise ProtocolError(f"frame of {length} bytes is not in (0, {MAX_FRAME_BYTES}]")
+    body = bytearray(length)
+    await within(ep.recv(body), timeout_s, "receiving a frame")
+    try:
+        frame = pb.KVFrame.FromString(bytes(body))
+    except DecodeError as exc:
+        raise ProtocolError(f"undecodable frame: {exc}") from exc
+    if frame.WhichOneof("body") is None:
+        raise ProtocolError("frame without a body")
+    return frame
+
+
+def abort(ep: Endpoint | None) -> None:
+    """Close ``ep`` at once and cancel its pending requests (UCX gets up to 0.1 s), so their
+    buffers are free for reuse when this returns. Idempotent."""
+    if ep is not None:
+        ep.abort(period=_ABORT_PERIOD_NS)
