@@ -99,7 +99,8 @@ class KVTransferBackend(abc.ABC):
     def start_read(self, req_id: str, src: KVRef, dst_block_ids: Sequence[int]) -> None:
         """Start copying ``src.block_ids[i]`` of peer ``src.engine_id`` into our block
         ``dst_block_ids[i]`` (equal lengths). The peer must have been added. Never blocks;
-        progress is reported by ``poll``. Our destination blocks must stay allocated until then.
+        progress is reported by ``poll``. Our destination blocks must stay allocated until then;
+        after FAILED their content is undefined (the caller recomputes it).
         """
 
     @abc.abstractmethod

@@ -6,18 +6,21 @@ connection info and memory keys) and where block 0 lives, so a reader can descri
 remote block itself. Pairing is lazy: the first read from a peer loads its metadata, prepares a
 descriptor list with one entry per remote block and connects; the pair stays warm.
 
-A read is granted before it moves bytes, so a source never frees blocks under a READ::
+Every read is granted by the source, so a source never frees blocks under a READ. The READ is
+posted with ``read_begin`` rather than after the grant, so the transfer overlaps the round
+trip; it counts as DONE only once granted (see ``_Read``)::
 
     reader                                          source
     read_begin(seq, req_id, block_ids)   ---->      PublishedBlocks.begin_read
-                                         <----      read_grant(seq, ok | error)
     READ of the blocks (UCX get; NIXL merges adjacent descriptors into one region)
+                                         <----      read_grant(seq, ok | error)
     read_end(seq, req_id)                ---->      PublishedBlocks.end_read
     ...
     release(req_id)                      ---->      the lease may end
 
 All four are NIXL notifications carrying a serialized ``NixlNotif``. Every NIXL call runs on
-one I/O thread per backend; NIXL's own progress thread drives UCX. A read is FAILED when the
+one I/O thread per backend, which also drives UCX's progress (NIXL's own progress thread would
+spin a core); the copy of a READ runs on it, outside the GIL. A read is FAILED when the
 source refuses it, when NIXL reports an error (a dead peer is seen as a disconnect), or when it
 is not over within ``io_timeout_s``.
 """
@@ -67,15 +70,23 @@ class _Remote:
 
 @dataclass(slots=True)
 class _Read:
-    """A read owned by the I/O thread, from ``read_begin`` until its state is terminal."""
+    """A read owned by the I/O thread, from ``read_begin`` until its state is terminal.
+
+    The READ is posted together with ``read_begin``; the read is DONE once the READ finished
+    *and* the source granted it. A grant proves the blocks stayed published from before the READ
+    started (the reader learnt of them only after they were published, and a publication only
+    ends) until ``read_end``; a refusal turns even a finished READ into FAILED.
+    """
 
     req_id: str
     src: KVRef
     dst_block_ids: tuple[int, ...]
     deadline_s: float
     remote: _Remote | None = None
-    handle: Any = None  # nixl_xfer_handle once granted
-    granted: bool = False
+    handle: Any = None  # nixl_xfer_handle while the READ is in flight
+    read_done: bool = False
+    granted: bool | None = None  # None until the source answers
+    refusal: str = ""
 
 
 class NixlBackend(KVTransferBackend):
@@ -128,7 +139,10 @@ class NixlBackend(KVTransferBackend):
         self._num_blocks, block_bytes = rows.shape
         self._compat_hash = spec.compat_hash()
         device_id = max(kv_cache.get_device(), 0)
-        self._agent = nixl_agent(self._agent_name, nixl_agent_config(backends=["UCX"]))
+        # No NIXL progress thread: it spins a whole core per process. The I/O thread drives UCX
+        # instead (every NIXL call progresses it), polling fast only while there is work.
+        config = nixl_agent_config(enable_prog_thread=False, backends=["UCX"])
+        self._agent = nixl_agent(self._agent_name, config)
         self._agent.register_memory(kv_cache)
         no_memory = nixlBind.nixlRegDList(self._agent.nixl_mems[mem_type])
         self._connection_metadata = self._agent.get_partial_agent_metadata(
@@ -258,16 +272,21 @@ class NixlBackend(KVTransferBackend):
                 except queue.Empty:
                     pass
                 else:
-                    command()
+                    self._run(command)
                     while not self._commands.empty() and not self._closed:
-                        self._commands.get_nowait()()
-                self._handle_notifs()
-                self._check_reads()
+                        self._run(self._commands.get_nowait())
+                self._run(self._handle_notifs)
+                self._run(self._check_reads)
                 self._source.expire_grants()
-        except Exception:
-            logger.exception("kv nixl I/O thread of %s crashed", self.engine_id)
         finally:
             self._shutdown()
+
+    def _run(self, step: Callable[[], None]) -> None:
+        # One bad call (NIXL raises its own exception types) must not stop every later read.
+        try:
+            step()
+        except Exception:
+            logger.exception("kv nixl I/O step of %s failed", self.engine_id)
 
     def _shutdown(self) -> None:
         for read in self._pending.values():
@@ -322,19 +341,7 @@ class NixlBackend(KVTransferBackend):
             self._forget_remote(read.src.engine_id)
             return
         self._pending[seq] = read
-
-    def _on_grant(self, agent_name: str, grant: pb.KVReadResponse) -> None:
-        read = self._pending.get(grant.seq)
-        if read is None or read.remote is None or read.remote.agent_name != agent_name:
-            if grant.ok:  # granted after we gave up: end it so the source does not wait
-                end = pb.KVReadEnd(seq=grant.seq)
-                send_notif(self._agent, agent_name, notif_bytes(read_end=end))
-            return
-        if not grant.ok:
-            del self._pending[grant.seq]
-            self._fail(read, f"source refused the read: {grant.error}")
-            return
-        read.granted = True
+        # Posted without waiting for the grant: the transfer overlaps the round trip.
         try:
             read.handle = self._agent.make_prepped_xfer(
                 "READ",
@@ -345,26 +352,55 @@ class NixlBackend(KVTransferBackend):
             )
             self._agent.transfer(read.handle)
         except Exception as exc:
-            self._end(grant.seq, read, TransferState.FAILED, f"READ could not start: {exc}")
+            self._end(seq, read, TransferState.FAILED, f"READ could not start: {exc}")
+
+    def _on_grant(self, agent_name: str, grant: pb.KVReadResponse) -> None:
+        read = self._pending.get(grant.seq)
+        if read is None or read.remote is None or read.remote.agent_name != agent_name:
+            if grant.ok:  # granted after we gave up: end it so the source does not wait
+                end = pb.KVReadEnd(seq=grant.seq)
+                send_notif(self._agent, agent_name, notif_bytes(read_end=end))
+            return
+        read.granted = grant.ok
+        read.refusal = grant.error
+        self._settle(grant.seq, read)
 
     def _check_reads(self) -> None:
         now_s = time.monotonic()
         for seq, read in list(self._pending.items()):
             if read.handle is not None:
-                state = self._agent.check_xfer_state(read.handle)
-                if state == "DONE":
-                    self._end(seq, read, TransferState.DONE)
-                    continue
+                try:
+                    state = self._agent.check_xfer_state(read.handle)
+                except Exception as exc:  # e.g. nixlRemoteDisconnectError: the peer died
+                    state, error = "ERR", str(exc)
+                else:
+                    error = "NIXL reported an error"
                 if state == "ERR":
-                    self._end(seq, read, TransferState.FAILED, "NIXL reported an error")
+                    self._end(seq, read, TransferState.FAILED, error)
                     self._forget_remote(read.src.engine_id)
                     continue
+                if state == "DONE":
+                    self._drop_handle(read)
+                    read.read_done = True
+                    self._settle(seq, read)
+                    continue
             if now_s > read.deadline_s:
-                phase = "READ" if read.granted else "grant"
+                phase = "grant" if read.granted is None else "READ"
                 self._end(seq, read, TransferState.FAILED, f"{phase} timed out")
                 self._forget_remote(read.src.engine_id)
 
+    def _settle(self, seq: int, read: _Read) -> None:
+        """End the read once both the READ and the source's answer are in."""
+        if read.granted is None or read.handle is not None:
+            return
+        if not read.granted:
+            self._end(seq, read, TransferState.FAILED, f"source refused: {read.refusal}")
+        elif read.read_done:
+            self._end(seq, read, TransferState.DONE)
+
     def _end(self, seq: int, read: _Read, state: TransferState, error: str = "") -> None:
+        """Forget the read (cancelling a READ still in flight), tell a source that granted it
+        that it is over, and report ``state``."""
         self._pending.pop(seq, None)
         self._drop_handle(read)
         if read.granted and read.remote is not None:

@@ -25,6 +25,7 @@ import threading
 import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 
 import torch
 
@@ -58,6 +59,25 @@ from splitserve.v1 import kv_transfer_pb2 as pb
 logger = logging.getLogger(__name__)
 
 
+class _ReadParts:
+    """The parts of one read still running; the read's state once the last one ends."""
+
+    def __init__(self, num_parts: int) -> None:
+        self.num_parts = num_parts
+        self._lock = threading.Lock()
+        self._left = num_parts
+        self._ok = True
+
+    def end(self, ok: bool) -> TransferState | None:
+        """Record a part's end; the read's terminal state if it was the last, else None."""
+        with self._lock:
+            self._left -= 1
+            self._ok = self._ok and ok
+            if self._left:
+                return None
+            return TransferState.DONE if self._ok else TransferState.FAILED
+
+
 class TcpBackend(KVTransferBackend):
     """KV transfer over TCP between engines with CPU caches.
 
@@ -65,7 +85,8 @@ class TcpBackend(KVTransferBackend):
     and one thread per accepted connection serves reads of published blocks. Destination side:
     reads run on a small thread pool over at most ``max_connections_per_peer`` warm
     connections per peer; a dead or silent peer fails a read within ``io_timeout_s`` (per
-    socket operation) or ``connect_timeout_s`` (connect + handshake).
+    socket operation) or ``connect_timeout_s`` (connect + handshake). A read of more than
+    ``part_bytes`` is split into parts that stream in parallel, one per connection.
 
     ``connection_setup_s[engine_id]`` is how long the first connection to that peer took
     (connect + handshake), in seconds. Public methods are called from one engine thread.
@@ -82,6 +103,7 @@ class TcpBackend(KVTransferBackend):
         io_timeout_s: float = 10.0,
         connect_timeout_s: float = 5.0,
         max_connections_per_peer: int = 2,
+        part_bytes: int = 4 << 20,
     ) -> None:
         if max_connections_per_peer < 1:
             raise ValueError("max_connections_per_peer must be at least 1")
@@ -93,6 +115,7 @@ class TcpBackend(KVTransferBackend):
         self._io_timeout_s = io_timeout_s
         self._connect_timeout_s = connect_timeout_s
         self._max_connections_per_peer = max_connections_per_peer
+        self._part_bytes = part_bytes
         self._kv_cache: torch.Tensor | None = None
         self._flat = memoryview(bytearray())  # the whole cache as bytes, once registered
         self._num_blocks = 0
@@ -277,7 +300,16 @@ class TcpBackend(KVTransferBackend):
                 raise KVTransferError(f"peer {src.engine_id!r} was not added")
         self._reads.start(req_id)
         self._read_sources[req_id] = (src.engine_id, src.req_id)
-        self._executor.submit(self._do_read, req_id, src, tuple(dst_block_ids), next(self._seq))
+        # A big read goes as parts over parallel connections: one loopback stream is bound by
+        # one core's copy. The read ends when its last part does.
+        num_bytes = len(dst_block_ids) * self._block_bytes
+        num_parts = min(-(-num_bytes // self._part_bytes), self._max_connections_per_peer)
+        parts = _ReadParts(max(num_parts, 1))
+        step = -(-len(dst_block_ids) // parts.num_parts)
+        for begin in range(0, len(dst_block_ids), step):
+            part = replace(src, block_ids=tuple(src.block_ids[begin : begin + step]))
+            dst_part = tuple(dst_block_ids[begin : begin + step])
+            self._executor.submit(self._do_read, req_id, part, dst_part, next(self._seq), parts)
 
     def poll(self) -> dict[str, TransferState]:
         """State of every read not yet reported terminal; DONE / FAILED reported once."""
@@ -343,17 +375,26 @@ class TcpBackend(KVTransferBackend):
         with self._lock:
             self.connection_setup_s.setdefault(engine_id, seconds)
 
-    def _do_read(self, req_id: str, src: KVRef, dst_block_ids: tuple[int, ...], seq: int) -> None:
+    def _do_read(
+        self,
+        req_id: str,
+        src: KVRef,
+        dst_block_ids: tuple[int, ...],
+        seq: int,
+        parts: _ReadParts,
+    ) -> None:
+        ok = False
         try:
             self._read_blocks(src, dst_block_ids, seq)
+            ok = True
         except (OSError, ProtocolError, KVTransferError) as exc:
             logger.warning("kv read failed req_id=%s from %s: %s", req_id, src.engine_id, exc)
-            self._reads.finish(req_id, TransferState.FAILED)
         except Exception:
             logger.exception("kv read crashed req_id=%s from %s", req_id, src.engine_id)
-            self._reads.finish(req_id, TransferState.FAILED)
-        else:
-            self._reads.finish(req_id, TransferState.DONE)
+        finally:
+            state = parts.end(ok)
+            if state is not None:
+                self._reads.finish(req_id, state)
 
     def _read_blocks(self, src: KVRef, dst_block_ids: tuple[int, ...], seq: int) -> None:
         pool = self._connections(src.engine_id)

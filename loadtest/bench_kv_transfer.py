@@ -14,6 +14,10 @@ destination, reads from it through the backend's normal path (``start_read`` / `
   ``transfer share of TTFT`` = read time / (prefill time + read time);
 - **memcpy bound**: in the same run, a torch copy of the same number of bytes between two
   preallocated buffers of this process;
+- **CMA ceiling** (Linux): the kernel's cross-process copy, ``process_vm_readv`` of the same
+  blocks from the source process straight into the destination blocks, which is what UCX uses
+  between two processes of one host without xpmem/knem; no same-host transport that does not
+  share a mapping of the source's memory can beat it;
 - **first connection**: the backend's ``connection_setup_s`` and the first read's wall time.
 
 Before each timed read or copy the CPU caches are flushed by writing a 256 MiB buffer, so
@@ -24,6 +28,7 @@ neither side reads cache-hot bytes. Medians of ``--repeats``. Prints a Markdown 
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
 import multiprocessing
 import statistics
@@ -67,6 +72,27 @@ def rows(kv_cache: torch.Tensor) -> torch.Tensor:
     return kv_cache.view(torch.uint8).view(kv_cache.shape[0], -1)
 
 
+class _IoVec(ctypes.Structure):
+    _fields_ = [("iov_base", ctypes.c_void_p), ("iov_len", ctypes.c_size_t)]
+
+
+def cma_read_s(
+    pid: int, src_addr: int, dst_rows: torch.Tensor, src_ids: list[int], dst_ids: list[int]
+) -> float:
+    """Seconds for one ``process_vm_readv`` of blocks ``src_ids`` of the cache at ``src_addr``
+    in process ``pid`` into ``dst_rows[dst_ids]`` (one iovec per block on each side)."""
+    block_bytes = dst_rows.shape[1]
+    libc = ctypes.CDLL(None, use_errno=True)
+    local = (_IoVec * len(dst_ids))(*[(dst_rows[i].data_ptr(), block_bytes) for i in dst_ids])
+    remote = (_IoVec * len(src_ids))(*[(src_addr + i * block_bytes, block_bytes) for i in src_ids])
+    start_s = time.perf_counter()
+    copied = libc.process_vm_readv(pid, local, len(dst_ids), remote, len(src_ids), 0)
+    elapsed_s = time.perf_counter() - start_s
+    if copied != block_bytes * len(src_ids):
+        raise OSError(ctypes.get_errno(), "process_vm_readv failed")
+    return elapsed_s
+
+
 # ----------------------------------------------------------------------------- source process
 def source_main(
     conn: Connection, backend_name: str, num_blocks: int, model: str, prompt_tokens: int
@@ -74,7 +100,8 @@ def source_main(
     """Serve a synthetic cache; on ``real``, also a real engine's cache after one prefill."""
     torch.set_num_threads(1)
     synthetic = make_backend(backend_name, "bench-synthetic")
-    conn.send(synthetic.register_kv_cache(synthetic_cache(num_blocks), SMOLLM2_SPEC))
+    cache = synthetic_cache(num_blocks)
+    conn.send((synthetic.register_kv_cache(cache, SMOLLM2_SPEC), cache.data_ptr()))
     real: KVTransferBackend | None = None
     while True:
         command, *args = conn.recv()
@@ -93,9 +120,10 @@ def source_main(
 
 def held_prefill(
     backend: KVTransferBackend, model: str, prompt_tokens: int
-) -> tuple[PeerInfo, KVCacheSpec, list[int], float, torch.Tensor]:
+) -> tuple[PeerInfo, int, KVCacheSpec, list[int], float, torch.Tensor]:
     """Load ``model``, register its cache, prefill one random prompt with its KV held and
-    publish it as ``real``: (info, spec, block ids, prefill seconds, the blocks' bytes)."""
+    publish it as ``real``: (info, cache address, spec, block ids, prefill seconds, the blocks'
+    bytes)."""
     engine = LLMEngine(EngineConfig(model=model, dtype="bfloat16", num_threads=1))
     info = backend.register_kv_cache(engine.runner.kv_cache, engine.runner.kv_cache_spec)
     prompt = torch.randint(100, engine.vocab_size, (prompt_tokens,)).tolist()
@@ -107,7 +135,8 @@ def held_prefill(
     block_ids = engine.held_kv_block_ids("real")
     backend.publish("real", block_ids)
     expected = rows(engine.runner.kv_cache)[block_ids].clone()
-    return info, engine.runner.kv_cache_spec, block_ids, prefill_s, expected
+    kv_cache = engine.runner.kv_cache
+    return info, kv_cache.data_ptr(), engine.runner.kv_cache_spec, block_ids, prefill_s, expected
 
 
 # ----------------------------------------------------------------------------- destination
@@ -150,7 +179,7 @@ def bench_backend(backend_name: str, args: argparse.Namespace) -> dict:
     )
     source.start()
     try:
-        synthetic_info: PeerInfo = conn.recv()
+        synthetic_info, src_addr = conn.recv()
         expected_rows = rows(synthetic_cache(num_blocks))
         dst = make_backend(backend_name, "bench-dst")
         dst_cache = torch.zeros((num_blocks, *SMOLLM2_SPEC.block_shape), dtype=torch.bfloat16)
@@ -178,16 +207,23 @@ def bench_backend(backend_name: str, args: argparse.Namespace) -> dict:
             if not torch.equal(rows(dst_cache)[dst_ids], expected_rows[src_ids]):
                 raise RuntimeError(f"{backend_name}: {size_mib} MiB arrived corrupted")
             num_bytes = n * SMOLLM2_SPEC.block_bytes
+            cma_times = []
+            for _ in range(args.repeats):
+                flush_caches()
+                cma_times.append(
+                    cma_read_s(source.pid, src_addr, rows(dst_cache), src_ids, dst_ids)
+                )
             result["sizes"].append(
                 {
                     "mib": size_mib,
                     "bytes": num_bytes,
                     "read_s": statistics.median(times),
                     "memcpy_s": memcpy_s(num_bytes, args.repeats),
+                    "cma_s": statistics.median(cma_times),
                 }
             )
         conn.send(("real",))
-        real_info, spec, block_ids, prefill_s, expected = conn.recv()
+        real_info, real_addr, spec, block_ids, prefill_s, expected = conn.recv()
         real_dst = make_backend(backend_name, "bench-real-dst")
         real_cache = torch.zeros((len(block_ids), *spec.block_shape), dtype=torch.bfloat16)
         real_dst.register_kv_cache(real_cache, spec)
@@ -195,17 +231,28 @@ def bench_backend(backend_name: str, args: argparse.Namespace) -> dict:
         real_dst_ids = list(range(len(block_ids)))
         src = KVRef("bench-real", "real", tuple(block_ids), args.prompt_tokens)
         timed_read(real_dst, "real-warmup", src, real_dst_ids)
-        flush_caches()
-        read_s = timed_read(real_dst, "real", src, real_dst_ids)
-        if not torch.equal(rows(real_cache), expected):
-            raise RuntimeError(f"{backend_name}: the real KV arrived corrupted")
+        real_times = []
+        for repeat in range(args.repeats):
+            real_cache.zero_()
+            flush_caches()
+            real_times.append(timed_read(real_dst, f"real-{repeat}", src, real_dst_ids))
+            if not torch.equal(rows(real_cache), expected):
+                raise RuntimeError(f"{backend_name}: the real KV arrived corrupted")
+        read_s = statistics.median(real_times)
         num_bytes = len(block_ids) * spec.block_bytes
+        cma_times = []
+        for _ in range(args.repeats):
+            flush_caches()
+            cma_times.append(
+                cma_read_s(source.pid, real_addr, rows(real_cache), block_ids, real_dst_ids)
+            )
         result["real"] = {
             "prompt_tokens": args.prompt_tokens,
             "blocks": len(block_ids),
             "bytes": num_bytes,
             "read_s": read_s,
             "memcpy_s": memcpy_s(num_bytes, args.repeats),
+            "cma_s": statistics.median(cma_times),
             "prefill_s": prefill_s,
             "ttft_share": read_s / (prefill_s + read_s),
         }
@@ -221,8 +268,8 @@ def bench_backend(backend_name: str, args: argparse.Namespace) -> dict:
 
 def to_markdown(results: list[dict]) -> str:
     lines = [
-        "| backend | payload | read ms | GB/s | memcpy GB/s | % of memcpy |",
-        "|---|---|---:|---:|---:|---:|",
+        "| backend | payload | read ms | GB/s | memcpy GB/s | % of memcpy | CMA GB/s | % of CMA |",
+        "|---|---|---:|---:|---:|---:|---:|---:|",
     ]
     for result in results:
         cases = [(f"{s['mib']} MiB", s) for s in result["sizes"]]
@@ -231,9 +278,10 @@ def to_markdown(results: list[dict]) -> str:
         for label, case in cases:
             gbps = case["bytes"] / case["read_s"] / 1e9
             bound = case["bytes"] / case["memcpy_s"] / 1e9
+            cma = case["bytes"] / case["cma_s"] / 1e9
             lines.append(
                 f"| {result['backend']} | {label} | {case['read_s'] * 1e3:.2f} | {gbps:.2f} "
-                f"| {bound:.2f} | {100 * gbps / bound:.0f}% |"
+                f"| {bound:.2f} | {100 * gbps / bound:.0f}% | {cma:.2f} | {100 * gbps / cma:.0f}% |"
             )
     lines += [
         "",

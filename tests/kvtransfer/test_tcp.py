@@ -13,7 +13,17 @@ from kvtransfer._tcp_wire import MAX_FRAME_BYTES, recv_frame, send_frame, split_
 from kvtransfer.base import KV_TRANSFER_VERSION, KVRef
 from kvtransfer.tcp import TcpBackend
 from splitserve.v1 import kv_transfer_pb2 as pb
-from tests.kvtransfer.harness import DONE, SMALL_SPEC, make_cache, make_dst, read, rows
+from tests.kvtransfer.harness import (
+    BIG_SPEC,
+    DONE,
+    FAILED,
+    NUM_BLOCKS,
+    SMALL_SPEC,
+    make_cache,
+    make_dst,
+    read,
+    rows,
+)
 
 
 def assert_closed_by_peer(sock: socket.socket) -> None:
@@ -54,4 +64,27 @@ def test_server_rejects_bad_hello_and_malformed_frames_then_keeps_serving():
     finally:
         dst.close()
         src_backend.close()
+        src_backend.close()
+
+
+def test_a_big_read_moves_as_parallel_parts_and_a_refused_part_fails_it():
+    spec = BIG_SPEC
+    src_backend = TcpBackend("parts-src")
+    info = src_backend.register_kv_cache(make_cache(spec, seed=6), spec)
+    dst = TcpBackend("parts-dst", part_bytes=spec.block_bytes * 5)
+    dst_cache = torch.zeros((NUM_BLOCKS, *spec.block_shape), dtype=torch.bfloat16)
+    dst.register_kv_cache(dst_cache, spec)
+    try:
+        dst.add_peer(info)
+        src_ids = torch.randperm(NUM_BLOCKS, generator=torch.Generator().manual_seed(3)).tolist()
+        src_backend.publish("whole", src_ids)
+        src = KVRef("parts-src", "whole", tuple(src_ids), NUM_BLOCKS * 16)
+        assert read(dst, "whole", src, list(range(NUM_BLOCKS))) is DONE
+        assert torch.equal(rows(dst_cache), rows(make_cache(spec, seed=6))[src_ids])
+        assert len(src_backend._server_conns) == 2  # both connections carried a part
+        src_backend.publish("first-half", src_ids[:32])
+        half = KVRef("parts-src", "first-half", tuple(src_ids), NUM_BLOCKS * 16)
+        assert read(dst, "second-part-refused", half, list(range(NUM_BLOCKS))) is FAILED
+    finally:
+        dst.close()
         src_backend.close()
