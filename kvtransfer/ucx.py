@@ -255,14 +255,17 @@ class UcxBackend(KVTransferBackend):
             if error:
                 logger.info("refused kv read req_id=%s: %s", read.req_id, error)
                 return
+            views = []
             start = 0
             for count in read.run_lengths:
                 first = block_ids[start]
                 if block_ids[start : start + count] != list(range(first, first + count)):
                     raise ProtocolError(f"run of {count} blocks from {first} is not consecutive")
                 start += count
-                view = self._rows[first : first + count]
-                await within(ep.send(view), self._io_timeout_s, "sending blocks")
+                views.append(self._rows[first : first + count])
+            # All posted at once: UCX keeps their order, and they pipeline on the wire.
+            sends = asyncio.gather(*(ep.send(view) for view in views))
+            await within(sends, self._io_timeout_s, "sending blocks")
         finally:
             if error is None:
                 self._published.end_read(read.req_id)
@@ -385,12 +388,15 @@ class UcxBackend(KVTransferBackend):
     ) -> None:
         """Receive the source's messages, one per run, each straight into its blocks."""
         assert self._rows is not None
+        views = []
         start = 0
         for count in run_lengths:
             first = dst_block_ids[start]
             start += count
-            view = self._rows[first : first + count]
-            await within(ep.recv(view), self._io_timeout_s, "receiving blocks")
+            views.append(self._rows[first : first + count])
+        # Posted at once, matched in posting order (same endpoint and tag).
+        recvs = asyncio.gather(*(ep.recv(view) for view in views))
+        await within(recvs, self._io_timeout_s, "receiving blocks")
 
     async def _send_release(self, req_id: str, engine_id: str, src_req_id: str) -> None:
         frame = pb.KVFrame(release=pb.KVReleaseRequest(req_id=src_req_id))
