@@ -40,11 +40,13 @@ def generate(out_root: Path) -> list[Path]:
     return sorted(p for p in out_dir.iterdir() if p.name.endswith(STUB_SUFFIXES))
 
 
-def main() -> int:
-    for path in generate(PROTO_ROOT):
-        print(path.relative_to(PROTO_ROOT.parent))
+def main(argv: list[str]) -> int:
+    """``python proto/generate.py [OUT_ROOT]``: regenerate in place, or under ``OUT_ROOT``."""
+    out_root = Path(argv[0]) if argv else PROTO_ROOT
+    for path in generate(out_root):
+        print(path.relative_to(out_root.parent))
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(sys.argv[1:]))
