@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import os
 import queue
 import threading
 import time
@@ -53,6 +54,10 @@ from kvtransfer.base import KVRef, KVTransferBackend, KVTransferError, PeerInfo,
 from splitserve.v1 import kv_transfer_pb2 as pb
 
 logger = logging.getLogger(__name__)
+
+# NIXL logs every agent's creation at INFO on stdout, into the output of CLIs such as
+# `splitserve up`; keep it to warnings unless the operator asks for more.
+os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
 
 _MEM_TYPES = {"cpu": "DRAM", "cuda": "VRAM"}
 # How often the I/O thread polls NIXL while a read waits on it, and while it only serves.

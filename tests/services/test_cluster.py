@@ -1,4 +1,4 @@
-"""End to end through real processes: client → router → prefill → KV over tcp → decode.
+"""End to end through real processes: client → router → prefill → KV (default backend) → decode.
 
 References: the offline engine in this process (same weights, float32) and Hugging Face
 transformers' greedy ``generate``.
@@ -20,6 +20,7 @@ from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
 from prometheus_client.parser import text_string_to_metric_families
 
 from engine import LLM, SamplingParams
+from kvtransfer.registry import default_backend
 from splitserve.v1 import router_pb2
 from tests.engine.test_generate_vs_hf import hf_greedy
 from tests.services.conftest import NUM_KV_BLOCKS, greedy
@@ -58,7 +59,7 @@ def test_status_shows_both_pools(cluster):
     expected = [2] if local.mode == "colocated" else [1, 2]  # PREFILL = 1, DECODE = 2
     assert roles == expected
     assert all(w.healthy and w.load.num_total_blocks == NUM_KV_BLOCKS for w in status.workers)
-    assert all(w.info.kv_transfer_backend == "tcp" for w in status.workers)
+    assert all(w.info.kv_transfer_backend == default_backend() for w in status.workers)
 
 
 def test_greedy_matches_offline_engine_and_transformers(client, offline, tiny_llama_dir):
