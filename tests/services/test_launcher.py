@@ -36,8 +36,17 @@ def up_process(tiny_llama_dir):
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True)
     yield proc, port
     if proc.poll() is None:
-        proc.kill()
-        proc.wait()
+        # Ctrl-C, as a user would: `up` stops its services; kill whatever is left after that.
+        services = psutil.Process(proc.pid).children(recursive=True)
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        _, alive = psutil.wait_procs(services, timeout=10)
+        for service in alive:
+            service.kill()
 
 
 def test_up_serves_the_client_and_shuts_down_on_ctrl_c(up_process, tiny_llama_dir):
