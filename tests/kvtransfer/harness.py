@@ -34,11 +34,14 @@ def rows(kv_cache: torch.Tensor) -> torch.Tensor:
 
 
 def source_main(
-    conn: Connection, backend_name: str, engines: list[tuple[str, KVCacheSpec, int]]
+    conn: Connection,
+    backend_name: str,
+    engines: list[tuple[str, KVCacheSpec, int]],
+    device: str = "cpu",
 ) -> None:
     """Child process: one backend per ``(engine_id, spec, seed)``, driven through ``conn``."""
     backends = {engine_id: make_backend(backend_name, engine_id) for engine_id, _, _ in engines}
-    caches = [make_cache(spec, seed) for _, spec, seed in engines]
+    caches = [make_cache(spec, seed).to(device) for _, spec, seed in engines]
     conn.send(
         [
             backends[engine_id].register_kv_cache(cache, spec)
@@ -66,11 +69,16 @@ def source_main(
 class SourceProcess:
     """A spawned source process and the pipe that drives it."""
 
-    def __init__(self, backend_name: str, engines: list[tuple[str, KVCacheSpec, int]]) -> None:
+    def __init__(
+        self,
+        backend_name: str,
+        engines: list[tuple[str, KVCacheSpec, int]],
+        device: str = "cpu",
+    ) -> None:
         ctx = multiprocessing.get_context("spawn")
         self.conn, child_conn = ctx.Pipe()
         self.process: BaseProcess = ctx.Process(
-            target=source_main, args=(child_conn, backend_name, engines), daemon=True
+            target=source_main, args=(child_conn, backend_name, engines, device), daemon=True
         )
         self.process.start()
         self._infos: dict[str, PeerInfo] | None = None
@@ -113,11 +121,16 @@ class SourceProcess:
 
 
 def make_dst(
-    backend_name: str, spec: KVCacheSpec, engine_id: str = "dst", io_timeout_s: float = 5.0
+    backend_name: str,
+    spec: KVCacheSpec,
+    engine_id: str = "dst",
+    io_timeout_s: float = 5.0,
+    device: str = "cpu",
 ) -> tuple[KVTransferBackend, torch.Tensor]:
     """A registered destination backend over a zeroed cache of ``NUM_BLOCKS`` blocks."""
     backend = make_backend(backend_name, engine_id, io_timeout_s=io_timeout_s)
-    kv_cache = torch.zeros((NUM_BLOCKS, *spec.block_shape), dtype=torch.bfloat16)
+    shape = (NUM_BLOCKS, *spec.block_shape)
+    kv_cache = torch.zeros(shape, dtype=torch.bfloat16, device=device)
     backend.register_kv_cache(kv_cache, spec)
     return backend, kv_cache
 
