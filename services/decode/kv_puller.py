@@ -11,6 +11,7 @@ at the source so its lease ends.
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 
 from engine.kv_cache_manager import cdiv
@@ -18,6 +19,7 @@ from engine.llm_engine import LLMEngine
 from engine.outputs import RequestOutput
 from engine.scheduler import KVLoad
 from kvtransfer.base import KVRef, KVTransferBackend, KVTransferError, PeerInfo, TransferState
+from services.decode.metrics import KV_PULL_SECONDS, KV_PULLED_BLOCKS, KV_PULLED_BYTES
 
 logger = logging.getLogger(__name__)
 
@@ -38,7 +40,7 @@ class KVPullHooks:
         self.backend = backend
         self.block_size = block_size
         self._sources: dict[str, KVRef] = {}
-        self._in_flight: dict[str, int] = {}  # req_id -> number of blocks being read
+        self._in_flight: dict[str, tuple[int, float]] = {}  # req_id -> (blocks, start time)
         self._abort_when_done: set[str] = set()
         self._results: dict[str, PullResult] = {}
         self.num_transfers_failed = 0
@@ -73,9 +75,19 @@ class KVPullHooks:
         for req_id, state in self.backend.poll().items():
             if state == TransferState.PENDING:
                 continue
-            num_blocks = self._in_flight.pop(req_id)
+            num_blocks, start_s = self._in_flight.pop(req_id)
             ok = state == TransferState.DONE
-            if not ok:
+            elapsed_s = time.perf_counter() - start_s
+            backend = self.backend.name
+            KV_PULL_SECONDS.labels(backend, "done" if ok else "failed").observe(elapsed_s)
+            if ok:
+                KV_PULLED_BLOCKS.labels(backend).inc(num_blocks)
+                block_bytes = engine.runner.kv_cache_spec.block_bytes
+                KV_PULLED_BYTES.labels(backend).inc(num_blocks * block_bytes)
+                logger.debug(
+                    "req_id=%s pulled %d blocks in %.2f ms", req_id, num_blocks, elapsed_s * 1e3
+                )
+            else:
                 self.num_transfers_failed += 1
                 logger.warning("req_id=%s KV pull failed; recomputing the prompt", req_id)
             self._results[req_id] = PullResult(num_blocks if ok else 0, failed=not ok)
@@ -122,7 +134,7 @@ class KVPullHooks:
             self._results[load.req_id] = PullResult(0, failed=True)
             engine.finish_kv_load(load.req_id, False)
             return
-        self._in_flight[load.req_id] = len(dst_block_ids)
+        self._in_flight[load.req_id] = (len(dst_block_ids), time.perf_counter())
         logger.debug(
             "req_id=%s pulling %d blocks (%d local hits)", load.req_id, len(dst_block_ids), first
         )

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import time
+import urllib.request
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import grpc
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from engine import EngineConfig
 from services.launcher import LocalCluster
@@ -102,3 +104,14 @@ def start_cluster(tiny_llama_dir) -> Iterator[Callable[..., tuple[LocalCluster, 
     for cluster, client in started:
         client.close()
         cluster.stop()
+
+
+def scrape(port: int) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """Samples of a process's /metrics as {(name, sorted labels): value}."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as reply:
+        text = reply.read().decode()
+    return {
+        (sample.name, tuple(sorted(sample.labels.items()))): sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+    }

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import random
 import time
-import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
@@ -17,13 +16,12 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
     ProtoReflectionDescriptorDatabase,
 )
-from prometheus_client.parser import text_string_to_metric_families
 
 from engine import LLM, SamplingParams
 from kvtransfer.registry import default_backend
 from splitserve.v1 import router_pb2
 from tests.engine.test_generate_vs_hf import hf_greedy
-from tests.services.conftest import NUM_KV_BLOCKS, greedy
+from tests.services.conftest import NUM_KV_BLOCKS, greedy, scrape
 
 MAX_TOKENS = 12
 PROMPT_LENS = (1, 5, 16, 17, 31, 48, 97)
@@ -217,17 +215,6 @@ def test_duplicate_in_flight_request_id_is_rejected(client):
     call.cancel()
     time.sleep(0.1)
     client.wait_idle()
-
-
-def scrape(port: int) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
-    """Samples of a process's /metrics as {(name, sorted labels): value}."""
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as reply:
-        text = reply.read().decode()
-    return {
-        (sample.name, tuple(sorted(sample.labels.items()))): sample.value
-        for family in text_string_to_metric_families(text)
-        for sample in family.samples
-    }
 
 
 def test_prometheus_metrics_agree_with_status(cluster):

@@ -16,7 +16,7 @@ from engine import LLM, SamplingParams
 from kvtransfer.registry import available_backends
 from services.common.convert import sampling_params_to_worker
 from splitserve.v1 import worker_pb2, worker_pb2_grpc
-from tests.services.conftest import NUM_KV_BLOCKS, greedy
+from tests.services.conftest import NUM_KV_BLOCKS, greedy, scrape
 
 LEASE_TTL_S = 1.0
 KV_IO_TIMEOUT_S = 2.0
@@ -135,6 +135,17 @@ def test_decode_worker_holding_the_prefix_pulls_only_the_suffix(workers, offline
     assert token_ids == want[1].token_ids
     assert last.num_transferred_blocks == 2 and not last.kv_transfer_failed
     assert last.num_cached_tokens == len(second_prompt)
+
+
+def test_decode_worker_exports_its_pulls(cluster, workers):
+    name, local, _ = cluster
+    before = scrape(local.workers("decode")[0].metrics_port)
+    workers.prefill_then_decode("metrics", make_prompts(seed=5, lens=(40,))[0], 2)
+    after = scrape(local.workers("decode")[0].metrics_port)
+    done = ("splitserve_kv_pull_seconds_count", (("backend", name), ("outcome", "done")))
+    assert after[done] - before.get(done, 0) == 1
+    blocks = ("splitserve_kv_pulled_blocks_total", (("backend", name),))
+    assert after[blocks] - before.get(blocks, 0) == 3  # 40 tokens: 3 blocks, none cached
 
 
 def test_unpulled_lease_expires_and_frees_the_prefill_blocks(workers):
