@@ -1,0 +1,197 @@
+"""Which worker holds which KV blocks: the router's prefix index, in process or in Redis.
+
+Workers report their prefix-cache events (``BlockStored`` / ``BlockRemoved`` /
+``AllBlocksCleared``) and heartbeat; the router asks, for a prompt's chained block hashes, how
+many leading blocks each live worker already holds. Because hashes are chained, a worker holds
+a prompt's first ``n`` blocks exactly when it holds each of the hashes ``0..n-1``; a stale index
+costs cache affinity, never correctness.
+
+Two implementations share ``PrefixIndex``: ``InProcessPrefixIndex`` (one router, no Redis) and
+``RedisPrefixIndex`` (several routers and workers sharing one Redis; ``match`` is one round trip
+through a server-side Lua script). Torch-free: the router imports it.
+"""
+
+from __future__ import annotations
+
+import abc
+import time
+from collections.abc import Sequence
+
+import redis.asyncio as aioredis
+
+from engine.block_hash import BlockHash
+from engine.block_pool import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
+
+
+class PrefixIndex(abc.ABC):
+    """``worker_id`` -> the block hashes it caches, plus liveness by heartbeat TTL."""
+
+    @abc.abstractmethod
+    async def store(self, worker_id: str, block_hashes: Sequence[BlockHash]) -> None:
+        """``worker_id`` now holds ``block_hashes`` (idempotent)."""
+
+    @abc.abstractmethod
+    async def remove(self, worker_id: str, block_hashes: Sequence[BlockHash]) -> None:
+        """``worker_id`` no longer holds ``block_hashes``; unknown hashes are ignored."""
+
+    @abc.abstractmethod
+    async def clear(self, worker_id: str) -> None:
+        """``worker_id`` holds nothing (its cache was reset, or it went away)."""
+
+    @abc.abstractmethod
+    async def heartbeat(self, worker_id: str, ttl_s: float) -> None:
+        """``worker_id`` is live for ``ttl_s`` more seconds."""
+
+    @abc.abstractmethod
+    async def match(self, block_hashes: Sequence[BlockHash]) -> dict[str, int]:
+        """For each live worker holding at least the first block: how many leading blocks of
+        ``block_hashes`` it holds. Workers with no match or no live heartbeat are left out."""
+
+    async def apply(self, worker_id: str, events: Sequence[KVCacheEvent]) -> None:
+        """Apply a worker's cache events in order."""
+        for event in events:
+            if isinstance(event, BlockStored):
+                await self.store(worker_id, event.block_hashes)
+            elif isinstance(event, BlockRemoved):
+                await self.remove(worker_id, event.block_hashes)
+            elif isinstance(event, AllBlocksCleared):
+                await self.clear(worker_id)
+
+    @abc.abstractmethod
+    async def close(self) -> None:
+        """Release connections; the index's contents stay where they are."""
+
+
+class InProcessPrefixIndex(PrefixIndex):
+    """The index in this process's memory: for a single router without Redis."""
+
+    def __init__(self) -> None:
+        self._holders: dict[BlockHash, set[str]] = {}
+        self._blocks: dict[str, set[BlockHash]] = {}
+        self._alive_until_s: dict[str, float] = {}
+
+    async def store(self, worker_id: str, block_hashes: Sequence[BlockHash]) -> None:
+        blocks = self._blocks.setdefault(worker_id, set())
+        for block_hash in block_hashes:
+            self._holders.setdefault(block_hash, set()).add(worker_id)
+            blocks.add(block_hash)
+
+    async def remove(self, worker_id: str, block_hashes: Sequence[BlockHash]) -> None:
+        blocks = self._blocks.get(worker_id, set())
+        for block_hash in block_hashes:
+            blocks.discard(block_hash)
+            holders = self._holders.get(block_hash)
+            if holders is not None:
+                holders.discard(worker_id)
+                if not holders:
+                    del self._holders[block_hash]
+
+    async def clear(self, worker_id: str) -> None:
+        await self.remove(worker_id, list(self._blocks.pop(worker_id, ())))
+
+    async def heartbeat(self, worker_id: str, ttl_s: float) -> None:
+        self._alive_until_s[worker_id] = time.monotonic() + ttl_s
+
+    async def match(self, block_hashes: Sequence[BlockHash]) -> dict[str, int]:
+        now_s = time.monotonic()
+        counts: dict[str, int] = {}
+        active: set[str] | None = None
+        for i, block_hash in enumerate(block_hashes):
+            holders = self._holders.get(block_hash, set())
+            active = set(holders) if active is None else active & holders
+            if not active:
+                break
+            for worker_id in active:
+                counts[worker_id] = i + 1
+        return {w: n for w, n in counts.items() if self._alive_until_s.get(w, 0.0) > now_s}
+
+    async def close(self) -> None:
+        """Nothing to release."""
+
+
+# KEYS: none (every key shares ARGV[1], the namespace; a single Redis, not a cluster).
+# ARGV[1] = namespace prefix, ARGV[2..] = hex block hashes in prompt order.
+_MATCH_SCRIPT = """
+local prefix = ARGV[1]
+local counts = {}
+local active = nil
+for i = 2, #ARGV do
+  local holders = redis.call('SMEMBERS', prefix .. 'blk:' .. ARGV[i])
+  local next_active = {}
+  local any = false
+  for _, worker in ipairs(holders) do
+    if active == nil or active[worker] then
+      next_active[worker] = true
+      counts[worker] = i - 1
+      any = true
+    end
+  end
+  if not any then break end
+  active = next_active
+end
+local out = {}
+for worker, count in pairs(counts) do
+  if redis.call('EXISTS', prefix .. 'alive:' .. worker) == 1 then
+    table.insert(out, worker)
+    table.insert(out, count)
+  end
+end
+return out
+"""
+
+
+class RedisPrefixIndex(PrefixIndex):
+    """The index in Redis, shared by every router and worker of one cluster (``namespace``).
+
+    Layout: ``{ns}blk:{hash}`` = set of worker ids holding the block; ``{ns}worker:{id}`` = set
+    of the worker's hashes (to clear it); ``{ns}alive:{id}`` = a key whose TTL is the worker's
+    heartbeat. Writes go in one pipeline per call; ``match`` is one ``EVALSHA``.
+    """
+
+    def __init__(self, client: aioredis.Redis, namespace: str = "splitserve:") -> None:
+        self._redis = client
+        self._ns = namespace
+        self._match = client.register_script(_MATCH_SCRIPT)
+
+    @classmethod
+    def from_url(cls, url: str, namespace: str = "splitserve:") -> RedisPrefixIndex:
+        """Connect to ``url`` (``redis://``, ``rediss://`` for TLS; a password in the URL)."""
+        return cls(aioredis.Redis.from_url(url), namespace)
+
+    async def store(self, worker_id: str, block_hashes: Sequence[BlockHash]) -> None:
+        if not block_hashes:
+            return
+        hexes = [h.hex() for h in block_hashes]
+        async with self._redis.pipeline(transaction=False) as pipe:
+            for hex_hash in hexes:
+                pipe.sadd(f"{self._ns}blk:{hex_hash}", worker_id)
+            pipe.sadd(f"{self._ns}worker:{worker_id}", *hexes)
+            await pipe.execute()
+
+    async def remove(self, worker_id: str, block_hashes: Sequence[BlockHash]) -> None:
+        await self._remove_hex(worker_id, [h.hex() for h in block_hashes])
+
+    async def clear(self, worker_id: str) -> None:
+        hexes = [h.decode() for h in await self._redis.smembers(f"{self._ns}worker:{worker_id}")]
+        await self._remove_hex(worker_id, hexes)
+
+    async def heartbeat(self, worker_id: str, ttl_s: float) -> None:
+        await self._redis.set(f"{self._ns}alive:{worker_id}", b"1", px=max(int(ttl_s * 1e3), 1))
+
+    async def match(self, block_hashes: Sequence[BlockHash]) -> dict[str, int]:
+        if not block_hashes:
+            return {}
+        reply = await self._match(args=[self._ns, *(h.hex() for h in block_hashes)])
+        return {reply[i].decode(): int(reply[i + 1]) for i in range(0, len(reply), 2)}
+
+    async def close(self) -> None:
+        await self._redis.aclose()
+
+    async def _remove_hex(self, worker_id: str, hexes: Sequence[str]) -> None:
+        if not hexes:
+            return
+        async with self._redis.pipeline(transaction=False) as pipe:
+            for hex_hash in hexes:
+                pipe.srem(f"{self._ns}blk:{hex_hash}", worker_id)
+            pipe.srem(f"{self._ns}worker:{worker_id}", *hexes)
+            await pipe.execute()

@@ -1,0 +1,96 @@
+"""The prefix index, in process and in a real Redis, against the same expectations."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import random
+from collections.abc import Awaitable, Callable
+
+import pytest
+
+from engine.block_hash import hash_block_tokens
+from engine.block_pool import AllBlocksCleared, BlockRemoved, BlockStored
+from services.router.prefix_index import InProcessPrefixIndex, PrefixIndex, RedisPrefixIndex
+
+_namespaces = itertools.count()
+
+
+def chain(seed: int, num_blocks: int, block_size: int = 4) -> list[bytes]:
+    rng = random.Random(seed)
+    return hash_block_tokens([rng.randrange(1000) for _ in range(num_blocks * block_size)], 4)
+
+
+@pytest.fixture(params=["inproc", "redis"])
+def run_with_index(request, redis_server):
+    """Runs ``scenario(index)`` on a fresh index (a Redis one in its own namespace of the
+    module's server), in a loop of its own."""
+
+    def run(scenario: Callable[[PrefixIndex], Awaitable[None]]) -> None:
+        async def main() -> None:
+            if request.param == "inproc":
+                index: PrefixIndex = InProcessPrefixIndex()
+            else:
+                index = RedisPrefixIndex.from_url(redis_server.url, f"test{next(_namespaces)}:")
+            try:
+                await scenario(index)
+            finally:
+                await index.close()
+
+        asyncio.run(main())
+
+    return run
+
+
+def test_match_counts_leading_blocks_per_live_worker(run_with_index):
+    async def scenario(index: PrefixIndex) -> None:
+        prompt = chain(seed=1, num_blocks=6)
+        other = chain(seed=2, num_blocks=3)
+        for worker_id in ("a", "b", "c"):
+            await index.heartbeat(worker_id, ttl_s=30)
+        await index.store("a", prompt[:4])
+        await index.store("b", prompt[:2] + prompt[3:6])  # a hole at block 2
+        await index.store("c", other)
+        assert await index.match(prompt) == {"a": 4, "b": 2}
+        assert await index.match(other) == {"c": 3}
+        assert await index.match(chain(seed=3, num_blocks=2)) == {}
+        assert await index.match([]) == {}
+
+    run_with_index(scenario)
+
+
+def test_index_follows_stored_removed_and_cleared_events(run_with_index):
+    async def scenario(index: PrefixIndex) -> None:
+        prompt = chain(seed=4, num_blocks=5)
+        await index.heartbeat("w", ttl_s=30)
+        await index.apply("w", [BlockStored(tuple(prompt[:3]), None, 4)])
+        assert await index.match(prompt) == {"w": 3}
+        await index.apply("w", [BlockStored(tuple(prompt[3:]), prompt[2], 4)])
+        assert await index.match(prompt) == {"w": 5}
+        await index.apply("w", [BlockRemoved((prompt[1],))])
+        assert await index.match(prompt) == {"w": 1}
+        await index.apply("w", [AllBlocksCleared()])
+        assert await index.match(prompt) == {}
+        await index.apply("w", [BlockStored(tuple(prompt[:2]), None, 4)])  # usable again
+        assert await index.match(prompt) == {"w": 2}
+
+    run_with_index(scenario)
+
+
+def test_dead_workers_expire_and_come_back_with_a_heartbeat(run_with_index):
+    async def scenario(index: PrefixIndex) -> None:
+        prompt = chain(seed=5, num_blocks=2)
+        await index.store("short", prompt)
+        await index.store("long", prompt)
+        assert await index.match(prompt) == {}  # no heartbeat yet: not routable
+        await index.heartbeat("short", ttl_s=0.2)
+        await index.heartbeat("long", ttl_s=30)
+        assert await index.match(prompt) == {"short": 2, "long": 2}
+        await asyncio.sleep(0.3)
+        assert await index.match(prompt) == {"long": 2}
+        await index.heartbeat("short", ttl_s=30)
+        assert await index.match(prompt) == {"short": 2, "long": 2}
+        await index.clear("short")
+        assert await index.match(prompt) == {"long": 2}
+
+    run_with_index(scenario)
