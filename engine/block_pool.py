@@ -166,6 +166,10 @@ class BlockPool:
         self._events.append(AllBlocksCleared())
         return True
 
+    def block_hashes(self) -> list[BlockHash]:
+        """Hashes of every block that can give a prefix hit now (in use or cached)."""
+        return list(self._hash_to_block)
+
     def take_events(self) -> list[KVCacheEvent]:
         """Return and clear the events recorded since the last call."""
         events, self._events = self._events, []

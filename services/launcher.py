@@ -188,6 +188,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         choices=KV_TRANSFER_BACKENDS,
         help="KV transfer backend of the workers (default: nixl when installed, else tcp)",
     )
+    parser.add_argument(
+        "--redis-url",
+        default=None,
+        help="Redis of the prefix index, passed to every worker (redis://[:password@]host:port)",
+    )
     parser.set_defaults(func=run)
 
 
@@ -201,7 +206,11 @@ def run(args: argparse.Namespace) -> int:
         host=args.host,
         port=args.port,
         log_level=args.log_level,
-        extra_worker_flags=("--kv-transfer", args.kv_transfer),
+        extra_worker_flags=(
+            "--kv-transfer",
+            args.kv_transfer,
+            *(("--redis-url", args.redis_url) if args.redis_url else ()),
+        ),
     )
     stop = False
 

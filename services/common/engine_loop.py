@@ -21,6 +21,7 @@ import threading
 from collections.abc import AsyncIterator, Callable
 from typing import Any, Protocol, TypeVar
 
+from engine.block_pool import KVCacheEvent
 from engine.llm_engine import EngineStats, LLMEngine
 from engine.outputs import RequestOutput
 
@@ -78,9 +79,16 @@ class EngineLoop:
     goes through ``call`` / ``add_request`` / ``abort``.
     """
 
-    def __init__(self, engine: LLMEngine, hooks: EngineHooks | None = None) -> None:
+    def __init__(
+        self,
+        engine: LLMEngine,
+        hooks: EngineHooks | None = None,
+        on_kv_events: Callable[[list[KVCacheEvent]], None] | None = None,
+    ) -> None:
         self.engine = engine
         self.hooks: EngineHooks = hooks or NoHooks()
+        # Called on the asyncio loop with each step's prefix-cache events, in order.
+        self.on_kv_events = on_kv_events
         self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self._wakeup = threading.Event()
         self._streams: dict[str, asyncio.Queue[RequestOutput]] = {}
@@ -205,6 +213,11 @@ class EngineLoop:
                     if outputs:
                         self._post(outputs)
                 self._stats = engine.stats()
+                # Always drained, so a worker without a prefix index keeps no event backlog.
+                events = engine.kv_cache_manager.take_events()
+                if events and self.on_kv_events is not None:
+                    assert self._loop is not None
+                    self._loop.call_soon_threadsafe(self.on_kv_events, events)
                 if not did_work:
                     self._wakeup.wait(_BUSY_POLL_S if self.hooks.busy else _IDLE_POLL_S)
                     self._wakeup.clear()

@@ -34,6 +34,14 @@ class WorkerConfig:
     kv_io_timeout_s: float = flag(
         10.0, "seconds a KV read may wait on a silent peer before it fails (and is recomputed)"
     )
+    redis_url: str | None = flag(
+        None,
+        "Redis holding the prefix index (redis://[:password@]host:port/db, rediss:// for TLS);"
+        " unset: this worker publishes no index",
+    )
+    heartbeat_ttl_s: float = flag(
+        3.0, "seconds the prefix index keeps this worker routable without a heartbeat"
+    )
     metrics_port: int = flag(0, "port of the Prometheus /metrics endpoint (0: off)")
     lease_ttl_s: float = flag(
         30.0, "prefill: seconds a finished prefill's blocks wait for the decode side's pull"
@@ -42,6 +50,8 @@ class WorkerConfig:
     def __post_init__(self) -> None:
         if self.lease_ttl_s <= 0:
             raise ValueError(f"lease_ttl_s must be > 0, got {self.lease_ttl_s}")
+        if self.heartbeat_ttl_s <= 0:
+            raise ValueError(f"heartbeat_ttl_s must be > 0, got {self.heartbeat_ttl_s}")
         if self.kv_io_timeout_s <= 0:
             raise ValueError(f"kv_io_timeout_s must be > 0, got {self.kv_io_timeout_s}")
         if not is_available(self.kv_transfer):

@@ -16,7 +16,9 @@ from kvtransfer.registry import make_backend
 from services.common.convert import ROLE_NAMES, peer_info_to_proto
 from services.common.engine_loop import EngineHooks, EngineLoop
 from services.common.grpc_server import serve_until_signal, start_server
+from services.common.kv_events import KVEventPublisher
 from services.common.metrics import register_worker_metrics, start_metrics_server
+from services.common.prefix_index import RedisPrefixIndex
 from services.common.worker_config import WorkerConfig
 from splitserve.v1 import worker_pb2
 
@@ -94,7 +96,10 @@ async def serve_worker(
     )
     register_worker_metrics(ROLE_NAMES[role], runtime.worker_id, servicer.load)
     start_metrics_server(config.host, config.metrics_port)
+    publisher = make_kv_event_publisher(config, runtime)
     runtime.loop.start()
+    if publisher is not None:
+        publisher.start()
     await serving.set_serving((service_name,))
     logger.info(
         "%s worker %s serving on %s:%d (KV over %s at %s)",
@@ -107,7 +112,27 @@ async def serve_worker(
     )
 
     async def cleanup() -> None:
+        if publisher is not None:
+            await publisher.stop()
         runtime.loop.shutdown()
         runtime.kv_backend.close()
 
     await serve_until_signal(serving, cleanup)
+
+
+def make_kv_event_publisher(
+    config: WorkerConfig, runtime: WorkerRuntime
+) -> KVEventPublisher | None:
+    """With ``--redis-url``: a publisher of the worker's prefix-cache events, fed by its engine
+    loop (call ``start()`` once the loop runs). None without a Redis."""
+    if not config.redis_url:
+        return None
+    block_pool = runtime.engine.kv_cache_manager.block_pool
+    publisher = KVEventPublisher(
+        RedisPrefixIndex.from_url(config.redis_url),
+        runtime.worker_id,
+        snapshot=lambda: runtime.loop.call(lambda _engine: block_pool.block_hashes()),
+        ttl_s=config.heartbeat_ttl_s,
+    )
+    runtime.loop.on_kv_events = publisher.submit
+    return publisher

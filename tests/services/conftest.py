@@ -14,6 +14,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from engine import EngineConfig
 from services.launcher import LocalCluster
 from splitserve.v1 import router_pb2, router_pb2_grpc, worker_pb2
+from tests.services.redis_server import RedisServer
 
 NUM_KV_BLOCKS = 256
 
@@ -115,3 +116,12 @@ def scrape(port: int) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
         for family in text_string_to_metric_families(text)
         for sample in family.samples
     }
+
+
+@pytest.fixture(scope="module")
+def redis_server(tmp_path_factory) -> Iterator[RedisServer]:
+    """A real ``redis-server`` on a free loopback port for the test module."""
+    server = RedisServer(tmp_path_factory.mktemp("redis"))
+    server.start()
+    yield server
+    server.stop()

@@ -39,8 +39,10 @@ class PrefixIndex(abc.ABC):
         """``worker_id`` holds nothing (its cache was reset, or it went away)."""
 
     @abc.abstractmethod
-    async def heartbeat(self, worker_id: str, ttl_s: float) -> None:
-        """``worker_id`` is live for ``ttl_s`` more seconds."""
+    async def heartbeat(self, worker_id: str, ttl_s: float) -> bool:
+        """``worker_id`` is live for ``ttl_s`` more seconds. False when it was not live just
+        before (first heartbeat, a lapse, or a Redis that restarted empty): the worker must
+        then publish its whole cache again."""
 
     @abc.abstractmethod
     async def match(self, block_hashes: Sequence[BlockHash]) -> dict[str, int]:
@@ -89,8 +91,11 @@ class InProcessPrefixIndex(PrefixIndex):
     async def clear(self, worker_id: str) -> None:
         await self.remove(worker_id, list(self._blocks.pop(worker_id, ())))
 
-    async def heartbeat(self, worker_id: str, ttl_s: float) -> None:
-        self._alive_until_s[worker_id] = time.monotonic() + ttl_s
+    async def heartbeat(self, worker_id: str, ttl_s: float) -> bool:
+        now_s = time.monotonic()
+        was_live = self._alive_until_s.get(worker_id, 0.0) > now_s
+        self._alive_until_s[worker_id] = now_s + ttl_s
+        return was_live
 
     async def match(self, block_hashes: Sequence[BlockHash]) -> dict[str, int]:
         now_s = time.monotonic()
@@ -175,8 +180,10 @@ class RedisPrefixIndex(PrefixIndex):
         hexes = [h.decode() for h in await self._redis.smembers(f"{self._ns}worker:{worker_id}")]
         await self._remove_hex(worker_id, hexes)
 
-    async def heartbeat(self, worker_id: str, ttl_s: float) -> None:
-        await self._redis.set(f"{self._ns}alive:{worker_id}", b"1", px=max(int(ttl_s * 1e3), 1))
+    async def heartbeat(self, worker_id: str, ttl_s: float) -> bool:
+        key = f"{self._ns}alive:{worker_id}"
+        previous = await self._redis.set(key, b"1", px=max(int(ttl_s * 1e3), 1), get=True)
+        return previous is not None
 
     async def match(self, block_hashes: Sequence[BlockHash]) -> dict[str, int]:
         if not block_hashes:

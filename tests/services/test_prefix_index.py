@@ -11,7 +11,7 @@ import pytest
 
 from engine.block_hash import hash_block_tokens
 from engine.block_pool import AllBlocksCleared, BlockRemoved, BlockStored
-from services.router.prefix_index import InProcessPrefixIndex, PrefixIndex, RedisPrefixIndex
+from services.common.prefix_index import InProcessPrefixIndex, PrefixIndex, RedisPrefixIndex
 
 _namespaces = itertools.count()
 
@@ -83,12 +83,13 @@ def test_dead_workers_expire_and_come_back_with_a_heartbeat(run_with_index):
         await index.store("short", prompt)
         await index.store("long", prompt)
         assert await index.match(prompt) == {}  # no heartbeat yet: not routable
-        await index.heartbeat("short", ttl_s=0.2)
-        await index.heartbeat("long", ttl_s=30)
+        assert not await index.heartbeat("short", ttl_s=0.2)  # first: publish everything
+        assert not await index.heartbeat("long", ttl_s=30)
+        assert await index.heartbeat("long", ttl_s=30)
         assert await index.match(prompt) == {"short": 2, "long": 2}
         await asyncio.sleep(0.3)
         assert await index.match(prompt) == {"long": 2}
-        await index.heartbeat("short", ttl_s=30)
+        assert not await index.heartbeat("short", ttl_s=30)  # lapsed: publish everything again
         assert await index.match(prompt) == {"short": 2, "long": 2}
         await index.clear("short")
         assert await index.match(prompt) == {"long": 2}

@@ -1,0 +1,98 @@
+"""A worker's side of the prefix index: publish its prefix-cache events, heartbeat, and publish
+everything again whenever the index lost track of it.
+
+The engine thread hands each step's events to ``submit`` (on the asyncio loop, in order); one
+task applies them to the index and heartbeats every ``ttl_s / 3``. A heartbeat answered "not
+live before" (the first one, a lapse, a Redis restarted empty) triggers a full republication:
+the worker's index entries are cleared and replaced by a snapshot of every block hash the engine
+holds. While the index is unreachable, events are dropped and the next successful heartbeat
+republishes: the index is a hint, so it may lag, but it never keeps a worker's stale blocks
+after the worker came back.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Awaitable, Callable
+
+from engine.block_hash import BlockHash
+from engine.block_pool import KVCacheEvent
+from services.common.prefix_index import PrefixIndex
+
+logger = logging.getLogger(__name__)
+
+
+class KVEventPublisher:
+    """Keeps ``index`` in step with one worker's prefix cache. Runs on the asyncio loop."""
+
+    def __init__(
+        self,
+        index: PrefixIndex,
+        worker_id: str,
+        snapshot: Callable[[], Awaitable[list[BlockHash]]],
+        ttl_s: float = 3.0,
+    ) -> None:
+        self.index = index
+        self.worker_id = worker_id
+        self.num_republished = 0
+        self._snapshot = snapshot
+        self._ttl_s = ttl_s
+        self._pending: list[KVCacheEvent] = []
+        self._wakeup = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(self._run())
+
+    def submit(self, events: list[KVCacheEvent]) -> None:
+        """Queue one step's events (called on the loop, in step order)."""
+        self._pending.extend(events)
+        self._wakeup.set()
+
+    async def stop(self) -> None:
+        """Stop publishing; the worker's entries expire with its heartbeat."""
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        await self.index.close()
+
+    async def _run(self) -> None:
+        interval_s = self._ttl_s / 3
+        synced = False
+        next_heartbeat_s = 0.0
+        loop = asyncio.get_running_loop()
+        while True:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wakeup.wait(), interval_s)
+            self._wakeup.clear()
+            try:
+                if not synced or loop.time() >= next_heartbeat_s:
+                    next_heartbeat_s = loop.time() + interval_s
+                    if not await self.index.heartbeat(self.worker_id, self._ttl_s) or not synced:
+                        await self._republish()
+                        synced = True
+                events, self._pending = self._pending, []
+                await self.index.apply(self.worker_id, events)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # Redis down or restarting: republish once it is back
+                if synced:
+                    logger.warning("prefix index unreachable (%s); will republish", exc)
+                synced = False
+                self._pending.clear()
+
+    async def _republish(self) -> None:
+        # Events queued so far are part of the snapshot taken after them.
+        self._pending.clear()
+        block_hashes = await self._snapshot()
+        await self.index.clear(self.worker_id)
+        await self.index.store(self.worker_id, block_hashes)
+        self.num_republished += 1
+        logger.info(
+            "worker %s published %d cached blocks to the prefix index",
+            self.worker_id,
+            len(block_hashes),
+        )
