@@ -35,6 +35,15 @@ class RouterConfig:
     max_decode_retries: int = flag(
         2, "times a request moves to another decode worker when its worker fails"
     )
+    redis_url: str | None = flag(
+        None,
+        "Redis of the prefix index the workers publish to (redis://[:password@]host:port/db, "
+        "rediss:// for TLS); unset: an in-process index of this router's own choices",
+    )
+    prefill_cache_weight: float = flag(
+        1.0, "prefill cost per prompt block the worker does not cache"
+    )
+    prefill_load_weight: float = flag(1.0, "prefill cost per block of prefill work queued")
     metrics_port: int = flag(0, "port of the Prometheus /metrics endpoint (0: off)")
     seed: int = flag(0, "seed of the router's tie-breaking")
 

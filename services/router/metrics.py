@@ -32,3 +32,15 @@ DECODE_FAILOVERS = Counter(
     "splitserve_router_decode_failovers_total",
     "times a request moved to another decode worker after its worker failed",
 )
+PREFIX_HITS_PREDICTED = Counter(
+    "splitserve_router_prefix_hit_blocks_predicted_total",
+    "prompt blocks the prefix index said the chosen prefill worker caches",
+)
+PREFIX_HITS_REALIZED = Counter(
+    "splitserve_router_prefix_hit_blocks_realized_total",
+    "prompt blocks the chosen prefill worker reported as prefix-cache hits",
+)
+PREFIX_INDEX_ERRORS = Counter(
+    "splitserve_router_prefix_index_errors_total",
+    "prefix index lookups that failed or timed out (routed on load alone)",
+)

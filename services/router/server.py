@@ -30,8 +30,10 @@ from services.common.convert import FINISH_REASON_NAMES, sampling_params_to_work
 from services.common.grpc_server import serve_until_signal, start_server
 from services.common.logs import configure_logging
 from services.common.metrics import start_metrics_server
+from services.common.prefix_index import InProcessPrefixIndex, PrefixIndex, RedisPrefixIndex
 from services.router import metrics
 from services.router.config import RouterConfig, parse_router_args
+from services.router.prefill_choice import PrefillChooser
 from services.router.request_prep import ModelLimits, PreparedRequest, prepare_request
 from services.router.response_stream import ResponseStream
 from services.router.worker_pool import WorkerHandle, WorkerPool
@@ -58,6 +60,19 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         self.decode_pool = WorkerPool(
             worker_pb2.WORKER_ROLE_DECODE, config.decode_address_list, rng
         )
+        index: PrefixIndex = (
+            RedisPrefixIndex.from_url(config.redis_url)
+            if config.redis_url
+            else InProcessPrefixIndex()
+        )
+        self.prefill_chooser = PrefillChooser(
+            self.prefill_pool,
+            index,
+            index_is_local=not config.redis_url,
+            cache_weight=config.prefill_cache_weight,
+            load_weight=config.prefill_load_weight,
+            rng=rng,
+        )
         self._inflight: set[str] = set()
         self._background: set[asyncio.Future[None]] = set()
         self._poller: asyncio.Task[None] | None = None
@@ -72,6 +87,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             self._poller.cancel()
         await self.prefill_pool.close()
         await self.decode_pool.close()
+        await self.prefill_chooser.index.close()
 
     async def _poll_once(self) -> None:
         await asyncio.gather(self.prefill_pool.poll_all(), self.decode_pool.poll_all())
@@ -158,9 +174,15 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         )
         lease_holder: WorkerHandle | None = None
         try:
-            prefill = self.prefill_pool.pick()
-            if prefill is not None:
-                response = await self._prefill(prefill, prepared, worker_params, context)
+            choice = await self.prefill_chooser.choose(prepared.prompt_token_ids)
+            if choice is not None:
+                prefill = choice.worker
+                response = None
+                try:
+                    response = await self._prefill(prefill, prepared, worker_params, context)
+                finally:
+                    cached = response.num_cached_tokens if response is not None else None
+                    await self.prefill_chooser.done(choice, cached)
                 if response is not None:
                     stream.num_cached_tokens = response.num_cached_tokens
                     logprobs = [response.logprob] if response.HasField("logprob") else []

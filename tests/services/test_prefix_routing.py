@@ -1,0 +1,70 @@
+"""Prefix-aware prefill choice through real processes: with the router's in-process index and
+with the workers publishing to a real Redis, requests sharing a prefix go to the prefill worker
+that caches it; with Redis gone the router routes on load alone and no request fails."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from tests.services.conftest import greedy, scrape
+
+SHARED_TOKENS = 64  # four full blocks
+
+
+@pytest.fixture(scope="module", params=["in-process", "redis"])
+def cluster(request, start_cluster, redis_server):
+    worker_flags: tuple[str, ...] = ()
+    router_flags: tuple[str, ...] = ()
+    if request.param == "redis":
+        worker_flags = ("--redis-url", redis_server.url, "--heartbeat-ttl-s", "1")
+        router_flags = ("--redis-url", redis_server.url)
+    local, client = start_cluster(
+        num_prefill=2,
+        num_decode=1,
+        extra_worker_flags=worker_flags,
+        extra_router_flags=router_flags,
+    )
+    return request.param, local, client
+
+
+def prompts(seed: int, n: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    shared = [rng.randrange(3, 480) for _ in range(SHARED_TOKENS)]
+    return [shared + [rng.randrange(3, 480) for _ in range(rng.randrange(1, 40))] for _ in range(n)]
+
+
+def test_requests_sharing_a_prefix_go_to_the_worker_that_caches_it(cluster):
+    _, local, client = cluster
+    router_port = local.processes[-1].metrics_port
+    before = scrape(router_port)
+    cached = [
+        client.generate(token_ids=prompt, sampling=greedy(2)).last.usage.cached_tokens
+        for prompt in prompts(seed=0, n=8)
+    ]
+    assert cached[0] == 0 and all(c >= SHARED_TOKENS for c in cached[1:]), cached
+    after = scrape(router_port)
+    delta = {
+        kind: after[(f"splitserve_router_prefix_hit_blocks_{kind}_total", ())]
+        - before.get((f"splitserve_router_prefix_hit_blocks_{kind}_total", ()), 0)
+        for kind in ("predicted", "realized")
+    }
+    assert delta["predicted"] >= 7 * SHARED_TOKENS // 16
+    assert delta["realized"] == delta["predicted"]  # the index was right every time
+
+
+def test_without_redis_the_router_routes_on_load_and_nothing_fails(cluster, redis_server):
+    mode, local, client = cluster
+    if mode != "redis":
+        pytest.skip("only the Redis index can go away")
+    redis_server.stop()
+    try:
+        for prompt in prompts(seed=1, n=4):
+            assert client.generate(token_ids=prompt, sampling=greedy(2)).last.finish_reason
+        errors = scrape(local.processes[-1].metrics_port)[
+            ("splitserve_router_prefix_index_errors_total", ())
+        ]
+        assert errors >= 4
+    finally:
+        redis_server.start()
