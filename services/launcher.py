@@ -191,13 +191,15 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--redis-url",
         default=None,
-        help="Redis of the prefix index, passed to every worker (redis://[:password@]host:port)",
+        help="Redis of the prefix index, passed to the router and every worker "
+        "(redis://[:password@]host:port/db; unset: the router's in-process index)",
     )
     parser.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
     engine = from_args(EngineConfig, args)
+    redis_flags = ("--redis-url", args.redis_url) if args.redis_url else ()
     cluster = LocalCluster(
         engine=engine,
         num_prefill=args.prefill,
@@ -206,11 +208,8 @@ def run(args: argparse.Namespace) -> int:
         host=args.host,
         port=args.port,
         log_level=args.log_level,
-        extra_worker_flags=(
-            "--kv-transfer",
-            args.kv_transfer,
-            *(("--redis-url", args.redis_url) if args.redis_url else ()),
-        ),
+        extra_worker_flags=("--kv-transfer", args.kv_transfer, *redis_flags),
+        extra_router_flags=redis_flags,
     )
     stop = False
 
