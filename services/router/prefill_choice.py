@@ -84,7 +84,16 @@ class PrefillChooser:
         self._sent_blocks: dict[str, int] = {}  # worker address -> uncached blocks in flight
 
     async def choose(self, prompt_token_ids: Sequence[int]) -> PrefillChoice | None:
-        """Score every healthy worker and pick the cheapest; None when none is healthy."""
+        """Pick the cheapest healthy worker and count the prompt's uncached blocks as queued on
+        it until ``done``; None when no worker is healthy."""
+        choice = await self.score(prompt_token_ids)
+        if choice is not None:
+            address = choice.worker.address
+            self._sent_blocks[address] = self._sent_blocks.get(address, 0) + choice.uncached_blocks
+        return choice
+
+    async def score(self, prompt_token_ids: Sequence[int]) -> PrefillChoice | None:
+        """What ``choose`` would pick, without reserving anything (``Router.Explain``)."""
         workers = self.pool.healthy_workers()
         if not workers:
             return None
@@ -94,10 +103,7 @@ class PrefillChooser:
         candidates = tuple(self._score(w, matched, len(block_hashes)) for w in workers)
         best = min(c.cost for c in candidates)
         chosen = self._rng.choice([c for c in candidates if c.cost == best])
-        choice = PrefillChoice(chosen.worker, block_hashes, candidates)
-        address = chosen.worker.address
-        self._sent_blocks[address] = self._sent_blocks.get(address, 0) + choice.uncached_blocks
-        return choice
+        return PrefillChoice(chosen.worker, block_hashes, candidates)
 
     async def done(self, choice: PrefillChoice, num_cached_tokens: int | None) -> None:
         """The prefill ended: ``num_cached_tokens`` hits on the worker, None if it failed.

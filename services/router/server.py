@@ -313,6 +313,37 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                 "req_id=%s release on %s failed: %s", req_id, worker.address, exc.code().name
             )
 
+    # ----------------------------------------------------------------------------- Explain
+    async def Explain(
+        self, request: router_pb2.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> router_pb2.ExplainResponse:
+        """Score the prefill candidates for ``request`` as ``Generate`` would, reserving none."""
+        limits = self.limits()
+        if limits is None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "no decode worker has answered yet")
+        try:
+            prepared = prepare_request(request, self.tokenizer, limits)
+        except ValueError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        response = router_pb2.ExplainResponse(prompt_tokens=len(prepared.prompt_token_ids))
+        choice = await self.prefill_chooser.score(prepared.prompt_token_ids)
+        if choice is None:
+            return response
+        response.prompt_blocks = len(choice.block_hashes)
+        response.chosen_prefill = choice.worker.address
+        for candidate in sorted(choice.candidates, key=lambda c: c.cost):
+            info = candidate.worker.info
+            response.prefill.append(
+                router_pb2.PrefillCandidateScore(
+                    address=candidate.worker.address,
+                    worker_id=info.worker_id if info is not None else "",
+                    matched_blocks=candidate.matched_blocks,
+                    queued_blocks=candidate.queued_blocks,
+                    cost=candidate.cost,
+                )
+            )
+        return response
+
     # ----------------------------------------------------------------------------- Status
     async def Status(
         self, request: router_pb2.StatusRequest, context: grpc.aio.ServicerContext

@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import random
 
+import grpc
 import pytest
 
+from splitserve.v1 import router_pb2
 from tests.services.conftest import greedy, scrape
 
 SHARED_TOKENS = 64  # four full blocks
@@ -52,6 +54,24 @@ def test_requests_sharing_a_prefix_go_to_the_worker_that_caches_it(cluster):
     }
     assert delta["predicted"] >= 7 * SHARED_TOKENS // 16
     assert delta["realized"] == delta["predicted"]  # the index was right every time
+
+
+def test_explain_shows_each_candidate_and_the_choice_without_reserving(cluster):
+    client = cluster[2]
+    prompt = prompts(seed=0, n=1)[0]  # its shared prefix is cached by the previous test
+    request = router_pb2.GenerateRequest(token_ids=prompt, sampling=greedy(2))
+    first = client.stub.Explain(request, timeout=10)
+    assert first.prompt_tokens == len(prompt) and first.prompt_blocks == len(prompt) // 16
+    assert len(first.prefill) == 2
+    best, other = first.prefill
+    assert best.address == first.chosen_prefill and best.cost <= other.cost
+    assert best.matched_blocks >= SHARED_TOKENS // 16 and other.matched_blocks == 0
+    assert client.stub.Explain(request, timeout=10).prefill == first.prefill  # nothing reserved
+    with pytest.raises(grpc.RpcError) as info:
+        client.stub.Explain(router_pb2.GenerateRequest(), timeout=10)
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    served = client.generate(token_ids=prompt, sampling=greedy(2))
+    assert served.last.usage.cached_tokens >= best.matched_blocks * 16
 
 
 def test_without_redis_the_router_routes_on_load_and_nothing_fails(cluster, redis_server):

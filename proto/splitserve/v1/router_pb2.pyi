@@ -130,3 +130,29 @@ class WorkerStatus(_message.Message):
     load: _worker_pb2.WorkerLoad
     last_error: str
     def __init__(self, address: _Optional[str] = ..., role: _Optional[_Union[_worker_pb2.WorkerRole, str]] = ..., healthy: _Optional[bool] = ..., info: _Optional[_Union[_worker_pb2.WorkerInfo, _Mapping]] = ..., load: _Optional[_Union[_worker_pb2.WorkerLoad, _Mapping]] = ..., last_error: _Optional[str] = ...) -> None: ...
+
+class PrefillCandidateScore(_message.Message):
+    __slots__ = ("address", "worker_id", "matched_blocks", "queued_blocks", "cost")
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    MATCHED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    QUEUED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    COST_FIELD_NUMBER: _ClassVar[int]
+    address: str
+    worker_id: str
+    matched_blocks: int
+    queued_blocks: float
+    cost: float
+    def __init__(self, address: _Optional[str] = ..., worker_id: _Optional[str] = ..., matched_blocks: _Optional[int] = ..., queued_blocks: _Optional[float] = ..., cost: _Optional[float] = ...) -> None: ...
+
+class ExplainResponse(_message.Message):
+    __slots__ = ("prompt_tokens", "prompt_blocks", "prefill", "chosen_prefill")
+    PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_FIELD_NUMBER: _ClassVar[int]
+    CHOSEN_PREFILL_FIELD_NUMBER: _ClassVar[int]
+    prompt_tokens: int
+    prompt_blocks: int
+    prefill: _containers.RepeatedCompositeFieldContainer[PrefillCandidateScore]
+    chosen_prefill: str
+    def __init__(self, prompt_tokens: _Optional[int] = ..., prompt_blocks: _Optional[int] = ..., prefill: _Optional[_Iterable[_Union[PrefillCandidateScore, _Mapping]]] = ..., chosen_prefill: _Optional[str] = ...) -> None: ...

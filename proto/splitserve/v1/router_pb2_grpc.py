@@ -44,6 +44,11 @@ class RouterStub:
                 request_serializer=splitserve_dot_v1_dot_router__pb2.StatusRequest.SerializeToString,
                 response_deserializer=splitserve_dot_v1_dot_router__pb2.StatusResponse.FromString,
                 _registered_method=True)
+        self.Explain = channel.unary_unary(
+                '/splitserve.v1.Router/Explain',
+                request_serializer=splitserve_dot_v1_dot_router__pb2.GenerateRequest.SerializeToString,
+                response_deserializer=splitserve_dot_v1_dot_router__pb2.ExplainResponse.FromString,
+                _registered_method=True)
 
 
 class RouterServicer:
@@ -66,6 +71,14 @@ class RouterServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Explain(self, request, context):
+        """How the router would route this request now: each prefill candidate's matched blocks, load
+        and cost, and the choice. Validates like Generate; runs nothing and reserves nothing.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_RouterServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -78,6 +91,11 @@ def add_RouterServicer_to_server(servicer, server):
                     servicer.Status,
                     request_deserializer=splitserve_dot_v1_dot_router__pb2.StatusRequest.FromString,
                     response_serializer=splitserve_dot_v1_dot_router__pb2.StatusResponse.SerializeToString,
+            ),
+            'Explain': grpc.unary_unary_rpc_method_handler(
+                    servicer.Explain,
+                    request_deserializer=splitserve_dot_v1_dot_router__pb2.GenerateRequest.FromString,
+                    response_serializer=splitserve_dot_v1_dot_router__pb2.ExplainResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -134,6 +152,33 @@ class Router:
             '/splitserve.v1.Router/Status',
             splitserve_dot_v1_dot_router__pb2.StatusRequest.SerializeToString,
             splitserve_dot_v1_dot_router__pb2.StatusResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Explain(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/splitserve.v1.Router/Explain',
+            splitserve_dot_v1_dot_router__pb2.GenerateRequest.SerializeToString,
+            splitserve_dot_v1_dot_router__pb2.ExplainResponse.FromString,
             options,
             channel_credentials,
             insecure,
