@@ -14,7 +14,7 @@ from collections.abc import Iterable, Sequence
 import torch
 
 from engine.kv_cache_spec import KVCacheSpec
-from kvtransfer.base import KV_TRANSFER_VERSION, KVTransferError, PeerInfo, TransferState
+from kvtransfer.base import KV_TRANSFER_VERSION, KVRef, KVTransferError, PeerInfo, TransferState
 
 _TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -61,6 +61,30 @@ def check_block_ids(block_ids: Iterable[int], num_blocks: int, what: str) -> Non
     bad = [b for b in block_ids if not 0 <= b < num_blocks]
     if bad:
         raise ValueError(f"{what} block ids {bad[:8]} out of range [0, {num_blocks})")
+
+
+def check_read_request(
+    req_id: str,
+    src: KVRef,
+    dst_block_ids: Sequence[int],
+    num_blocks: int,
+    *,
+    usable: bool,
+    known_peer: bool,
+) -> None:
+    """What every ``start_read`` refuses: ``KVTransferError`` when the backend is not
+    ``usable`` (unregistered or closed) or the peer is not ``known_peer``; ``ValueError`` for
+    mismatched lengths or destination ids out of ``[0, num_blocks)``."""
+    if not usable:
+        raise KVTransferError("start_read needs a registered, open backend")
+    if len(src.block_ids) != len(dst_block_ids):
+        raise ValueError(
+            f"req_id={req_id}: {len(src.block_ids)} source blocks "
+            f"but {len(dst_block_ids)} destination blocks"
+        )
+    check_block_ids(dst_block_ids, num_blocks, "destination")
+    if not known_peer:
+        raise KVTransferError(f"peer {src.engine_id!r} was not added")
 
 
 def contiguous_runs(block_ids: Sequence[int]) -> list[tuple[int, int]]:

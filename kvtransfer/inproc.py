@@ -22,6 +22,7 @@ from kvtransfer._common import (
     cache_rows,
     check_block_ids,
     check_peer,
+    check_read_request,
 )
 from kvtransfer.base import KVRef, KVTransferBackend, KVTransferError, PeerInfo, TransferState
 
@@ -127,16 +128,15 @@ class InprocBackend(KVTransferBackend):
         Raises ``ValueError`` for mismatched lengths, out-of-range destination ids or a
         ``req_id`` still being tracked, ``KVTransferError`` for a peer never added.
         """
-        if self._rows is None or self._closed:
-            raise KVTransferError("start_read needs a registered, open backend")
-        if len(src.block_ids) != len(dst_block_ids):
-            raise ValueError(
-                f"req_id={req_id}: {len(src.block_ids)} source blocks "
-                f"but {len(dst_block_ids)} destination blocks"
-            )
-        check_block_ids(dst_block_ids, self._rows.shape[0], "destination")
-        if src.engine_id not in self._peers:
-            raise KVTransferError(f"peer {src.engine_id!r} was not added")
+        num_blocks = 0 if self._rows is None else self._rows.shape[0]
+        check_read_request(
+            req_id,
+            src,
+            dst_block_ids,
+            num_blocks,
+            usable=self._rows is not None and not self._closed,
+            known_peer=src.engine_id in self._peers,
+        )
         self._reads.start(req_id)
         self._read_sources[req_id] = (src.engine_id, src.req_id)
         with _registry_lock:

@@ -48,6 +48,7 @@ from kvtransfer._common import (
     cache_rows,
     check_block_ids,
     check_peer,
+    check_read_request,
     joint_runs,
 )
 from kvtransfer._tcp_wire import ProtocolError, split_address
@@ -277,17 +278,16 @@ class UcxBackend(KVTransferBackend):
         Raises ``ValueError`` for mismatched lengths, out-of-range destination ids or a
         ``req_id`` still being tracked, ``KVTransferError`` for an unknown peer or after close.
         """
-        if self._rows is None or self._closed:
-            raise KVTransferError("start_read needs a registered, open backend")
-        if len(src.block_ids) != len(dst_block_ids):
-            raise ValueError(
-                f"req_id={req_id}: {len(src.block_ids)} source blocks "
-                f"but {len(dst_block_ids)} destination blocks"
-            )
-        check_block_ids(dst_block_ids, self._num_blocks, "destination")
         with self._lock:
-            if src.engine_id not in self._peers:
-                raise KVTransferError(f"peer {src.engine_id!r} was not added")
+            known_peer = src.engine_id in self._peers
+        check_read_request(
+            req_id,
+            src,
+            dst_block_ids,
+            self._num_blocks,
+            usable=self._rows is not None and not self._closed,
+            known_peer=known_peer,
+        )
         self._reads.start(req_id)
         self._read_sources[req_id] = (src.engine_id, src.req_id)
         self._submit(self._read(req_id, src, tuple(dst_block_ids), next(self._seq)))
