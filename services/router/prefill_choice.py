@@ -26,6 +26,7 @@ from engine.block_hash import BlockHash, hash_block_tokens
 from services.common.prefix_index import PrefixIndex
 from services.router import metrics
 from services.router.worker_pool import WorkerHandle, WorkerPool
+from splitserve.v1 import worker_pb2
 
 logger = logging.getLogger(__name__)
 
@@ -105,20 +106,18 @@ class PrefillChooser:
         chosen = self._rng.choice([c for c in candidates if c.cost == best])
         return PrefillChoice(chosen.worker, block_hashes, candidates)
 
-    async def done(self, choice: PrefillChoice, num_cached_tokens: int | None) -> None:
-        """The prefill ended: ``num_cached_tokens`` hits on the worker, None if it failed.
-        Records predicted vs realized hits and feeds an in-process index."""
+    async def done(
+        self, choice: PrefillChoice, response: worker_pb2.PrefillResponse | None
+    ) -> None:
+        """The prefill ended, with the worker's ``response`` or without one (failed or
+        cancelled). Records predicted vs realized hits and feeds an in-process index."""
         address = choice.worker.address
         self._sent_blocks[address] -= choice.uncached_blocks
-        if num_cached_tokens is None:
-            await self.forget(choice.worker)
+        if response is None or choice.worker.info is None:
             return
-        if choice.worker.info is None:
-            return
-        block_size = choice.worker.info.block_size
+        hit_blocks = response.num_cached_tokens // choice.worker.info.block_size
         metrics.PREFIX_HITS_PREDICTED.inc(choice.matched_blocks)
-        metrics.PREFIX_HITS_REALIZED.inc(min(num_cached_tokens // block_size,
-                                             len(choice.block_hashes)))  # fmt: skip
+        metrics.PREFIX_HITS_REALIZED.inc(min(hit_blocks, len(choice.block_hashes)))
         if self._index_is_local and choice.block_hashes:
             worker_id = choice.worker.info.worker_id
             await self.index.store(worker_id, choice.block_hashes)

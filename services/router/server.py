@@ -180,9 +180,10 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                 response = None
                 try:
                     response = await self._prefill(prefill, prepared, worker_params, context)
+                    if response is None:  # the worker failed (a cancelled call raises)
+                        await self.prefill_chooser.forget(prefill)
                 finally:
-                    cached = response.num_cached_tokens if response is not None else None
-                    await self.prefill_chooser.done(choice, cached)
+                    await self.prefill_chooser.done(choice, response)
                 if response is not None:
                     stream.num_cached_tokens = response.num_cached_tokens
                     logprobs = [response.logprob] if response.HasField("logprob") else []
