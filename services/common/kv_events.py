@@ -69,11 +69,14 @@ class KVEventPublisher:
                 await asyncio.wait_for(self._wakeup.wait(), interval_s)
             self._wakeup.clear()
             try:
-                if not synced or loop.time() >= next_heartbeat_s:
+                if loop.time() >= next_heartbeat_s:
                     next_heartbeat_s = loop.time() + interval_s
                     if not await self.index.heartbeat(self.worker_id, self._ttl_s) or not synced:
                         await self._republish()
                         synced = True
+                if not synced:  # the index is unreachable: retry at the next heartbeat only
+                    self._pending.clear()
+                    continue
                 events, self._pending = self._pending, []
                 await self.index.apply(self.worker_id, events)
             except asyncio.CancelledError:

@@ -160,8 +160,10 @@ class RedisPrefixIndex(PrefixIndex):
 
     @classmethod
     def from_url(cls, url: str, namespace: str = "splitserve:") -> RedisPrefixIndex:
-        """Connect to ``url`` (``redis://``, ``rediss://`` for TLS; a password in the URL)."""
-        return cls(aioredis.Redis.from_url(url), namespace)
+        """Connect to ``url`` (``redis://``, ``rediss://`` for TLS; a password in the URL).
+        A silent Redis fails a call within a second instead of hanging its caller."""
+        client = aioredis.Redis.from_url(url, socket_timeout=1.0, socket_connect_timeout=1.0)
+        return cls(client, namespace)
 
     async def store(self, worker_id: str, block_hashes: Sequence[BlockHash]) -> None:
         if not block_hashes:
