@@ -2,7 +2,8 @@
 
 A frame is a 4-byte big-endian length then a serialized ``KVFrame``
 (``proto/splitserve/v1/kv_transfer.proto``); frames over ``MAX_FRAME_BYTES`` or that do not
-decode raise ``ProtocolError`` and the connection must be closed.
+decode raise ``ProtocolError`` and the connection must be closed. ``decode_frame`` and
+``check_hello`` also serve the ``ucx`` backend, which sends the same frames over UCX.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from collections.abc import Callable
 
 from google.protobuf.message import DecodeError
 
-from kvtransfer.base import KVTransferError
+from kvtransfer.base import KV_TRANSFER_VERSION, KVTransferError
 from splitserve.v1 import kv_transfer_pb2 as pb
 
 MAX_FRAME_BYTES = 16 * 1024 * 1024
@@ -54,13 +55,31 @@ def recv_frame(sock: socket.socket, io_timeout_s: float, wait_s: float | None) -
         raise ProtocolError(f"frame of {length} bytes exceeds {MAX_FRAME_BYTES}")
     body = bytearray(length)
     recv_exact_into(sock, memoryview(body))
+    return decode_frame(bytes(body))
+
+
+def decode_frame(body: bytes) -> pb.KVFrame:
+    """A frame's body as a ``KVFrame``; ``ProtocolError`` if it is not one with a body."""
     try:
-        frame = pb.KVFrame.FromString(bytes(body))
+        frame = pb.KVFrame.FromString(body)
     except DecodeError as exc:
         raise ProtocolError(f"undecodable frame: {exc}") from exc
     if frame.WhichOneof("body") is None:
         raise ProtocolError("frame without a body")
     return frame
+
+
+def check_hello(frame: pb.KVFrame, compat_hash: str) -> tuple[pb.KVHello, str]:
+    """The peer's hello and why we refuse it ("" when we accept it). ``ProtocolError`` when
+    the frame is not a hello."""
+    if frame.WhichOneof("body") != "hello":
+        raise ProtocolError(f"expected hello, got {frame.WhichOneof('body')}")
+    hello = frame.hello
+    if hello.version != KV_TRANSFER_VERSION:
+        return hello, f"kv transfer version {hello.version} != ours {KV_TRANSFER_VERSION}"
+    if hello.compat_hash != compat_hash:
+        return hello, f"compat_hash {hello.compat_hash!r} != ours {compat_hash!r}"
+    return hello, ""
 
 
 def split_address(address: str) -> tuple[str, int]:

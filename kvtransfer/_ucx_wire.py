@@ -14,9 +14,8 @@ from collections.abc import Awaitable
 from typing import TypeVar
 
 import numpy as np
-from google.protobuf.message import DecodeError
 
-from kvtransfer._tcp_wire import MAX_FRAME_BYTES, ProtocolError
+from kvtransfer._tcp_wire import MAX_FRAME_BYTES, ProtocolError, decode_frame
 from kvtransfer.base import KVTransferError
 from splitserve.v1 import kv_transfer_pb2 as pb
 
@@ -90,13 +89,7 @@ async def recv_frame(ep: Endpoint, wait_s: float | None, timeout_s: float) -> pb
         raise ProtocolError(f"frame of {length} bytes is not in (0, {MAX_FRAME_BYTES}]")
     body = bytearray(length)
     await within(ep.recv(body), timeout_s, "receiving a frame")
-    try:
-        frame = pb.KVFrame.FromString(bytes(body))
-    except DecodeError as exc:
-        raise ProtocolError(f"undecodable frame: {exc}") from exc
-    if frame.WhichOneof("body") is None:
-        raise ProtocolError("frame without a body")
-    return frame
+    return decode_frame(bytes(body))
 
 
 def abort(ep: Endpoint | None) -> None:

@@ -42,6 +42,7 @@ from kvtransfer._common import (
 from kvtransfer._tcp_wire import (
     PeerConnections,
     ProtocolError,
+    check_hello,
     recv_exact_into,
     recv_frame,
     send_frame,
@@ -248,14 +249,7 @@ class TcpBackend(KVTransferBackend):
             conn.close()
 
     def _accept_hello(self, conn: socket.socket, frame: pb.KVFrame) -> bool:
-        if frame.WhichOneof("body") != "hello":
-            raise ProtocolError(f"expected hello, got {frame.WhichOneof('body')}")
-        hello = frame.hello
-        error = ""
-        if hello.version != KV_TRANSFER_VERSION:
-            error = f"kv transfer version {hello.version} != ours {KV_TRANSFER_VERSION}"
-        elif hello.compat_hash != self._compat_hash:
-            error = f"compat_hash {hello.compat_hash!r} != ours {self._compat_hash!r}"
+        hello, error = check_hello(frame, self._compat_hash)
         send_frame(conn, pb.KVFrame(hello_ack=pb.KVHelloAck(ok=not error, error=error)))
         if error:
             logger.warning("rejected kv peer %r: %s", hello.engine_id, error)

@@ -51,7 +51,7 @@ from kvtransfer._common import (
     check_read_request,
     joint_runs,
 )
-from kvtransfer._tcp_wire import ProtocolError, split_address
+from kvtransfer._tcp_wire import ProtocolError, check_hello, split_address
 from kvtransfer._ucx_wire import (
     Endpoint,
     Listener,
@@ -225,14 +225,7 @@ class UcxBackend(KVTransferBackend):
             self._tasks.discard(task)
 
     async def _accept_hello(self, ep: Endpoint, frame: pb.KVFrame) -> bool:
-        if frame.WhichOneof("body") != "hello":
-            raise ProtocolError(f"expected hello, got {frame.WhichOneof('body')}")
-        hello = frame.hello
-        error = ""
-        if hello.version != KV_TRANSFER_VERSION:
-            error = f"kv transfer version {hello.version} != ours {KV_TRANSFER_VERSION}"
-        elif hello.compat_hash != self._compat_hash:
-            error = f"compat_hash {hello.compat_hash!r} != ours {self._compat_hash!r}"
+        hello, error = check_hello(frame, self._compat_hash)
         ack = pb.KVHelloAck(ok=not error, error=error)
         await send_frame(ep, pb.KVFrame(hello_ack=ack), self._io_timeout_s)
         if error:
