@@ -70,6 +70,7 @@ class LocalCluster:
     engine: EngineConfig
     num_prefill: int = 1
     num_decode: int = 1
+    num_routers: int = 1
     mode: str = "disaggregated"
     host: str = "127.0.0.1"
     port: int = 0
@@ -80,13 +81,14 @@ class LocalCluster:
 
     @property
     def router_address(self) -> str:
-        return self.processes[-1].address
+        return self.workers("router")[0].address
 
     def workers(self, role: str) -> list[ServiceProcess]:
         return [p for p in self.processes if p.role == role]
 
     def start(self, timeout_s: float = 300.0) -> str:
-        """Spawn workers, wait for their health, then the router; return its address."""
+        """Spawn workers, wait for their health, then the routers (sharing the workers); return
+        the first router's address."""
         if self.mode == "colocated":
             self.num_prefill = 0
         env = dict(os.environ, SPLITSERVE_LOG_LEVEL=self.log_level)
@@ -107,17 +109,28 @@ class LocalCluster:
         deadline_s = time.monotonic() + timeout_s
         for process in self.processes:
             wait_healthy(process, deadline_s)
-        router_port = self.port or free_port(self.host)
+        routers = [
+            self._router_process(self.port if i == 0 and self.port else free_port(self.host))
+            for i in range(self.num_routers)
+        ]
+        self.processes.extend(routers)
+        for router in routers:
+            router.start(env)
+        for router in routers:
+            wait_healthy(router, deadline_s)
+        return self.router_address
+
+    def _router_process(self, port: int) -> ServiceProcess:
         metrics_port = free_port(self.host)
-        router = ServiceProcess(
+        return ServiceProcess(
             "router",
-            f"{self.host}:{router_port}",
+            f"{self.host}:{port}",
             metrics_port,
             [
-                python, "-m", "services.router",
+                sys.executable, "-m", "services.router",
                 "--model", self.engine.model,
                 "--host", self.host,
-                "--port", str(router_port),
+                "--port", str(port),
                 "--mode", self.mode,
                 "--metrics-port", str(metrics_port),
                 "--prefill-workers", ",".join(p.address for p in self.workers("prefill")),
@@ -125,10 +138,6 @@ class LocalCluster:
                 *self.extra_router_flags,
             ],
         )  # fmt: skip
-        self.processes.append(router)
-        router.start(env)
-        wait_healthy(router, deadline_s)
-        return router.address
 
     def _engine_for_workers(self) -> EngineConfig:
         """Split the cores between engine processes unless the thread count was given."""
@@ -181,7 +190,14 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--decode", type=int, default=1, help="number of decode workers")
     parser.add_argument("--mode", default="disaggregated", choices=MODES)
     parser.add_argument("--host", default="127.0.0.1", help="address every server binds")
-    parser.add_argument("--port", type=int, default=50051, help="router port")
+    parser.add_argument("--port", type=int, default=50051, help="first router's port")
+    parser.add_argument(
+        "--routers",
+        type=int,
+        default=1,
+        help="router processes sharing the workers (with --redis-url they also share the "
+        "prefix index and their prefill reservations)",
+    )
     parser.add_argument(
         "--kv-transfer",
         default=default_backend(),
@@ -204,6 +220,7 @@ def run(args: argparse.Namespace) -> int:
         engine=engine,
         num_prefill=args.prefill,
         num_decode=args.decode,
+        num_routers=args.routers,
         mode=args.mode,
         host=args.host,
         port=args.port,
@@ -221,16 +238,17 @@ def run(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, on_signal)
     try:
         address = cluster.start()
-        roles = ", ".join(f"{p.role}@{p.address}" for p in cluster.processes[:-1])
+        routers = cluster.workers("router")
+        roles = ", ".join(f"{p.role}@{p.address}" for p in cluster.processes if p.role != "router")
         print(
-            f"splitserve router listening on {address} "
+            f"splitserve router listening on {', '.join(r.address for r in routers)} "
             f"({args.mode}, kv transfer {args.kv_transfer}; {roles})",
             flush=True,
         )
         metrics = ", ".join(f"{p.role}:{p.metrics_port}" for p in cluster.processes)
         print(f"Prometheus /metrics on {args.host}: {metrics}", flush=True)
         print(f'try: splitserve client --target {address} --chat "Hello!"', flush=True)
-        while not stop and cluster.processes[-1].alive:
+        while not stop and all(r.alive for r in routers):
             time.sleep(0.5)
     finally:
         cluster.stop()

@@ -114,35 +114,54 @@ class InProcessPrefixIndex(PrefixIndex):
         """Nothing to release."""
 
 
+# A Lua function shared by the scripts that match prompts (``match`` here, the router's
+# select-and-reserve): ``match_prefix(ns, first)`` walks the hashes ARGV[first..] in prompt order
+# and returns {worker_id = leading blocks held} for live workers holding at least the first.
+MATCH_PREFIX_LUA = """
+local function match_prefix(ns, first)
+  local counts = {}
+  local active = nil
+  for i = first, #ARGV do
+    local holders = redis.call('SMEMBERS', ns .. 'blk:' .. ARGV[i])
+    local next_active = {}
+    local any = false
+    for _, worker in ipairs(holders) do
+      if active == nil or active[worker] then
+        next_active[worker] = true
+        counts[worker] = i - first + 1
+        any = true
+      end
+    end
+    if not any then break end
+    active = next_active
+  end
+  local live = {}
+  for worker, count in pairs(counts) do
+    if redis.call('EXISTS', ns .. 'alive:' .. worker) == 1 then live[worker] = count end
+  end
+  return live
+end
+"""
+
 # KEYS: none (every key shares ARGV[1], the namespace; a single Redis, not a cluster).
 # ARGV[1] = namespace prefix, ARGV[2..] = hex block hashes in prompt order.
-_MATCH_SCRIPT = """
-local prefix = ARGV[1]
-local counts = {}
-local active = nil
-for i = 2, #ARGV do
-  local holders = redis.call('SMEMBERS', prefix .. 'blk:' .. ARGV[i])
-  local next_active = {}
-  local any = false
-  for _, worker in ipairs(holders) do
-    if active == nil or active[worker] then
-      next_active[worker] = true
-      counts[worker] = i - 1
-      any = true
-    end
-  end
-  if not any then break end
-  active = next_active
-end
+_MATCH_SCRIPT = (
+    MATCH_PREFIX_LUA
+    + """
 local out = {}
-for worker, count in pairs(counts) do
-  if redis.call('EXISTS', prefix .. 'alive:' .. worker) == 1 then
-    table.insert(out, worker)
-    table.insert(out, count)
-  end
+for worker, count in pairs(match_prefix(ARGV[1], 2)) do
+  table.insert(out, worker)
+  table.insert(out, count)
 end
 return out
 """
+)
+
+
+def redis_client(url: str) -> aioredis.Redis:
+    """A client for ``url`` (``redis://``, ``rediss://`` for TLS; a password in the URL). A
+    silent Redis fails a call within a second instead of hanging its caller."""
+    return aioredis.Redis.from_url(url, socket_timeout=1.0, socket_connect_timeout=1.0)
 
 
 class RedisPrefixIndex(PrefixIndex):
@@ -160,10 +179,8 @@ class RedisPrefixIndex(PrefixIndex):
 
     @classmethod
     def from_url(cls, url: str, namespace: str = "splitserve:") -> RedisPrefixIndex:
-        """Connect to ``url`` (``redis://``, ``rediss://`` for TLS; a password in the URL).
-        A silent Redis fails a call within a second instead of hanging its caller."""
-        client = aioredis.Redis.from_url(url, socket_timeout=1.0, socket_connect_timeout=1.0)
-        return cls(client, namespace)
+        """Connect to ``url`` (see ``redis_client``)."""
+        return cls(redis_client(url), namespace)
 
     async def store(self, worker_id: str, block_hashes: Sequence[BlockHash]) -> None:
         if not block_hashes:

@@ -3,12 +3,18 @@
 from __future__ import annotations
 
 import argparse
+import os
+import secrets
+import socket
 from dataclasses import dataclass
 
 from engine.flags import add_flags, flag, from_args
 from services.common.logs import add_log_level_flag
 
 MODES = ("disaggregated", "colocated")
+# Crossover below which prefilling on the decode worker beats a prefill worker plus the KV
+# transfer (BENCHMARKS.md, "Conditional disaggregation").
+LOCAL_PREFILL_MAX_TOKENS = 128
 
 
 def _split_addresses(text: str) -> tuple[str, ...]:
@@ -44,6 +50,32 @@ class RouterConfig:
         1.0, "prefill cost per prompt block the worker does not cache"
     )
     prefill_load_weight: float = flag(1.0, "prefill cost per block of prefill work queued")
+    prefill_load_bound: float = flag(
+        1.25,
+        "bounded load: a prefill worker takes a new request only while its reserved requests "
+        "stay within ceil(bound * (all reserved + 1) / workers), so a hot prefix spills onto a "
+        "second worker (0: no bound)",
+    )
+    prefill_saturation_blocks: float = flag(
+        1024.0,
+        "when every prefill worker has this many blocks queued, the decode worker prefills "
+        "(0: never)",
+    )
+    local_prefill_max_tokens: int = flag(
+        LOCAL_PREFILL_MAX_TOKENS,
+        "the decode worker prefills a prompt itself when at most this many of its tokens are "
+        "not cached there (0: always use the prefill pool when it has a healthy worker)",
+    )
+    decode_load_weight: float = flag(1.0, "decode cost per request active on the worker")
+    decode_move_weight: float = flag(
+        0.05, "decode cost per prompt block the worker does not cache (to pull or compute)"
+    )
+    router_id: str = flag(
+        "", "this router's id in Redis (default: router-<hostname>-<pid>-<random>)"
+    )
+    router_heartbeat_ttl_s: float = flag(
+        3.0, "seconds a crashed router's prefill reservations keep counting in Redis"
+    )
     metrics_port: int = flag(0, "port of the Prometheus /metrics endpoint (0: off)")
     seed: int = flag(0, "seed of the router's tie-breaking")
 
@@ -52,10 +84,29 @@ class RouterConfig:
             raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
         if not self.decode_address_list:
             raise ValueError("decode_workers: at least one decode worker address is required")
+        if self.prefill_load_bound != 0 and self.prefill_load_bound < 1:
+            raise ValueError(
+                f"prefill_load_bound must be 0 (off) or >= 1, got {self.prefill_load_bound}"
+            )
+        if self.local_prefill_max_tokens < 0:
+            raise ValueError(
+                f"local_prefill_max_tokens must be >= 0, got {self.local_prefill_max_tokens}"
+            )
+        if "|" in self.router_id:
+            raise ValueError(f"router_id must not contain '|', got {self.router_id!r}")
+        if self.router_heartbeat_ttl_s <= 0:
+            raise ValueError(
+                f"router_heartbeat_ttl_s must be > 0, got {self.router_heartbeat_ttl_s}"
+            )
         if self.max_inflight_requests < 1:
             raise ValueError(
                 f"max_inflight_requests must be >= 1, got {self.max_inflight_requests}"
             )
+
+    def resolved_router_id(self) -> str:
+        return self.router_id or (
+            f"router-{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(3)}"
+        )
 
     @property
     def prefill_address_list(self) -> tuple[str, ...]:

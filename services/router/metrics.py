@@ -44,3 +44,14 @@ PREFIX_INDEX_ERRORS = Counter(
     "splitserve_router_prefix_index_errors_total",
     "prefix index lookups that failed or timed out (routed on load alone)",
 )
+DECISION_SECONDS = Histogram(
+    "splitserve_router_decision_seconds",
+    "time to choose (and reserve) a request's prefill worker, prefix index lookup included",
+    buckets=(0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1),
+)
+LOCAL_PREFILLS = Counter(
+    "splitserve_router_local_prefills_total",
+    "requests prefilled on their decode worker by choice: short_uncached, saturated, "
+    "no_prefill_worker",
+    ["reason"],
+)

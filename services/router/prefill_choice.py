@@ -1,17 +1,15 @@
 """Which prefill worker computes a prompt: the one with the least work, counted in blocks.
 
-For each healthy prefill worker (Dynamo-style, DESIGN §3)::
-
-    cost = cache_weight * (prompt_blocks - matched_blocks) + load_weight * queued_blocks
-
-``matched_blocks`` are the prompt's leading blocks the worker already caches (from the prefix
-index); ``queued_blocks`` is the prefill work it has queued (its last reported queue plus what
-this router sent it since, both in blocks). Ties go to a seeded random choice.
+The cost and the bounded-load rule are in ``prefill_cost``; the decision and the reservation of
+the chosen worker's uncached blocks are one atomic step of a ``PrefillLedger`` (in Redis when
+several routers share a cluster). Call ``done`` when the prefill ends: it releases the
+reservation and records predicted vs realized prefix hits.
 
 With a Redis index the workers publish what they cache. Without one the router keeps an
 in-process index of its own choices (a worker that computed a prompt is assumed to cache it
-until it stops being healthy): approximate, like SGLang's router tree, and a stale index only
-costs affinity. A slow or unreachable index costs the prefix term, never a request.
+until it fails): approximate, like SGLang's router tree; a stale index only costs affinity. A
+slow or unreachable Redis costs the prefix term and the other routers' reservations, never a
+request: the router then decides on load alone with its own reservations.
 """
 
 from __future__ import annotations
@@ -22,134 +20,159 @@ import random
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from engine.block_hash import BlockHash, hash_block_tokens
-from services.common.prefix_index import PrefixIndex
+from engine.block_hash import BlockHash
+from services.common.background import BackgroundTasks
+from services.common.prefix_index import InProcessPrefixIndex
 from services.router import metrics
+from services.router.prefill_cost import CandidateLoad, CandidateScore, PrefillWeights
+from services.router.prefill_ledger import LocalPrefillLedger, PrefillLedger, Reservation
 from services.router.worker_pool import WorkerHandle, WorkerPool
 from splitserve.v1 import worker_pb2
 
 logger = logging.getLogger(__name__)
 
-# How long the router waits for the index before routing on load alone.
-_MATCH_TIMEOUT_S = 0.05
+# How long the router waits for a Redis decision before deciding on load alone.
+_SELECT_TIMEOUT_S = 0.05
 # TTL of the router's own liveness entries in an in-process index (refreshed at every choice).
 _LOCAL_TTL_S = 3600.0
 
 
 @dataclass(frozen=True, slots=True)
 class PrefillCandidate:
-    """One worker's score for a prompt."""
+    """One healthy prefill worker and its score for a prompt."""
 
     worker: WorkerHandle
-    matched_blocks: int
-    queued_blocks: float
-    cost: float
+    score: CandidateScore
 
 
 @dataclass(frozen=True, slots=True)
 class PrefillChoice:
-    """The chosen worker, the prompt's block hashes and every candidate's score."""
+    """One decision. ``worker`` is None when no prefill worker is healthy or all are saturated;
+    ``matched`` holds the index's matches for every live worker, decode workers included."""
 
-    worker: WorkerHandle
+    worker: WorkerHandle | None
     block_hashes: tuple[BlockHash, ...]
     candidates: tuple[PrefillCandidate, ...]
+    matched: dict[str, int]
+    reservation: Reservation | None
+    ledger: PrefillLedger
 
     @property
     def matched_blocks(self) -> int:
-        return next(c.matched_blocks for c in self.candidates if c.worker is self.worker)
+        chosen = [c for c in self.candidates if c.worker is self.worker]
+        return chosen[0].score.matched_blocks if chosen else 0
 
     @property
-    def uncached_blocks(self) -> int:
-        return len(self.block_hashes) - self.matched_blocks
+    def saturated(self) -> bool:
+        return self.worker is None and bool(self.candidates)
 
 
 class PrefillChooser:
-    """Scores the prefill pool against the prefix index; call ``done`` after each prefill."""
+    """Scores the prefill pool through a ledger; call ``done`` after each chosen prefill."""
 
     def __init__(
         self,
         pool: WorkerPool,
-        index: PrefixIndex,
+        ledger: PrefillLedger,
         *,
-        index_is_local: bool,
-        cache_weight: float,
-        load_weight: float,
+        local_index: InProcessPrefixIndex | None,
+        weights: PrefillWeights,
+        router_id: str,
         rng: random.Random,
     ) -> None:
         self.pool = pool
-        self.index = index
-        self._index_is_local = index_is_local
-        self._cache_weight = cache_weight
-        self._load_weight = load_weight
+        self.ledger = ledger
+        self.num_hit_blocks_predicted = 0
+        self.num_hit_blocks_realized = 0
+        self._local_index = local_index
+        self._weights = weights
         self._rng = rng
-        self._sent_blocks: dict[str, int] = {}  # worker address -> uncached blocks in flight
+        # Decides on load alone, with this router's reservations, while Redis is unreachable.
+        self._fallback = LocalPrefillLedger(router_id, None) if local_index is None else None
+        self._background = BackgroundTasks()
 
-    async def choose(self, prompt_token_ids: Sequence[int]) -> PrefillChoice | None:
-        """Pick the cheapest healthy worker and count the prompt's uncached blocks as queued on
-        it until ``done``; None when no worker is healthy."""
-        choice = await self.score(prompt_token_ids)
-        if choice is not None:
-            address = choice.worker.address
-            self._sent_blocks[address] = self._sent_blocks.get(address, 0) + choice.uncached_blocks
-        return choice
+    async def choose(
+        self,
+        req_id: str | None,
+        block_hashes: Sequence[BlockHash],
+        *,
+        with_candidates: bool = True,
+    ) -> PrefillChoice:
+        """Decide for a prompt's ``block_hashes``; with a ``req_id``, reserve the chosen worker
+        until ``done``. ``with_candidates=False`` only matches (for the decode choice)."""
+        workers = self.pool.healthy_workers() if with_candidates else []
+        workers = [w for w in workers if w.info is not None]
+        loads = [
+            CandidateLoad(
+                w.info.worker_id, w.load.num_queued_prefill_tokens / max(w.info.block_size, 1)
+            )
+            for w in workers
+            if w.info is not None
+        ]
+        block_hashes = tuple(block_hashes)
+        if not loads and not block_hashes:
+            return PrefillChoice(None, block_hashes, (), {}, None, self.ledger)
+        tie_value = self._rng.random()
+        ledger = self.ledger
+        try:
+            with metrics.DECISION_SECONDS.time():
+                selection = await asyncio.wait_for(
+                    ledger.select(req_id, block_hashes, loads, self._weights, tie_value),
+                    _SELECT_TIMEOUT_S,
+                )
+        except Exception as exc:  # Redis down or slow: decide on load alone
+            if self._fallback is None:
+                raise
+            metrics.PREFIX_INDEX_ERRORS.inc()
+            logger.warning("prefix index unreachable (%r); routing on load only", exc)
+            ledger = self._fallback
+            selection = await ledger.select(req_id, block_hashes, loads, self._weights, tie_value)
+        scored = zip(workers, selection.scores, strict=True)
+        candidates = tuple(PrefillCandidate(w, s) for w, s in scored)
+        worker = workers[selection.chosen] if selection.chosen is not None else None
+        return PrefillChoice(
+            worker, block_hashes, candidates, selection.matched, selection.reservation, ledger
+        )
 
-    async def score(self, prompt_token_ids: Sequence[int]) -> PrefillChoice | None:
-        """What ``choose`` would pick, without reserving anything (``Router.Explain``)."""
-        workers = self.pool.healthy_workers()
-        if not workers:
-            return None
-        block_size = workers[0].info.block_size if workers[0].info is not None else 0
-        block_hashes = tuple(hash_block_tokens(prompt_token_ids, block_size)) if block_size else ()
-        matched = await self._match(block_hashes)
-        candidates = tuple(self._score(w, matched, len(block_hashes)) for w in workers)
-        best = min(c.cost for c in candidates)
-        chosen = self._rng.choice([c for c in candidates if c.cost == best])
-        return PrefillChoice(chosen.worker, block_hashes, candidates)
+    def cancel(self, choice: PrefillChoice) -> None:
+        """The chosen prefill will not run: release its reservation."""
+        if choice.reservation is not None:
+            self._background.spawn(self._release(choice.ledger, choice.reservation))
 
     async def done(
         self, choice: PrefillChoice, response: worker_pb2.PrefillResponse | None
     ) -> None:
         """The prefill ended, with the worker's ``response`` or without one (failed or
-        cancelled). Records predicted vs realized hits and feeds an in-process index."""
-        address = choice.worker.address
-        self._sent_blocks[address] -= choice.uncached_blocks
-        if response is None or choice.worker.info is None:
+        cancelled). Releases the reservation, records predicted vs realized hits and feeds an
+        in-process index."""
+        self.cancel(choice)
+        worker = choice.worker
+        if response is None or worker is None or worker.info is None:
             return
-        hit_blocks = response.num_cached_tokens // choice.worker.info.block_size
+        hit_blocks = min(
+            response.num_cached_tokens // worker.info.block_size, len(choice.block_hashes)
+        )
+        self.num_hit_blocks_predicted += choice.matched_blocks
+        self.num_hit_blocks_realized += hit_blocks
         metrics.PREFIX_HITS_PREDICTED.inc(choice.matched_blocks)
-        metrics.PREFIX_HITS_REALIZED.inc(min(hit_blocks, len(choice.block_hashes)))
-        if self._index_is_local and choice.block_hashes:
-            worker_id = choice.worker.info.worker_id
-            await self.index.store(worker_id, choice.block_hashes)
-            await self.index.heartbeat(worker_id, _LOCAL_TTL_S)
+        metrics.PREFIX_HITS_REALIZED.inc(hit_blocks)
+        if self._local_index is not None and choice.block_hashes:
+            worker_id = worker.info.worker_id
+            await self._local_index.store(worker_id, choice.block_hashes)
+            await self._local_index.heartbeat(worker_id, _LOCAL_TTL_S)
 
     async def forget(self, worker: WorkerHandle) -> None:
         """An in-process index drops what it assumed ``worker`` caches (its prefill failed; a
         restarted worker comes back empty)."""
-        if self._index_is_local and worker.info is not None:
-            await self.index.clear(worker.info.worker_id)
+        if self._local_index is not None and worker.info is not None:
+            await self._local_index.clear(worker.info.worker_id)
 
-    async def _match(self, block_hashes: tuple[BlockHash, ...]) -> dict[str, int]:
-        if not block_hashes:
-            return {}
+    async def close(self) -> None:
+        await self.ledger.close()
+
+    @staticmethod
+    async def _release(ledger: PrefillLedger, reservation: Reservation) -> None:
         try:
-            return await asyncio.wait_for(self.index.match(block_hashes), _MATCH_TIMEOUT_S)
-        except Exception as exc:  # Redis down or slow: route on load alone
-            metrics.PREFIX_INDEX_ERRORS.inc()
-            logger.warning("prefix index lookup failed (%r); routing on load only", exc)
-            return {}
-
-    def _score(
-        self, worker: WorkerHandle, matched: dict[str, int], prompt_blocks: int
-    ) -> PrefillCandidate:
-        worker_id = worker.info.worker_id if worker.info is not None else ""
-        matched_blocks = min(matched.get(worker_id, 0), prompt_blocks)
-        block_size = worker.info.block_size if worker.info is not None else 1
-        queued_blocks = worker.load.num_queued_prefill_tokens / block_size + self._sent_blocks.get(
-            worker.address, 0
-        )
-        cost = (
-            self._cache_weight * (prompt_blocks - matched_blocks)
-            + self._load_weight * queued_blocks
-        )
-        return PrefillCandidate(worker, matched_blocks, queued_blocks, cost)
+            await ledger.release(reservation)
+        except Exception as exc:  # it ends with this router's heartbeat or its max age
+            logger.warning("could not release reservation %s: %r", reservation.member, exc)

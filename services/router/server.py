@@ -26,17 +26,23 @@ import grpc
 
 from engine.loader.models import resolve_model
 from engine.tokenizer import Tokenizer
+from services.common.background import BackgroundTasks
 from services.common.convert import FINISH_REASON_NAMES, sampling_params_to_worker
 from services.common.grpc_server import serve_until_signal, start_server
 from services.common.logs import configure_logging
 from services.common.metrics import start_metrics_server
-from services.common.prefix_index import InProcessPrefixIndex, PrefixIndex, RedisPrefixIndex
+from services.common.prefix_index import InProcessPrefixIndex, redis_client
 from services.router import metrics
 from services.router.config import RouterConfig, parse_router_args
+from services.router.decode_choice import DecodeChooser
+from services.router.explain import explain_response
 from services.router.prefill_choice import PrefillChooser
+from services.router.prefill_cost import PrefillWeights
+from services.router.prefill_ledger import LocalPrefillLedger, PrefillLedger, RedisPrefillLedger
 from services.router.request_prep import ModelLimits, PreparedRequest, prepare_request
 from services.router.response_stream import ResponseStream
-from services.router.worker_pool import WorkerHandle, WorkerPool
+from services.router.route_plan import RoutePlan, RoutePlanner
+from services.router.worker_pool import InflightSlot, WorkerHandle, WorkerPool
 from splitserve.v1 import router_pb2, router_pb2_grpc, worker_pb2
 
 logger = logging.getLogger(__name__)
@@ -56,29 +62,18 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         self.tokenizer = tokenizer
         rng = random.Random(config.seed)
         prefill = config.prefill_address_list if config.mode == "disaggregated" else ()
-        self.prefill_pool = WorkerPool(worker_pb2.WORKER_ROLE_PREFILL, prefill, rng)
-        self.decode_pool = WorkerPool(
-            worker_pb2.WORKER_ROLE_DECODE, config.decode_address_list, rng
-        )
-        index: PrefixIndex = (
-            RedisPrefixIndex.from_url(config.redis_url)
-            if config.redis_url
-            else InProcessPrefixIndex()
-        )
-        self.prefill_chooser = PrefillChooser(
-            self.prefill_pool,
-            index,
-            index_is_local=not config.redis_url,
-            cache_weight=config.prefill_cache_weight,
-            load_weight=config.prefill_load_weight,
-            rng=rng,
-        )
+        self.prefill_pool = WorkerPool(worker_pb2.WORKER_ROLE_PREFILL, prefill)
+        self.decode_pool = WorkerPool(worker_pb2.WORKER_ROLE_DECODE, config.decode_address_list)
+        self.planner = _build_planner(config, self.prefill_pool, self.decode_pool, rng)
         self._inflight: set[str] = set()
-        self._background: set[asyncio.Future[None]] = set()
+        self._background = BackgroundTasks()
         self._poller: asyncio.Task[None] | None = None
 
     # ----------------------------------------------------------------------------- lifecycle
     async def start(self) -> None:
+        ledger = self.planner.prefill_chooser.ledger
+        if isinstance(ledger, RedisPrefillLedger):
+            ledger.start()
         await self._poll_once()
         self._poller = asyncio.create_task(self._poll_forever())
 
@@ -87,7 +82,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             self._poller.cancel()
         await self.prefill_pool.close()
         await self.decode_pool.close()
-        await self.prefill_chooser.index.close()
+        await self.planner.prefill_chooser.close()
 
     async def _poll_once(self) -> None:
         await asyncio.gather(self.prefill_pool.poll_all(), self.decode_pool.poll_all())
@@ -173,17 +168,21 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             request_id=req_id, prompt_token_ids=prepared.prompt_token_ids, sampling=worker_params
         )
         lease_holder: WorkerHandle | None = None
+        chooser = self.planner.prefill_chooser
+        slot = InflightSlot()
         try:
-            choice = await self.prefill_chooser.choose(prepared.prompt_token_ids)
-            if choice is not None:
-                prefill = choice.worker
+            plan = await self.planner.plan(req_id, prepared.prompt_token_ids)
+            # The decode worker counts the request from now on, so that a burst spreads.
+            slot.move_to(plan.decode.worker if plan.decode is not None else None)
+            prefill = plan.prefill_worker
+            if prefill is not None:
                 response = None
                 try:
                     response = await self._prefill(prefill, prepared, worker_params, context)
                     if response is None:  # the worker failed (a cancelled call raises)
-                        await self.prefill_chooser.forget(prefill)
+                        await chooser.forget(prefill)
                 finally:
-                    await self.prefill_chooser.done(choice, response)
+                    await chooser.done(plan.prefill, response)
                 if response is not None:
                     stream.num_cached_tokens = response.num_cached_tokens
                     logprobs = [response.logprob] if response.HasField("logprob") else []
@@ -202,10 +201,11 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                         decode_request.kv_peer.CopyFrom(response.kv_peer)
                     if stream.finished:
                         return
-            async for message in self._decode(decode_request, stream, context):
+            async for message in self._decode(decode_request, stream, plan, slot, context):
                 lease_holder = None  # the decode worker owns the pull and its release now
                 yield message
         finally:
+            slot.move_to(None)
             if lease_holder is not None:
                 await self._release(lease_holder, req_id)
 
@@ -239,9 +239,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         except asyncio.CancelledError:
             call.cancel()
             # A prefill that completed as we were cancelled leaves a lease; drop it now.
-            task = asyncio.ensure_future(self._release(worker, prepared.req_id))
-            self._background.add(task)
-            task.add_done_callback(self._background.discard)
+            self._background.spawn(self._release(worker, prepared.req_id))
             raise
         finally:
             worker.num_inflight -= 1
@@ -250,16 +248,25 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         self,
         request: worker_pb2.DecodeRequest,
         stream: ResponseStream,
+        plan: RoutePlan,
+        slot: InflightSlot,
         context: grpc.aio.ServicerContext,
     ) -> AsyncIterator[router_pb2.GenerateResponse]:
-        """Stream the decode; on a worker failure continue on another worker."""
+        """Stream the decode on the planned worker (``slot``'s); on a failure continue on
+        another one, moving ``slot`` along."""
         tried: set[str] = set()
+        prompt_blocks = len(plan.prefill.block_hashes)
         for _ in range(self.config.max_decode_retries + 1):
-            worker = self.decode_pool.pick(exclude=tried)
-            if worker is None:
-                break
+            worker = slot.worker
+            if worker is None or tried or not worker.healthy:
+                candidate = self.planner.decode_chooser.choose(
+                    prompt_blocks, plan.prefill.matched, exclude=tried
+                )
+                if candidate is None:
+                    break
+                worker = candidate.worker
+                slot.move_to(worker)
             tried.add(worker.address)
-            worker.num_inflight += 1
             call = worker.stub.Decode(request, timeout=context.time_remaining())
             try:
                 async for response in call:
@@ -293,7 +300,6 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             finally:
                 # A no-op when the call completed; otherwise the worker aborts the request.
                 call.cancel()
-                worker.num_inflight -= 1
         await context.abort(grpc.StatusCode.UNAVAILABLE, "no healthy decode worker")
 
     @staticmethod
@@ -326,24 +332,8 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             prepared = prepare_request(request, self.tokenizer, limits)
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        response = router_pb2.ExplainResponse(prompt_tokens=len(prepared.prompt_token_ids))
-        choice = await self.prefill_chooser.score(prepared.prompt_token_ids)
-        if choice is None:
-            return response
-        response.prompt_blocks = len(choice.block_hashes)
-        response.chosen_prefill = choice.worker.address
-        for candidate in sorted(choice.candidates, key=lambda c: c.cost):
-            info = candidate.worker.info
-            response.prefill.append(
-                router_pb2.PrefillCandidateScore(
-                    address=candidate.worker.address,
-                    worker_id=info.worker_id if info is not None else "",
-                    matched_blocks=candidate.matched_blocks,
-                    queued_blocks=candidate.queued_blocks,
-                    cost=candidate.cost,
-                )
-            )
-        return response
+        plan = await self.planner.plan(None, prepared.prompt_token_ids)
+        return explain_response(plan, len(prepared.prompt_token_ids))
 
     # ----------------------------------------------------------------------------- Status
     async def Status(
@@ -367,7 +357,44 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             model=self.config.model,
             workers=workers,
             num_inflight_requests=len(self._inflight),
+            prefix_hit_blocks_predicted=self.planner.prefill_chooser.num_hit_blocks_predicted,
+            prefix_hit_blocks_realized=self.planner.prefill_chooser.num_hit_blocks_realized,
         )
+
+
+def _build_planner(
+    config: RouterConfig, prefill_pool: WorkerPool, decode_pool: WorkerPool, rng: random.Random
+) -> RoutePlanner:
+    router_id = config.resolved_router_id()
+    local_index: InProcessPrefixIndex | None = None
+    ledger: PrefillLedger
+    if config.redis_url:
+        ledger = RedisPrefillLedger(
+            redis_client(config.redis_url), router_id, config.router_heartbeat_ttl_s
+        )
+    else:
+        local_index = InProcessPrefixIndex()
+        ledger = LocalPrefillLedger(router_id, local_index)
+    weights = PrefillWeights(
+        cache_weight=config.prefill_cache_weight,
+        load_weight=config.prefill_load_weight,
+        load_bound=config.prefill_load_bound,
+        saturation_blocks=config.prefill_saturation_blocks,
+    )
+    prefill_chooser = PrefillChooser(
+        prefill_pool, ledger, local_index=local_index, weights=weights, router_id=router_id, rng=rng
+    )
+    decode_chooser = DecodeChooser(
+        decode_pool,
+        load_weight=config.decode_load_weight,
+        move_weight=config.decode_move_weight,
+        rng=rng,
+    )
+    return RoutePlanner(
+        prefill_chooser,
+        decode_chooser,
+        local_prefill_max_tokens=config.local_prefill_max_tokens,
+    )
 
 
 async def serve(config: RouterConfig) -> None:

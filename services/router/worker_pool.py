@@ -1,16 +1,15 @@
-"""The router's view of one pool of workers: channels, health, load, and the least-loaded pick.
+"""The router's view of one pool of workers: channels, health and load.
 
 Health and load come from polling each worker's ``GetLoad`` every ``health_check_interval_s``;
 a failed call marks the worker unhealthy until a later poll succeeds. Between polls the router
-counts its own in-flight requests per worker, which is what the pick mostly looks at (the
-prefix-aware policy replaces this in its own module).
+counts its own in-flight requests per worker (``num_inflight``); the choosers
+(``prefill_choice``, ``decode_choice``) weigh both.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import random
 from dataclasses import dataclass, field
 
 import grpc
@@ -67,14 +66,26 @@ class WorkerHandle:
         self.last_error = ""
 
 
+class InflightSlot:
+    """One request counted in ``num_inflight`` of the worker it is assigned to, moving with it."""
+
+    def __init__(self) -> None:
+        self.worker: WorkerHandle | None = None
+
+    def move_to(self, worker: WorkerHandle | None) -> None:
+        """Count the request on ``worker`` (None: on no worker) instead of its current one."""
+        if self.worker is not None:
+            self.worker.num_inflight -= 1
+        self.worker = worker
+        if worker is not None:
+            worker.num_inflight += 1
+
+
 class WorkerPool:
     """All workers of one role."""
 
-    def __init__(
-        self, role: worker_pb2.WorkerRole.ValueType, addresses: tuple[str, ...], rng: random.Random
-    ) -> None:
+    def __init__(self, role: worker_pb2.WorkerRole.ValueType, addresses: tuple[str, ...]) -> None:
         self.role = role
-        self._rng = rng
         stub_cls = (
             worker_pb2_grpc.PrefillWorkerStub
             if role == worker_pb2.WORKER_ROLE_PREFILL
@@ -87,16 +98,6 @@ class WorkerPool:
 
     def healthy_workers(self) -> list[WorkerHandle]:
         return [w for w in self.workers if w.healthy]
-
-    def pick(self, exclude: set[str] | None = None) -> WorkerHandle | None:
-        """The healthy worker with the fewest router requests in flight, then the lowest KV
-        usage; ties broken at random. None when no worker is healthy."""
-        candidates = [w for w in self.healthy_workers() if w.address not in (exclude or set())]
-        if not candidates:
-            return None
-        best = min((w.num_inflight, w.load.kv_usage) for w in candidates)
-        tied = [w for w in candidates if (w.num_inflight, w.load.kv_usage) == best]
-        return self._rng.choice(tied)
 
     async def poll_all(self) -> None:
         await asyncio.gather(*(w.poll() for w in self.workers))

@@ -87,11 +87,15 @@ def greedy(max_tokens: int, **extra) -> router_pb2.SamplingParams:
 @pytest.fixture(scope="module")
 def start_cluster(tiny_llama_dir) -> Iterator[Callable[..., tuple[LocalCluster, Client]]]:
     """Factory: ``start_cluster(num_prefill=1, num_decode=1, mode=..., ...)``; all stopped at the
-    end of the module."""
+    end of the module. Every prompt goes through a prefill worker (``--local-prefill-max-tokens
+    0``) unless ``extra_router_flags`` sets another threshold."""
     started: list[tuple[LocalCluster, Client]] = []
 
     def start(**kwargs) -> tuple[LocalCluster, Client]:
-        cluster = LocalCluster(engine=tiny_engine_config(tiny_llama_dir), **kwargs)
+        router_flags = ("--local-prefill-max-tokens", "0", *kwargs.pop("extra_router_flags", ()))
+        cluster = LocalCluster(
+            engine=tiny_engine_config(tiny_llama_dir), extra_router_flags=router_flags, **kwargs
+        )
         try:
             address = cluster.start(timeout_s=180)
         except BaseException:

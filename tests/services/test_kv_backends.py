@@ -177,5 +177,10 @@ def test_prefill_killed_during_the_transfer_is_recomputed_on_the_decode_side(wor
         killer.join()
     assert last.kv_transfer_failed and last.num_transferred_blocks == 0
     assert token_ids == want.token_ids
+    # The last message leaves before the engine retires the request: give it a moment.
+    deadline_s = time.monotonic() + 5
     load = workers.decode.GetLoad(worker_pb2.GetLoadRequest(), timeout=5)
+    while load.num_running and time.monotonic() < deadline_s:
+        time.sleep(0.05)
+        load = workers.decode.GetLoad(worker_pb2.GetLoadRequest(), timeout=5)
     assert load.num_transfers_failed == 1 and load.num_running == 0

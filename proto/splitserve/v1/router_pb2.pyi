@@ -104,16 +104,20 @@ class StatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class StatusResponse(_message.Message):
-    __slots__ = ("mode", "model", "workers", "num_inflight_requests")
+    __slots__ = ("mode", "model", "workers", "num_inflight_requests", "prefix_hit_blocks_predicted", "prefix_hit_blocks_realized")
     MODE_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     WORKERS_FIELD_NUMBER: _ClassVar[int]
     NUM_INFLIGHT_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_HIT_BLOCKS_PREDICTED_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_HIT_BLOCKS_REALIZED_FIELD_NUMBER: _ClassVar[int]
     mode: str
     model: str
     workers: _containers.RepeatedCompositeFieldContainer[WorkerStatus]
     num_inflight_requests: int
-    def __init__(self, mode: _Optional[str] = ..., model: _Optional[str] = ..., workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ..., num_inflight_requests: _Optional[int] = ...) -> None: ...
+    prefix_hit_blocks_predicted: int
+    prefix_hit_blocks_realized: int
+    def __init__(self, mode: _Optional[str] = ..., model: _Optional[str] = ..., workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ..., num_inflight_requests: _Optional[int] = ..., prefix_hit_blocks_predicted: _Optional[int] = ..., prefix_hit_blocks_realized: _Optional[int] = ...) -> None: ...
 
 class WorkerStatus(_message.Message):
     __slots__ = ("address", "role", "healthy", "info", "load", "last_error")
@@ -132,27 +136,55 @@ class WorkerStatus(_message.Message):
     def __init__(self, address: _Optional[str] = ..., role: _Optional[_Union[_worker_pb2.WorkerRole, str]] = ..., healthy: _Optional[bool] = ..., info: _Optional[_Union[_worker_pb2.WorkerInfo, _Mapping]] = ..., load: _Optional[_Union[_worker_pb2.WorkerLoad, _Mapping]] = ..., last_error: _Optional[str] = ...) -> None: ...
 
 class PrefillCandidateScore(_message.Message):
-    __slots__ = ("address", "worker_id", "matched_blocks", "queued_blocks", "cost")
+    __slots__ = ("address", "worker_id", "matched_blocks", "queued_blocks", "cost", "reserved_blocks", "reserved_requests", "eligible")
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     MATCHED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     QUEUED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     COST_FIELD_NUMBER: _ClassVar[int]
+    RESERVED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    RESERVED_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    ELIGIBLE_FIELD_NUMBER: _ClassVar[int]
     address: str
     worker_id: str
     matched_blocks: int
     queued_blocks: float
     cost: float
-    def __init__(self, address: _Optional[str] = ..., worker_id: _Optional[str] = ..., matched_blocks: _Optional[int] = ..., queued_blocks: _Optional[float] = ..., cost: _Optional[float] = ...) -> None: ...
+    reserved_blocks: int
+    reserved_requests: int
+    eligible: bool
+    def __init__(self, address: _Optional[str] = ..., worker_id: _Optional[str] = ..., matched_blocks: _Optional[int] = ..., queued_blocks: _Optional[float] = ..., cost: _Optional[float] = ..., reserved_blocks: _Optional[int] = ..., reserved_requests: _Optional[int] = ..., eligible: _Optional[bool] = ...) -> None: ...
+
+class DecodeCandidateScore(_message.Message):
+    __slots__ = ("address", "worker_id", "matched_blocks", "active_requests", "kv_usage", "cost")
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    MATCHED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    ACTIVE_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    KV_USAGE_FIELD_NUMBER: _ClassVar[int]
+    COST_FIELD_NUMBER: _ClassVar[int]
+    address: str
+    worker_id: str
+    matched_blocks: int
+    active_requests: int
+    kv_usage: float
+    cost: float
+    def __init__(self, address: _Optional[str] = ..., worker_id: _Optional[str] = ..., matched_blocks: _Optional[int] = ..., active_requests: _Optional[int] = ..., kv_usage: _Optional[float] = ..., cost: _Optional[float] = ...) -> None: ...
 
 class ExplainResponse(_message.Message):
-    __slots__ = ("prompt_tokens", "prompt_blocks", "prefill", "chosen_prefill")
+    __slots__ = ("prompt_tokens", "prompt_blocks", "prefill", "chosen_prefill", "decode", "chosen_decode", "prefill_place")
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     PREFILL_FIELD_NUMBER: _ClassVar[int]
     CHOSEN_PREFILL_FIELD_NUMBER: _ClassVar[int]
+    DECODE_FIELD_NUMBER: _ClassVar[int]
+    CHOSEN_DECODE_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_PLACE_FIELD_NUMBER: _ClassVar[int]
     prompt_tokens: int
     prompt_blocks: int
     prefill: _containers.RepeatedCompositeFieldContainer[PrefillCandidateScore]
     chosen_prefill: str
-    def __init__(self, prompt_tokens: _Optional[int] = ..., prompt_blocks: _Optional[int] = ..., prefill: _Optional[_Iterable[_Union[PrefillCandidateScore, _Mapping]]] = ..., chosen_prefill: _Optional[str] = ...) -> None: ...
+    decode: _containers.RepeatedCompositeFieldContainer[DecodeCandidateScore]
+    chosen_decode: str
+    prefill_place: str
+    def __init__(self, prompt_tokens: _Optional[int] = ..., prompt_blocks: _Optional[int] = ..., prefill: _Optional[_Iterable[_Union[PrefillCandidateScore, _Mapping]]] = ..., chosen_prefill: _Optional[str] = ..., decode: _Optional[_Iterable[_Union[DecodeCandidateScore, _Mapping]]] = ..., chosen_decode: _Optional[str] = ..., prefill_place: _Optional[str] = ...) -> None: ...

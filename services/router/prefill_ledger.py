@@ -1,0 +1,350 @@
+"""Select-and-reserve: match a prompt, score the prefill pool, pick and reserve, atomically.
+
+A reservation is the chosen worker's uncached blocks, counted as its queued work by every router
+until the router that made it releases it (the prefill ended). ``RedisPrefillLedger`` does the
+whole decision in one Lua script, so two routers deciding at once see each other's reservations
+and spread a burst instead of herding onto the same worker. A reservation belongs to its router's
+heartbeat key: when a router crashes, its reservations stop counting within
+``router_ttl_s`` and are deleted by the next decision that meets them.
+
+``LocalPrefillLedger`` is the same thing in this process: for a router without Redis, and for
+routing on load alone while Redis is unreachable.
+"""
+
+from __future__ import annotations
+
+import abc
+import asyncio
+import contextlib
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import redis.asyncio as aioredis
+
+from engine.block_hash import BlockHash
+from services.common.background import BackgroundTasks
+from services.common.prefix_index import MATCH_PREFIX_LUA, PrefixIndex
+from services.router.prefill_cost import (
+    CandidateLoad,
+    CandidateScore,
+    PrefillWeights,
+    pick,
+    score_candidates,
+)
+
+logger = logging.getLogger(__name__)
+
+# A reservation whose router never released it and kept heartbeating (a bug, not a crash)
+# still ends after this long.
+RESERVATION_MAX_S = 600.0
+
+
+@dataclass(frozen=True, slots=True)
+class Reservation:
+    """Blocks reserved on one worker; ``member`` names it in the ledger."""
+
+    worker_id: str
+    member: str
+    blocks: int
+
+
+@dataclass(frozen=True, slots=True)
+class Selection:
+    """One decision: every candidate's score, the chosen one (None: no candidate, or all
+    saturated), the index's matches for every live worker (decode workers too) and the
+    reservation made (None when nothing was chosen or nothing was to be reserved)."""
+
+    scores: tuple[CandidateScore, ...]
+    chosen: int | None
+    matched: dict[str, int]
+    reservation: Reservation | None
+
+
+def reservation_member(router_id: str, req_id: str, blocks: int) -> str:
+    return f"{router_id}|{req_id}|{blocks}"
+
+
+class PrefillLedger(abc.ABC):
+    """Decides and reserves for one router; shared with other routers when in Redis."""
+
+    @abc.abstractmethod
+    async def select(
+        self,
+        req_id: str | None,
+        block_hashes: Sequence[BlockHash],
+        candidates: Sequence[CandidateLoad],
+        weights: PrefillWeights,
+        tie_value: float,
+    ) -> Selection:
+        """Match ``block_hashes``, score ``candidates`` (``prefill_cost``), pick one and, when
+        ``req_id`` is given, reserve its uncached blocks, all as one atomic step."""
+
+    @abc.abstractmethod
+    async def release(self, reservation: Reservation) -> None:
+        """The reserved work finished (or never started); idempotent."""
+
+    @abc.abstractmethod
+    async def close(self) -> None:
+        """Stop heartbeating and drop this router's reservations."""
+
+
+class LocalPrefillLedger(PrefillLedger):
+    """Reservations in this process; matches from ``index`` (None: route on load alone)."""
+
+    def __init__(self, router_id: str, index: PrefixIndex | None) -> None:
+        self._router_id = router_id
+        self._index = index
+        self._reserved: dict[str, dict[str, int]] = {}  # worker id -> member -> blocks
+
+    async def select(
+        self,
+        req_id: str | None,
+        block_hashes: Sequence[BlockHash],
+        candidates: Sequence[CandidateLoad],
+        weights: PrefillWeights,
+        tie_value: float,
+    ) -> Selection:
+        matched = await self._index.match(block_hashes) if self._index and block_hashes else {}
+        reserved = [self._reserved.get(c.worker_id, {}) for c in candidates]
+        scores = score_candidates(
+            len(block_hashes),
+            candidates,
+            matched,
+            [sum(r.values()) for r in reserved],
+            [len(r) for r in reserved],
+            weights,
+        )
+        chosen = pick(scores, weights, tie_value)
+        reservation = None
+        if chosen is not None and req_id is not None:
+            worker_id = candidates[chosen].worker_id
+            blocks = len(block_hashes) - scores[chosen].matched_blocks
+            member = reservation_member(self._router_id, req_id, blocks)
+            self._reserved.setdefault(worker_id, {})[member] = blocks
+            reservation = Reservation(worker_id, member, blocks)
+        return Selection(scores, chosen, matched, reservation)
+
+    async def release(self, reservation: Reservation) -> None:
+        self._reserved.get(reservation.worker_id, {}).pop(reservation.member, None)
+
+    async def close(self) -> None:
+        """Nothing to release: the reservations die with this process."""
+
+
+# ARGV: 1 namespace, 2 router id, 3 req id ('' = reserve nothing), 4 router ttl ms,
+# 5 reservation max ms, 6 cache weight, 7 load weight, 8 load bound, 9 saturation blocks,
+# 10 tie value, 11 n candidates, then n x (worker id, reported queued blocks), then the hashes.
+# Returns {chosen (1-based, 0: none), n x (matched, reserved blocks, reserved requests),
+# then (worker id, matched) for matched workers that are not candidates}.
+# Mirrors prefill_cost.score_candidates and pick operation for operation.
+_SELECT_SCRIPT = (
+    MATCH_PREFIX_LUA
+    + """
+local ns, router, req = ARGV[1], ARGV[2], ARGV[3]
+local cache_w, load_w = tonumber(ARGV[6]), tonumber(ARGV[7])
+local bound, saturation, tie = tonumber(ARGV[8]), tonumber(ARGV[9]), tonumber(ARGV[10])
+local n = tonumber(ARGV[11])
+local first_hash = 12 + 2 * n
+local prompt_blocks = #ARGV - first_hash + 1
+local t = redis.call('TIME')
+local now_ms = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+redis.call('SET', ns .. 'router:' .. router, '1', 'PX', ARGV[4])
+local matched = {}
+if prompt_blocks > 0 then matched = match_prefix(ns, first_hash) end
+local alive, ids, m, rblocks, rreqs, total = {}, {}, {}, {}, {}, 0
+for i = 1, n do
+  ids[i] = ARGV[10 + 2 * i]
+  m[i] = matched[ids[i]] or 0
+  local key = ns .. 'resv:' .. ids[i]
+  redis.call('ZREMRANGEBYSCORE', key, '-inf', now_ms)
+  local blocks, reqs = 0, 0
+  for _, member in ipairs(redis.call('ZRANGE', key, 0, -1)) do
+    local owner, count = string.match(member, '^([^|]*)|.*|(%d+)$')
+    if alive[owner] == nil then
+      alive[owner] = redis.call('EXISTS', ns .. 'router:' .. owner) == 1
+    end
+    if alive[owner] then
+      blocks = blocks + tonumber(count)
+      reqs = reqs + 1
+    else
+      redis.call('ZREM', key, member)
+    end
+  end
+  rblocks[i], rreqs[i], total = blocks, reqs, total + reqs
+end
+local capacity = math.huge
+if bound > 0 and n > 0 then capacity = math.ceil(bound * (total + 1) / n) end
+local cost, eligible = {}, {}
+local saturated = n > 0 and saturation > 0
+for i = 1, n do
+  local queued = math.max(tonumber(ARGV[11 + 2 * i]), rblocks[i])
+  cost[i] = cache_w * (prompt_blocks - m[i]) + load_w * queued
+  eligible[i] = rreqs[i] + 1 <= capacity
+  if queued < saturation then saturated = false end
+end
+local chosen = 0
+if n > 0 and not saturated then
+  local best = nil
+  for i = 1, n do
+    if eligible[i] and (best == nil or cost[i] < best) then best = cost[i] end
+  end
+  local tied = {}
+  for i = 1, n do
+    if eligible[i] and cost[i] == best then table.insert(tied, i) end
+  end
+  local k = math.min(math.floor(tie * #tied), #tied - 1) + 1
+  chosen = tied[k]
+  if req ~= '' then
+    local member = router .. '|' .. req .. '|' .. (prompt_blocks - m[chosen])
+    redis.call('ZADD', ns .. 'resv:' .. ids[chosen], now_ms + tonumber(ARGV[5]), member)
+  end
+end
+local out = {chosen}
+local is_candidate = {}
+for i = 1, n do
+  table.insert(out, m[i])
+  table.insert(out, rblocks[i])
+  table.insert(out, rreqs[i])
+  is_candidate[ids[i]] = true
+end
+for worker, count in pairs(matched) do
+  if not is_candidate[worker] then
+    table.insert(out, worker)
+    table.insert(out, count)
+  end
+end
+return out
+"""
+)
+
+# ARGV: 1 namespace, 2 member prefix (router|req|), 3.. worker ids. Drops the matching members.
+_ABANDON_SCRIPT = """
+for i = 3, #ARGV do
+  local key = ARGV[1] .. 'resv:' .. ARGV[i]
+  for _, member in ipairs(redis.call('ZRANGE', key, 0, -1)) do
+    if string.sub(member, 1, #ARGV[2]) == ARGV[2] then redis.call('ZREM', key, member) end
+  end
+end
+return 0
+"""
+
+
+class RedisPrefillLedger(PrefillLedger):
+    """The ledger in Redis, shared by every router of a cluster (``namespace``).
+
+    Keys: ``{ns}resv:{worker_id}`` = sorted set of reservations (member ``router|req|blocks``,
+    score = hard expiry in ms); ``{ns}router:{router_id}`` = the router's heartbeat. The prefix
+    index (``{ns}blk:*``, ``{ns}alive:*``) is read in the same script.
+    """
+
+    def __init__(
+        self,
+        client: aioredis.Redis,
+        router_id: str,
+        router_ttl_s: float,
+        namespace: str = "splitserve:",
+    ) -> None:
+        if "|" in router_id:
+            raise ValueError(f"router id must not contain '|': {router_id!r}")
+        self._redis = client
+        self._router_id = router_id
+        self._router_ttl_ms = max(int(router_ttl_s * 1e3), 1)
+        self._ns = namespace
+        self._select = client.register_script(_SELECT_SCRIPT)
+        self._abandon = client.register_script(_ABANDON_SCRIPT)
+        self._background = BackgroundTasks()
+        self._heartbeat: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        """Heartbeat the router's key every third of its TTL (on the running loop)."""
+        self._heartbeat = asyncio.get_running_loop().create_task(self._heartbeat_forever())
+
+    async def select(
+        self,
+        req_id: str | None,
+        block_hashes: Sequence[BlockHash],
+        candidates: Sequence[CandidateLoad],
+        weights: PrefillWeights,
+        tie_value: float,
+    ) -> Selection:
+        args: list[str | float | int] = [
+            self._ns,
+            self._router_id,
+            req_id or "",
+            self._router_ttl_ms,
+            int(RESERVATION_MAX_S * 1e3),
+            weights.cache_weight,
+            weights.load_weight,
+            weights.load_bound,
+            weights.saturation_blocks,
+            tie_value,
+            len(candidates),
+        ]
+        for candidate in candidates:
+            args += [candidate.worker_id, candidate.reported_queued_blocks]
+        args += [h.hex() for h in block_hashes]
+        try:
+            reply = await self._select(args=args)
+        except asyncio.CancelledError:
+            # The script may have run: drop whatever it reserved for this request.
+            if req_id is not None:
+                self._background.spawn(self._abandon_reservation(req_id, candidates))
+            raise
+        return self._selection(req_id, block_hashes, candidates, weights, reply)
+
+    async def release(self, reservation: Reservation) -> None:
+        await self._redis.zrem(f"{self._ns}resv:{reservation.worker_id}", reservation.member)
+
+    async def close(self) -> None:
+        if self._heartbeat is not None:
+            self._heartbeat.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._heartbeat
+        with contextlib.suppress(Exception):
+            await self._redis.delete(f"{self._ns}router:{self._router_id}")
+        await self._redis.aclose()
+
+    def _selection(
+        self,
+        req_id: str | None,
+        block_hashes: Sequence[BlockHash],
+        candidates: Sequence[CandidateLoad],
+        weights: PrefillWeights,
+        reply: list,
+    ) -> Selection:
+        n = len(candidates)
+        matched = {c.worker_id: int(reply[1 + 3 * i]) for i, c in enumerate(candidates)}
+        rest = reply[1 + 3 * n :]
+        matched.update({rest[i].decode(): int(rest[i + 1]) for i in range(0, len(rest), 2)})
+        scores = score_candidates(
+            len(block_hashes),
+            candidates,
+            matched,
+            [int(reply[2 + 3 * i]) for i in range(n)],
+            [int(reply[3 + 3 * i]) for i in range(n)],
+            weights,
+        )
+        chosen = int(reply[0]) - 1 if int(reply[0]) > 0 else None
+        reservation = None
+        if chosen is not None and req_id is not None:
+            blocks = len(block_hashes) - scores[chosen].matched_blocks
+            member = reservation_member(self._router_id, req_id, blocks)
+            reservation = Reservation(candidates[chosen].worker_id, member, blocks)
+        return Selection(scores, chosen, {w: c for w, c in matched.items() if c}, reservation)
+
+    async def _abandon_reservation(self, req_id: str, candidates: Sequence[CandidateLoad]) -> None:
+        prefix = reservation_member(self._router_id, req_id, 0)[:-1]
+        try:
+            await self._abandon(args=[self._ns, prefix, *(c.worker_id for c in candidates)])
+        except Exception as exc:  # it still ends with the router's heartbeat or its max age
+            logger.warning("req_id=%s could not drop its reservation: %r", req_id, exc)
+
+    async def _heartbeat_forever(self) -> None:
+        key = f"{self._ns}router:{self._router_id}"
+        while True:
+            try:
+                await self._redis.set(key, b"1", px=self._router_ttl_ms)
+            except Exception as exc:  # selections report Redis trouble; keep trying
+                logger.debug("router heartbeat failed: %r", exc)
+            await asyncio.sleep(self._router_ttl_ms / 3e3)

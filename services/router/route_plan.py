@@ -1,0 +1,102 @@
+"""Where a request runs: its prefill worker (or none) and its decode worker.
+
+Conditional disaggregation: the decode worker prefills the prompt itself, skipping the prefill
+pool and the KV transfer, when
+
+- the part of the prompt it does not cache is at most ``local_prefill_max_tokens`` (moving a
+  short prefill costs more than computing it in the decode batch; the default comes from the
+  crossover measured in BENCHMARKS.md), or
+- every prefill worker is saturated (``prefill_cost``), or no prefill worker is healthy.
+
+One ledger call gives both the prefill decision and the prefix matches the decode choice uses.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from engine.block_hash import hash_block_tokens
+from services.router import metrics
+from services.router.decode_choice import DecodeCandidate, DecodeChooser
+from services.router.prefill_choice import PrefillChoice, PrefillChooser
+from services.router.worker_pool import WorkerHandle
+
+
+class PrefillPlace(enum.Enum):
+    """Where a prompt is prefilled, and why there."""
+
+    PREFILL_WORKER = "prefill_worker"
+    SHORT_UNCACHED = "short_uncached"  # the decode worker computes the short uncached part
+    SATURATED = "saturated"  # every prefill worker has too much queued
+    NO_PREFILL_WORKER = "no_prefill_worker"  # none healthy (or colocated mode)
+
+
+@dataclass(frozen=True, slots=True)
+class RoutePlan:
+    """The decision for one request; ``prefill.reservation`` is held only when the place is
+    ``PREFILL_WORKER`` (release it with ``PrefillChooser.done``)."""
+
+    prefill: PrefillChoice
+    place: PrefillPlace
+    decode_candidates: tuple[DecodeCandidate, ...]
+    decode: DecodeCandidate | None
+
+    @property
+    def prefill_worker(self) -> WorkerHandle | None:
+        return self.prefill.worker if self.place is PrefillPlace.PREFILL_WORKER else None
+
+
+class RoutePlanner:
+    """Combines the prefill and decode choices for each request."""
+
+    def __init__(
+        self,
+        prefill_chooser: PrefillChooser,
+        decode_chooser: DecodeChooser,
+        *,
+        local_prefill_max_tokens: int,
+    ) -> None:
+        self.prefill_chooser = prefill_chooser
+        self.decode_chooser = decode_chooser
+        self._local_prefill_max_tokens = local_prefill_max_tokens
+
+    def block_size(self) -> int:
+        """The cluster's KV block size, as the first worker that answered reports it."""
+        pools = (self.decode_chooser.pool, self.prefill_chooser.pool)
+        for worker in (w for pool in pools for w in pool.workers):
+            if worker.info is not None:
+                return worker.info.block_size
+        return 0
+
+    async def plan(self, req_id: str | None, prompt_token_ids: Sequence[int]) -> RoutePlan:
+        """Decide for a prompt. With a ``req_id`` the prefill worker is reserved (when one is
+        used); without, nothing is (``Router.Explain``)."""
+        block_size = self.block_size()
+        block_hashes = hash_block_tokens(prompt_token_ids, block_size) if block_size else []
+        short = len(prompt_token_ids) <= self._local_prefill_max_tokens
+        has_prefill_pool = bool(self.prefill_chooser.pool.workers)
+        choice = await self.prefill_chooser.choose(
+            req_id, block_hashes, with_candidates=has_prefill_pool and not short
+        )
+        decode_candidates = tuple(self.decode_chooser.score(len(block_hashes), choice.matched))
+        decode = self.decode_chooser.pick(decode_candidates)
+        if choice.worker is not None:
+            uncached_tokens = len(prompt_token_ids) - (
+                decode.matched_blocks * block_size if decode is not None else 0
+            )
+            if uncached_tokens > self._local_prefill_max_tokens:
+                place = PrefillPlace.PREFILL_WORKER
+            else:
+                self.prefill_chooser.cancel(choice)
+                place = PrefillPlace.SHORT_UNCACHED
+        elif short and has_prefill_pool:
+            place = PrefillPlace.SHORT_UNCACHED
+        elif choice.saturated:
+            place = PrefillPlace.SATURATED
+        else:
+            place = PrefillPlace.NO_PREFILL_WORKER
+        if req_id is not None and has_prefill_pool and place is not PrefillPlace.PREFILL_WORKER:
+            metrics.LOCAL_PREFILLS.labels(place.value).inc()
+        return RoutePlan(choice, place, decode_candidates, decode)

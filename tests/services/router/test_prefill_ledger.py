@@ -1,0 +1,269 @@
+"""Select-and-reserve in process and in a real Redis: the Lua script against the Python
+reference, bounded load on a hot prefix, several router processes sharing one Redis, and a
+crashed router's reservations."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import math
+import multiprocessing
+import os
+import random
+import signal
+import time
+
+import pytest
+
+from engine.block_hash import BlockHash, hash_block_tokens
+from services.common.prefix_index import (
+    InProcessPrefixIndex,
+    PrefixIndex,
+    RedisPrefixIndex,
+    redis_client,
+)
+from services.router.prefill_cost import CandidateLoad, PrefillWeights
+from services.router.prefill_ledger import (
+    LocalPrefillLedger,
+    PrefillLedger,
+    RedisPrefillLedger,
+    Selection,
+)
+
+_namespaces = itertools.count()
+WORKERS = ("w0", "w1", "w2", "w3")
+
+
+def chain(seed: int, num_blocks: int) -> list[BlockHash]:
+    rng = random.Random(seed)
+    return hash_block_tokens([rng.randrange(1000) for _ in range(num_blocks * 4)], 4)
+
+
+def idle(workers: tuple[str, ...] = WORKERS) -> list[CandidateLoad]:
+    return [CandidateLoad(w, 0.0) for w in workers]
+
+
+async def make_pair(
+    url: str, router_id: str = "r1", namespace: str | None = None
+) -> tuple[PrefixIndex, PrefillLedger]:
+    ns = namespace or f"ledger{next(_namespaces)}:"
+    index = RedisPrefixIndex.from_url(url, ns)
+    return index, RedisPrefillLedger(redis_client(url), router_id, router_ttl_s=30, namespace=ns)
+
+
+@pytest.fixture(params=["inproc", "redis"])
+def ledger_kind(request) -> str:
+    return request.param
+
+
+async def index_and_ledger(kind: str, url: str) -> tuple[PrefixIndex, PrefillLedger]:
+    if kind == "inproc":
+        index = InProcessPrefixIndex()
+        return index, LocalPrefillLedger("r1", index)
+    return await make_pair(url)
+
+
+def test_redis_script_decides_exactly_as_the_python_reference(redis_server):
+    """Random caches, loads, weights and reservations: every decision, score and reservation of
+    the Lua script equals the in-process ledger's."""
+
+    async def main() -> None:
+        rng = random.Random(7)
+        for trial in range(12):
+            local_index = InProcessPrefixIndex()
+            local = LocalPrefillLedger("r1", local_index)
+            redis_index, remote = await make_pair(redis_server.url)
+            prompts = [
+                chain(seed=trial * 10 + i, num_blocks=rng.randrange(1, 12)) for i in range(3)
+            ]
+            for worker in (*WORKERS, "decode-0"):
+                for index in (local_index, redis_index):
+                    await index.heartbeat(worker, ttl_s=60)
+                prompt = rng.choice(prompts)
+                cached = prompt[: rng.randrange(0, len(prompt) + 1)]
+                for index in (local_index, redis_index):
+                    await index.store(worker, cached)
+            weights = PrefillWeights(
+                cache_weight=rng.choice([1.0, 0.5, 2.0]),
+                load_weight=rng.choice([1.0, 0.25, 3.0]),
+                load_bound=rng.choice([0.0, 1.0, 1.25, 2.0]),
+                saturation_blocks=rng.choice([0.0, 6.0, 1e9]),
+            )
+            for step in range(20):
+                prompt = rng.choice(prompts)
+                loads = [CandidateLoad(w, rng.choice([0.0, 1.5, 4.0])) for w in WORKERS]
+                tie = rng.random()
+                req_id = f"req-{step}" if rng.random() < 0.8 else None
+                ours = await local.select(req_id, prompt, loads, weights, tie)
+                theirs = await remote.select(req_id, prompt, loads, weights, tie)
+                assert theirs == ours, (trial, step)
+                if ours.reservation is not None and rng.random() < 0.3:
+                    await local.release(ours.reservation)
+                    await remote.release(ours.reservation)
+            await redis_index.close()
+            await remote.close()
+
+    asyncio.run(main())
+
+
+def test_a_hot_prefix_spills_within_the_load_bound(ledger_kind, redis_server):
+    """32 requests of one prefix cached on w0 only, all in flight at once: w0 takes its bounded
+    share, the rest spreads, and no worker exceeds ceil(bound * requests / workers)."""
+
+    async def main() -> None:
+        index, ledger = await index_and_ledger(ledger_kind, redis_server.url)
+        prompt = chain(seed=1, num_blocks=16)
+        for worker in WORKERS:
+            await index.heartbeat(worker, ttl_s=60)
+        await index.store("w0", prompt)
+        weights = PrefillWeights(load_bound=1.25)
+        chosen = []
+        for i in range(32):
+            selection = await ledger.select(f"req-{i}", prompt, idle(), weights, 0.5)
+            assert selection.reservation is not None
+            chosen.append(selection.reservation.worker_id)
+        counts = {w: chosen.count(w) for w in WORKERS}
+        assert chosen[0] == "w0"
+        assert max(counts.values()) <= math.ceil(1.25 * 32 / 4), counts
+        assert counts["w0"] == max(counts.values()), counts
+        await index.close()
+        await ledger.close()
+
+    asyncio.run(main())
+
+
+def test_released_reservations_stop_counting_and_explain_reserves_nothing(
+    ledger_kind, redis_server
+):
+    async def main() -> None:
+        _, ledger = await index_and_ledger(ledger_kind, redis_server.url)
+        prompt = chain(seed=2, num_blocks=5)
+        weights = PrefillWeights()
+        first = await ledger.select("a", prompt, idle(("w0",)), weights, 0.0)
+        assert first.reservation is not None and first.reservation.blocks == 5
+        peek = await ledger.select(None, prompt, idle(("w0",)), weights, 0.0)
+        assert peek.reservation is None
+        assert (peek.scores[0].reserved_blocks, peek.scores[0].reserved_requests) == (5, 1)
+        await ledger.release(first.reservation)
+        await ledger.release(first.reservation)  # idempotent
+        after = await ledger.select(None, prompt, idle(("w0",)), weights, 0.0)
+        assert (after.scores[0].reserved_blocks, after.scores[0].reserved_requests) == (0, 0)
+        await ledger.close()
+
+    asyncio.run(main())
+
+
+def test_every_worker_saturated_chooses_none(ledger_kind, redis_server):
+    async def main() -> None:
+        _, ledger = await index_and_ledger(ledger_kind, redis_server.url)
+        prompt = chain(seed=3, num_blocks=4)
+        weights = PrefillWeights(saturation_blocks=10)
+        busy = [CandidateLoad("w0", 10.0), CandidateLoad("w1", 12.0)]
+        selection = await ledger.select("a", prompt, busy, weights, 0.0)
+        assert selection.chosen is None and selection.reservation is None
+        one_free = [CandidateLoad("w0", 10.0), CandidateLoad("w1", 9.0)]
+        assert (await ledger.select("a", prompt, one_free, weights, 0.0)).chosen == 1
+        await ledger.close()
+
+    asyncio.run(main())
+
+
+def _router_process(url: str, namespace: str, router_id: str, num_requests: int, start_s: float):
+    """One router: a burst of concurrent selections of one hot prefix, reservations held."""
+
+    async def main() -> None:
+        _, ledger = await make_pair(url, router_id, namespace)
+        prompt = chain(seed=4, num_blocks=16)
+        weights = PrefillWeights(load_bound=1.25)
+        time.sleep(max(start_s - time.time(), 0))
+        await asyncio.gather(
+            *(
+                ledger.select(f"req-{i}", prompt, idle(), weights, random.random())
+                for i in range(num_requests)
+            )
+        )
+
+    asyncio.run(main())
+
+
+def test_two_router_processes_spread_a_burst_within_the_bound(redis_server):
+    """Two router processes decide a burst of one hot prefix at the same time against one
+    Redis: together they respect the bound, as one router would."""
+    namespace = f"ledger{next(_namespaces)}:"
+
+    async def setup() -> None:
+        index = RedisPrefixIndex.from_url(redis_server.url, namespace)
+        for worker in WORKERS:
+            await index.heartbeat(worker, ttl_s=60)
+        await index.store("w0", chain(seed=4, num_blocks=16))
+        await index.close()
+
+    asyncio.run(setup())
+    start_s = time.time() + 1.0
+    ctx = multiprocessing.get_context("spawn")
+    routers = [
+        ctx.Process(target=_router_process, args=(redis_server.url, namespace, rid, 24, start_s))
+        for rid in ("ra", "rb")
+    ]
+    for process in routers:
+        process.start()
+    for process in routers:
+        process.join(60)
+        assert process.exitcode == 0
+
+    async def counts() -> dict[str, dict[str, int]]:
+        client = redis_client(redis_server.url)
+        members = {w: await client.zrange(f"{namespace}resv:{w}", 0, -1) for w in WORKERS}
+        await client.aclose()
+        return {
+            w: {r: sum(m.decode().startswith(f"{r}|") for m in ms) for r in ("ra", "rb")}
+            for w, ms in members.items()
+        }
+
+    per_worker = asyncio.run(counts())
+    totals = {w: sum(c.values()) for w, c in per_worker.items()}
+    assert sum(totals.values()) == 48
+    assert max(totals.values()) <= math.ceil(1.25 * 48 / 4), per_worker
+    assert totals["w0"] == max(totals.values()), per_worker
+
+
+def test_a_crashed_routers_reservations_stop_counting_after_its_ttl(redis_server):
+    namespace = f"ledger{next(_namespaces)}:"
+    ctx = multiprocessing.get_context("spawn")
+    parent, child = ctx.Pipe()
+    process = ctx.Process(
+        target=_crashing_router_with_ttl, args=(redis_server.url, namespace, child)
+    )
+    process.start()
+    assert parent.poll(60) and parent.recv() == "reserved"
+
+    async def reserved() -> int:
+        _, ledger = await make_pair(redis_server.url, "survivor", namespace)
+        selection: Selection = await ledger.select(None, [], idle(), PrefillWeights(), 0)
+        await ledger.close()
+        return sum(s.reserved_requests for s in selection.scores)
+
+    assert asyncio.run(reserved()) == 3
+    os.kill(process.pid, signal.SIGKILL)
+    process.join()
+    deadline_s = time.monotonic() + 10
+    while asyncio.run(reserved()) and time.monotonic() < deadline_s:
+        time.sleep(0.2)
+    assert asyncio.run(reserved()) == 0
+
+
+def _crashing_router_with_ttl(url: str, namespace: str, conn) -> None:
+    """Reserves three prefills with a 1 s router TTL, says so, then hangs until killed."""
+
+    async def main() -> None:
+        ns = namespace
+        ledger = RedisPrefillLedger(redis_client(url), "doomed", router_ttl_s=1.0, namespace=ns)
+        ledger.start()
+        for i in range(3):
+            await ledger.select(
+                f"req-{i}", chain(seed=5, num_blocks=4), idle(), PrefillWeights(), 0
+            )
+        conn.send("reserved")
+        await asyncio.sleep(3600)
+
+    asyncio.run(main())
