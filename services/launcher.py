@@ -207,8 +207,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--redis-url",
         default=None,
-        help="Redis of the prefix index, passed to the router and every worker "
-        "(redis://[:password@]host:port/db; unset: the router's in-process index)",
+        help="Redis of the prefix index and reservations, passed to the router and every worker "
+        "(redis://host:port/db, rediss:// for TLS; the other --redis-* options reach every "
+        "process through their SPLITSERVE_REDIS_* env vars; unset: the router's in-process index)",
     )
     parser.set_defaults(func=run)
 

@@ -21,6 +21,7 @@ import redis.asyncio as aioredis
 
 from engine.block_hash import BlockHash
 from engine.block_pool import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
+from services.common.redis_config import RedisConfig
 
 
 class PrefixIndex(abc.ABC):
@@ -158,12 +159,6 @@ return out
 )
 
 
-def redis_client(url: str) -> aioredis.Redis:
-    """A client for ``url`` (``redis://``, ``rediss://`` for TLS; a password in the URL). A
-    silent Redis fails a call within a second instead of hanging its caller."""
-    return aioredis.Redis.from_url(url, socket_timeout=1.0, socket_connect_timeout=1.0)
-
-
 class RedisPrefixIndex(PrefixIndex):
     """The index in Redis, shared by every router and worker of one cluster (``namespace``).
 
@@ -178,9 +173,8 @@ class RedisPrefixIndex(PrefixIndex):
         self._match = client.register_script(_MATCH_SCRIPT)
 
     @classmethod
-    def from_url(cls, url: str, namespace: str = "splitserve:") -> RedisPrefixIndex:
-        """Connect to ``url`` (see ``redis_client``)."""
-        return cls(redis_client(url), namespace)
+    def from_config(cls, config: RedisConfig) -> RedisPrefixIndex:
+        return cls(config.client(), config.redis_namespace)
 
     async def store(self, worker_id: str, block_hashes: Sequence[BlockHash]) -> None:
         if not block_hashes:

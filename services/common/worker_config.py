@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import argparse
 import socket
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from engine.config import EngineConfig
 from engine.flags import add_flags, flag, from_args
 from kvtransfer.registry import default_backend, is_available
 from services.common.logs import add_log_level_flag, configure_logging
+from services.common.redis_config import RedisConfig
 
 KV_TRANSFER_BACKENDS = ("nixl", "ucx", "tcp")
 
@@ -19,6 +20,7 @@ class WorkerConfig:
     """A worker process: its engine plus how it serves gRPC and KV transfers."""
 
     engine: EngineConfig
+    redis: RedisConfig = field(default_factory=RedisConfig)  # unset URL: no index published
     host: str = flag("127.0.0.1", "address the gRPC server binds (0.0.0.0 in a pod)")
     port: int = flag(50061, "gRPC port (0: any free port)")
     worker_id: str = flag("", "unique worker id (default: <role>-<hostname>-<port>)")
@@ -33,11 +35,6 @@ class WorkerConfig:
     )
     kv_io_timeout_s: float = flag(
         10.0, "seconds a KV read may wait on a silent peer before it fails (and is recomputed)"
-    )
-    redis_url: str | None = flag(
-        None,
-        "Redis holding the prefix index (redis://[:password@]host:port/db, rediss:// for TLS);"
-        " unset: this worker publishes no index",
     )
     heartbeat_ttl_s: float = flag(
         3.0, "seconds the prefix index keeps this worker routable without a heartbeat"
@@ -69,9 +66,10 @@ def parse_worker_args(role: str, argv: list[str] | None) -> WorkerConfig:
     )
     add_flags(parser, EngineConfig)
     add_flags(parser, WorkerConfig)
+    add_flags(parser, RedisConfig)
     add_log_level_flag(parser)
     args = parser.parse_args(argv)
     configure_logging(args.log_level)
     # Workers hand text and stop strings to the router.
     engine = from_args(EngineConfig, args, detokenize=False)
-    return from_args(WorkerConfig, args, engine=engine)
+    return from_args(WorkerConfig, args, engine=engine, redis=from_args(RedisConfig, args))

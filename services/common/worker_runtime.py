@@ -125,11 +125,11 @@ def make_kv_event_publisher(
 ) -> KVEventPublisher | None:
     """With ``--redis-url``: a publisher of the worker's prefix-cache events, fed by its engine
     loop (call ``start()`` once the loop runs). None without a Redis."""
-    if not config.redis_url:
+    if not config.redis.enabled:
         return None
     block_pool = runtime.engine.kv_cache_manager.block_pool
     publisher = KVEventPublisher(
-        RedisPrefixIndex.from_url(config.redis_url),
+        RedisPrefixIndex.from_config(config.redis),
         runtime.worker_id,
         snapshot=lambda: runtime.loop.call(lambda _engine: block_pool.block_hashes()),
         ttl_s=config.heartbeat_ttl_s,

@@ -6,10 +6,11 @@ import argparse
 import os
 import secrets
 import socket
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from engine.flags import add_flags, flag, from_args
 from services.common.logs import add_log_level_flag
+from services.common.redis_config import RedisConfig
 
 MODES = ("disaggregated", "colocated")
 # Crossover below which prefilling on the decode worker beats a prefill worker plus the KV
@@ -40,11 +41,6 @@ class RouterConfig:
     health_check_interval_s: float = flag(0.5, "seconds between worker load/health polls")
     max_decode_retries: int = flag(
         2, "times a request moves to another decode worker when its worker fails"
-    )
-    redis_url: str | None = flag(
-        None,
-        "Redis of the prefix index the workers publish to (redis://[:password@]host:port/db, "
-        "rediss:// for TLS); unset: an in-process index of this router's own choices",
     )
     prefill_cache_weight: float = flag(
         1.0, "prefill cost per prompt block the worker does not cache"
@@ -78,6 +74,9 @@ class RouterConfig:
     )
     metrics_port: int = flag(0, "port of the Prometheus /metrics endpoint (0: off)")
     seed: int = flag(0, "seed of the router's tie-breaking")
+    # The prefix index the workers publish to and the routers' reservations; without a URL, an
+    # in-process index of this router's own choices.
+    redis: RedisConfig = field(default_factory=RedisConfig)
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -123,6 +122,7 @@ def parse_router_args(argv: list[str] | None) -> tuple[RouterConfig, str]:
         prog="python -m services.router", description="splitserve router"
     )
     add_flags(parser, RouterConfig)
+    add_flags(parser, RedisConfig)
     add_log_level_flag(parser)
     args = parser.parse_args(argv)
-    return from_args(RouterConfig, args), args.log_level
+    return from_args(RouterConfig, args, redis=from_args(RedisConfig, args)), args.log_level

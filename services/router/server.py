@@ -31,7 +31,7 @@ from services.common.convert import FINISH_REASON_NAMES, sampling_params_to_work
 from services.common.grpc_server import serve_until_signal, start_server
 from services.common.logs import configure_logging
 from services.common.metrics import start_metrics_server
-from services.common.prefix_index import InProcessPrefixIndex, redis_client
+from services.common.prefix_index import InProcessPrefixIndex
 from services.router import metrics
 from services.router.config import RouterConfig, parse_router_args
 from services.router.decode_choice import DecodeChooser
@@ -368,9 +368,12 @@ def _build_planner(
     router_id = config.resolved_router_id()
     local_index: InProcessPrefixIndex | None = None
     ledger: PrefillLedger
-    if config.redis_url:
+    if config.redis.enabled:
         ledger = RedisPrefillLedger(
-            redis_client(config.redis_url), router_id, config.router_heartbeat_ttl_s
+            config.redis.client(),
+            router_id,
+            config.router_heartbeat_ttl_s,
+            config.redis.redis_namespace,
         )
     else:
         local_index = InProcessPrefixIndex()

@@ -11,6 +11,7 @@ import pytest
 
 from engine.block_hash import hash_block_tokens
 from services.common.prefix_index import RedisPrefixIndex
+from services.common.redis_config import RedisConfig
 from tests.services.conftest import greedy
 
 BLOCK_SIZE = 16
@@ -25,7 +26,7 @@ def cluster(start_cluster, redis_server):
 
 def match(url: str, block_hashes: list[bytes]) -> dict[str, int]:
     async def run() -> dict[str, int]:
-        index = RedisPrefixIndex.from_url(url)
+        index = RedisPrefixIndex.from_config(RedisConfig(url))
         try:
             return await index.match(block_hashes)
         finally:

@@ -12,6 +12,7 @@ import pytest
 from engine.block_hash import hash_block_tokens
 from engine.block_pool import AllBlocksCleared, BlockRemoved, BlockStored
 from services.common.prefix_index import InProcessPrefixIndex, PrefixIndex, RedisPrefixIndex
+from services.common.redis_config import RedisConfig
 
 _namespaces = itertools.count()
 
@@ -31,7 +32,9 @@ def run_with_index(request, redis_server):
             if request.param == "inproc":
                 index: PrefixIndex = InProcessPrefixIndex()
             else:
-                index = RedisPrefixIndex.from_url(redis_server.url, f"test{next(_namespaces)}:")
+                index = RedisPrefixIndex.from_config(
+                    RedisConfig(redis_server.url, redis_namespace=f"test{next(_namespaces)}:")
+                )
             try:
                 await scenario(index)
             finally:

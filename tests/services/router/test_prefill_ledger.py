@@ -20,8 +20,8 @@ from services.common.prefix_index import (
     InProcessPrefixIndex,
     PrefixIndex,
     RedisPrefixIndex,
-    redis_client,
 )
+from services.common.redis_config import RedisConfig
 from services.router.prefill_cost import CandidateLoad, PrefillWeights
 from services.router.prefill_ledger import (
     LocalPrefillLedger,
@@ -47,8 +47,10 @@ async def make_pair(
     url: str, router_id: str = "r1", namespace: str | None = None
 ) -> tuple[PrefixIndex, PrefillLedger]:
     ns = namespace or f"ledger{next(_namespaces)}:"
-    index = RedisPrefixIndex.from_url(url, ns)
-    return index, RedisPrefillLedger(redis_client(url), router_id, router_ttl_s=30, namespace=ns)
+    index = RedisPrefixIndex.from_config(RedisConfig(url, redis_namespace=ns))
+    return index, RedisPrefillLedger(
+        RedisConfig(url).client(), router_id, router_ttl_s=30, namespace=ns
+    )
 
 
 @pytest.fixture(params=["inproc", "redis"])
@@ -192,7 +194,9 @@ def test_two_router_processes_spread_a_burst_within_the_bound(redis_server):
     namespace = f"ledger{next(_namespaces)}:"
 
     async def setup() -> None:
-        index = RedisPrefixIndex.from_url(redis_server.url, namespace)
+        index = RedisPrefixIndex.from_config(
+            RedisConfig(redis_server.url, redis_namespace=namespace)
+        )
         for worker in WORKERS:
             await index.heartbeat(worker, ttl_s=60)
         await index.store("w0", chain(seed=4, num_blocks=16))
@@ -212,7 +216,7 @@ def test_two_router_processes_spread_a_burst_within_the_bound(redis_server):
         assert process.exitcode == 0
 
     async def counts() -> dict[str, dict[str, int]]:
-        client = redis_client(redis_server.url)
+        client = RedisConfig(redis_server.url).client()
         members = {w: await client.zrange(f"{namespace}resv:{w}", 0, -1) for w in WORKERS}
         await client.aclose()
         return {
@@ -257,7 +261,9 @@ def _crashing_router_with_ttl(url: str, namespace: str, conn) -> None:
 
     async def main() -> None:
         ns = namespace
-        ledger = RedisPrefillLedger(redis_client(url), "doomed", router_ttl_s=1.0, namespace=ns)
+        ledger = RedisPrefillLedger(
+            RedisConfig(url).client(), "doomed", router_ttl_s=1.0, namespace=ns
+        )
         ledger.start()
         for i in range(3):
             await ledger.select(
