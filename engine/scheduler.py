@@ -143,13 +143,19 @@ class Scheduler:
 
     @property
     def num_queued_prefill_tokens(self) -> int:
-        """Prompt tokens admitted or waiting but not computed yet (excludes remote KV)."""
-        pending = [*self.waiting, *self.running]
-        return sum(
-            r.num_tokens - r.num_computed_tokens - r.num_external_tokens
-            for r in pending
-            if r.num_tokens - r.num_computed_tokens > 1
-        )
+        """Prompt tokens admitted or waiting but not computed yet: without remote KV, and for
+        requests not admitted yet, without the prefix-cache hits they would get now."""
+        total = 0
+        for request in (*self.waiting, *self.running):
+            remaining = request.num_tokens - request.num_computed_tokens
+            if remaining <= 1:
+                continue
+            skipped = request.num_external_tokens
+            if request.num_computed_tokens == 0:
+                hits = self.kv_cache_manager.get_computed_blocks(request)
+                skipped = max(skipped, len(hits) * self.block_size)
+            total += max(remaining - skipped, 0)
+        return total
 
     # ----------------------------------------------------------------------------- schedule
     def schedule(self) -> SchedulerOutput:

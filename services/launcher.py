@@ -17,7 +17,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 import grpc
@@ -76,6 +76,8 @@ class LocalCluster:
     port: int = 0
     extra_worker_flags: Sequence[str] = ()
     extra_router_flags: Sequence[str] = ()
+    # Flags for the workers of one role only ("prefill" / "decode"), after the shared ones.
+    extra_role_flags: Mapping[str, Sequence[str]] = field(default_factory=dict)
     log_level: str = "WARNING"
     processes: list[ServiceProcess] = field(default_factory=list)
 
@@ -101,9 +103,9 @@ class LocalCluster:
                     python, "-m", f"services.{role}", "--host", self.host, "--port", str(port),
                     "--metrics-port", str(metrics_port),
                 ]  # fmt: skip
-                self.processes.append(
-                    ServiceProcess(role, f"{self.host}:{port}", metrics_port, argv + worker_argv)
-                )
+                argv += [*worker_argv, *self.extra_role_flags.get(role, ())]
+                address = f"{self.host}:{port}"
+                self.processes.append(ServiceProcess(role, address, metrics_port, argv))
         for process in self.processes:
             process.start(env)
         deadline_s = time.monotonic() + timeout_s

@@ -115,21 +115,28 @@ class InProcessPrefixIndex(PrefixIndex):
         """Nothing to release."""
 
 
-# A Lua function shared by the scripts that match prompts (``match`` here, the router's
-# select-and-reserve): ``match_prefix(ns, first)`` walks the hashes ARGV[first..] in prompt order
-# and returns {worker_id = leading blocks held} for live workers holding at least the first.
+# Lua functions shared by the scripts that match prompts (``match`` here, the router's
+# select-and-reserve). ``split_hashes`` cuts concatenated block hashes (sha256: 32 bytes each)
+# apart; ``match_prefix(ns, hashes)`` walks them in prompt order and returns
+# {worker_id = leading blocks held} for live workers holding at least the first.
 MATCH_PREFIX_LUA = """
-local function match_prefix(ns, first)
+local function split_hashes(blob)
+  local hashes = {}
+  for i = 1, #blob, 32 do hashes[#hashes + 1] = string.sub(blob, i, i + 31) end
+  return hashes
+end
+
+local function match_prefix(ns, hashes)
   local counts = {}
   local active = nil
-  for i = first, #ARGV do
-    local holders = redis.call('SMEMBERS', ns .. 'blk:' .. ARGV[i])
+  for i, block_hash in ipairs(hashes) do
+    local holders = redis.call('SMEMBERS', ns .. 'blk:' .. block_hash)
     local next_active = {}
     local any = false
     for _, worker in ipairs(holders) do
       if active == nil or active[worker] then
         next_active[worker] = true
-        counts[worker] = i - first + 1
+        counts[worker] = i
         any = true
       end
     end
@@ -145,12 +152,13 @@ end
 """
 
 # KEYS: none (every key shares ARGV[1], the namespace; a single Redis, not a cluster).
-# ARGV[1] = namespace prefix, ARGV[2..] = hex block hashes in prompt order.
+# ARGV[1] = namespace prefix, ARGV[2] = the block hashes in prompt order, concatenated (32 bytes
+# each: one argument instead of one per block keeps the call cheap to encode).
 _MATCH_SCRIPT = (
     MATCH_PREFIX_LUA
     + """
 local out = {}
-for worker, count in pairs(match_prefix(ARGV[1], 2)) do
+for worker, count in pairs(match_prefix(ARGV[1], split_hashes(ARGV[2]))) do
   table.insert(out, worker)
   table.insert(out, count)
 end
@@ -162,14 +170,16 @@ return out
 class RedisPrefixIndex(PrefixIndex):
     """The index in Redis, shared by every router and worker of one cluster (``namespace``).
 
-    Layout: ``{ns}blk:{hash}`` = set of worker ids holding the block; ``{ns}worker:{id}`` = set
-    of the worker's hashes (to clear it); ``{ns}alive:{id}`` = a key whose TTL is the worker's
+    Layout: ``{ns}blk:{hash}`` = set of worker ids holding the block (the hash as its raw 32
+    bytes: binary keys keep every lookup's arguments short); ``{ns}worker:{id}`` = set of the
+    worker's hashes (to clear it); ``{ns}alive:{id}`` = a key whose TTL is the worker's
     heartbeat. Writes go in one pipeline per call; ``match`` is one ``EVALSHA``.
     """
 
     def __init__(self, client: aioredis.Redis, namespace: str = "splitserve:") -> None:
         self._redis = client
         self._ns = namespace
+        self._blk = f"{namespace}blk:".encode()
         self._match = client.register_script(_MATCH_SCRIPT)
 
     @classmethod
@@ -179,19 +189,19 @@ class RedisPrefixIndex(PrefixIndex):
     async def store(self, worker_id: str, block_hashes: Sequence[BlockHash]) -> None:
         if not block_hashes:
             return
-        hexes = [h.hex() for h in block_hashes]
         async with self._redis.pipeline(transaction=False) as pipe:
-            for hex_hash in hexes:
-                pipe.sadd(f"{self._ns}blk:{hex_hash}", worker_id)
-            pipe.sadd(f"{self._ns}worker:{worker_id}", *hexes)
+            for block_hash in block_hashes:
+                pipe.sadd(self._blk + block_hash, worker_id)
+            pipe.sadd(f"{self._ns}worker:{worker_id}", *block_hashes)
             await pipe.execute()
 
     async def remove(self, worker_id: str, block_hashes: Sequence[BlockHash]) -> None:
-        await self._remove_hex(worker_id, [h.hex() for h in block_hashes])
+        await self._remove(worker_id, block_hashes)
 
     async def clear(self, worker_id: str) -> None:
-        hexes = [h.decode() for h in await self._redis.smembers(f"{self._ns}worker:{worker_id}")]
-        await self._remove_hex(worker_id, hexes)
+        await self._remove(
+            worker_id, list(await self._redis.smembers(f"{self._ns}worker:{worker_id}"))
+        )
 
     async def heartbeat(self, worker_id: str, ttl_s: float) -> bool:
         key = f"{self._ns}alive:{worker_id}"
@@ -201,17 +211,17 @@ class RedisPrefixIndex(PrefixIndex):
     async def match(self, block_hashes: Sequence[BlockHash]) -> dict[str, int]:
         if not block_hashes:
             return {}
-        reply = await self._match(args=[self._ns, *(h.hex() for h in block_hashes)])
+        reply = await self._match(args=[self._ns, b"".join(block_hashes)])
         return {reply[i].decode(): int(reply[i + 1]) for i in range(0, len(reply), 2)}
 
     async def close(self) -> None:
         await self._redis.aclose()
 
-    async def _remove_hex(self, worker_id: str, hexes: Sequence[str]) -> None:
-        if not hexes:
+    async def _remove(self, worker_id: str, block_hashes: Sequence[BlockHash]) -> None:
+        if not block_hashes:
             return
         async with self._redis.pipeline(transaction=False) as pipe:
-            for hex_hash in hexes:
-                pipe.srem(f"{self._ns}blk:{hex_hash}", worker_id)
-            pipe.srem(f"{self._ns}worker:{worker_id}", *hexes)
+            for block_hash in block_hashes:
+                pipe.srem(self._blk + block_hash, worker_id)
+            pipe.srem(f"{self._ns}worker:{worker_id}", *block_hashes)
             await pipe.execute()

@@ -13,6 +13,7 @@ from services.common.logs import add_log_level_flag
 from services.common.redis_config import RedisConfig
 
 MODES = ("disaggregated", "colocated")
+PREFILL_POLICIES = ("cost", "round_robin", "random")
 # Crossover below which prefilling on the decode worker beats a prefill worker plus the KV
 # transfer (BENCHMARKS.md, "Conditional disaggregation").
 LOCAL_PREFILL_MAX_TOKENS = 128
@@ -42,15 +43,26 @@ class RouterConfig:
     max_decode_retries: int = flag(
         2, "times a request moves to another decode worker when its worker fails"
     )
+    prefill_policy: str = flag(
+        "cost",
+        "cost: the cheapest worker by cache hits and load; round_robin, random: cache-blind "
+        "baselines for comparison",
+        choices=PREFILL_POLICIES,
+    )
     prefill_cache_weight: float = flag(
         1.0, "prefill cost per prompt block the worker does not cache"
     )
     prefill_load_weight: float = flag(1.0, "prefill cost per block of prefill work queued")
     prefill_load_bound: float = flag(
-        1.25,
+        2.0,
         "bounded load: a prefill worker takes a new request only while its reserved requests "
         "stay within ceil(bound * (all reserved + 1) / workers), so a hot prefix spills onto a "
         "second worker (0: no bound)",
+    )
+    prefill_load_bound_slack: int = flag(
+        8,
+        "prefill requests a worker may always have in flight whatever the load bound (keeps a "
+        "lightly loaded cluster from spreading prefixes for nothing)",
     )
     prefill_saturation_blocks: float = flag(
         1024.0,

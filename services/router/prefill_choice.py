@@ -5,9 +5,9 @@ the chosen worker's uncached blocks are one atomic step of a ``PrefillLedger`` (
 several routers share a cluster). Call ``done`` when the prefill ends: it releases the
 reservation and records predicted vs realized prefix hits.
 
-With a Redis index the workers publish what they cache. Without one the router keeps an
-in-process index of its own choices (a worker that computed a prompt is assumed to cache it
-until it fails): approximate, like SGLang's router tree; a stale index only costs affinity. A
+With a Redis index the workers publish what they cache. Without one the router's in-process
+index holds only its own choices (a worker chosen for a prompt is assumed to cache it until it
+fails): approximate, like SGLang's router tree; a stale index only costs affinity. A
 slow or unreachable Redis costs the prefix term and the other routers' reservations, never a
 request: the router then decides on load alone with its own reservations.
 """
@@ -15,6 +15,7 @@ request: the router then decides on load alone with its own reservations.
 from __future__ import annotations
 
 import asyncio
+import enum
 import logging
 import random
 from collections.abc import Sequence
@@ -35,6 +36,18 @@ logger = logging.getLogger(__name__)
 _SELECT_TIMEOUT_S = 0.05
 # TTL of the router's own liveness entries in an in-process index (refreshed at every choice).
 _LOCAL_TTL_S = 3600.0
+
+
+class PrefillPolicy(enum.Enum):
+    """How the prefill worker is chosen: by cost, or a cache-blind baseline (benchmarks)."""
+
+    COST = "cost"
+    ROUND_ROBIN = "round_robin"
+    RANDOM = "random"
+
+
+# The baselines score every worker alike; the tie-break then does the choosing.
+_BLIND = PrefillWeights(cache_weight=0.0, load_weight=0.0)
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,13 +92,16 @@ class PrefillChooser:
         weights: PrefillWeights,
         router_id: str,
         rng: random.Random,
+        policy: PrefillPolicy = PrefillPolicy.COST,
     ) -> None:
         self.pool = pool
         self.ledger = ledger
         self.num_hit_blocks_predicted = 0
         self.num_hit_blocks_realized = 0
         self._local_index = local_index
-        self._weights = weights
+        self._weights = weights if policy is PrefillPolicy.COST else _BLIND
+        self._policy = policy
+        self._num_choices = 0
         self._rng = rng
         # Decides on load alone, with this router's reservations, while Redis is unreachable.
         self._fallback = LocalPrefillLedger(router_id, None) if local_index is None else None
@@ -110,9 +126,12 @@ class PrefillChooser:
             if w.info is not None
         ]
         block_hashes = tuple(block_hashes)
+        if self._local_index is not None:  # its workers are live while the router sees them
+            for load in loads:
+                await self._local_index.heartbeat(load.worker_id, _LOCAL_TTL_S)
         if not loads and not block_hashes:
             return PrefillChoice(None, block_hashes, (), {}, None, self.ledger)
-        tie_value = self._rng.random()
+        tie_value = self._tie_value(len(loads))
         ledger = self.ledger
         try:
             with metrics.DECISION_SECONDS.time():
@@ -134,6 +153,12 @@ class PrefillChooser:
             worker, block_hashes, candidates, selection.matched, selection.reservation, ledger
         )
 
+    def _tie_value(self, num_candidates: int) -> float:
+        if self._policy is PrefillPolicy.ROUND_ROBIN and num_candidates:
+            self._num_choices += 1
+            return (self._num_choices % num_candidates + 0.5) / num_candidates
+        return self._rng.random()
+
     def cancel(self, choice: PrefillChoice) -> None:
         """The chosen prefill will not run: release its reservation."""
         if choice.reservation is not None:
@@ -143,8 +168,7 @@ class PrefillChooser:
         self, choice: PrefillChoice, response: worker_pb2.PrefillResponse | None
     ) -> None:
         """The prefill ended, with the worker's ``response`` or without one (failed or
-        cancelled). Releases the reservation, records predicted vs realized hits and feeds an
-        in-process index."""
+        cancelled). Releases the reservation and records predicted vs realized hits."""
         self.cancel(choice)
         worker = choice.worker
         if response is None or worker is None or worker.info is None:
@@ -156,10 +180,6 @@ class PrefillChooser:
         self.num_hit_blocks_realized += hit_blocks
         metrics.PREFIX_HITS_PREDICTED.inc(choice.matched_blocks)
         metrics.PREFIX_HITS_REALIZED.inc(hit_blocks)
-        if self._local_index is not None and choice.block_hashes:
-            worker_id = worker.info.worker_id
-            await self._local_index.store(worker_id, choice.block_hashes)
-            await self._local_index.heartbeat(worker_id, _LOCAL_TTL_S)
 
     async def forget(self, worker: WorkerHandle) -> None:
         """An in-process index drops what it assumed ``worker`` caches (its prefill failed; a

@@ -11,9 +11,12 @@ counts a request once whether or not the worker's report already includes it.
 
 Bounded load (consistent hashing with bounded loads, Mirrokni et al.): with ``R`` prefill
 requests reserved over ``n`` candidates, a worker may take one more only while its own count
-stays within ``ceil(load_bound * (R + 1) / n)``. A hot prefix therefore spills onto a second
-worker (which then caches it too) instead of queueing on one. At least one worker is always
-eligible, since the least-reserved one holds at most ``R / n``.
+stays within ``max(ceil(load_bound * (R + 1) / n), load_bound_slack)``. A hot prefix therefore
+spills onto a second worker (which then caches it too) instead of queueing on one. The slack
+keeps a lightly loaded cluster from spreading a prefix for nothing: with fewer requests in
+flight than workers, the bound alone would allow one per worker and turn every second request
+of a prefix into a miss. At least one worker is always eligible, since the least-reserved one
+holds at most ``R / n``.
 
 Among eligible workers the cheapest wins; ties go to ``tied[floor(tie_value * len(tied))]``,
 so a seeded ``tie_value`` makes the choice reproducible. When ``saturation_blocks`` is set and
@@ -35,6 +38,7 @@ class PrefillWeights:
     cache_weight: float = 1.0
     load_weight: float = 1.0
     load_bound: float = 0.0  # 0: no bound
+    load_bound_slack: int = 0  # requests a worker may always have in flight, whatever the bound
     saturation_blocks: float = 0.0  # 0: never saturated
 
 
@@ -70,7 +74,10 @@ def score_candidates(
     """Score every candidate (``reserved_*`` are per candidate, in order)."""
     total_requests = sum(reserved_requests)
     capacity = (
-        math.ceil(weights.load_bound * (total_requests + 1) / len(candidates))
+        max(
+            math.ceil(weights.load_bound * (total_requests + 1) / len(candidates)),
+            weights.load_bound_slack,
+        )
         if weights.load_bound > 0 and candidates
         else math.inf
     )

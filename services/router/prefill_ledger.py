@@ -1,11 +1,16 @@
 """Select-and-reserve: match a prompt, score the prefill pool, pick and reserve, atomically.
 
 A reservation is the chosen worker's uncached blocks, counted as its queued work by every router
-until the router that made it releases it (the prefill ended). ``RedisPrefillLedger`` does the
-whole decision in one Lua script, so two routers deciding at once see each other's reservations
-and spread a burst instead of herding onto the same worker. A reservation belongs to its router's
-heartbeat key: when a router crashes, its reservations stop counting within
-``router_ttl_s`` and are deleted by the next decision that meets them.
+until the router that made it releases it (the prefill ended). The same step records the prompt's
+blocks in the prefix index as held by the chosen worker, before the worker computes them (as
+Dynamo's router predicts active blocks): the next request with that prefix follows it at once
+instead of missing until the worker's own events arrive. The worker's events then confirm or
+remove them; a prefill that fails leaves a hint that only costs affinity.
+
+``RedisPrefillLedger`` does the whole decision in one Lua script, so two routers deciding at once
+see each other's reservations and spread a burst instead of herding onto the same worker. A
+reservation belongs to its router's heartbeat key: when a router crashes, its reservations stop
+counting within ``router_ttl_s`` and are deleted by the next decision that meets them.
 
 ``LocalPrefillLedger`` is the same thing in this process: for a router without Redis, and for
 routing on load alone while Redis is unreachable.
@@ -123,6 +128,8 @@ class LocalPrefillLedger(PrefillLedger):
             member = reservation_member(self._router_id, req_id, blocks)
             self._reserved.setdefault(worker_id, {})[member] = blocks
             reservation = Reservation(worker_id, member, blocks)
+            if self._index is not None:
+                await self._index.store(worker_id, block_hashes)
         return Selection(scores, chosen, matched, reservation)
 
     async def release(self, reservation: Reservation) -> None:
@@ -133,8 +140,9 @@ class LocalPrefillLedger(PrefillLedger):
 
 
 # ARGV: 1 namespace, 2 router id, 3 req id ('' = reserve nothing), 4 router ttl ms,
-# 5 reservation max ms, 6 cache weight, 7 load weight, 8 load bound, 9 saturation blocks,
-# 10 tie value, 11 n candidates, then n x (worker id, reported queued blocks), then the hashes.
+# 5 reservation max ms, 6 cache weight, 7 load weight, 8 load bound, 9 load bound slack,
+# 10 saturation blocks, 11 tie value, 12 n candidates, then n x (worker id, reported queued
+# blocks), then the prompt's block hashes concatenated (32 bytes each).
 # Returns {chosen (1-based, 0: none), n x (matched, reserved blocks, reserved requests),
 # then (worker id, matched) for matched workers that are not candidates}.
 # Mirrors prefill_cost.score_candidates and pick operation for operation.
@@ -143,18 +151,19 @@ _SELECT_SCRIPT = (
     + """
 local ns, router, req = ARGV[1], ARGV[2], ARGV[3]
 local cache_w, load_w = tonumber(ARGV[6]), tonumber(ARGV[7])
-local bound, saturation, tie = tonumber(ARGV[8]), tonumber(ARGV[9]), tonumber(ARGV[10])
-local n = tonumber(ARGV[11])
-local first_hash = 12 + 2 * n
-local prompt_blocks = #ARGV - first_hash + 1
+local bound, slack = tonumber(ARGV[8]), tonumber(ARGV[9])
+local saturation, tie = tonumber(ARGV[10]), tonumber(ARGV[11])
+local n = tonumber(ARGV[12])
+local hashes = split_hashes(ARGV[13 + 2 * n])
+local prompt_blocks = #hashes
 local t = redis.call('TIME')
 local now_ms = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 redis.call('SET', ns .. 'router:' .. router, '1', 'PX', ARGV[4])
 local matched = {}
-if prompt_blocks > 0 then matched = match_prefix(ns, first_hash) end
+if prompt_blocks > 0 then matched = match_prefix(ns, hashes) end
 local alive, ids, m, rblocks, rreqs, total = {}, {}, {}, {}, {}, 0
 for i = 1, n do
-  ids[i] = ARGV[10 + 2 * i]
+  ids[i] = ARGV[11 + 2 * i]
   m[i] = matched[ids[i]] or 0
   local key = ns .. 'resv:' .. ids[i]
   redis.call('ZREMRANGEBYSCORE', key, '-inf', now_ms)
@@ -174,11 +183,11 @@ for i = 1, n do
   rblocks[i], rreqs[i], total = blocks, reqs, total + reqs
 end
 local capacity = math.huge
-if bound > 0 and n > 0 then capacity = math.ceil(bound * (total + 1) / n) end
+if bound > 0 and n > 0 then capacity = math.max(math.ceil(bound * (total + 1) / n), slack) end
 local cost, eligible = {}, {}
 local saturated = n > 0 and saturation > 0
 for i = 1, n do
-  local queued = math.max(tonumber(ARGV[11 + 2 * i]), rblocks[i])
+  local queued = math.max(tonumber(ARGV[12 + 2 * i]), rblocks[i])
   cost[i] = cache_w * (prompt_blocks - m[i]) + load_w * queued
   eligible[i] = rreqs[i] + 1 <= capacity
   if queued < saturation then saturated = false end
@@ -196,8 +205,16 @@ if n > 0 and not saturated then
   local k = math.min(math.floor(tie * #tied), #tied - 1) + 1
   chosen = tied[k]
   if req ~= '' then
+    local worker = ids[chosen]
     local member = router .. '|' .. req .. '|' .. (prompt_blocks - m[chosen])
-    redis.call('ZADD', ns .. 'resv:' .. ids[chosen], now_ms + tonumber(ARGV[5]), member)
+    redis.call('ZADD', ns .. 'resv:' .. worker, now_ms + tonumber(ARGV[5]), member)
+    for i = m[chosen] + 1, prompt_blocks do
+      redis.call('SADD', ns .. 'blk:' .. hashes[i], worker)
+    end
+    for i = m[chosen] + 1, prompt_blocks, 1000 do
+      local last = math.min(i + 999, prompt_blocks)
+      redis.call('SADD', ns .. 'worker:' .. worker, unpack(hashes, i, last))
+    end
   end
 end
 local out = {chosen}
@@ -268,7 +285,7 @@ class RedisPrefillLedger(PrefillLedger):
         weights: PrefillWeights,
         tie_value: float,
     ) -> Selection:
-        args: list[str | float | int] = [
+        args: list[str | bytes | float | int] = [
             self._ns,
             self._router_id,
             req_id or "",
@@ -277,13 +294,14 @@ class RedisPrefillLedger(PrefillLedger):
             weights.cache_weight,
             weights.load_weight,
             weights.load_bound,
+            weights.load_bound_slack,
             weights.saturation_blocks,
             tie_value,
             len(candidates),
         ]
         for candidate in candidates:
             args += [candidate.worker_id, candidate.reported_queued_blocks]
-        args += [h.hex() for h in block_hashes]
+        args.append(b"".join(block_hashes))
         try:
             reply = await self._select(args=args)
         except asyncio.CancelledError:

@@ -16,6 +16,7 @@ lease that no decode worker has consumed yet.
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import random
 import sys
@@ -36,7 +37,7 @@ from services.router import metrics
 from services.router.config import RouterConfig, parse_router_args
 from services.router.decode_choice import DecodeChooser
 from services.router.explain import explain_response
-from services.router.prefill_choice import PrefillChooser
+from services.router.prefill_choice import PrefillChooser, PrefillPolicy
 from services.router.prefill_cost import PrefillWeights
 from services.router.prefill_ledger import LocalPrefillLedger, PrefillLedger, RedisPrefillLedger
 from services.router.request_prep import ModelLimits, PreparedRequest, prepare_request
@@ -382,10 +383,17 @@ def _build_planner(
         cache_weight=config.prefill_cache_weight,
         load_weight=config.prefill_load_weight,
         load_bound=config.prefill_load_bound,
+        load_bound_slack=config.prefill_load_bound_slack,
         saturation_blocks=config.prefill_saturation_blocks,
     )
     prefill_chooser = PrefillChooser(
-        prefill_pool, ledger, local_index=local_index, weights=weights, router_id=router_id, rng=rng
+        prefill_pool,
+        ledger,
+        local_index=local_index,
+        weights=weights,
+        router_id=router_id,
+        rng=rng,
+        policy=PrefillPolicy(config.prefill_policy),
     )
     decode_chooser = DecodeChooser(
         decode_pool,
@@ -411,6 +419,9 @@ async def serve(config: RouterConfig) -> None:
     )
     await servicer.start()
     start_metrics_server(config.host, config.metrics_port)
+    # What startup allocated (tokenizer, channels) lives as long as the process: keep the
+    # cyclic GC from walking it again and again, which shows up as routing-latency spikes.
+    gc.freeze()
     await serving.set_serving((SERVICE_NAME,))
     logger.info(
         "router serving on %s:%d (%s; %d prefill, %d decode workers)",

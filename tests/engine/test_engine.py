@@ -70,6 +70,19 @@ def test_identical_prompt_hits_all_but_last_block(llm):
     assert warm.num_cached_tokens == 48  # the last token is always recomputed for its logits
 
 
+def test_queued_prefill_tokens_leave_out_prefix_hits_of_waiting_requests(tiny_llama_dir):
+    """The load a worker reports counts what it will compute, not what its cache holds."""
+    engine = LLMEngine(EngineConfig(model=str(tiny_llama_dir), dtype="float32", num_kv_blocks=64))
+    shared = random_prompt(64, seed=30)
+    engine.add_request("warm", shared + random_prompt(5, seed=31), GREEDY)
+    run_checked(engine)
+    engine.add_request("hit", shared + random_prompt(10, seed=32), GREEDY)  # 74 tokens
+    engine.add_request("miss", random_prompt(40, seed=33), GREEDY)
+    assert engine.stats().num_queued_prefill_tokens == (74 - 64) + 40
+    run_checked(engine)
+    assert engine.stats().num_queued_prefill_tokens == 0
+
+
 def test_abort_frees_every_block(tiny_llama_dir):
     engine = LLMEngine(EngineConfig(model=str(tiny_llama_dir), dtype="float32", num_kv_blocks=64))
     for i in range(5):

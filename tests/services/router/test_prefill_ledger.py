@@ -89,6 +89,7 @@ def test_redis_script_decides_exactly_as_the_python_reference(redis_server):
                 cache_weight=rng.choice([1.0, 0.5, 2.0]),
                 load_weight=rng.choice([1.0, 0.25, 3.0]),
                 load_bound=rng.choice([0.0, 1.0, 1.25, 2.0]),
+                load_bound_slack=rng.choice([0, 2, 5]),
                 saturation_blocks=rng.choice([0.0, 6.0, 1e9]),
             )
             for step in range(20):
