@@ -345,6 +345,9 @@ class NixlBackend(KVTransferBackend):
             self._forget_remote(read.src.engine_id)
             return
         self._pending[seq] = read
+        if not read.dst_block_ids:  # NIXL refuses an empty READ; the grant alone ends this one
+            read.read_done = True
+            return
         # Posted without waiting for the grant: the transfer overlaps the round trip.
         try:
             read.handle = self._agent.make_prepped_xfer(

@@ -299,8 +299,9 @@ class TcpBackend(KVTransferBackend):
         num_bytes = len(dst_block_ids) * self._block_bytes
         num_parts = min(-(-num_bytes // self._part_bytes), self._max_connections_per_peer)
         parts = _ReadParts(max(num_parts, 1))
-        step = -(-len(dst_block_ids) // parts.num_parts)
-        for begin in range(0, len(dst_block_ids), step):
+        step = max(-(-len(dst_block_ids) // parts.num_parts), 1)
+        # An empty read still asks the source, which checks the request is published.
+        for begin in range(0, max(len(dst_block_ids), 1), step):
             part = replace(src, block_ids=tuple(src.block_ids[begin : begin + step]))
             dst_part = tuple(dst_block_ids[begin : begin + step])
             self._executor.submit(self._do_read, req_id, part, dst_part, next(self._seq), parts)

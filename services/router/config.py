@@ -14,9 +14,10 @@ from services.common.redis_config import RedisConfig
 
 MODES = ("disaggregated", "colocated")
 PREFILL_POLICIES = ("cost", "round_robin", "random")
-# Crossover below which prefilling on the decode worker beats a prefill worker plus the KV
-# transfer (BENCHMARKS.md, "Conditional disaggregation").
-LOCAL_PREFILL_MAX_TOKENS = 128
+# The longest uncached part whose prefill in the decode worker's batch did not stretch its
+# running streams' p99 inter-token latency, measured on CPU with SmolLM2 (BENCHMARKS.md,
+# "Conditional disaggregation"); GPUs prefill far faster and warrant a higher value.
+LOCAL_PREFILL_MAX_TOKENS = 32
 
 
 def _split_addresses(text: str) -> tuple[str, ...]:
@@ -52,7 +53,11 @@ class RouterConfig:
     prefill_cache_weight: float = flag(
         1.0, "prefill cost per prompt block the worker does not cache"
     )
-    prefill_load_weight: float = flag(1.0, "prefill cost per block of prefill work queued")
+    prefill_load_weight: float = flag(
+        0.5,
+        "prefill cost per block of prefill work queued (below the cache weight: queued work runs "
+        "anyway, an uncached block is work added; BENCHMARKS.md)",
+    )
     prefill_load_bound: float = flag(
         2.0,
         "bounded load: a prefill worker takes a new request only while its reserved requests "

@@ -36,7 +36,7 @@ class PrefillWeights:
     """The policy's knobs (router flags of the same names)."""
 
     cache_weight: float = 1.0
-    load_weight: float = 1.0
+    load_weight: float = 0.5
     load_bound: float = 0.0  # 0: no bound
     load_bound_slack: int = 0  # requests a worker may always have in flight, whatever the bound
     saturation_blocks: float = 0.0  # 0: never saturated

@@ -109,6 +109,16 @@ def test_release_reaches_the_source_and_unpublishes(sources, dst_small):
     assert read(dst, "again", src, [0, 1]) is FAILED
 
 
+def test_an_empty_read_is_done_and_its_release_reaches_the_source(sources, dst_small):
+    """A decode worker that caches the whole prompt reads nothing, but still frees the lease."""
+    dst, _ = dst_small
+    dst.add_peer(sources["shared"].info("small"))
+    sources["shared"].publish("small", "nothing-to-read", [6])
+    assert read(dst, "empty", KVRef("small", "nothing-to-read", (), 16), []) is DONE
+    dst.release("empty")
+    assert sources["shared"].wait_released("small") == ["nothing-to-read"]
+
+
 def test_32_concurrent_reads_are_all_done_and_correct(backend_name, sources):
     dst, dst_cache = make_dst(backend_name, SMALL_SPEC)
     try:

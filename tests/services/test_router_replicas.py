@@ -30,6 +30,7 @@ def cluster(start_cluster, redis_server):
         extra_worker_flags=("--redis-url", redis_server.url, "--heartbeat-ttl-s", "1"),
         extra_router_flags=(
             "--redis-url", redis_server.url, "--prefill-load-bound", str(LOAD_BOUND),
+            "--prefill-load-bound-slack", "0",
             "--router-heartbeat-ttl-s", "2",
         ),
     )  # fmt: skip
