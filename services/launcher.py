@@ -217,6 +217,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.routers > 1 and not args.redis_url:
+        # Each would keep its own index and reservations and herd onto the same workers.
+        print("splitserve up: --routers above 1 needs --redis-url", file=sys.stderr)
+        return 2
     engine = from_args(EngineConfig, args)
     redis_flags = ("--redis-url", args.redis_url) if args.redis_url else ()
     cluster = LocalCluster(

@@ -26,6 +26,15 @@ def test_engine_flags_round_trip():
     assert from_args(EngineConfig, parser.parse_args(to_argv(config))) == config
 
 
+def test_up_refuses_several_routers_without_redis(tiny_llama_dir):
+    argv = [
+        sys.executable, "-m", "services.cli", "up", "--model", str(tiny_llama_dir),
+        "--routers", "2",
+    ]  # fmt: skip
+    result = subprocess.run(argv, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2 and "--redis-url" in result.stderr
+
+
 @pytest.fixture
 def up_process(tiny_llama_dir):
     port = free_port()
