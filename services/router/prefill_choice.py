@@ -116,15 +116,13 @@ class PrefillChooser:
     ) -> PrefillChoice:
         """Decide for a prompt's ``block_hashes``; with a ``req_id``, reserve the chosen worker
         until ``done``. ``with_candidates=False`` only matches (for the decode choice)."""
-        workers = self.pool.healthy_workers() if with_candidates else []
-        workers = [w for w in workers if w.info is not None]
-        loads = [
-            CandidateLoad(
-                w.info.worker_id, w.load.num_queued_prefill_tokens / max(w.info.block_size, 1)
-            )
-            for w in workers
-            if w.info is not None
-        ]
+        workers: list[WorkerHandle] = []
+        loads: list[CandidateLoad] = []
+        for worker in self.pool.healthy_workers() if with_candidates else []:
+            if worker.info is not None:
+                queued_blocks = worker.load.num_queued_prefill_tokens / worker.info.block_size
+                workers.append(worker)
+                loads.append(CandidateLoad(worker.info.worker_id, queued_blocks))
         block_hashes = tuple(block_hashes)
         if self._local_index is not None:  # its workers are live while the router sees them
             for load in loads:
@@ -164,9 +162,7 @@ class PrefillChooser:
         if choice.reservation is not None:
             self._background.spawn(self._release(choice.ledger, choice.reservation))
 
-    async def done(
-        self, choice: PrefillChoice, response: worker_pb2.PrefillResponse | None
-    ) -> None:
+    def done(self, choice: PrefillChoice, response: worker_pb2.PrefillResponse | None) -> None:
         """The prefill ended, with the worker's ``response`` or without one (failed or
         cancelled). Releases the reservation and records predicted vs realized hits."""
         self.cancel(choice)
@@ -186,6 +182,10 @@ class PrefillChooser:
         restarted worker comes back empty)."""
         if self._local_index is not None and worker.info is not None:
             await self._local_index.clear(worker.info.worker_id)
+
+    def start(self) -> None:
+        """Start the ledger's background work (a Redis ledger's router heartbeat)."""
+        self.ledger.start()
 
     async def close(self) -> None:
         await self.ledger.close()

@@ -90,6 +90,10 @@ class PrefillLedger(abc.ABC):
         """The reserved work finished (or never started); idempotent."""
 
     @abc.abstractmethod
+    def start(self) -> None:
+        """Start background work on the running loop."""
+
+    @abc.abstractmethod
     async def close(self) -> None:
         """Stop heartbeating and drop this router's reservations."""
 
@@ -134,6 +138,9 @@ class LocalPrefillLedger(PrefillLedger):
 
     async def release(self, reservation: Reservation) -> None:
         self._reserved.get(reservation.worker_id, {}).pop(reservation.member, None)
+
+    def start(self) -> None:
+        """Nothing runs in the background."""
 
     async def close(self) -> None:
         """Nothing to release: the reservations die with this process."""

@@ -72,9 +72,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
 
     # ----------------------------------------------------------------------------- lifecycle
     async def start(self) -> None:
-        ledger = self.planner.prefill_chooser.ledger
-        if isinstance(ledger, RedisPrefillLedger):
-            ledger.start()
+        self.planner.prefill_chooser.start()
         await self._poll_once()
         self._poller = asyncio.create_task(self._poll_forever())
 
@@ -183,7 +181,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                     if response is None:  # the worker failed (a cancelled call raises)
                         await chooser.forget(prefill)
                 finally:
-                    await chooser.done(plan.prefill, response)
+                    chooser.done(plan.prefill, response)
                 if response is not None:
                     stream.num_cached_tokens = response.num_cached_tokens
                     logprobs = [response.logprob] if response.HasField("logprob") else []

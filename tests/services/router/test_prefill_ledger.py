@@ -261,10 +261,8 @@ def _crashing_router_with_ttl(url: str, namespace: str, conn) -> None:
     """Reserves three prefills with a 1 s router TTL, says so, then hangs until killed."""
 
     async def main() -> None:
-        ns = namespace
-        ledger = RedisPrefillLedger(
-            RedisConfig(url).client(), "doomed", router_ttl_s=1.0, namespace=ns
-        )
+        client = RedisConfig(url).client()
+        ledger = RedisPrefillLedger(client, "doomed", router_ttl_s=1.0, namespace=namespace)
         ledger.start()
         for i in range(3):
             await ledger.select(
