@@ -69,21 +69,27 @@ def add_flags(parser: argparse.ArgumentParser, cls: type, skip: tuple[str, ...] 
         parser.add_argument(flag_name(f.name), **kwargs)
 
 
-def from_args(cls: type, args: argparse.Namespace, **overrides: Any) -> Any:
-    """Build ``cls`` from parsed flags (fields absent from ``args`` keep their defaults)."""
+def from_args(
+    cls: type, args: argparse.Namespace, skip: tuple[str, ...] = (), **overrides: Any
+) -> Any:
+    """Build ``cls`` from parsed flags (fields absent from ``args`` or in ``skip`` keep their
+    defaults)."""
     values = {
-        f.name: getattr(args, f.name) for f in dataclasses.fields(cls) if hasattr(args, f.name)
+        f.name: getattr(args, f.name)
+        for f in dataclasses.fields(cls)
+        if hasattr(args, f.name) and f.name not in skip
     }
     values.update(overrides)
     return cls(**values)
 
 
-def to_argv(config: Any) -> list[str]:
-    """The flags that ``add_flags`` + ``from_args`` turn back into ``config`` (None: omitted)."""
+def to_argv(config: Any, skip: tuple[str, ...] = ()) -> list[str]:
+    """The flags that ``add_flags`` + ``from_args`` turn back into ``config`` (None and the
+    fields in ``skip``: omitted)."""
     argv: list[str] = []
     for f in dataclasses.fields(config):
         value = getattr(config, f.name)
-        if "help" not in f.metadata or value is None:
+        if "help" not in f.metadata or value is None or f.name in skip:
             continue
         name = flag_name(f.name)
         if isinstance(value, bool):

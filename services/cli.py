@@ -6,7 +6,7 @@ import argparse
 import sys
 
 from engine import cli as generate_cli
-from services import client, launcher
+from services import admin, client, up
 from services.common.logs import add_log_level_flag, configure_logging
 
 
@@ -17,8 +17,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_log_level_flag(parser, default="WARNING")
     subparsers = parser.add_subparsers(dest="command", required=True)
     generate_cli.add_parser(subparsers)
-    launcher.add_parser(subparsers)
+    up.add_parser(subparsers)
     client.add_parser(subparsers)
+    admin.add_parsers(subparsers)
     return parser
 
 

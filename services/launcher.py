@@ -1,14 +1,14 @@
-"""``splitserve up``: run a router and its workers as local processes.
+"""``splitserve up --no-ray``: run a router and its workers as local processes.
 
 Each process is the plain service (``python -m services.prefill`` / ``.decode`` / ``.router``),
 exactly what a Kubernetes pod runs; the launcher only picks ports, passes the engine flags to
 every worker, waits for gRPC health, and tears everything down on Ctrl-C or when one of the
-processes it cannot lose (the router) exits. Ray replaces this launcher in its own module.
+processes it cannot lose (the router) exits. ``services.cluster`` runs the same services as Ray
+actors.
 """
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import logging
 import os
@@ -24,10 +24,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from engine.config import EngineConfig
-from engine.flags import add_flags, from_args, to_argv
-from kvtransfer.registry import default_backend
-from services.common.worker_config import KV_TRANSFER_BACKENDS
-from services.router.config import MODES
+from engine.flags import to_argv
 
 logger = logging.getLogger(__name__)
 
@@ -142,12 +139,7 @@ class LocalCluster:
         )  # fmt: skip
 
     def _engine_for_workers(self) -> EngineConfig:
-        """Split the cores between engine processes unless the thread count was given."""
-        if self.engine.num_threads is not None:
-            return self.engine
-        num_engines = max(self.num_prefill + self.num_decode, 1)
-        threads = max((os.cpu_count() or 1) // num_engines, 1)
-        return dataclasses.replace(self.engine, num_threads=threads)
+        return split_threads(self.engine, self.num_prefill + self.num_decode)
 
     def stop(self, timeout_s: float = 15.0) -> None:
         """SIGTERM everything (router first), then SIGKILL what is left after ``timeout_s``."""
@@ -162,6 +154,15 @@ class LocalCluster:
             except subprocess.TimeoutExpired:
                 process.signal(signal.SIGKILL)
                 process.popen.wait()
+
+
+def split_threads(engine: EngineConfig, num_engines: int) -> EngineConfig:
+    """Split the cores between ``num_engines`` engine processes unless the thread count was
+    given."""
+    if engine.num_threads is not None:
+        return engine
+    threads = max((os.cpu_count() or 1) // max(num_engines, 1), 1)
+    return dataclasses.replace(engine, num_threads=threads)
 
 
 def wait_healthy(process: ServiceProcess, deadline_s: float) -> None:
@@ -180,83 +181,3 @@ def wait_healthy(process: ServiceProcess, deadline_s: float) -> None:
             if time.monotonic() > deadline_s:
                 raise TimeoutError(f"{process.role} at {process.address} is not healthy in time")
             time.sleep(_HEALTH_POLL_S)
-
-
-# ----------------------------------------------------------------------------- CLI
-def add_parser(subparsers: argparse._SubParsersAction) -> None:
-    parser = subparsers.add_parser(
-        "up", help="start a router plus prefill and decode workers as local processes"
-    )
-    add_flags(parser, EngineConfig)
-    parser.add_argument("--prefill", type=int, default=1, help="number of prefill workers")
-    parser.add_argument("--decode", type=int, default=1, help="number of decode workers")
-    parser.add_argument("--mode", default="disaggregated", choices=MODES)
-    parser.add_argument("--host", default="127.0.0.1", help="address every server binds")
-    parser.add_argument("--port", type=int, default=50051, help="first router's port")
-    parser.add_argument(
-        "--routers",
-        type=int,
-        default=1,
-        help="router processes sharing the workers (with --redis-url they also share the "
-        "prefix index and their prefill reservations)",
-    )
-    parser.add_argument(
-        "--kv-transfer",
-        default=default_backend(),
-        choices=KV_TRANSFER_BACKENDS,
-        help="KV transfer backend of the workers (default: nixl when installed, else tcp)",
-    )
-    parser.add_argument(
-        "--redis-url",
-        default=None,
-        help="Redis of the prefix index and reservations, passed to the router and every worker "
-        "(redis://host:port/db, rediss:// for TLS; the other --redis-* options reach every "
-        "process through their SPLITSERVE_REDIS_* env vars; unset: the router's in-process index)",
-    )
-    parser.set_defaults(func=run)
-
-
-def run(args: argparse.Namespace) -> int:
-    if args.routers > 1 and not args.redis_url:
-        # Each would keep its own index and reservations and herd onto the same workers.
-        print("splitserve up: --routers above 1 needs --redis-url", file=sys.stderr)
-        return 2
-    engine = from_args(EngineConfig, args)
-    redis_flags = ("--redis-url", args.redis_url) if args.redis_url else ()
-    cluster = LocalCluster(
-        engine=engine,
-        num_prefill=args.prefill,
-        num_decode=args.decode,
-        num_routers=args.routers,
-        mode=args.mode,
-        host=args.host,
-        port=args.port,
-        log_level=args.log_level,
-        extra_worker_flags=("--kv-transfer", args.kv_transfer, *redis_flags),
-        extra_router_flags=redis_flags,
-    )
-    stop = False
-
-    def on_signal(signum: int, frame: object) -> None:
-        nonlocal stop
-        stop = True
-
-    signal.signal(signal.SIGINT, on_signal)
-    signal.signal(signal.SIGTERM, on_signal)
-    try:
-        address = cluster.start()
-        routers = cluster.workers("router")
-        roles = ", ".join(f"{p.role}@{p.address}" for p in cluster.processes if p.role != "router")
-        print(
-            f"splitserve router listening on {', '.join(r.address for r in routers)} "
-            f"({args.mode}, kv transfer {args.kv_transfer}; {roles})",
-            flush=True,
-        )
-        metrics = ", ".join(f"{p.role}:{p.metrics_port}" for p in cluster.processes)
-        print(f"Prometheus /metrics on {args.host}: {metrics}", flush=True)
-        print(f'try: splitserve client --target {address} --chat "Hello!"', flush=True)
-        while not stop and all(r.alive for r in routers):
-            time.sleep(0.5)
-    finally:
-        cluster.stop()
-    return 0

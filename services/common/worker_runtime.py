@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -15,7 +15,7 @@ from kvtransfer.base import KVTransferBackend, PeerInfo
 from kvtransfer.registry import make_backend
 from services.common.convert import ROLE_NAMES, peer_info_to_proto
 from services.common.engine_loop import EngineHooks, EngineLoop
-from services.common.grpc_server import serve_until_signal, start_server
+from services.common.grpc_server import ServingServer, serve_until_signal, start_server
 from services.common.kv_events import KVEventPublisher
 from services.common.metrics import register_worker_metrics, start_metrics_server
 from services.common.prefix_index import RedisPrefixIndex
@@ -77,15 +77,44 @@ def build_runtime(
     return WorkerRuntime(config, role, worker_id, engine, loop, backend, kv_peer)
 
 
-async def serve_worker(
+@dataclass(slots=True)
+class RunningWorker:
+    """A started worker: its runtime, servicer and the port it serves on."""
+
+    runtime: WorkerRuntime
+    servicer: WorkerServicer
+    serving: ServingServer
+    publisher: KVEventPublisher | None
+
+    @property
+    def port(self) -> int:
+        return self.serving.port
+
+    def load(self) -> worker_pb2.WorkerLoad:
+        return self.servicer.load()
+
+    async def stop(self, grace_s: float = 5.0) -> None:
+        """Stop serving (in-flight calls get ``grace_s``), then the engine and KV transfers."""
+        await self.serving.stop(grace_s)
+        await self.cleanup()
+
+    async def cleanup(self) -> None:
+        """Stop the engine, the index publisher and the KV transfer endpoint."""
+        if self.publisher is not None:
+            await self.publisher.stop()
+        self.runtime.loop.shutdown()
+        self.runtime.kv_backend.close()
+
+
+async def start_worker(
     config: WorkerConfig,
     role: worker_pb2.WorkerRole.ValueType,
     service_name: str,
     make_hooks: Callable[[KVTransferBackend], EngineHooks],
     make_servicer: Callable[[WorkerRuntime], WorkerServicer],
     add_to_server: Callable[[Any, grpc.aio.Server], None],
-) -> None:
-    """Run a worker until SIGTERM / SIGINT. Health turns SERVING once the engine is loaded.
+) -> RunningWorker:
+    """Load the engine and serve; health is SERVING on return.
 
     ``add_to_server`` is the generated ``add_<Service>Servicer_to_server``.
     """
@@ -110,14 +139,13 @@ async def serve_worker(
         runtime.kv_backend.name,
         runtime.kv_peer.address,
     )
+    return RunningWorker(runtime, servicer, serving, publisher)
 
-    async def cleanup() -> None:
-        if publisher is not None:
-            await publisher.stop()
-        runtime.loop.shutdown()
-        runtime.kv_backend.close()
 
-    await serve_until_signal(serving, cleanup)
+async def serve_worker(starting: Awaitable[RunningWorker]) -> None:
+    """Run the worker ``starting`` starts (see ``start_worker``) until SIGTERM / SIGINT."""
+    worker = await starting
+    await serve_until_signal(worker.serving, worker.cleanup)
 
 
 def make_kv_event_publisher(

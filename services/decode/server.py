@@ -25,8 +25,13 @@ from services.common.convert import (
     sampling_params_from_worker,
 )
 from services.common.engine_loop import EngineDeadError
-from services.common.worker_config import parse_worker_args
-from services.common.worker_runtime import WorkerRuntime, serve_worker
+from services.common.worker_config import WorkerConfig, parse_worker_args
+from services.common.worker_runtime import (
+    RunningWorker,
+    WorkerRuntime,
+    serve_worker,
+    start_worker,
+)
 from services.decode.kv_puller import KVPullHooks
 from splitserve.v1 import worker_pb2, worker_pb2_grpc
 
@@ -133,22 +138,25 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         )
 
 
-def main(argv: list[str] | None = None) -> int:
-    config = parse_worker_args("decode", argv)
+async def start_decode_worker(config: WorkerConfig) -> RunningWorker:
+    """Load the engine and serve ``DecodeWorker``; health is SERVING on return."""
 
     def make_hooks(backend: KVTransferBackend) -> KVPullHooks:
         return KVPullHooks(backend, config.engine.block_size)
 
-    asyncio.run(
-        serve_worker(
-            config,
-            worker_pb2.WORKER_ROLE_DECODE,
-            SERVICE_NAME,
-            make_hooks,
-            DecodeServicer,
-            worker_pb2_grpc.add_DecodeWorkerServicer_to_server,
-        )
+    return await start_worker(
+        config,
+        worker_pb2.WORKER_ROLE_DECODE,
+        SERVICE_NAME,
+        make_hooks,
+        DecodeServicer,
+        worker_pb2_grpc.add_DecodeWorkerServicer_to_server,
     )
+
+
+def main(argv: list[str] | None = None) -> int:
+    config = parse_worker_args("decode", argv)
+    asyncio.run(serve_worker(start_decode_worker(config)))
     return 0
 
 

@@ -26,8 +26,13 @@ from services.common.convert import (
     sampling_params_from_worker,
 )
 from services.common.engine_loop import EngineDeadError
-from services.common.worker_config import parse_worker_args
-from services.common.worker_runtime import WorkerRuntime, serve_worker
+from services.common.worker_config import WorkerConfig, parse_worker_args
+from services.common.worker_runtime import (
+    RunningWorker,
+    WorkerRuntime,
+    serve_worker,
+    start_worker,
+)
 from services.prefill.leases import LeaseHooks
 from splitserve.v1 import worker_pb2, worker_pb2_grpc
 
@@ -133,22 +138,25 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
         )
 
 
-def main(argv: list[str] | None = None) -> int:
-    config = parse_worker_args("prefill", argv)
+async def start_prefill_worker(config: WorkerConfig) -> RunningWorker:
+    """Load the engine and serve ``PrefillWorker``; health is SERVING on return."""
 
     def make_hooks(backend: KVTransferBackend) -> LeaseHooks:
         return LeaseHooks(backend, config.lease_ttl_s)
 
-    asyncio.run(
-        serve_worker(
-            config,
-            worker_pb2.WORKER_ROLE_PREFILL,
-            SERVICE_NAME,
-            make_hooks,
-            PrefillServicer,
-            worker_pb2_grpc.add_PrefillWorkerServicer_to_server,
-        )
+    return await start_worker(
+        config,
+        worker_pb2.WORKER_ROLE_PREFILL,
+        SERVICE_NAME,
+        make_hooks,
+        PrefillServicer,
+        worker_pb2_grpc.add_PrefillWorkerServicer_to_server,
     )
+
+
+def main(argv: list[str] | None = None) -> int:
+    config = parse_worker_args("prefill", argv)
+    asyncio.run(serve_worker(start_prefill_worker(config)))
     return 0
 
 

@@ -31,8 +31,12 @@ class RouterConfig:
     model: str = flag(help="model directory, .gguf file or alias (for the tokenizer)")
     host: str = flag("127.0.0.1", "address the gRPC server binds (0.0.0.0 in a pod)")
     port: int = flag(50051, "client-facing gRPC port")
-    prefill_workers: str = flag("", "comma-separated host:port of prefill workers")
-    decode_workers: str = flag("", "comma-separated host:port of decode workers")
+    prefill_workers: str = flag(
+        "", "comma-separated host:port of prefill workers (under Ray: set by the controller)"
+    )
+    decode_workers: str = flag(
+        "", "comma-separated host:port of decode workers (under Ray: set by the controller)"
+    )
     mode: str = flag(
         "disaggregated",
         "disaggregated: prefill workers build the KV, decode workers pull it; "
@@ -98,8 +102,6 @@ class RouterConfig:
     def __post_init__(self) -> None:
         if self.mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
-        if not self.decode_address_list:
-            raise ValueError("decode_workers: at least one decode worker address is required")
         if self.prefill_load_bound != 0 and self.prefill_load_bound < 1:
             raise ValueError(
                 f"prefill_load_bound must be 0 (off) or >= 1, got {self.prefill_load_bound}"
@@ -142,4 +144,8 @@ def parse_router_args(argv: list[str] | None) -> tuple[RouterConfig, str]:
     add_flags(parser, RedisConfig)
     add_log_level_flag(parser)
     args = parser.parse_args(argv)
-    return from_args(RouterConfig, args, redis=from_args(RedisConfig, args)), args.log_level
+    config = from_args(RouterConfig, args, redis=from_args(RedisConfig, args))
+    if not config.decode_address_list:
+        # Only an orchestrator (services.cluster) starts a router with empty pools.
+        parser.error("--decode-workers: at least one decode worker address is required")
+    return config, args.log_level

@@ -45,7 +45,7 @@ class DecodeChooser:
     ) -> list[DecodeCandidate]:
         """Every healthy worker not in ``exclude`` (addresses), cheapest first."""
         candidates = []
-        for worker in self.pool.healthy_workers():
+        for worker in self.pool.routable_workers():
             if exclude and worker.address in exclude:
                 continue
             load = worker.load

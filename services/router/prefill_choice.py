@@ -118,7 +118,7 @@ class PrefillChooser:
         until ``done``. ``with_candidates=False`` only matches (for the decode choice)."""
         workers: list[WorkerHandle] = []
         loads: list[CandidateLoad] = []
-        for worker in self.pool.healthy_workers() if with_candidates else []:
+        for worker in self.pool.routable_workers() if with_candidates else []:
             if worker.info is not None:
                 queued_blocks = worker.load.num_queued_prefill_tokens / worker.info.block_size
                 workers.append(worker)

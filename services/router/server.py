@@ -21,7 +21,8 @@ import logging
 import random
 import sys
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
 
 import grpc
 
@@ -29,7 +30,7 @@ from engine.loader.models import resolve_model
 from engine.tokenizer import Tokenizer
 from services.common.background import BackgroundTasks
 from services.common.convert import FINISH_REASON_NAMES, sampling_params_to_worker
-from services.common.grpc_server import serve_until_signal, start_server
+from services.common.grpc_server import ServingServer, serve_until_signal, start_server
 from services.common.logs import configure_logging
 from services.common.metrics import start_metrics_server
 from services.common.prefix_index import InProcessPrefixIndex
@@ -43,6 +44,7 @@ from services.router.prefill_ledger import LocalPrefillLedger, PrefillLedger, Re
 from services.router.request_prep import ModelLimits, PreparedRequest, prepare_request
 from services.router.response_stream import ResponseStream
 from services.router.route_plan import RoutePlan, RoutePlanner
+from services.router.scaler import SCALABLE_ROLES, PoolScaler
 from services.router.worker_pool import InflightSlot, WorkerHandle, WorkerPool
 from splitserve.v1 import router_pb2, router_pb2_grpc, worker_pb2
 
@@ -56,11 +58,18 @@ _RETRYABLE = frozenset(
 
 
 class RouterServicer(router_pb2_grpc.RouterServicer):
-    """Stateless per request except for the in-flight table used for admission."""
+    """Stateless per request except for the in-flight table used for admission.
 
-    def __init__(self, config: RouterConfig, tokenizer: Tokenizer) -> None:
+    Pools start as the config's worker lists; an orchestrator changes them with ``set_pool``
+    and serves ``Scale`` through ``scaler`` (None: a fixed cluster).
+    """
+
+    def __init__(
+        self, config: RouterConfig, tokenizer: Tokenizer, scaler: PoolScaler | None = None
+    ) -> None:
         self.config = config
         self.tokenizer = tokenizer
+        self.scaler = scaler
         rng = random.Random(config.seed)
         prefill = config.prefill_address_list if config.mode == "disaggregated" else ()
         self.prefill_pool = WorkerPool(worker_pb2.WORKER_ROLE_PREFILL, prefill)
@@ -85,6 +94,19 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
 
     async def _poll_once(self) -> None:
         await asyncio.gather(self.prefill_pool.poll_all(), self.decode_pool.poll_all())
+
+    async def set_pool(self, role: str, members: dict[str, bool]) -> None:
+        """Make the ``prefill`` or ``decode`` pool exactly ``members`` (address -> draining).
+        Added workers are routable once healthy; draining ones get nothing new."""
+        pool = self.prefill_pool if role == "prefill" else self.decode_pool
+        await pool.set_members(members)
+
+    def num_inflight_by_worker(self) -> dict[str, int]:
+        """This router's requests in flight on each worker (address), prefill and decode."""
+        return {
+            w.address: w.num_inflight
+            for w in (*self.prefill_pool.workers, *self.decode_pool.workers)
+        }
 
     async def _poll_forever(self) -> None:
         while True:
@@ -200,7 +222,15 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                         decode_request.kv_peer.CopyFrom(response.kv_peer)
                     if stream.finished:
                         return
-            async for message in self._decode(decode_request, stream, plan, slot, context):
+
+            def drop_lease() -> None:  # the prompt is recomputed instead of pulled
+                nonlocal lease_holder
+                if lease_holder is not None:
+                    self._background.spawn(self._release(lease_holder, req_id))
+                    lease_holder = None
+
+            decoding = self._decode(decode_request, stream, plan, slot, context, drop_lease)
+            async for message in decoding:
                 lease_holder = None  # the decode worker owns the pull and its release now
                 yield message
         finally:
@@ -250,9 +280,11 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         plan: RoutePlan,
         slot: InflightSlot,
         context: grpc.aio.ServicerContext,
+        drop_lease: Callable[[], None],
     ) -> AsyncIterator[router_pb2.GenerateResponse]:
         """Stream the decode on the planned worker (``slot``'s); on a failure continue on
-        another one, moving ``slot`` along."""
+        another one, moving ``slot`` along, from the prompt and the tokens sent so far (the
+        prefill worker's lease is released: the next decode worker computes the prompt)."""
         tried: set[str] = set()
         prompt_blocks = len(plan.prefill.block_hashes)
         for _ in range(self.config.max_decode_retries + 1):
@@ -296,6 +328,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                 request.output_token_ids.extend(stream.output_token_ids)
                 request.ClearField("kv_ref")
                 request.ClearField("kv_peer")
+                drop_lease()
             finally:
                 # A no-op when the call completed; otherwise the worker aborts the request.
                 call.cancel()
@@ -334,6 +367,30 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         plan = await self.planner.plan(None, prepared.prompt_token_ids)
         return explain_response(plan, len(prepared.prompt_token_ids))
 
+    # ----------------------------------------------------------------------------- Scale
+    async def Scale(
+        self, request: router_pb2.ScaleRequest, context: grpc.aio.ServicerContext
+    ) -> router_pb2.ScaleResponse:
+        """Hand the pool's new size to the orchestrator (which starts or drains workers)."""
+        role = SCALABLE_ROLES.get(request.role)
+        if role is None:
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                "role: must be WORKER_ROLE_PREFILL or WORKER_ROLE_DECODE",
+            )
+        if self.scaler is None:
+            await context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                "this cluster has no orchestrator to scale it (it runs as plain processes; "
+                "start it with Ray: splitserve up without --no-ray)",
+            )
+        try:
+            pools = await self.scaler.scale(role, request.num_workers)
+        except ValueError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        logger.info("scale: %s pool to %d workers", role, request.num_workers)
+        return router_pb2.ScaleResponse(pools=[p.to_proto() for p in pools])
+
     # ----------------------------------------------------------------------------- Status
     async def Status(
         self, request: router_pb2.StatusRequest, context: grpc.aio.ServicerContext
@@ -348,9 +405,11 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                 info=w.info,
                 load=w.load,
                 last_error=w.last_error,
+                draining=w.draining,
             )
             for w in (*self.prefill_pool.workers, *self.decode_pool.workers)
         ]
+        pools = await self.scaler.pools() if self.scaler is not None else []
         return router_pb2.StatusResponse(
             mode=self.config.mode,
             model=self.config.model,
@@ -358,6 +417,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             num_inflight_requests=len(self._inflight),
             prefix_hit_blocks_predicted=self.planner.prefill_chooser.num_hit_blocks_predicted,
             prefix_hit_blocks_realized=self.planner.prefill_chooser.num_hit_blocks_realized,
+            pools=[p.to_proto() for p in pools],
         )
 
 
@@ -406,9 +466,27 @@ def _build_planner(
     )
 
 
-async def serve(config: RouterConfig) -> None:
+@dataclass(slots=True)
+class RunningRouter:
+    """A started router: its servicer and the port it serves on."""
+
+    servicer: RouterServicer
+    serving: ServingServer
+
+    @property
+    def port(self) -> int:
+        return self.serving.port
+
+    async def stop(self, grace_s: float = 5.0) -> None:
+        """Stop serving (in-flight calls get ``grace_s``), then close the worker channels."""
+        await self.serving.stop(grace_s)
+        await self.servicer.stop()
+
+
+async def start_router(config: RouterConfig, scaler: PoolScaler | None = None) -> RunningRouter:
+    """Load the tokenizer, start serving and polling the workers; health is SERVING on return."""
     tokenizer = await asyncio.to_thread(lambda: Tokenizer(resolve_model(config.model)))
-    servicer = RouterServicer(config, tokenizer)
+    servicer = RouterServicer(config, tokenizer, scaler)
     serving = await start_server(
         config.host,
         config.port,
@@ -429,7 +507,13 @@ async def serve(config: RouterConfig) -> None:
         len(servicer.prefill_pool.workers),
         len(servicer.decode_pool.workers),
     )
-    await serve_until_signal(serving, servicer.stop)
+    return RunningRouter(servicer, serving)
+
+
+async def serve(config: RouterConfig) -> None:
+    """Run a router until SIGTERM / SIGINT."""
+    router = await start_router(config)
+    await serve_until_signal(router.serving, router.servicer.stop)
 
 
 def main(argv: list[str] | None = None) -> int:

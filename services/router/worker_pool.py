@@ -4,16 +4,22 @@ Health and load come from polling each worker's ``GetLoad`` every ``health_check
 a failed call marks the worker unhealthy until a later poll succeeds. Between polls the router
 counts its own in-flight requests per worker (``num_inflight``); the choosers
 (``prefill_choice``, ``decode_choice``) weigh both.
+
+Membership is static (the router's flags) or set at run time by an orchestrator
+(``WorkerPool.set_members``): an added worker becomes routable once a poll succeeds; a draining
+one keeps its in-flight requests but is chosen for nothing new.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from dataclasses import dataclass, field
 
 import grpc
 
+from services.common.background import BackgroundTasks
 from services.common.convert import ROLE_NAMES
 from services.common.grpc_server import CHANNEL_OPTIONS
 from splitserve.v1 import worker_pb2, worker_pb2_grpc
@@ -21,6 +27,8 @@ from splitserve.v1 import worker_pb2, worker_pb2_grpc
 logger = logging.getLogger(__name__)
 
 _POLL_TIMEOUT_S = 2.0
+_RETIRED_POLL_S = 0.5
+_RETIRED_CLOSE_TIMEOUT_S = 600.0
 
 
 @dataclass(slots=True, eq=False)
@@ -36,6 +44,12 @@ class WorkerHandle:
     load: worker_pb2.WorkerLoad = field(default_factory=worker_pb2.WorkerLoad)
     last_error: str = ""
     num_inflight: int = 0
+    draining: bool = False
+
+    @property
+    def routable(self) -> bool:
+        """May be chosen for a new request."""
+        return self.healthy and not self.draining
 
     def mark_failed(self, error: str) -> None:
         if self.healthy:
@@ -82,25 +96,68 @@ class InflightSlot:
 
 
 class WorkerPool:
-    """All workers of one role."""
+    """All workers of one role, in the order they joined."""
 
     def __init__(self, role: worker_pb2.WorkerRole.ValueType, addresses: tuple[str, ...]) -> None:
         self.role = role
-        stub_cls = (
+        self._stub_cls = (
             worker_pb2_grpc.PrefillWorkerStub
             if role == worker_pb2.WORKER_ROLE_PREFILL
             else worker_pb2_grpc.DecodeWorkerStub
         )
-        self.workers: list[WorkerHandle] = []
-        for address in addresses:
-            channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
-            self.workers.append(WorkerHandle(address, role, channel, stub_cls(channel)))
+        self.workers: list[WorkerHandle] = [self._connect(address) for address in addresses]
+        # Removed from the pool, channel still open for the calls in flight on it.
+        self._retired: set[WorkerHandle] = set()
+        self._background = BackgroundTasks()
 
-    def healthy_workers(self) -> list[WorkerHandle]:
-        return [w for w in self.workers if w.healthy]
+    def _connect(self, address: str) -> WorkerHandle:
+        channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+        return WorkerHandle(address, self.role, channel, self._stub_cls(channel))
+
+    def routable_workers(self) -> list[WorkerHandle]:
+        return [w for w in self.workers if w.routable]
+
+    def get(self, address: str) -> WorkerHandle | None:
+        return next((w for w in self.workers if w.address == address), None)
+
+    async def set_members(self, members: dict[str, bool]) -> None:
+        """Make the pool exactly ``members`` (address -> draining). New workers are polled
+        before this returns (routable if they answered); a removed one's channel is closed once
+        the calls still open on it have ended."""
+        removed = [w for w in self.workers if w.address not in members]
+        added: list[WorkerHandle] = []
+        for address, draining in members.items():
+            worker = self.get(address)
+            if worker is None:
+                worker = self._connect(address)
+                added.append(worker)
+                self.workers.append(worker)
+            if worker.draining != draining:
+                logger.info(
+                    "%s worker %s %s",
+                    worker.role_name,
+                    address,
+                    "draining" if draining else "routable again",
+                )
+            worker.draining = draining
+        self.workers = [w for w in self.workers if w.address in members]
+        for worker in removed:
+            logger.info("%s worker %s removed from the pool", worker.role_name, worker.address)
+            self._retired.add(worker)
+            self._background.spawn(self._close_when_idle(worker))
+        await asyncio.gather(*(w.poll() for w in added))
+
+    async def _close_when_idle(self, worker: WorkerHandle) -> None:
+        # Closing a channel cancels its calls as if our own client had gone away: wait for the
+        # ones still open to end (a dead worker's fail fast; a drained worker has none).
+        deadline_s = time.monotonic() + _RETIRED_CLOSE_TIMEOUT_S
+        while worker.num_inflight and time.monotonic() < deadline_s:
+            await asyncio.sleep(_RETIRED_POLL_S)
+        self._retired.discard(worker)
+        await worker.channel.close()
 
     async def poll_all(self) -> None:
         await asyncio.gather(*(w.poll() for w in self.workers))
 
     async def close(self) -> None:
-        await asyncio.gather(*(w.channel.close() for w in self.workers))
+        await asyncio.gather(*(w.channel.close() for w in (*self.workers, *self._retired)))

@@ -104,36 +104,70 @@ class StatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class StatusResponse(_message.Message):
-    __slots__ = ("mode", "model", "workers", "num_inflight_requests", "prefix_hit_blocks_predicted", "prefix_hit_blocks_realized")
+    __slots__ = ("mode", "model", "workers", "num_inflight_requests", "prefix_hit_blocks_predicted", "prefix_hit_blocks_realized", "pools")
     MODE_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     WORKERS_FIELD_NUMBER: _ClassVar[int]
     NUM_INFLIGHT_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     PREFIX_HIT_BLOCKS_PREDICTED_FIELD_NUMBER: _ClassVar[int]
     PREFIX_HIT_BLOCKS_REALIZED_FIELD_NUMBER: _ClassVar[int]
+    POOLS_FIELD_NUMBER: _ClassVar[int]
     mode: str
     model: str
     workers: _containers.RepeatedCompositeFieldContainer[WorkerStatus]
     num_inflight_requests: int
     prefix_hit_blocks_predicted: int
     prefix_hit_blocks_realized: int
-    def __init__(self, mode: _Optional[str] = ..., model: _Optional[str] = ..., workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ..., num_inflight_requests: _Optional[int] = ..., prefix_hit_blocks_predicted: _Optional[int] = ..., prefix_hit_blocks_realized: _Optional[int] = ...) -> None: ...
+    pools: _containers.RepeatedCompositeFieldContainer[PoolStatus]
+    def __init__(self, mode: _Optional[str] = ..., model: _Optional[str] = ..., workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ..., num_inflight_requests: _Optional[int] = ..., prefix_hit_blocks_predicted: _Optional[int] = ..., prefix_hit_blocks_realized: _Optional[int] = ..., pools: _Optional[_Iterable[_Union[PoolStatus, _Mapping]]] = ...) -> None: ...
+
+class PoolStatus(_message.Message):
+    __slots__ = ("role", "desired_workers", "num_ready", "num_starting", "num_draining", "num_restarts")
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    DESIRED_WORKERS_FIELD_NUMBER: _ClassVar[int]
+    NUM_READY_FIELD_NUMBER: _ClassVar[int]
+    NUM_STARTING_FIELD_NUMBER: _ClassVar[int]
+    NUM_DRAINING_FIELD_NUMBER: _ClassVar[int]
+    NUM_RESTARTS_FIELD_NUMBER: _ClassVar[int]
+    role: _worker_pb2.WorkerRole
+    desired_workers: int
+    num_ready: int
+    num_starting: int
+    num_draining: int
+    num_restarts: int
+    def __init__(self, role: _Optional[_Union[_worker_pb2.WorkerRole, str]] = ..., desired_workers: _Optional[int] = ..., num_ready: _Optional[int] = ..., num_starting: _Optional[int] = ..., num_draining: _Optional[int] = ..., num_restarts: _Optional[int] = ...) -> None: ...
+
+class ScaleRequest(_message.Message):
+    __slots__ = ("role", "num_workers")
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    NUM_WORKERS_FIELD_NUMBER: _ClassVar[int]
+    role: _worker_pb2.WorkerRole
+    num_workers: int
+    def __init__(self, role: _Optional[_Union[_worker_pb2.WorkerRole, str]] = ..., num_workers: _Optional[int] = ...) -> None: ...
+
+class ScaleResponse(_message.Message):
+    __slots__ = ("pools",)
+    POOLS_FIELD_NUMBER: _ClassVar[int]
+    pools: _containers.RepeatedCompositeFieldContainer[PoolStatus]
+    def __init__(self, pools: _Optional[_Iterable[_Union[PoolStatus, _Mapping]]] = ...) -> None: ...
 
 class WorkerStatus(_message.Message):
-    __slots__ = ("address", "role", "healthy", "info", "load", "last_error")
+    __slots__ = ("address", "role", "healthy", "info", "load", "last_error", "draining")
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     HEALTHY_FIELD_NUMBER: _ClassVar[int]
     INFO_FIELD_NUMBER: _ClassVar[int]
     LOAD_FIELD_NUMBER: _ClassVar[int]
     LAST_ERROR_FIELD_NUMBER: _ClassVar[int]
+    DRAINING_FIELD_NUMBER: _ClassVar[int]
     address: str
     role: _worker_pb2.WorkerRole
     healthy: bool
     info: _worker_pb2.WorkerInfo
     load: _worker_pb2.WorkerLoad
     last_error: str
-    def __init__(self, address: _Optional[str] = ..., role: _Optional[_Union[_worker_pb2.WorkerRole, str]] = ..., healthy: _Optional[bool] = ..., info: _Optional[_Union[_worker_pb2.WorkerInfo, _Mapping]] = ..., load: _Optional[_Union[_worker_pb2.WorkerLoad, _Mapping]] = ..., last_error: _Optional[str] = ...) -> None: ...
+    draining: bool
+    def __init__(self, address: _Optional[str] = ..., role: _Optional[_Union[_worker_pb2.WorkerRole, str]] = ..., healthy: _Optional[bool] = ..., info: _Optional[_Union[_worker_pb2.WorkerInfo, _Mapping]] = ..., load: _Optional[_Union[_worker_pb2.WorkerLoad, _Mapping]] = ..., last_error: _Optional[str] = ..., draining: _Optional[bool] = ...) -> None: ...
 
 class PrefillCandidateScore(_message.Message):
     __slots__ = ("address", "worker_id", "matched_blocks", "queued_blocks", "cost", "reserved_blocks", "reserved_requests", "eligible")

@@ -49,6 +49,11 @@ class RouterStub:
                 request_serializer=splitserve_dot_v1_dot_router__pb2.GenerateRequest.SerializeToString,
                 response_deserializer=splitserve_dot_v1_dot_router__pb2.ExplainResponse.FromString,
                 _registered_method=True)
+        self.Scale = channel.unary_unary(
+                '/splitserve.v1.Router/Scale',
+                request_serializer=splitserve_dot_v1_dot_router__pb2.ScaleRequest.SerializeToString,
+                response_deserializer=splitserve_dot_v1_dot_router__pb2.ScaleResponse.FromString,
+                _registered_method=True)
 
 
 class RouterServicer:
@@ -79,6 +84,17 @@ class RouterServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Scale(self, request, context):
+        """Set the number of workers of the prefill or the decode pool. Answers once the orchestrator
+        has taken the new size (Status shows it converge): added workers become routable when
+        healthy; removed ones first drain (nothing new, in-flight requests and KV leases finish).
+        INVALID_ARGUMENT for a pool or size it cannot have; FAILED_PRECONDITION when the cluster
+        runs without an orchestrator (splitserve up --no-ray, plain processes).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_RouterServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -96,6 +112,11 @@ def add_RouterServicer_to_server(servicer, server):
                     servicer.Explain,
                     request_deserializer=splitserve_dot_v1_dot_router__pb2.GenerateRequest.FromString,
                     response_serializer=splitserve_dot_v1_dot_router__pb2.ExplainResponse.SerializeToString,
+            ),
+            'Scale': grpc.unary_unary_rpc_method_handler(
+                    servicer.Scale,
+                    request_deserializer=splitserve_dot_v1_dot_router__pb2.ScaleRequest.FromString,
+                    response_serializer=splitserve_dot_v1_dot_router__pb2.ScaleResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -179,6 +200,33 @@ class Router:
             '/splitserve.v1.Router/Explain',
             splitserve_dot_v1_dot_router__pb2.GenerateRequest.SerializeToString,
             splitserve_dot_v1_dot_router__pb2.ExplainResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Scale(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/splitserve.v1.Router/Scale',
+            splitserve_dot_v1_dot_router__pb2.ScaleRequest.SerializeToString,
+            splitserve_dot_v1_dot_router__pb2.ScaleResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,154 @@
+"""``splitserve status`` and ``splitserve scale``: a cluster's pools, workers and sizes.
+
+Both talk to a router over gRPC (``Router.Status`` / ``Router.Scale``), the same address clients
+use; on Ray the router forwards ``Scale`` to the cluster controller.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from collections.abc import Sequence
+
+import grpc
+from google.protobuf import json_format
+
+from services.common.convert import ROLE_NAMES
+from services.common.grpc_server import CHANNEL_OPTIONS
+from splitserve.v1 import router_pb2, router_pb2_grpc, worker_pb2
+
+_ROLES = {"prefill": worker_pb2.WORKER_ROLE_PREFILL, "decode": worker_pb2.WORKER_ROLE_DECODE}
+_WAIT_POLL_S = 0.5
+
+
+def add_parsers(subparsers: argparse._SubParsersAction) -> None:
+    status = subparsers.add_parser(
+        "status", help="pools, workers, health, load and KV usage of a running cluster"
+    )
+    status.add_argument("--target", default="127.0.0.1:50051", help="router host:port")
+    status.add_argument("--json", action="store_true", help="print Router.Status as JSON")
+    status.set_defaults(func=run_status)
+    scale = subparsers.add_parser(
+        "scale", help="set the number of prefill or decode workers of a running cluster"
+    )
+    scale.add_argument("pool", choices=tuple(_ROLES))
+    scale.add_argument("num_workers", type=int)
+    scale.add_argument("--target", default="127.0.0.1:50051", help="router host:port")
+    scale.add_argument(
+        "--wait", action="store_true", help="return once the pool has that many ready workers"
+    )
+    scale.add_argument("--timeout-s", type=float, default=600.0, help="deadline of --wait")
+    scale.set_defaults(func=run_scale)
+
+
+def run_status(args: argparse.Namespace) -> int:
+    with grpc.insecure_channel(args.target, options=CHANNEL_OPTIONS) as channel:
+        try:
+            status = router_pb2_grpc.RouterStub(channel).Status(
+                router_pb2.StatusRequest(), timeout=10.0
+            )
+        except grpc.RpcError as exc:
+            print(f"error: {exc.code().name}: {exc.details()}", file=sys.stderr)
+            return 2
+    if args.json:
+        print(json_format.MessageToJson(status, preserving_proto_field_name=True))
+    else:
+        print(format_status(status))
+    return 0
+
+
+def run_scale(args: argparse.Namespace) -> int:
+    if args.num_workers < 0:
+        print("error: num_workers must be >= 0", file=sys.stderr)
+        return 2
+    request = router_pb2.ScaleRequest(role=_ROLES[args.pool], num_workers=args.num_workers)
+    with grpc.insecure_channel(args.target, options=CHANNEL_OPTIONS) as channel:
+        stub = router_pb2_grpc.RouterStub(channel)
+        try:
+            reply = stub.Scale(request, timeout=30.0)
+            pools: Sequence[router_pb2.PoolStatus] = reply.pools
+            if args.wait:
+                pools = _wait_for_pool(stub, request.role, args.timeout_s)
+        except grpc.RpcError as exc:
+            print(f"error: {exc.code().name}: {exc.details()}", file=sys.stderr)
+            return 2
+        except TimeoutError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
+    print(format_pools(pools))
+    return 0
+
+
+def _wait_for_pool(
+    stub: router_pb2_grpc.RouterStub, role: int, timeout_s: float
+) -> Sequence[router_pb2.PoolStatus]:
+    deadline_s = time.monotonic() + timeout_s
+    while True:
+        pools = stub.Status(router_pb2.StatusRequest(), timeout=10.0).pools
+        pool = next(p for p in pools if p.role == role)
+        if pool.num_ready == pool.desired_workers and not (pool.num_starting or pool.num_draining):
+            return pools
+        if time.monotonic() > deadline_s:
+            raise TimeoutError(f"{ROLE_NAMES[role]} pool not at its size in {timeout_s:.0f} s")
+        time.sleep(_WAIT_POLL_S)
+
+
+def format_pools(pools: Sequence[router_pb2.PoolStatus]) -> str:
+    rows = [("POOL", "DESIRED", "READY", "STARTING", "DRAINING", "RESTARTS")]
+    rows += [
+        (
+            ROLE_NAMES[p.role],
+            str(p.desired_workers),
+            str(p.num_ready),
+            str(p.num_starting),
+            str(p.num_draining),
+            str(p.num_restarts),
+        )
+        for p in pools
+    ]
+    return _table(rows)
+
+
+def format_status(status: router_pb2.StatusResponse) -> str:
+    """The ``splitserve status`` table: the router, its pools, then one line per worker."""
+    lines = [
+        f"router: {status.mode}, model {status.model}, "
+        f"{status.num_inflight_requests} requests in flight"
+    ]
+    if status.pools:
+        lines += ["", format_pools(status.pools)]
+    else:
+        lines.append("pools: fixed (no orchestrator; splitserve up --no-ray)")
+    rows = [
+        ("ROLE", "ADDRESS", "WORKER_ID", "STATE", "RUNNING", "WAITING", "KV_LEASES", "KV_USAGE",
+         "QUEUED_PREFILL_TOKENS"),
+    ]  # fmt: skip
+    for w in status.workers:
+        state = "draining" if w.draining else "ready" if w.healthy else "unhealthy"
+        rows.append(
+            (
+                ROLE_NAMES[w.role],
+                w.address,
+                w.info.worker_id or "-",
+                state,
+                str(w.load.num_running),
+                str(w.load.num_waiting + w.load.num_waiting_for_kv),
+                str(w.load.num_kv_leases),
+                f"{w.load.kv_usage:.1%}",
+                str(w.load.num_queued_prefill_tokens),
+            )
+        )
+    lines += ["", _table(rows)]
+    errors = [f"  {w.address}: {w.last_error}" for w in status.workers if w.last_error]
+    if errors:
+        lines += ["", "last errors:", *errors]
+    return "\n".join(lines)
+
+
+def _table(rows: Sequence[Sequence[str]]) -> str:
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    return "\n".join(
+        "  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip()
+        for row in rows
+    )

@@ -1,0 +1,153 @@
+"""Ray actor classes: each runs one plain service in its own process, on the actor's loop.
+
+A thin wrapper: the service is exactly what ``python -m services.<role>`` runs (the same
+``start_*`` function), so an actor's death is the service's death and nothing else differs.
+The controller places them (custom resources ``{"prefill": 1}`` / ``{"decode": 1}``, GPUs)
+and drives them through these methods; clients and routers talk to the services over gRPC.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import ray
+
+from services.common.logs import configure_logging
+from services.common.worker_config import WorkerConfig
+from services.common.worker_runtime import RunningWorker
+from services.launcher import free_port
+from services.router.config import RouterConfig
+from services.router.scaler import PoolSize
+from services.router.server import RunningRouter, start_router
+
+_ANY_ADDRESS = ("0.0.0.0", "::", "")
+
+
+@dataclass(frozen=True, slots=True)
+class Endpoint:
+    """Where a started service is reached (``address`` is what routers and clients dial)."""
+
+    address: str
+    metrics_port: int
+    pid: int
+
+
+def _advertised_host(host: str) -> str:
+    """The address peers dial for a server bound to ``host`` (the node's IP for a wildcard)."""
+    return ray.util.get_node_ip_address() if host in _ANY_ADDRESS else host
+
+
+class _WorkerActor:
+    """A prefill or decode worker; ``start`` loads the model and returns once it serves."""
+
+    role: ClassVar[str]
+
+    def __init__(self, config: WorkerConfig, log_level: str) -> None:
+        configure_logging(log_level)
+        # Several actors share a node: each gets its own ports; peers dial the node's address.
+        metrics_port = config.metrics_port or free_port(config.host)
+        kv_advertise_host = config.kv_advertise_host or _advertised_host(config.kv_host)
+        self._config = dataclasses.replace(
+            config, port=0, metrics_port=metrics_port, kv_advertise_host=kv_advertise_host
+        )
+        self._worker: RunningWorker | None = None
+
+    async def start(self) -> Endpoint:
+        self._worker = await self._start_worker(self._config)
+        host = _advertised_host(self._config.host)
+        return Endpoint(f"{host}:{self._worker.port}", self._config.metrics_port, os.getpid())
+
+    async def _start_worker(self, config: WorkerConfig) -> RunningWorker:
+        raise NotImplementedError
+
+    async def stop(self, grace_s: float) -> None:
+        """Stop serving (open calls get ``grace_s``) and free the engine; the actor stays."""
+        if self._worker is not None:
+            await self._worker.stop(grace_s)
+            self._worker = None
+
+    async def ping(self) -> int:
+        return os.getpid()
+
+
+class PrefillActor(_WorkerActor):
+    role = "prefill"
+
+    async def _start_worker(self, config: WorkerConfig) -> RunningWorker:
+        from services.prefill.server import start_prefill_worker
+
+        return await start_prefill_worker(config)
+
+
+class DecodeActor(_WorkerActor):
+    role = "decode"
+
+    async def _start_worker(self, config: WorkerConfig) -> RunningWorker:
+        from services.decode.server import start_decode_worker
+
+        return await start_decode_worker(config)
+
+
+class ControllerScaler:
+    """The router's ``PoolScaler``: forwards ``Scale`` and pool sizes to the controller."""
+
+    def __init__(self, controller: Any) -> None:
+        self._controller = controller
+
+    async def scale(self, role: str, num_workers: int) -> list[PoolSize]:
+        try:
+            return await self._controller.scale.remote(role, num_workers)
+        except ray.exceptions.RayTaskError as exc:
+            if isinstance(exc.cause, ValueError):  # the message without Ray's traceback
+                raise ValueError(str(exc.cause)) from None
+            raise
+
+    async def pools(self) -> list[PoolSize]:
+        return await self._controller.pools.remote()
+
+
+class RouterActor:
+    """A router; pool membership comes from the controller through ``set_pool``."""
+
+    role: ClassVar[str] = "router"
+
+    def __init__(self, config: RouterConfig, controller: Any, log_level: str) -> None:
+        configure_logging(log_level)
+        self._config = dataclasses.replace(
+            config, metrics_port=config.metrics_port or free_port(config.host)
+        )
+        self._controller = controller
+        self._router: RunningRouter | None = None
+
+    async def start(self) -> Endpoint:
+        self._router = await start_router(self._config, ControllerScaler(self._controller))
+        host = _advertised_host(self._config.host)
+        return Endpoint(f"{host}:{self._router.port}", self._config.metrics_port, os.getpid())
+
+    async def set_pool(self, role: str, members: dict[str, bool]) -> None:
+        """See ``RouterServicer.set_pool``."""
+        assert self._router is not None, "set_pool before start"
+        await self._router.servicer.set_pool(role, members)
+
+    async def num_inflight_by_worker(self) -> dict[str, int]:
+        if self._router is None:
+            return {}
+        return self._router.servicer.num_inflight_by_worker()
+
+    async def stop(self, grace_s: float) -> None:
+        if self._router is not None:
+            await self._router.stop(grace_s)
+            self._router = None
+
+    async def ping(self) -> int:
+        return os.getpid()
+
+
+ACTOR_CLASSES: dict[str, type] = {
+    "prefill": PrefillActor,
+    "decode": DecodeActor,
+    "router": RouterActor,
+}

@@ -1,0 +1,78 @@
+"""Configuration of a Ray-orchestrated cluster: its shape and how the controller runs it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from engine.flags import flag
+from services.router.config import MODES
+
+POOL_ROLES = ("prefill", "decode")
+
+
+@dataclass(frozen=True, slots=True)
+class ClusterConfig:
+    """Pool sizes, actor placement and the controller's timing (``splitserve up`` flags)."""
+
+    num_prefill_workers: int = flag(1, "prefill workers at start (splitserve scale changes it)")
+    num_decode_workers: int = flag(1, "decode workers at start (splitserve scale changes it)")
+    num_routers: int = flag(
+        1,
+        "router replicas sharing the workers, on ports --port, --port+1, ... (above 1 needs "
+        "--redis-url to share the prefix index and reservations)",
+    )
+    mode: str = flag(
+        "disaggregated",
+        "disaggregated: prefill and decode pools; colocated: decode workers run whole requests",
+        choices=MODES,
+    )
+    host: str = flag("127.0.0.1", "address every server binds (0.0.0.0 in a pod)")
+    port: int = flag(50051, "first router's port")
+    ray: bool = flag(True, "run every service as a Ray actor (--no-ray: plain local processes)")
+    ray_address: str = flag(
+        "", "Ray cluster to join (auto: the one this node belongs to; empty: start a local one)"
+    )
+    prefill_num_gpus: float = flag(0.0, "GPUs each prefill worker actor reserves")
+    decode_num_gpus: float = flag(0.0, "GPUs each decode worker actor reserves")
+    max_workers_per_pool: int = flag(64, "largest size splitserve scale accepts for a pool")
+    worker_start_timeout_s: float = flag(
+        600.0, "seconds a new worker may take to load its model and turn healthy"
+    )
+    drain_timeout_s: float = flag(
+        300.0,
+        "seconds a draining worker gets to finish its requests and have its KV leases "
+        "released before it is stopped anyway (its requests then move to other workers)",
+    )
+    reconcile_interval_s: float = flag(
+        1.0, "seconds between the controller's liveness checks of every actor"
+    )
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
+        if self.num_routers < 1:
+            raise ValueError(f"num_routers must be >= 1, got {self.num_routers}")
+        self.check_pool_size("prefill", self.num_prefill_workers)
+        self.check_pool_size("decode", self.num_decode_workers)
+        for name in ("worker_start_timeout_s", "drain_timeout_s", "reconcile_interval_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.prefill_num_gpus < 0 or self.decode_num_gpus < 0:
+            raise ValueError("prefill_num_gpus and decode_num_gpus must be >= 0")
+
+    def check_pool_size(self, role: str, num_workers: int) -> None:
+        """Raise ``ValueError`` naming the problem if ``role``'s pool cannot have that size."""
+        if role not in POOL_ROLES:
+            raise ValueError(f"role must be one of {POOL_ROLES}, got {role!r}")
+        if not 0 <= num_workers <= self.max_workers_per_pool:
+            raise ValueError(
+                f"num_workers: {role} pool size must be in [0, {self.max_workers_per_pool}] "
+                f"(max_workers_per_pool), got {num_workers}"
+            )
+        if role == "decode" and num_workers < 1:
+            raise ValueError("num_workers: the decode pool needs at least 1 worker")
+        if role == "prefill" and num_workers > 0 and self.mode == "colocated":
+            raise ValueError("num_workers: a colocated cluster has no prefill pool")
+
+    def num_gpus(self, role: str) -> float:
+        return self.prefill_num_gpus if role == "prefill" else self.decode_num_gpus

@@ -1,0 +1,420 @@
+"""The cluster controller: a Ray actor that keeps each pool at its desired size.
+
+Every ``reconcile_interval_s`` (and at once after ``scale``) it:
+
+1. pings every actor; a dead one is dropped from the routers' pools and replaced;
+2. starts workers a pool lacks (routable once their ``start`` returns, i.e. serving), and
+   picks the ones a smaller pool must lose: still-starting ones first, then those with the
+   least work (``members.pick_victims``);
+3. drains those: the routers stop choosing them at once (``RouterActor.set_pool``), the worker
+   finishes its requests and has its KV leases pulled, then it is removed from the routers and
+   stopped;
+4. keeps ``num_routers`` routers, each on its own port, told the pools whenever they change.
+
+The controller owns every actor it creates: when it dies (the ``splitserve up`` driver exits),
+Ray ends them all.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import itertools
+import logging
+import secrets
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+import ray
+
+from services.cluster.actors import ACTOR_CLASSES, Endpoint
+from services.cluster.config import POOL_ROLES, ClusterConfig
+from services.cluster.members import Member, MemberState, busy_units, pick_victims, pool_size
+from services.common.background import BackgroundTasks
+from services.common.logs import configure_logging
+from services.common.worker_config import WorkerConfig
+from services.router.config import RouterConfig
+from services.router.scaler import PoolSize
+from splitserve.v1 import worker_pb2, worker_pb2_grpc
+
+logger = logging.getLogger(__name__)
+
+ROLES = ("router", *POOL_ROLES)
+# Ray's resource of the head node: routers and the controller live there (the chart's Service
+# targets the head pod).
+HEAD_RESOURCE = "node:__internal_head__"
+_PING_TIMEOUT_S = 10.0
+_CALL_TIMEOUT_S = 5.0
+_DRAIN_POLL_S = 0.25
+# A drained worker must look idle this many polls in a row (a routing decision made just
+# before the pool change may still be on its way to it).
+_DRAIN_QUIET_POLLS = 2
+_STOP_GRACE_S = 5.0
+_MAX_START_BACKOFF_S = 30.0
+
+
+@dataclass(frozen=True, slots=True)
+class MemberView:
+    """One actor as ``members`` reports it."""
+
+    name: str
+    role: str
+    state: str
+    address: str
+    metrics_port: int
+    pid: int
+
+
+class ClusterController:
+    """Reconciles router replicas and the prefill and decode pools (see the module doc).
+
+    ``worker`` and ``router`` are the configs every new actor starts from (its id, ports and
+    pools are filled in per actor).
+    """
+
+    def __init__(
+        self,
+        cluster: ClusterConfig,
+        worker: WorkerConfig,
+        router: RouterConfig,
+        log_level: str = "INFO",
+    ) -> None:
+        configure_logging(log_level)
+        self._cluster = cluster
+        self._worker_config = worker
+        self._router_config = router
+        self._log_level = log_level
+        self._desired = {
+            "prefill": cluster.num_prefill_workers if cluster.mode == "disaggregated" else 0,
+            "decode": cluster.num_decode_workers,
+        }
+        self._members: dict[str, list[Member]] = {role: [] for role in ROLES}
+        self._num_restarts = dict.fromkeys(ROLES, 0)
+        self._start_failures = dict.fromkeys(ROLES, 0)
+        self._retry_at_s = dict.fromkeys(ROLES, 0.0)
+        self._last_error = dict.fromkeys(ROLES, "")
+        self._names = itertools.count()
+        self._token = secrets.token_hex(2)
+        self._channels: dict[str, tuple[grpc.aio.Channel, Any]] = {}
+        self._wakeup = asyncio.Event()
+        self._push_lock = asyncio.Lock()
+        self._background = BackgroundTasks()
+        self._loop_task: asyncio.Task[None] | None = None
+        self._closed = False
+
+    # ----------------------------------------------------------------------------- API
+    async def start(self) -> None:
+        """Begin reconciling (returns at once; see ``wait_ready``)."""
+        if self._loop_task is None:
+            self._loop_task = asyncio.get_running_loop().create_task(self._run())
+
+    async def wait_ready(self, timeout_s: float) -> list[str]:
+        """Wait until every pool and router is at its size with nothing starting or draining;
+        return the routers' addresses. ``TimeoutError`` names what is missing."""
+        loop = asyncio.get_running_loop()
+        deadline_s = loop.time() + timeout_s
+        while not self._converged():
+            if loop.time() > deadline_s:
+                errors = "; ".join(f"{r}: {e}" for r, e in self._last_error.items() if e)
+                raise TimeoutError(
+                    f"cluster not ready after {timeout_s:.0f} s: {self._sizes()}"
+                    + (f"; last errors: {errors}" if errors else "")
+                )
+            await asyncio.sleep(0.1)
+        return [m.address for m in sorted(self._members["router"], key=lambda m: m.slot)]
+
+    async def scale(self, role: str, num_workers: int) -> list[PoolSize]:
+        """Set a pool's desired size (``ValueError`` if it cannot have it); reconciles at once
+        and returns every pool's size."""
+        self._cluster.check_pool_size(role, num_workers)
+        if self._desired[role] != num_workers:
+            logger.info("%s pool: %d -> %d workers", role, self._desired[role], num_workers)
+        self._desired[role] = num_workers
+        self._wakeup.set()
+        return self._sizes()
+
+    async def pools(self) -> list[PoolSize]:
+        return self._sizes()
+
+    async def members(self) -> list[MemberView]:
+        return [
+            MemberView(m.name, m.role, m.state.value, m.address, m.metrics_port, m.pid)
+            for role in ROLES
+            for m in self._members[role]
+        ]
+
+    async def shutdown(self) -> None:
+        """Stop the routers, then every worker (gracefully), and kill their actors."""
+        self._closed = True
+        if self._loop_task is not None:
+            self._loop_task.cancel()
+        for role in ROLES:
+            for member in self._members[role]:
+                if member.task is not None:
+                    member.task.cancel()
+        routers, self._members["router"] = self._members["router"], []
+        await asyncio.gather(*(self._stop(m) for m in routers))
+        workers = [m for role in POOL_ROLES for m in self._members[role]]
+        for role in POOL_ROLES:
+            self._members[role] = []
+        await asyncio.gather(*(self._stop(m) for m in workers))
+
+    # ----------------------------------------------------------------------------- loop
+    def _sizes(self) -> list[PoolSize]:
+        return [
+            pool_size(role, self._desired[role], self._members[role], self._num_restarts[role])
+            for role in POOL_ROLES
+        ]
+
+    def _converged(self) -> bool:
+        routers = self._members["router"]
+        if sum(m.state is MemberState.READY for m in routers) != self._cluster.num_routers:
+            return False
+        return all(
+            s.num_ready == s.desired_workers and not s.num_starting and not s.num_draining
+            for s in self._sizes()
+        )
+
+    async def _run(self) -> None:
+        while not self._closed:
+            try:
+                await self._reconcile()
+            except Exception:
+                logger.exception("reconcile failed; retrying")
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wakeup.wait(), self._cluster.reconcile_interval_s)
+            self._wakeup.clear()
+
+    async def _reconcile(self) -> None:
+        changed = await self._reap_dead()
+        draining: list[Member] = []
+        for role in POOL_ROLES:
+            live = [m for m in self._members[role] if m.live]
+            missing = self._desired[role] - len(live)
+            if missing > 0:
+                for _ in range(missing):
+                    self._launch(role)
+            elif missing < 0:
+                busy = await self._busy([m for m in live if m.state is MemberState.READY])
+                for victim in pick_victims(live, busy, -missing):
+                    if victim.state is MemberState.STARTING:
+                        self._forget(victim)
+                        self._background.spawn(self._stop(victim))
+                    else:
+                        victim.state = MemberState.DRAINING
+                        draining.append(victim)
+                    changed = True
+        used_slots = {m.slot for m in self._members["router"]}
+        for slot in range(self._cluster.num_routers):
+            if slot not in used_slots:
+                self._launch("router", slot)
+        if changed:
+            await self._push_pools()
+        # Only once every router stopped choosing them (the push above).
+        for member in draining:
+            logger.info("draining %s %s (%s)", member.role, member.name, member.address)
+            member.task = asyncio.get_running_loop().create_task(self._drain(member))
+
+    # ----------------------------------------------------------------------------- start
+    def _launch(self, role: str, slot: int = 0) -> None:
+        loop = asyncio.get_running_loop()
+        if loop.time() < self._retry_at_s[role]:
+            return
+        name = f"{role}-{next(self._names)}-{self._token}"
+        member = Member(name, role, self._create_actor(role, name, slot), slot)
+        self._members[role].append(member)
+        member.task = loop.create_task(self._start(member))
+
+    def _create_actor(self, role: str, name: str, slot: int) -> Any:
+        actor_class = ray.remote(ACTOR_CLASSES[role])
+        if role == "router":
+            pools = {r: self._addresses(r) for r in POOL_ROLES}
+            port = self._cluster.port + slot if self._cluster.port else 0
+            config = dataclasses.replace(
+                self._router_config,
+                port=port,
+                router_id=f"{self._router_config.router_id or 'router'}-{slot}-{self._token}",
+                prefill_workers=",".join(pools["prefill"]),
+                decode_workers=",".join(pools["decode"]),
+            )
+            handle = ray.get_runtime_context().current_actor
+            return actor_class.options(num_cpus=0, resources={HEAD_RESOURCE: 0.001}).remote(
+                config, handle, self._log_level
+            )
+        config = dataclasses.replace(self._worker_config, worker_id=name)
+        return actor_class.options(
+            num_cpus=0, num_gpus=self._cluster.num_gpus(role), resources={role: 1}
+        ).remote(config, self._log_level)
+
+    async def _start(self, member: Member) -> None:
+        role = member.role
+        try:
+            endpoint: Endpoint = await asyncio.wait_for(
+                member.actor.start.remote(), self._cluster.worker_start_timeout_s
+            )
+        except Exception as exc:
+            failures = self._start_failures[role] = self._start_failures[role] + 1
+            backoff_s = min(2.0 ** (failures - 1), _MAX_START_BACKOFF_S)
+            self._retry_at_s[role] = asyncio.get_running_loop().time() + backoff_s
+            self._last_error[role] = f"{member.name} failed to start: {exc}"
+            logger.error("%s; retrying in %.0f s", self._last_error[role], backoff_s)
+            self._forget(member)
+            self._background.spawn(self._stop(member))
+            return
+        member.address = endpoint.address
+        member.metrics_port = endpoint.metrics_port
+        member.pid = endpoint.pid
+        member.state = MemberState.READY
+        member.task = None
+        self._start_failures[role] = 0
+        self._last_error[role] = ""
+        logger.info("%s %s ready at %s (pid %d)", role, member.name, member.address, member.pid)
+        await self._push_pools()
+
+    # ----------------------------------------------------------------------------- failures
+    async def _reap_dead(self) -> bool:
+        """Forget every actor that no longer answers; True if a pool changed."""
+        watched = [
+            m for role in ROLES for m in self._members[role] if m.state is not MemberState.STARTING
+        ]
+        alive = await asyncio.gather(*(self._alive(m) for m in watched))
+        changed = False
+        for member, ok in zip(watched, alive, strict=True):
+            if ok or member not in self._members[member.role]:
+                continue
+            logger.warning(
+                "%s %s (%s, pid %d) died; replacing it",
+                member.role,
+                member.name,
+                member.address,
+                member.pid,
+            )
+            if member.state is MemberState.READY:
+                self._num_restarts[member.role] += 1
+            if member.task is not None:
+                member.task.cancel()
+            self._forget(member)
+            self._background.spawn(self._stop(member))
+            changed = True
+        return changed
+
+    @staticmethod
+    async def _alive(member: Member) -> bool:
+        try:
+            await asyncio.wait_for(member.actor.ping.remote(), _PING_TIMEOUT_S)
+        except ray.exceptions.RayActorError:
+            return False
+        except TimeoutError:
+            logger.warning("%s %s did not answer a ping in time", member.role, member.name)
+        return True
+
+    # ----------------------------------------------------------------------------- drain
+    async def _drain(self, member: Member) -> None:
+        loop = asyncio.get_running_loop()
+        deadline_s = loop.time() + self._cluster.drain_timeout_s
+        quiet_polls = 0
+        while quiet_polls < _DRAIN_QUIET_POLLS:
+            if loop.time() > deadline_s:
+                logger.warning(
+                    "%s %s still busy after %.0f s of draining; stopping it anyway",
+                    member.role,
+                    member.name,
+                    self._cluster.drain_timeout_s,
+                )
+                break
+            await asyncio.sleep(_DRAIN_POLL_S)
+            busy = await self._busy([member])
+            quiet_polls = quiet_polls + 1 if busy[member.name] == 0 else 0
+        self._forget(member)
+        await self._push_pools()
+        await self._stop(member)
+        logger.info("%s %s drained and removed", member.role, member.name)
+
+    async def _busy(self, members: list[Member]) -> dict[str, int]:
+        """``busy_units`` of each worker: its own load plus every router's calls open on it."""
+        if not members:
+            return {}
+        routers = [m for m in self._members["router"] if m.state is MemberState.READY]
+        inflight_maps, loads = await asyncio.gather(
+            asyncio.gather(*(self._router_inflight(r) for r in routers)),
+            asyncio.gather(*(self._load(m) for m in members)),
+        )
+        return {
+            m.name: busy_units(load, sum(i.get(m.address, 0) for i in inflight_maps))
+            for m, load in zip(members, loads, strict=True)
+        }
+
+    @staticmethod
+    async def _router_inflight(router: Member) -> dict[str, int]:
+        try:
+            return await asyncio.wait_for(
+                router.actor.num_inflight_by_worker.remote(), _CALL_TIMEOUT_S
+            )
+        except Exception as exc:  # a dead router has nothing in flight; the reaper replaces it
+            logger.warning("router %s: no in-flight counts (%r)", router.name, exc)
+            return {}
+
+    async def _load(self, member: Member) -> worker_pb2.WorkerLoad:
+        """The worker's ``GetLoad`` (empty if it does not answer: there is nothing to wait for
+        on a worker that cannot serve)."""
+        if member.address not in self._channels:
+            channel = grpc.aio.insecure_channel(member.address)
+            stub_class = (
+                worker_pb2_grpc.PrefillWorkerStub
+                if member.role == "prefill"
+                else worker_pb2_grpc.DecodeWorkerStub
+            )
+            self._channels[member.address] = (channel, stub_class(channel))
+        stub = self._channels[member.address][1]
+        try:
+            return await stub.GetLoad(worker_pb2.GetLoadRequest(), timeout=_CALL_TIMEOUT_S)
+        except grpc.aio.AioRpcError as exc:
+            logger.warning("%s %s: GetLoad failed (%s)", member.role, member.name, exc.code().name)
+            return worker_pb2.WorkerLoad()
+
+    # ----------------------------------------------------------------------------- membership
+    def _addresses(self, role: str) -> list[str]:
+        return [m.address for m in self._members[role] if m.state is MemberState.READY]
+
+    def _forget(self, member: Member) -> None:
+        if member in self._members[member.role]:
+            self._members[member.role].remove(member)
+        entry = self._channels.pop(member.address, None)
+        if entry is not None:
+            self._background.spawn(entry[0].close())
+        self._wakeup.set()
+
+    async def _push_pools(self) -> None:
+        """Tell every ready router each pool's members (address -> draining)."""
+        async with self._push_lock:
+            pools = {
+                role: {
+                    m.address: m.state is MemberState.DRAINING
+                    for m in self._members[role]
+                    if m.state is not MemberState.STARTING
+                }
+                for role in POOL_ROLES
+            }
+            routers = [m for m in self._members["router"] if m.state is MemberState.READY]
+            await asyncio.gather(*(self._push_to(r, pools) for r in routers))
+
+    @staticmethod
+    async def _push_to(router: Member, pools: dict[str, dict[str, bool]]) -> None:
+        try:
+            for role, members in pools.items():
+                await asyncio.wait_for(router.actor.set_pool.remote(role, members), _CALL_TIMEOUT_S)
+        except Exception as exc:  # the reaper replaces a dead router, which starts up to date
+            logger.warning("router %s: pool update failed (%r)", router.name, exc)
+
+    @staticmethod
+    async def _stop(member: Member) -> None:
+        """Stop the service gracefully if it still answers, then end the actor."""
+        try:
+            await asyncio.wait_for(
+                member.actor.stop.remote(_STOP_GRACE_S), _STOP_GRACE_S + _CALL_TIMEOUT_S
+            )
+        except Exception as exc:
+            logger.debug("%s %s: no graceful stop (%r)", member.role, member.name, exc)
+        ray.kill(member.actor)

@@ -1,0 +1,78 @@
+"""The controller's bookkeeping of one actor and the choice of workers to remove.
+
+Torch- and Ray-free so that the rules are plain functions: a member moves
+``STARTING -> READY -> DRAINING -> (removed)``; a dead one is removed from any state.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from services.router.scaler import PoolSize
+from splitserve.v1 import worker_pb2
+
+
+class MemberState(enum.Enum):
+    STARTING = "starting"  # actor created, service loading; not routable
+    READY = "ready"  # serving; routable
+    DRAINING = "draining"  # routers send it nothing new; removed once idle
+
+
+@dataclass(slots=True, eq=False)
+class Member:
+    """One actor of a pool (or a router) as the controller tracks it."""
+
+    name: str
+    role: str
+    actor: Any  # ray.actor.ActorHandle
+    slot: int = 0  # routers: which port (--port + slot) it serves on
+    state: MemberState = MemberState.STARTING
+    address: str = ""
+    metrics_port: int = 0
+    pid: int = 0
+    task: asyncio.Task[None] | None = field(default=None, repr=False)
+
+    @property
+    def live(self) -> bool:
+        """Counts toward the pool's size (a draining member is on its way out)."""
+        return self.state is not MemberState.DRAINING
+
+
+def busy_units(load: worker_pb2.WorkerLoad, num_router_inflight: int) -> int:
+    """What a worker still has to finish before it can be removed: requests it runs or
+    queues, KV waiting to arrive or to be pulled from it, and calls routers have open on it."""
+    return (
+        load.num_running
+        + load.num_waiting
+        + load.num_waiting_for_kv
+        + load.num_kv_leases
+        + num_router_inflight
+    )
+
+
+def pick_victims(members: Sequence[Member], busy: dict[str, int], count: int) -> list[Member]:
+    """The ``count`` live members to remove: still-starting ones first (nothing to drain, the
+    newest first), then ready ones with the least work in ``busy`` (by name; newest first on
+    ties, so long-running workers keep their warm prefix caches)."""
+    starting = [m for m in members if m.state is MemberState.STARTING]
+    ready = [m for m in members if m.state is MemberState.READY]
+    order = {id(m): i for i, m in enumerate(members)}
+    starting.sort(key=lambda m: -order[id(m)])
+    ready.sort(key=lambda m: (busy.get(m.name, 0), -order[id(m)]))
+    return (starting + ready)[:count]
+
+
+def pool_size(role: str, desired: int, members: Sequence[Member], num_restarts: int) -> PoolSize:
+    states = [m.state for m in members]
+    return PoolSize(
+        role=role,
+        desired_workers=desired,
+        num_ready=states.count(MemberState.READY),
+        num_starting=states.count(MemberState.STARTING),
+        num_draining=states.count(MemberState.DRAINING),
+        num_restarts=num_restarts,
+    )

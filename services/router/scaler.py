@@ -1,0 +1,55 @@
+"""How the router's ``Scale`` and ``Status`` reach an orchestrator without depending on one.
+
+A router started as a plain process has no scaler (``Scale`` answers FAILED_PRECONDITION); the
+Ray actor wrapping it passes one that forwards to the cluster controller
+(``services.cluster``). Pool membership itself reaches the router through
+``RouterServicer.set_pool``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+from splitserve.v1 import router_pb2, worker_pb2
+
+SCALABLE_ROLES = {
+    worker_pb2.WORKER_ROLE_PREFILL: "prefill",
+    worker_pb2.WORKER_ROLE_DECODE: "decode",
+}
+_ROLE_VALUES = {name: value for value, name in SCALABLE_ROLES.items()}
+
+
+@dataclass(frozen=True, slots=True)
+class PoolSize:
+    """Desired and actual size of one worker pool (``role`` is ``prefill`` or ``decode``)."""
+
+    role: str
+    desired_workers: int
+    num_ready: int
+    num_starting: int
+    num_draining: int
+    num_restarts: int
+
+    def to_proto(self) -> router_pb2.PoolStatus:
+        return router_pb2.PoolStatus(
+            role=_ROLE_VALUES[self.role],
+            desired_workers=self.desired_workers,
+            num_ready=self.num_ready,
+            num_starting=self.num_starting,
+            num_draining=self.num_draining,
+            num_restarts=self.num_restarts,
+        )
+
+
+class PoolScaler(Protocol):
+    """An orchestrator that sizes the worker pools."""
+
+    async def scale(self, role: str, num_workers: int) -> list[PoolSize]:
+        """Set the desired size of ``role``'s pool; return every pool's size. Raises
+        ``ValueError`` for a size the cluster cannot have."""
+        ...
+
+    async def pools(self) -> list[PoolSize]:
+        """Every pool's desired and actual size."""
+        ...

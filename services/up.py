@@ -1,0 +1,163 @@
+"""``splitserve up``: a router plus prefill and decode pools on this machine or a Ray cluster.
+
+By default every service is a Ray actor under a controller (``services.cluster``), which lets
+``splitserve scale`` resize the pools while it runs; ``--no-ray`` starts them as plain local
+processes instead (``services.launcher``). Both take the same flags: every engine flag, the
+cluster's shape, and the worker and router flags that are the same for every replica.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import signal
+import sys
+import time
+
+from engine.config import EngineConfig
+from engine.flags import add_flags, from_args, to_argv
+from services.cluster.config import ClusterConfig
+from services.common.redis_config import RedisConfig
+from services.common.worker_config import WorkerConfig
+from services.launcher import LocalCluster, split_threads
+from services.router.config import RouterConfig
+
+# Set per replica by the launcher or the controller, not by `up`'s flags.
+_PER_WORKER = ("host", "port", "worker_id", "metrics_port")
+_PER_ROUTER = (
+    "model", "host", "port", "mode", "prefill_workers", "decode_workers", "metrics_port",
+    "seed", "router_id",
+)  # fmt: skip
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "up",
+        help="start a router plus prefill and decode pools (Ray actors; --no-ray: processes)",
+    )
+    add_flags(parser, EngineConfig)
+    add_flags(parser, ClusterConfig)
+    add_flags(parser, WorkerConfig, skip=_PER_WORKER)
+    add_flags(parser, RouterConfig, skip=_PER_ROUTER)
+    add_flags(parser, RedisConfig)
+    parser.set_defaults(func=run)
+
+
+def configs_from_args(args: argparse.Namespace) -> tuple[ClusterConfig, WorkerConfig, RouterConfig]:
+    """The cluster's shape plus the config every worker and every router starts from."""
+    cluster: ClusterConfig = from_args(ClusterConfig, args)
+    engine: EngineConfig = from_args(EngineConfig, args)
+    redis: RedisConfig = from_args(RedisConfig, args)
+    num_engines = cluster.num_decode_workers + (
+        cluster.num_prefill_workers if cluster.mode == "disaggregated" else 0
+    )
+    # Workers hand text and stop strings to the router.
+    worker_engine = dataclasses.replace(split_threads(engine, num_engines), detokenize=False)
+    worker = from_args(
+        WorkerConfig, args, skip=_PER_WORKER, engine=worker_engine, redis=redis, host=cluster.host
+    )
+    router = from_args(
+        RouterConfig,
+        args,
+        skip=_PER_ROUTER,
+        model=engine.model,
+        host=cluster.host,
+        port=cluster.port,
+        mode=cluster.mode,
+        redis=redis,
+    )
+    return cluster, worker, router
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        cluster, worker, router = configs_from_args(args)
+    except ValueError as exc:
+        print(f"splitserve up: {exc}", file=sys.stderr)
+        return 2
+    if cluster.num_routers > 1 and not router.redis.enabled:
+        # Each would keep its own index and reservations and herd onto the same workers.
+        print("splitserve up: --num-routers above 1 needs --redis-url", file=sys.stderr)
+        return 2
+    if cluster.ray:
+        from services.cluster.driver import RayCluster, serve_on_ray
+
+        def report(ray_cluster: RayCluster, addresses: list[str], elapsed_s: float) -> None:
+            members = ray_cluster.members()
+            workers = ", ".join(f"{m.role}@{m.address}" for m in members if m.role != "router")
+            _print_banner(cluster, addresses, workers, elapsed_s, on_ray=True)
+            metrics = ", ".join(f"{m.name}:{m.metrics_port}" for m in members)
+            print(f"Prometheus /metrics: {metrics}", flush=True)
+
+        return serve_on_ray(cluster, worker, router, args.log_level, report)
+    return _serve_local(cluster, worker, router, args.log_level)
+
+
+def _serve_local(
+    cluster: ClusterConfig,
+    worker: WorkerConfig,
+    router: RouterConfig,
+    log_level: str,
+) -> int:
+    stop = False
+
+    def on_signal(signum: int, frame: object) -> None:
+        nonlocal stop
+        stop = True
+
+    signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGTERM, on_signal)
+    # Every replica of a role gets the same flags; a password travels in the environment.
+    redis_argv = to_argv(router.redis, skip=("redis_password",))
+    if router.redis.redis_password is not None:
+        os.environ["SPLITSERVE_REDIS_PASSWORD"] = router.redis.redis_password
+    local = LocalCluster(
+        engine=worker.engine,
+        num_prefill=cluster.num_prefill_workers,
+        num_decode=cluster.num_decode_workers,
+        num_routers=cluster.num_routers,
+        mode=cluster.mode,
+        host=cluster.host,
+        port=cluster.port,
+        log_level=log_level,
+        extra_worker_flags=(*to_argv(worker, skip=_PER_WORKER), *redis_argv),
+        extra_router_flags=(*to_argv(router, skip=_PER_ROUTER), *redis_argv),
+    )
+    start_s = time.monotonic()
+    try:
+        local.start()
+        routers = local.workers("router")
+        workers = ", ".join(f"{p.role}@{p.address}" for p in local.processes if p.role != "router")
+        _print_banner(
+            cluster,
+            [r.address for r in routers],
+            workers,
+            time.monotonic() - start_s,
+            on_ray=False,
+        )
+        metrics = ", ".join(f"{p.role}:{p.metrics_port}" for p in local.processes)
+        print(f"Prometheus /metrics on {cluster.host}: {metrics}", flush=True)
+        while not stop and all(r.alive for r in routers):
+            time.sleep(0.5)
+    finally:
+        local.stop()
+    return 0
+
+
+def _print_banner(
+    cluster: ClusterConfig, addresses: list[str], workers: str, elapsed_s: float, *, on_ray: bool
+) -> None:
+    how = "Ray actors" if on_ray else "local processes"
+    print(
+        f"splitserve router listening on {', '.join(addresses)} "
+        f"({cluster.mode}, {how}, ready in {elapsed_s:.1f} s; {workers})",
+        flush=True,
+    )
+    print(f'try: splitserve client --target {addresses[0]} --chat "Hello!"', flush=True)
+    if on_ray:
+        print(
+            f"scale: splitserve scale prefill N --target {addresses[0]}; "
+            f"status: splitserve status --target {addresses[0]}",
+            flush=True,
+        )

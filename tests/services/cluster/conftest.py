@@ -1,0 +1,177 @@
+"""A real local Ray instance and clusters of Ray actors on the tiny model."""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+import grpc
+import pytest
+import ray
+
+from engine import LLM, SamplingParams
+from services.cluster.config import ClusterConfig
+from services.cluster.driver import RayCluster, init_ray
+from services.common.worker_config import WorkerConfig
+from services.router.config import RouterConfig
+from splitserve.v1 import router_pb2, worker_pb2
+from tests.services.conftest import NUM_KV_BLOCKS, Client, greedy, tiny_engine_config
+
+ROLES = {"prefill": worker_pb2.WORKER_ROLE_PREFILL, "decode": worker_pb2.WORKER_ROLE_DECODE}
+
+
+@pytest.fixture(scope="session")
+def ray_instance(tmp_path_factory) -> Iterator[None]:
+    """One local Ray instance for the session, bound to loopback, in its own temp dir."""
+    init_ray(
+        ClusterConfig(),
+        _temp_dir=str(tmp_path_factory.mktemp("ray")),
+        _node_ip_address="127.0.0.1",
+        log_to_driver=False,
+    )
+    yield
+    ray.shutdown()
+
+
+@pytest.fixture
+def start_ray_cluster(ray_instance, tiny_llama_dir) -> Iterator[Callable[..., RayCluster]]:
+    """Factory: ``start_ray_cluster(num_prefill_workers=1, num_decode_workers=1, ...)``
+    returns a started cluster (stopped at the end of the test)."""
+    started: list[RayCluster] = []
+
+    def start(**cluster_fields) -> RayCluster:
+        engine = dataclasses.replace(tiny_engine_config(tiny_llama_dir), detokenize=False)
+        cluster = RayCluster(
+            ClusterConfig(port=0, reconcile_interval_s=0.5, **cluster_fields),
+            WorkerConfig(engine=engine, port=0),
+            # Every prompt through a prefill worker, as in the process-cluster tests.
+            RouterConfig(model=str(tiny_llama_dir), port=0, local_prefill_max_tokens=0),
+            log_level="INFO",
+        )
+        started.append(cluster)
+        cluster.start(timeout_s=240)
+        return cluster
+
+    yield start
+    for cluster in started:
+        cluster.stop()
+
+
+def router_address(cluster: RayCluster) -> str:
+    return next(m.address for m in cluster.members() if m.role == "router")
+
+
+def router_client(cluster: RayCluster) -> Client:
+    return Client(router_address(cluster))
+
+
+def scale(client: Client, pool: str, num_workers: int) -> router_pb2.ScaleResponse:
+    return client.stub.Scale(
+        router_pb2.ScaleRequest(role=ROLES[pool], num_workers=num_workers), timeout=30
+    )
+
+
+def wait_for_pools(client: Client, timeout_s: float = 180.0, **sizes: int) -> None:
+    """Poll Status until each named pool (prefill=N, decode=N) has exactly N ready workers,
+    none starting or draining, and the router lists exactly those."""
+    deadline_s = time.monotonic() + timeout_s
+    while True:
+        status = client.status()
+        pools = {p.role: p for p in status.pools}
+        ok = True
+        for pool, size in sizes.items():
+            p = pools[ROLES[pool]]
+            listed = [w for w in status.workers if w.role == ROLES[pool]]
+            ok &= p.desired_workers == size and p.num_ready == size
+            ok &= not p.num_starting and not p.num_draining
+            ok &= len(listed) == size and all(w.healthy and not w.draining for w in listed)
+        if ok:
+            return
+        if time.monotonic() > deadline_s:
+            raise AssertionError(f"pools not at {sizes} after {timeout_s} s: {status}")
+        time.sleep(0.2)
+
+
+@dataclass(slots=True)
+class LoadResult:
+    prompt: list[int]
+    token_ids: list[int]
+    finish_reason: int
+
+
+@dataclass
+class Load:
+    """Concurrent streams of fresh random prompts, each greedy, until ``stop``; every error is
+    kept. ``check`` compares every output with the offline engine's."""
+
+    address: str
+    concurrency: int = 4
+    max_tokens: int = 16
+    seed: int = 0
+    results: list[LoadResult] = field(default_factory=list)
+    errors: list[str] = field(default_factory=list)
+    _stop: threading.Event = field(default_factory=threading.Event)
+    _threads: list[threading.Thread] = field(default_factory=list)
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def start(self) -> Load:
+        for i in range(self.concurrency):
+            thread = threading.Thread(target=self._run, args=(self.seed * 1000 + i,), daemon=True)
+            thread.start()
+            self._threads.append(thread)
+        return self
+
+    def _run(self, seed: int) -> None:
+        rng = random.Random(seed)
+        client = Client(self.address)
+        try:
+            while not self._stop.is_set():
+                prompt = [rng.randrange(3, 480) for _ in range(rng.randrange(20, 90))]
+                try:
+                    out = client.generate(
+                        token_ids=prompt,
+                        sampling=greedy(self.max_tokens, ignore_eos=True),
+                        timeout_s=120,
+                    )
+                except grpc.RpcError as exc:
+                    with self._lock:
+                        self.errors.append(f"{exc.code().name}: {exc.details()}")
+                    continue
+                with self._lock:
+                    self.results.append(LoadResult(prompt, out.token_ids, out.last.finish_reason))
+        finally:
+            client.close()
+
+    def wait_for(self, num_results: int, timeout_s: float = 120.0) -> None:
+        """Block until ``num_results`` more requests than now have completed."""
+        target = len(self.results) + num_results
+        deadline_s = time.monotonic() + timeout_s
+        while len(self.results) < target:
+            assert time.monotonic() < deadline_s, f"load stalled: {self.errors[-3:]}"
+            assert all(t.is_alive() for t in self._threads)
+            time.sleep(0.05)
+
+    def stop(self) -> None:
+        self._stop.set()
+        for thread in self._threads:
+            thread.join(timeout=180)
+
+    def check(self, offline: LLM) -> None:
+        """No request failed, and every output is the offline engine's greedy output."""
+        assert self.errors == []
+        assert self.results
+        prompts = [r.prompt for r in self.results]
+        params = SamplingParams(temperature=0.0, max_tokens=self.max_tokens, ignore_eos=True)
+        want = offline.generate(prompts, params)
+        for result, expected in zip(self.results, want, strict=True):
+            assert result.token_ids == expected.token_ids
+            assert result.finish_reason == router_pb2.FINISH_REASON_LENGTH
+
+
+@pytest.fixture(scope="module")
+def offline(tiny_llama_dir) -> LLM:
+    return LLM(str(tiny_llama_dir), dtype="float32", num_kv_blocks=NUM_KV_BLOCKS)

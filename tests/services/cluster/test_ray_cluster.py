@@ -1,0 +1,204 @@
+"""Pools of Ray actors resized, and actors killed, under a live load of streams.
+
+Everything is real: a local Ray instance, the controller and router actors, worker actors
+serving the tiny model, gRPC clients. Every output is checked against the offline engine.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import grpc
+import pytest
+
+from engine import SamplingParams
+from services.cluster.config import ClusterConfig
+from splitserve.v1 import router_pb2
+from tests.services.cluster.conftest import (
+    ROLES,
+    Load,
+    router_address,
+    router_client,
+    scale,
+    wait_for_pools,
+)
+from tests.services.conftest import Client, greedy, scrape
+
+
+def test_scale_prefill_1_3_1_and_decode_1_2_1_under_load(start_ray_cluster, offline):
+    cluster = start_ray_cluster(num_prefill_workers=1, num_decode_workers=1)
+    client = router_client(cluster)
+    load = Load(router_address(cluster), concurrency=4).start()
+    try:
+        load.wait_for(8)
+        reply = scale(client, "prefill", 3)
+        assert {p.role: p.desired_workers for p in reply.pools} == {
+            ROLES["prefill"]: 3,
+            ROLES["decode"]: 1,
+        }
+        wait_for_pools(client, prefill=3, decode=1)
+        load.wait_for(24)
+        # Added workers are routed to: fresh prompts cache nowhere, so load decides.
+        busy = [
+            w
+            for w in client.status().workers
+            if w.role == ROLES["prefill"] and w.load.num_cached_blocks + w.load.num_used_blocks
+        ]
+        assert len(busy) >= 2
+        scale(client, "prefill", 1)
+        wait_for_pools(client, prefill=1, decode=1)
+        load.wait_for(8)
+        scale(client, "decode", 2)
+        wait_for_pools(client, prefill=1, decode=2)
+        load.wait_for(16)
+        scale(client, "decode", 1)
+        wait_for_pools(client, prefill=1, decode=1)
+        load.wait_for(8)
+    finally:
+        load.stop()
+    load.check(offline)
+    pools = {p.role: p for p in client.status().pools}
+    assert pools[ROLES["prefill"]].num_restarts == pools[ROLES["decode"]].num_restarts == 0
+    # Drained, not cut off: no request had to fall back or move to another worker.
+    router = next(m for m in cluster.members() if m.role == "router")
+    metrics = scrape(router.metrics_port)
+    assert metrics[("splitserve_router_prefill_fallbacks_total", ())] == 0
+    assert metrics[("splitserve_router_decode_failovers_total", ())] == 0
+    assert len([m for m in cluster.members() if m.role != "router"]) == 2
+    client.close()
+
+
+def _stream(client: Client, prompt: list[int], max_tokens: int, progress: dict, key: int) -> None:
+    tokens: list[int] = []
+    try:
+        for message in client.stub.Generate(
+            router_pb2.GenerateRequest(
+                token_ids=prompt, sampling=greedy(max_tokens, ignore_eos=True)
+            ),
+            timeout=120,
+        ):
+            tokens.extend(message.token_ids)
+            progress[key] = list(tokens)
+    except grpc.RpcError as exc:
+        progress[key] = exc
+
+
+def test_decode_actor_killed_mid_stream_requests_finish_elsewhere(start_ray_cluster, offline):
+    cluster = start_ray_cluster(num_prefill_workers=1, num_decode_workers=2)
+    client = router_client(cluster)
+    prompts = [[(7 * i + 11 * j) % 470 + 3 for j in range(24 + 5 * i)] for i in range(6)]
+    max_tokens = 400
+    progress: dict[int, list[int] | Exception] = {}
+    threads = [
+        threading.Thread(target=_stream, args=(client, p, max_tokens, progress, i))
+        for i, p in enumerate(prompts)
+    ]
+    for thread in threads:
+        thread.start()
+    deadline_s = time.monotonic() + 60
+    while not all(isinstance(progress.get(i), list) and len(progress[i]) >= 3 for i in range(6)):
+        assert time.monotonic() < deadline_s, progress
+        time.sleep(0.005)
+    status = client.status()
+    victim = max(
+        (w for w in status.workers if w.role == ROLES["decode"]), key=lambda w: w.load.num_running
+    )
+    assert victim.load.num_running > 0
+    pid = next(m.pid for m in cluster.members() if m.address == victim.address)
+    os.kill(pid, signal.SIGKILL)
+    for thread in threads:
+        thread.join(timeout=120)
+    want = offline.generate(
+        prompts, SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    )
+    for i, expected in enumerate(want):
+        assert progress[i] == expected.token_ids, f"stream {i}: {progress[i]!r:.200}"
+    router = next(m for m in cluster.members() if m.role == "router")
+    failovers = scrape(router.metrics_port)[("splitserve_router_decode_failovers_total", ())]
+    assert failovers >= 1
+    # The pool is back at its size, with a new worker.
+    wait_for_pools(client, decode=2)
+    pools = {p.role: p for p in client.status().pools}
+    assert pools[ROLES["decode"]].num_restarts == 1
+    assert victim.address not in {w.address for w in client.status().workers}
+    client.close()
+
+
+def test_prefill_actor_killed_pool_restored_no_failed_request(start_ray_cluster, offline):
+    cluster = start_ray_cluster(num_prefill_workers=2, num_decode_workers=1)
+    client = router_client(cluster)
+    load = Load(router_address(cluster), concurrency=4, seed=1).start()
+    try:
+        load.wait_for(8)
+        victim = next(m for m in cluster.members() if m.role == "prefill")
+        os.kill(victim.pid, signal.SIGKILL)
+        load.wait_for(8)
+        wait_for_pools(client, prefill=2, decode=1)
+        load.wait_for(8)
+    finally:
+        load.stop()
+    load.check(offline)
+    pools = {p.role: p for p in client.status().pools}
+    assert pools[ROLES["prefill"]].num_restarts == 1
+    assert victim.address not in {w.address for w in client.status().workers}
+    client.close()
+
+
+def test_scale_rejects_sizes_the_cluster_cannot_have(start_ray_cluster):
+    cluster = start_ray_cluster(num_prefill_workers=0, num_decode_workers=1)
+    client = router_client(cluster)
+    too_many = ClusterConfig().max_workers_per_pool + 1
+    for pool, size, message in [
+        ("decode", 0, "at least 1"),
+        ("prefill", too_many, "max_workers_per_pool"),
+    ]:
+        with pytest.raises(grpc.RpcError) as info:
+            scale(client, pool, size)
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert message in info.value.details() and "Traceback" not in info.value.details()
+    with pytest.raises(grpc.RpcError) as info:
+        client.stub.Scale(router_pb2.ScaleRequest(role=0, num_workers=1), timeout=10)
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    # Nothing changed.
+    wait_for_pools(client, prefill=0, decode=1)
+    client.close()
+
+
+def test_scale_down_drains_a_busy_worker_before_removing_it(start_ray_cluster, offline):
+    cluster = start_ray_cluster(num_prefill_workers=1, num_decode_workers=2)
+    client = router_client(cluster)
+    prompts = [[(13 * i + 5 * j) % 470 + 3 for j in range(30)] for i in range(4)]
+    max_tokens = 600
+    progress: dict[int, list[int] | Exception] = {}
+    threads = [
+        threading.Thread(target=_stream, args=(client, p, max_tokens, progress, i))
+        for i, p in enumerate(prompts)
+    ]
+    for thread in threads:
+        thread.start()
+    deadline_s = time.monotonic() + 60
+    while not all(isinstance(progress.get(i), list) and len(progress[i]) >= 3 for i in range(4)):
+        assert time.monotonic() < deadline_s, progress
+        time.sleep(0.005)
+    decode = [w for w in client.status().workers if w.role == ROLES["decode"]]
+    assert all(w.load.num_running for w in decode), decode
+    scale(client, "decode", 1)
+    # The worker picked to go keeps streaming while draining: listed, draining, still running.
+    seen_draining_busy = False
+    while any(t.is_alive() for t in threads):
+        for w in client.status().workers:
+            seen_draining_busy |= w.draining and w.load.num_running > 0
+        time.sleep(0.02)
+    assert seen_draining_busy
+    want = offline.generate(
+        prompts, SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    )
+    for i, expected in enumerate(want):
+        assert progress[i] == expected.token_ids, f"stream {i}: {progress[i]!r:.200}"
+    wait_for_pools(client, decode=1)
+    router = next(m for m in cluster.members() if m.role == "router")
+    assert scrape(router.metrics_port)[("splitserve_router_decode_failovers_total", ())] == 0
+    client.close()
