@@ -19,7 +19,7 @@ from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
 
 from engine import LLM, SamplingParams
 from kvtransfer.registry import default_backend
-from splitserve.v1 import router_pb2
+from splitserve.v1 import router_pb2, worker_pb2
 from tests.engine.test_generate_vs_hf import hf_greedy
 from tests.services.conftest import NUM_KV_BLOCKS, greedy, scrape
 
@@ -250,3 +250,13 @@ def test_every_server_offers_reflection(cluster):
         with grpc.insecure_channel(process.address) as channel:
             services = set(ProtoReflectionDescriptorDatabase(channel).get_services())
         assert {expected[process.role], "grpc.health.v1.Health"} <= services
+
+
+def test_scale_without_an_orchestrator_is_failed_precondition(cluster):
+    _, client = cluster
+    request = router_pb2.ScaleRequest(role=worker_pb2.WORKER_ROLE_DECODE, num_workers=2)
+    with pytest.raises(grpc.RpcError) as info:
+        client.stub.Scale(request, timeout=10)
+    assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert "no-ray" in info.value.details()
+    assert not client.status().pools  # a fixed cluster reports no pool sizes

@@ -6,8 +6,11 @@ serving the tiny model, gRPC clients. Every output is checked against the offlin
 
 from __future__ import annotations
 
+import json
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
 
@@ -201,4 +204,46 @@ def test_scale_down_drains_a_busy_worker_before_removing_it(start_ray_cluster, o
     wait_for_pools(client, decode=1)
     router = next(m for m in cluster.members() if m.role == "router")
     assert scrape(router.metrics_port)[("splitserve_router_decode_failovers_total", ())] == 0
+    client.close()
+
+
+def _cli(*argv: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "services.cli", *argv], capture_output=True, text=True, timeout=300
+    )
+
+
+def test_scale_and_status_commands_add_a_prefill_pool_at_run_time(start_ray_cluster, offline):
+    cluster = start_ray_cluster(num_prefill_workers=0, num_decode_workers=1)
+    address = router_address(cluster)
+    client = router_client(cluster)
+    prompt = list(range(3, 70))
+    request = router_pb2.GenerateRequest(token_ids=prompt, sampling=greedy(8))
+    assert client.stub.Explain(request, timeout=10).prefill_place == "no_prefill_worker"
+
+    scaled = _cli("scale", "prefill", "1", "--wait", "--target", address)
+    assert scaled.returncode == 0, scaled.stderr
+    header, prefill_row, decode_row = scaled.stdout.split("\n")[:3]
+    assert header.split() == ["POOL", "DESIRED", "READY", "STARTING", "DRAINING", "RESTARTS"]
+    assert prefill_row.split() == ["prefill", "1", "1", "0", "0", "0"]
+    assert decode_row.split() == ["decode", "1", "1", "0", "0", "0"]
+
+    table = _cli("status", "--target", address)
+    assert table.returncode == 0, table.stderr
+    worker_rows = [line.split() for line in table.stdout.splitlines() if ":" in line]
+    roles_states = sorted((row[0], row[3]) for row in worker_rows if row[0] in ROLES)
+    assert roles_states == [("decode", "ready"), ("prefill", "ready")]
+    status = json.loads(_cli("status", "--json", "--target", address).stdout)
+    assert {p["role"]: p["num_ready"] for p in status["pools"]} == {
+        "WORKER_ROLE_PREFILL": 1,
+        "WORKER_ROLE_DECODE": 1,
+    }
+
+    # The new pool takes prompts at once, with the same output.
+    assert client.stub.Explain(request, timeout=10).prefill_place == "prefill_worker"
+    out = client.generate(token_ids=prompt, sampling=greedy(8))
+    want = offline.generate([prompt], SamplingParams(temperature=0.0, max_tokens=8))[0]
+    assert out.token_ids == want.token_ids
+    bad = _cli("scale", "decode", "0", "--target", address)
+    assert bad.returncode == 2 and "INVALID_ARGUMENT" in bad.stderr
     client.close()
