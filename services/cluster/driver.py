@@ -22,6 +22,7 @@ logger = logging.getLogger(__name__)
 
 # A local Ray instance only carries control messages (KV moves over NIXL / TCP).
 _LOCAL_OBJECT_STORE_BYTES = 256 * 2**20
+_CONTROLLER_CHECK_S = 1.0
 
 
 def init_ray(cluster: ClusterConfig, **local_options: Any) -> None:
@@ -65,6 +66,15 @@ class RayCluster:
         ray.get(self.controller.start.remote())
         return ray.get(self.controller.wait_ready.remote(timeout_s))
 
+    def controller_alive(self) -> bool:
+        try:
+            ray.get(self.controller.pools.remote(), timeout=_CONTROLLER_CHECK_S * 10)
+        except ray.exceptions.RayActorError:
+            return False
+        except ray.exceptions.GetTimeoutError:
+            logger.warning("the cluster controller is slow to answer")
+        return True
+
     def members(self) -> list[MemberView]:
         return ray.get(self.controller.members.remote())
 
@@ -74,6 +84,8 @@ class RayCluster:
             return
         try:
             ray.get(self.controller.shutdown.remote(), timeout=timeout_s)
+        except ray.exceptions.RayActorError:
+            logger.warning("the cluster controller was already gone")
         finally:
             ray.kill(self.controller)
             self.controller = None
@@ -97,8 +109,11 @@ def serve_on_ray(
     try:
         addresses = ray_cluster.start()
         report(ray_cluster, addresses, time.monotonic() - start_s)
-        while not stop.wait(0.5):
-            pass
+        while not stop.wait(_CONTROLLER_CHECK_S):
+            if not ray_cluster.controller_alive():
+                # Its actors died with it; exit so that a supervisor (a pod) restarts us.
+                logger.error("the cluster controller died; stopping")
+                return 1
     finally:
         ray_cluster.stop()
         ray.shutdown()

@@ -46,7 +46,7 @@ def start_ray_cluster(ray_instance, tiny_llama_dir) -> Iterator[Callable[..., Ra
     def start(**cluster_fields) -> RayCluster:
         engine = dataclasses.replace(tiny_engine_config(tiny_llama_dir), detokenize=False)
         cluster = RayCluster(
-            ClusterConfig(port=0, reconcile_interval_s=0.5, **cluster_fields),
+            ClusterConfig(**{"port": 0, "reconcile_interval_s": 0.5, **cluster_fields}),
             WorkerConfig(engine=engine, port=0),
             # Every prompt through a prefill worker, as in the process-cluster tests.
             RouterConfig(model=str(tiny_llama_dir), port=0, local_prefill_max_tokens=0),

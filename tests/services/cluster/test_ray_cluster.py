@@ -19,6 +19,7 @@ import pytest
 
 from engine import SamplingParams
 from services.cluster.config import ClusterConfig
+from services.launcher import free_port
 from splitserve.v1 import router_pb2
 from tests.services.cluster.conftest import (
     ROLES,
@@ -246,4 +247,28 @@ def test_scale_and_status_commands_add_a_prefill_pool_at_run_time(start_ray_clus
     assert out.token_ids == want.token_ids
     bad = _cli("scale", "decode", "0", "--target", address)
     assert bad.returncode == 2 and "INVALID_ARGUMENT" in bad.stderr
+    client.close()
+
+
+def test_router_actor_killed_is_replaced_on_its_port(start_ray_cluster, offline):
+    port = free_port()
+    cluster = start_ray_cluster(num_prefill_workers=1, num_decode_workers=1, port=port)
+    router = next(m for m in cluster.members() if m.role == "router")
+    assert router.address == f"127.0.0.1:{port}"
+    os.kill(router.pid, signal.SIGKILL)
+    deadline_s = time.monotonic() + 120
+    while True:
+        routers = [m for m in cluster.members() if m.role == "router" and m.state == "ready"]
+        if routers and routers[0].pid != router.pid:
+            break
+        assert time.monotonic() < deadline_s, cluster.members()
+        time.sleep(0.2)
+    assert routers[0].address == router.address
+    # The new router knows the pools at once and serves on the same address.
+    client = Client(router.address)
+    prompt = list(range(5, 60))
+    out = client.generate(token_ids=prompt, sampling=greedy(6))
+    want = offline.generate([prompt], SamplingParams(temperature=0.0, max_tokens=6))[0]
+    assert out.token_ids == want.token_ids
+    assert len(client.status().workers) == 2
     client.close()
