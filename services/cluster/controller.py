@@ -9,7 +9,8 @@ Every ``reconcile_interval_s`` (and at once after ``scale``) it:
 3. drains those: the routers stop choosing them at once (``RouterActor.set_pool``), the worker
    finishes its requests and has its KV leases pulled, then it is removed from the routers and
    stopped;
-4. keeps ``num_routers`` routers, each on its own port, told the pools whenever they change.
+4. keeps ``num_routers`` routers, each on its own port, and sends them every pool's members
+   (at once on a change, and every round so that a router that missed one catches up).
 
 The controller owns every actor it creates: when it dies (the ``splitserve up`` driver exits),
 Ray ends them all.
@@ -95,6 +96,7 @@ class ClusterController:
         self._start_failures = dict.fromkeys(ROLES, 0)
         self._retry_at_s = dict.fromkeys(ROLES, 0.0)
         self._last_error = dict.fromkeys(ROLES, "")
+        self._actor_classes = {role: ray.remote(cls) for role, cls in ACTOR_CLASSES.items()}
         self._names = itertools.count()
         self._token = secrets.token_hex(2)
         self._channels: dict[str, tuple[grpc.aio.Channel, Any]] = {}
@@ -188,7 +190,7 @@ class ClusterController:
             self._wakeup.clear()
 
     async def _reconcile(self) -> None:
-        changed = await self._reap_dead()
+        await self._reap_dead()
         draining: list[Member] = []
         for role in POOL_ROLES:
             live = [m for m in self._members[role] if m.live]
@@ -205,13 +207,12 @@ class ClusterController:
                     else:
                         victim.state = MemberState.DRAINING
                         draining.append(victim)
-                    changed = True
         used_slots = {m.slot for m in self._members["router"]}
         for slot in range(self._cluster.num_routers):
             if slot not in used_slots:
                 self._launch("router", slot)
-        if changed:
-            await self._push_pools()
+        # Every round, changed or not: a router that missed an update (a timeout) catches up.
+        await self._push_pools()
         # Only once every router stopped choosing them (the push above).
         for member in draining:
             logger.info("draining %s %s (%s)", member.role, member.name, member.address)
@@ -228,7 +229,7 @@ class ClusterController:
         member.task = loop.create_task(self._start(member))
 
     def _create_actor(self, role: str, name: str, slot: int) -> Any:
-        actor_class = ray.remote(ACTOR_CLASSES[role])
+        actor_class = self._actor_classes[role]
         if role == "router":
             pools = {r: self._addresses(r) for r in POOL_ROLES}
             port = self._cluster.port + slot if self._cluster.port else 0
@@ -274,13 +275,12 @@ class ClusterController:
         await self._push_pools()
 
     # ----------------------------------------------------------------------------- failures
-    async def _reap_dead(self) -> bool:
-        """Forget every actor that no longer answers; True if a pool changed."""
+    async def _reap_dead(self) -> None:
+        """Forget every actor that no longer answers (the caller then updates the routers)."""
         watched = [
             m for role in ROLES for m in self._members[role] if m.state is not MemberState.STARTING
         ]
         alive = await asyncio.gather(*(self._alive(m) for m in watched))
-        changed = False
         for member, ok in zip(watched, alive, strict=True):
             if ok or member not in self._members[member.role]:
                 continue
@@ -297,8 +297,6 @@ class ClusterController:
                 member.task.cancel()
             self._forget(member)
             self._background.spawn(self._stop(member))
-            changed = True
-        return changed
 
     @staticmethod
     async def _alive(member: Member) -> bool:
