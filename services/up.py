@@ -18,6 +18,7 @@ import time
 from engine.config import EngineConfig
 from engine.flags import add_flags, from_args, to_argv
 from services.cluster.config import ClusterConfig
+from services.cluster.planner import PlannerConfig
 from services.common.redis_config import RedisConfig
 from services.common.worker_config import WorkerConfig
 from services.launcher import LocalCluster, split_threads
@@ -41,11 +42,15 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     add_flags(parser, WorkerConfig, skip=_PER_WORKER)
     add_flags(parser, RouterConfig, skip=_PER_ROUTER)
     add_flags(parser, RedisConfig)
+    add_flags(parser, PlannerConfig)
     parser.set_defaults(func=run)
 
 
-def configs_from_args(args: argparse.Namespace) -> tuple[ClusterConfig, WorkerConfig, RouterConfig]:
-    """The cluster's shape plus the config every worker and every router starts from."""
+def configs_from_args(
+    args: argparse.Namespace,
+) -> tuple[ClusterConfig, WorkerConfig, RouterConfig, PlannerConfig]:
+    """The cluster's shape, the config every worker and every router starts from, and the
+    autoscaler's."""
     cluster: ClusterConfig = from_args(ClusterConfig, args)
     engine: EngineConfig = from_args(EngineConfig, args)
     redis: RedisConfig = from_args(RedisConfig, args)
@@ -67,14 +72,17 @@ def configs_from_args(args: argparse.Namespace) -> tuple[ClusterConfig, WorkerCo
         mode=cluster.mode,
         redis=redis,
     )
-    return cluster, worker, router
+    return cluster, worker, router, from_args(PlannerConfig, args)
 
 
 def run(args: argparse.Namespace) -> int:
     try:
-        cluster, worker, router = configs_from_args(args)
+        cluster, worker, router, planner = configs_from_args(args)
     except ValueError as exc:
         print(f"splitserve up: {exc}", file=sys.stderr)
+        return 2
+    if planner.autoscale and not cluster.ray:
+        print("splitserve up: --autoscale needs Ray (drop --no-ray)", file=sys.stderr)
         return 2
     if cluster.num_routers > 1 and not router.redis.enabled:
         # Each would keep its own index and reservations and herd onto the same workers.
@@ -90,7 +98,7 @@ def run(args: argparse.Namespace) -> int:
             metrics = ", ".join(f"{m.name}:{m.metrics_port}" for m in members)
             print(f"Prometheus /metrics: {metrics}", flush=True)
 
-        return serve_on_ray(cluster, worker, router, args.log_level, report)
+        return serve_on_ray(cluster, worker, router, planner, args.log_level, report)
     return _serve_local(cluster, worker, router, args.log_level)
 
 

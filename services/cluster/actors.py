@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import socket
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -20,6 +21,7 @@ from services.common.worker_config import WorkerConfig
 from services.common.worker_runtime import RunningWorker
 from services.launcher import free_port
 from services.router.config import RouterConfig
+from services.router.latency import LatencySamples
 from services.router.scaler import PoolSize
 from services.router.server import RunningRouter, start_router
 
@@ -33,6 +35,7 @@ class Endpoint:
     address: str
     metrics_port: int
     pid: int
+    hostname: str  # the pod's name on Kubernetes
 
 
 def _advertised_host(host: str) -> str:
@@ -58,7 +61,12 @@ class _WorkerActor:
     async def start(self) -> Endpoint:
         self._worker = await self._start_worker(self._config)
         host = _advertised_host(self._config.host)
-        return Endpoint(f"{host}:{self._worker.port}", self._config.metrics_port, os.getpid())
+        return Endpoint(
+            f"{host}:{self._worker.port}",
+            self._config.metrics_port,
+            os.getpid(),
+            socket.gethostname(),
+        )
 
     async def _start_worker(self, config: WorkerConfig) -> RunningWorker:
         raise NotImplementedError
@@ -125,12 +133,23 @@ class RouterActor:
     async def start(self) -> Endpoint:
         self._router = await start_router(self._config, ControllerScaler(self._controller))
         host = _advertised_host(self._config.host)
-        return Endpoint(f"{host}:{self._router.port}", self._config.metrics_port, os.getpid())
+        return Endpoint(
+            f"{host}:{self._router.port}",
+            self._config.metrics_port,
+            os.getpid(),
+            socket.gethostname(),
+        )
 
     async def set_pool(self, role: str, members: dict[str, bool]) -> None:
         """See ``RouterServicer.set_pool``."""
         assert self._router is not None, "set_pool before start"
         await self._router.servicer.set_pool(role, members)
+
+    async def take_latency_samples(self) -> LatencySamples:
+        """The TTFT and ITL samples since the last call (for the planner)."""
+        if self._router is None:
+            return LatencySamples([], [])
+        return self._router.servicer.latency.take()
 
     async def num_inflight_by_worker(self) -> dict[str, int]:
         if self._router is None:

@@ -32,9 +32,23 @@ class ClusterConfig:
     ray_address: str = flag(
         "", "Ray cluster to join (auto: the one this node belongs to; empty: start a local one)"
     )
+    router_metrics_port: int = flag(
+        0, "Prometheus port of the first router (the next ones: +1, +2, ...; 0: any free port)"
+    )
+    worker_metrics_port: int = flag(
+        0,
+        "Prometheus port of every worker (only where each node runs one worker, as in a "
+        "Kubernetes pod; 0: any free port)",
+    )
     prefill_num_gpus: float = flag(0.0, "GPUs each prefill worker actor reserves")
     decode_num_gpus: float = flag(0.0, "GPUs each decode worker actor reserves")
     max_workers_per_pool: int = flag(64, "largest size splitserve scale accepts for a pool")
+    kuberay_cluster: str = flag(
+        "",
+        "KubeRay RayCluster whose worker groups (prefill, decode) host the pools: scaling "
+        "patches their replicas (set by the Helm chart; empty: not on Kubernetes)",
+    )
+    kuberay_namespace: str = flag("default", "namespace of --kuberay-cluster")
     worker_start_timeout_s: float = flag(
         600.0, "seconds a new worker may take to load its model and turn healthy"
     )

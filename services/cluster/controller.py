@@ -25,7 +25,7 @@ import itertools
 import logging
 import secrets
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import grpc
 import ray
@@ -33,12 +33,17 @@ import ray
 from services.cluster.actors import ACTOR_CLASSES, Endpoint
 from services.cluster.config import POOL_ROLES, ClusterConfig
 from services.cluster.members import Member, MemberState, busy_units, pick_victims, pool_size
+from services.cluster.planner import PlannerConfig, PoolPlanner, PoolSignals, percentile
 from services.common.background import BackgroundTasks
 from services.common.logs import configure_logging
 from services.common.worker_config import WorkerConfig
 from services.router.config import RouterConfig
+from services.router.latency import LatencySamples
 from services.router.scaler import PoolSize
 from splitserve.v1 import worker_pb2, worker_pb2_grpc
+
+if TYPE_CHECKING:
+    from services.cluster.kuberay import KubeRayGroups
 
 logger = logging.getLogger(__name__)
 
@@ -80,10 +85,20 @@ class ClusterController:
         cluster: ClusterConfig,
         worker: WorkerConfig,
         router: RouterConfig,
+        planner: PlannerConfig | None = None,
         log_level: str = "INFO",
     ) -> None:
         configure_logging(log_level)
         self._cluster = cluster
+        self._planner = planner or PlannerConfig()
+        self._pool_planners = {
+            role: PoolPlanner(role, self._planner) for role in self._planned_roles()
+        }
+        self._groups: KubeRayGroups | None = None
+        if cluster.kuberay_cluster:
+            from services.cluster.kuberay import KubeRayGroups
+
+            self._groups = KubeRayGroups(cluster.kuberay_cluster, cluster.kuberay_namespace)
         self._worker_config = worker
         self._router_config = router
         self._log_level = log_level
@@ -104,13 +119,17 @@ class ClusterController:
         self._push_lock = asyncio.Lock()
         self._background = BackgroundTasks()
         self._loop_task: asyncio.Task[None] | None = None
+        self._planner_task: asyncio.Task[None] | None = None
         self._closed = False
 
     # ----------------------------------------------------------------------------- API
     async def start(self) -> None:
         """Begin reconciling (returns at once; see ``wait_ready``)."""
         if self._loop_task is None:
-            self._loop_task = asyncio.get_running_loop().create_task(self._run())
+            loop = asyncio.get_running_loop()
+            self._loop_task = loop.create_task(self._run())
+            if self._planner.autoscale:
+                self._planner_task = loop.create_task(self._plan_forever())
 
     async def wait_ready(self, timeout_s: float) -> list[str]:
         """Wait until every pool and router is at its size with nothing starting or draining;
@@ -131,6 +150,13 @@ class ClusterController:
         """Set a pool's desired size (``ValueError`` if it cannot have it); reconciles at once
         and returns every pool's size."""
         self._cluster.check_pool_size(role, num_workers)
+        if self._groups is not None:
+            # The pods first: new actors wait for them; a smaller group shrinks pod by pod as
+            # its workers are drained (``_drain``).
+            if num_workers > self._desired[role]:
+                await asyncio.to_thread(self._groups.set_replicas, role, num_workers)
+            else:
+                await asyncio.to_thread(self._groups.check_replicas, role, num_workers)
         if self._desired[role] != num_workers:
             logger.info("%s pool: %d -> %d workers", role, self._desired[role], num_workers)
         self._desired[role] = num_workers
@@ -150,8 +176,9 @@ class ClusterController:
     async def shutdown(self) -> None:
         """Stop the routers, then every worker (gracefully), and kill their actors."""
         self._closed = True
-        if self._loop_task is not None:
-            self._loop_task.cancel()
+        for task in (self._loop_task, self._planner_task):
+            if task is not None:
+                task.cancel()
         for role in ROLES:
             for member in self._members[role]:
                 if member.task is not None:
@@ -233,9 +260,11 @@ class ClusterController:
         if role == "router":
             pools = {r: self._addresses(r) for r in POOL_ROLES}
             port = self._cluster.port + slot if self._cluster.port else 0
+            metrics_port = self._cluster.router_metrics_port
             config = dataclasses.replace(
                 self._router_config,
                 port=port,
+                metrics_port=metrics_port + slot if metrics_port else 0,
                 router_id=f"{self._router_config.router_id or 'router'}-{slot}-{self._token}",
                 prefill_workers=",".join(pools["prefill"]),
                 decode_workers=",".join(pools["decode"]),
@@ -244,7 +273,9 @@ class ClusterController:
             return actor_class.options(num_cpus=0, resources={HEAD_RESOURCE: 0.001}).remote(
                 config, handle, self._log_level
             )
-        config = dataclasses.replace(self._worker_config, worker_id=name)
+        config = dataclasses.replace(
+            self._worker_config, worker_id=name, metrics_port=self._cluster.worker_metrics_port
+        )
         return actor_class.options(
             num_cpus=0, num_gpus=self._cluster.num_gpus(role), resources={role: 1}
         ).remote(config, self._log_level)
@@ -267,6 +298,7 @@ class ClusterController:
         member.address = endpoint.address
         member.metrics_port = endpoint.metrics_port
         member.pid = endpoint.pid
+        member.hostname = endpoint.hostname
         member.state = MemberState.READY
         member.task = None
         self._start_failures[role] = 0
@@ -329,6 +361,16 @@ class ClusterController:
         await self._push_pools()
         await self._stop(member)
         logger.info("%s %s drained and removed", member.role, member.name)
+        if self._groups is not None:
+            try:
+                await asyncio.to_thread(
+                    self._groups.set_replicas,
+                    member.role,
+                    len(self._members[member.role]),
+                    [member.hostname],
+                )
+            except Exception:
+                logger.exception("could not shrink the %s worker group", member.role)
 
     async def _busy(self, members: list[Member]) -> dict[str, int]:
         """``busy_units`` of each worker: its own load plus every router's calls open on it."""
@@ -371,6 +413,50 @@ class ClusterController:
         except grpc.aio.AioRpcError as exc:
             logger.warning("%s %s: GetLoad failed (%s)", member.role, member.name, exc.code().name)
             return worker_pb2.WorkerLoad()
+
+    # ----------------------------------------------------------------------------- planner
+    def _planned_roles(self) -> tuple[str, ...]:
+        return POOL_ROLES if self._cluster.mode == "disaggregated" else ("decode",)
+
+    async def _plan_forever(self) -> None:
+        loop = asyncio.get_running_loop()
+        while not self._closed:
+            await asyncio.sleep(self._planner.planner_interval_s)
+            try:
+                signals = await self._signals()
+                for role, planner in self._pool_planners.items():
+                    size = planner.decide(signals[role], loop.time())
+                    if size != self._desired[role]:
+                        logger.info("planner: %s pool %s", role, signals[role])
+                        await self.scale(role, size)
+            except Exception:
+                logger.exception("planner evaluation failed; retrying")
+
+    async def _signals(self) -> dict[str, PoolSignals]:
+        """This window's signals of each pool: routers' latency samples, workers' loads."""
+        routers = [m for m in self._members["router"] if m.state is MemberState.READY]
+        samples: list[LatencySamples] = await asyncio.gather(
+            *(r.actor.take_latency_samples.remote() for r in routers)
+        )
+        ttft_s = [t for s in samples for t in s.ttft_s]
+        itl_s = [t for s in samples for t in s.itl_s]
+        signals = {}
+        for role in self._planned_roles():
+            ready = [m for m in self._members[role] if m.state is MemberState.READY]
+            loads = await asyncio.gather(*(self._load(m) for m in ready))
+            num = max(len(ready), 1)
+            latency_s = percentile(ttft_s if role == "prefill" else itl_s, 0.9)
+            queued = sum(
+                load.num_waiting + (load.num_waiting_for_kv if role == "decode" else 0)
+                for load in loads
+            )
+            signals[role] = PoolSignals(
+                num_workers=self._desired[role],
+                latency_ms=latency_s * 1000 if latency_s is not None else None,
+                queue_per_worker=queued / num,
+                kv_usage=sum(load.kv_usage for load in loads) / num,
+            )
+        return signals
 
     # ----------------------------------------------------------------------------- membership
     def _addresses(self, role: str) -> list[str]:

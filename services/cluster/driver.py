@@ -15,6 +15,7 @@ import ray
 
 from services.cluster.config import POOL_ROLES, ClusterConfig
 from services.cluster.controller import HEAD_RESOURCE, ClusterController, MemberView
+from services.cluster.planner import PlannerConfig
 from services.common.worker_config import WorkerConfig
 from services.router.config import RouterConfig
 
@@ -55,6 +56,7 @@ class RayCluster:
     cluster: ClusterConfig
     worker: WorkerConfig
     router: RouterConfig
+    planner: PlannerConfig = field(default_factory=PlannerConfig)
     log_level: str = "WARNING"
     controller: Any = field(default=None, init=False)
 
@@ -62,7 +64,7 @@ class RayCluster:
         controller_class = ray.remote(ClusterController)
         self.controller = controller_class.options(
             num_cpus=0, resources={HEAD_RESOURCE: 0.001}
-        ).remote(self.cluster, self.worker, self.router, self.log_level)
+        ).remote(self.cluster, self.worker, self.router, self.planner, self.log_level)
         ray.get(self.controller.start.remote())
         return ray.get(self.controller.wait_ready.remote(timeout_s))
 
@@ -95,6 +97,7 @@ def serve_on_ray(
     cluster: ClusterConfig,
     worker: WorkerConfig,
     router: RouterConfig,
+    planner: PlannerConfig,
     log_level: str,
     report: Callable[[RayCluster, list[str], float], None],
 ) -> int:
@@ -105,7 +108,7 @@ def serve_on_ray(
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda signum, frame: stop.set())
-    ray_cluster = RayCluster(cluster, worker, router, log_level)
+    ray_cluster = RayCluster(cluster, worker, router, planner, log_level)
     try:
         addresses = ray_cluster.start()
         report(ray_cluster, addresses, time.monotonic() - start_s)

@@ -34,6 +34,7 @@ class Member:
     address: str = ""
     metrics_port: int = 0
     pid: int = 0
+    hostname: str = ""  # its pod on Kubernetes
     task: asyncio.Task[None] | None = field(default=None, repr=False)
 
     @property

@@ -22,6 +22,11 @@ E2E = Histogram(
     "from receiving Generate to its last message",
     buckets=_LATENCY_BUCKETS_S,
 )
+ITL = Histogram(
+    "splitserve_router_inter_token_latency_seconds",
+    "time between two streamed tokens of a request (a message of n tokens counts n times)",
+    buckets=(0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0),
+)
 PROMPT_TOKENS = Counter("splitserve_router_prompt_tokens_total", "prompt tokens of served requests")
 GENERATION_TOKENS = Counter("splitserve_router_generation_tokens_total", "tokens streamed")
 PREFILL_FALLBACKS = Counter(

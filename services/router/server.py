@@ -38,6 +38,7 @@ from services.router import metrics
 from services.router.config import RouterConfig, parse_router_args
 from services.router.decode_choice import DecodeChooser
 from services.router.explain import explain_response
+from services.router.latency import LatencyWindow
 from services.router.prefill_choice import PrefillChooser, PrefillPolicy
 from services.router.prefill_cost import PrefillWeights
 from services.router.prefill_ledger import LocalPrefillLedger, PrefillLedger, RedisPrefillLedger
@@ -76,6 +77,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         self.decode_pool = WorkerPool(worker_pb2.WORKER_ROLE_DECODE, config.decode_address_list)
         self.planner = _build_planner(config, self.prefill_pool, self.decode_pool, rng)
         self._inflight: set[str] = set()
+        self.latency = LatencyWindow()
         self._background = BackgroundTasks()
         self._poller: asyncio.Task[None] | None = None
 
@@ -132,12 +134,21 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         self._inflight.add(prepared.req_id)
         metrics.INFLIGHT.inc()
         outcome = "error"
-        first_token_sent = False
+        last_token_s: float | None = None
         try:
             async for message in self._generate(prepared, context):
-                if not first_token_sent and message.token_ids:
-                    metrics.TTFT.observe(time.perf_counter() - start_s)
-                    first_token_sent = True
+                if message.token_ids:
+                    now_s = time.perf_counter()
+                    num_tokens = len(message.token_ids)
+                    if last_token_s is None:
+                        metrics.TTFT.observe(now_s - start_s)
+                        self.latency.add_ttft(now_s - start_s)
+                    else:
+                        gap_s = now_s - last_token_s
+                        for _ in range(num_tokens):
+                            metrics.ITL.observe(gap_s / num_tokens)
+                        self.latency.add_itl(gap_s, num_tokens)
+                    last_token_s = now_s
                 metrics.GENERATION_TOKENS.inc(len(message.token_ids))
                 if message.finish_reason:
                     outcome = FINISH_REASON_NAMES[message.finish_reason]

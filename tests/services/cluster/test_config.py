@@ -33,10 +33,10 @@ def test_up_flags_reach_the_worker_and_router_configs(monkeypatch):
             "up", "--model", "m", "--num-prefill-workers", "3", "--num-decode-workers", "2",
             "--host", "0.0.0.0", "--port", "6000", "--lease-ttl-s", "7", "--kv-transfer", "tcp",
             "--prefill-policy", "random", "--max-num-seqs", "9", "--redis-url", "redis://r:1",
-            "--drain-timeout-s", "12", "--no-ray",
+            "--drain-timeout-s", "12", "--no-ray", "--target-itl-ms", "80",
         ]
     )  # fmt: skip
-    cluster, worker, router = configs_from_args(args)
+    cluster, worker, router, planner = configs_from_args(args)
     assert (cluster.num_prefill_workers, cluster.num_decode_workers) == (3, 2)
     assert (cluster.drain_timeout_s, cluster.ray) == (12.0, False)
     assert (worker.host, worker.lease_ttl_s, worker.kv_transfer) == ("0.0.0.0", 7.0, "tcp")
@@ -45,3 +45,4 @@ def test_up_flags_reach_the_worker_and_router_configs(monkeypatch):
     assert (router.model, router.host, router.port) == ("m", "0.0.0.0", 6000)
     assert (router.prefill_policy, router.prefill_load_weight) == ("random", 0.25)
     assert worker.redis.redis_url == router.redis.redis_url == "redis://r:1"
+    assert planner.target_itl_ms == 80.0 and not planner.autoscale
