@@ -71,6 +71,7 @@ class MemberView:
     address: str
     metrics_port: int
     pid: int
+    hostname: str
 
 
 class ClusterController:
@@ -168,7 +169,7 @@ class ClusterController:
 
     async def members(self) -> list[MemberView]:
         return [
-            MemberView(m.name, m.role, m.state.value, m.address, m.metrics_port, m.pid)
+            MemberView(m.name, m.role, m.state.value, m.address, m.metrics_port, m.pid, m.hostname)
             for role in ROLES
             for m in self._members[role]
         ]

@@ -58,12 +58,16 @@ class RayCluster:
     router: RouterConfig
     planner: PlannerConfig = field(default_factory=PlannerConfig)
     log_level: str = "WARNING"
+    # Environment of the controller's process (e.g. KUBECONFIG off a Kubernetes pod).
+    controller_env: dict[str, str] = field(default_factory=dict)
     controller: Any = field(default=None, init=False)
 
     def start(self, timeout_s: float = 600.0) -> list[str]:
         controller_class = ray.remote(ClusterController)
         self.controller = controller_class.options(
-            num_cpus=0, resources={HEAD_RESOURCE: 0.001}
+            num_cpus=0,
+            resources={HEAD_RESOURCE: 0.001},
+            runtime_env={"env_vars": self.controller_env} if self.controller_env else None,
         ).remote(self.cluster, self.worker, self.router, self.planner, self.log_level)
         ray.get(self.controller.start.remote())
         return ray.get(self.controller.wait_ready.remote(timeout_s))

@@ -26,14 +26,18 @@ class KubeRayGroups:
     """The worker groups of one ``RayCluster``, through the Kubernetes API.
 
     ``api_client`` defaults to the pod's in-cluster service account (the chart's Role allows
-    ``get`` and ``patch`` on its own RayCluster). Calls block: run them off the event loop.
+    ``get`` and ``patch`` on its own RayCluster), else to ``$KUBECONFIG`` / ``~/.kube/config``.
+    Calls block: run them off the event loop.
     """
 
     def __init__(
         self, cluster_name: str, namespace: str, api_client: client.ApiClient | None = None
     ) -> None:
         if api_client is None:
-            config.load_incluster_config()
+            try:
+                config.load_incluster_config()
+            except config.ConfigException:
+                config.load_kube_config()
             api_client = client.ApiClient()
         self.cluster_name = cluster_name
         self.namespace = namespace

@@ -43,7 +43,7 @@ def start_ray_cluster(ray_instance, tiny_llama_dir) -> Iterator[Callable[..., Ra
     returns a started cluster (stopped at the end of the test)."""
     started: list[RayCluster] = []
 
-    def start(**cluster_fields) -> RayCluster:
+    def start(controller_env: dict[str, str] | None = None, **cluster_fields) -> RayCluster:
         engine = dataclasses.replace(tiny_engine_config(tiny_llama_dir), detokenize=False)
         cluster = RayCluster(
             ClusterConfig(**{"port": 0, "reconcile_interval_s": 0.5, **cluster_fields}),
@@ -51,6 +51,7 @@ def start_ray_cluster(ray_instance, tiny_llama_dir) -> Iterator[Callable[..., Ra
             # Every prompt through a prefill worker, as in the process-cluster tests.
             RouterConfig(model=str(tiny_llama_dir), port=0, local_prefill_max_tokens=0),
             log_level="INFO",
+            controller_env=controller_env or {},
         )
         started.append(cluster)
         cluster.start(timeout_s=240)
