@@ -1,0 +1,84 @@
+{{- define "splitserve.fullname" -}}
+{{- if contains .Chart.Name .Release.Name -}}
+{{- .Release.Name | trunc 50 | trimSuffix "-" -}}
+{{- else -}}
+{{- printf "%s-%s" .Release.Name .Chart.Name | trunc 50 | trimSuffix "-" -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "splitserve.labels" -}}
+app.kubernetes.io/name: {{ .Chart.Name }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
+{{- end -}}
+
+{{- define "splitserve.selector" -}}
+app.kubernetes.io/name: {{ .Chart.Name }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+{{- end -}}
+
+{{- define "splitserve.image" -}}
+{{ .Values.image.repository }}:{{ .Values.image.tag | default .Chart.AppVersion }}
+{{- end -}}
+
+{{- define "splitserve.serviceAccountName" -}}
+{{- if .Values.serviceAccount.create -}}
+{{ .Values.serviceAccount.name | default (include "splitserve.fullname" .) }}
+{{- else -}}
+{{ .Values.serviceAccount.name | default "default" }}
+{{- end -}}
+{{- end -}}
+
+{{- define "splitserve.redisSecretName" -}}
+{{- if .Values.redis.enabled -}}
+{{ .Values.redis.existingSecret | default (printf "%s-redis" (include "splitserve.fullname" .)) }}
+{{- else -}}
+{{ .Values.redis.external.existingSecret }}
+{{- end -}}
+{{- end -}}
+
+{{- define "splitserve.redisUrl" -}}
+{{- if .Values.redis.enabled -}}
+redis://{{ include "splitserve.fullname" . }}-redis:6379/0
+{{- else -}}
+{{ required "redis.external.url is required when redis.enabled is false" .Values.redis.external.url }}
+{{- end -}}
+{{- end -}}
+
+{{/*
+One flag per key of a values map: camelCase key -> --kebab-case flag; booleans become
+--flag / --no-flag; null leaves the flag out. Output: one shell-quoted argument per flag.
+*/}}
+{{- define "splitserve.flags" -}}
+{{- range $key, $value := . -}}
+{{- if kindIs "bool" $value -}}
+{{- if $value }} --{{ kebabcase $key }}{{ else }} --no-{{ kebabcase $key }}{{ end -}}
+{{- else if not (kindIs "invalid" $value) }} --{{ kebabcase $key }}={{ $value | toString | squote }}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+
+{{/* The head container's command: start Ray's head, then the cluster on it. */}}
+{{- define "splitserve.headCommand" -}}
+{{- $v := .Values -}}
+ray start --head --dashboard-host=0.0.0.0 --num-cpus=0 --disable-usage-stats
+&& exec splitserve up --ray-address=auto --host=0.0.0.0
+--port={{ $v.service.port }}
+--num-prefill-workers={{ $v.prefill.replicas }}
+--num-decode-workers={{ $v.decode.replicas }}
+--prefill-num-gpus={{ $v.prefill.numGpus }}
+--decode-num-gpus={{ $v.decode.numGpus }}
+--router-metrics-port={{ $v.metrics.port }}
+--worker-metrics-port={{ $v.metrics.port }}
+--kuberay-cluster={{ include "splitserve.fullname" . }}
+--kuberay-namespace={{ .Release.Namespace }}
+--redis-url={{ include "splitserve.redisUrl" . | squote }}
+{{- include "splitserve.flags" $v.engine }}
+{{- include "splitserve.flags" $v.worker }}
+{{- include "splitserve.flags" $v.router }}
+{{- include "splitserve.flags" $v.cluster }}
+{{- include "splitserve.flags" $v.planner }}
+{{- include "splitserve.flags" $v.redisOptions }}
+{{- end -}}
