@@ -16,6 +16,7 @@ import ray
 from engine import LLM, SamplingParams
 from services.cluster.config import ClusterConfig
 from services.cluster.driver import RayCluster, init_ray
+from services.cluster.planner import PlannerConfig
 from services.common.worker_config import WorkerConfig
 from services.router.config import RouterConfig
 from splitserve.v1 import router_pb2, worker_pb2
@@ -43,13 +44,18 @@ def start_ray_cluster(ray_instance, tiny_llama_dir) -> Iterator[Callable[..., Ra
     returns a started cluster (stopped at the end of the test)."""
     started: list[RayCluster] = []
 
-    def start(controller_env: dict[str, str] | None = None, **cluster_fields) -> RayCluster:
+    def start(
+        controller_env: dict[str, str] | None = None,
+        planner: PlannerConfig | None = None,
+        **cluster_fields,
+    ) -> RayCluster:
         engine = dataclasses.replace(tiny_engine_config(tiny_llama_dir), detokenize=False)
         cluster = RayCluster(
             ClusterConfig(**{"port": 0, "reconcile_interval_s": 0.5, **cluster_fields}),
             WorkerConfig(engine=engine, port=0),
             # Every prompt through a prefill worker, as in the process-cluster tests.
             RouterConfig(model=str(tiny_llama_dir), port=0, local_prefill_max_tokens=0),
+            planner=planner or PlannerConfig(),
             log_level="INFO",
             controller_env=controller_env or {},
         )

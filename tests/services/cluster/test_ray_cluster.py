@@ -19,6 +19,7 @@ import pytest
 
 from engine import SamplingParams
 from services.cluster.config import ClusterConfig
+from services.cluster.planner import PlannerConfig
 from services.launcher import free_port
 from splitserve.v1 import router_pb2
 from tests.services.cluster.conftest import (
@@ -271,4 +272,33 @@ def test_router_actor_killed_is_replaced_on_its_port(start_ray_cluster, offline)
     want = offline.generate([prompt], SamplingParams(temperature=0.0, max_tokens=6))[0]
     assert out.token_ids == want.token_ids
     assert len(client.status().workers) == 2
+    client.close()
+
+
+def test_planner_grows_the_prefill_pool_on_a_ttft_breach_and_leaves_decode(
+    start_ray_cluster, offline
+):
+    # Any TTFT breaches its target; ITL, queues and KV usage never do.
+    planner = PlannerConfig(
+        autoscale=True,
+        planner_interval_s=0.5,
+        target_ttft_ms=0.001,
+        target_itl_ms=1e6,
+        target_queue_per_worker=1e6,
+        target_kv_usage=1.0,
+        breach_evaluations=2,
+        scale_up_cooldown_s=0.0,
+        max_prefill_workers=2,
+    )
+    cluster = start_ray_cluster(num_prefill_workers=1, num_decode_workers=1, planner=planner)
+    client = router_client(cluster)
+    load = Load(router_address(cluster), concurrency=2, seed=2).start()
+    try:
+        wait_for_pools(client, prefill=2, decode=1, timeout_s=120)
+        load.wait_for(4)
+    finally:
+        load.stop()
+    load.check(offline)
+    pools = {p.role: p.desired_workers for p in client.status().pools}
+    assert pools == {ROLES["prefill"]: 2, ROLES["decode"]: 1}
     client.close()
