@@ -27,20 +27,18 @@ import secrets
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-import grpc
 import ray
 
 from services.cluster.actors import ACTOR_CLASSES, Endpoint
 from services.cluster.config import POOL_ROLES, ClusterConfig
-from services.cluster.members import Member, MemberState, busy_units, pick_victims, pool_size
-from services.cluster.planner import PlannerConfig, PoolPlanner, PoolSignals, percentile
+from services.cluster.members import Member, MemberState, pick_victims, pool_size
+from services.cluster.planner import PlannerConfig, PoolPlanner, PoolSignals
+from services.cluster.probes import ClusterProbes
 from services.common.background import BackgroundTasks
 from services.common.logs import configure_logging
 from services.common.worker_config import WorkerConfig
 from services.router.config import RouterConfig
-from services.router.latency import LatencySamples
 from services.router.scaler import PoolSize
-from splitserve.v1 import worker_pb2, worker_pb2_grpc
 
 if TYPE_CHECKING:
     from services.cluster.kuberay import KubeRayGroups
@@ -115,7 +113,7 @@ class ClusterController:
         self._actor_classes = {role: ray.remote(cls) for role, cls in ACTOR_CLASSES.items()}
         self._names = itertools.count()
         self._token = secrets.token_hex(2)
-        self._channels: dict[str, tuple[grpc.aio.Channel, Any]] = {}
+        self._probes = ClusterProbes()
         self._wakeup = asyncio.Event()
         self._push_lock = asyncio.Lock()
         self._background = BackgroundTasks()
@@ -374,46 +372,7 @@ class ClusterController:
                 logger.exception("could not shrink the %s worker group", member.role)
 
     async def _busy(self, members: list[Member]) -> dict[str, int]:
-        """``busy_units`` of each worker: its own load plus every router's calls open on it."""
-        if not members:
-            return {}
-        routers = [m for m in self._members["router"] if m.state is MemberState.READY]
-        inflight_maps, loads = await asyncio.gather(
-            asyncio.gather(*(self._router_inflight(r) for r in routers)),
-            asyncio.gather(*(self._load(m) for m in members)),
-        )
-        return {
-            m.name: busy_units(load, sum(i.get(m.address, 0) for i in inflight_maps))
-            for m, load in zip(members, loads, strict=True)
-        }
-
-    @staticmethod
-    async def _router_inflight(router: Member) -> dict[str, int]:
-        try:
-            return await asyncio.wait_for(
-                router.actor.num_inflight_by_worker.remote(), _CALL_TIMEOUT_S
-            )
-        except Exception as exc:  # a dead router has nothing in flight; the reaper replaces it
-            logger.warning("router %s: no in-flight counts (%r)", router.name, exc)
-            return {}
-
-    async def _load(self, member: Member) -> worker_pb2.WorkerLoad:
-        """The worker's ``GetLoad`` (empty if it does not answer: there is nothing to wait for
-        on a worker that cannot serve)."""
-        if member.address not in self._channels:
-            channel = grpc.aio.insecure_channel(member.address)
-            stub_class = (
-                worker_pb2_grpc.PrefillWorkerStub
-                if member.role == "prefill"
-                else worker_pb2_grpc.DecodeWorkerStub
-            )
-            self._channels[member.address] = (channel, stub_class(channel))
-        stub = self._channels[member.address][1]
-        try:
-            return await stub.GetLoad(worker_pb2.GetLoadRequest(), timeout=_CALL_TIMEOUT_S)
-        except grpc.aio.AioRpcError as exc:
-            logger.warning("%s %s: GetLoad failed (%s)", member.role, member.name, exc.code().name)
-            return worker_pb2.WorkerLoad()
+        return await self._probes.busy(members, self._ready("router"))
 
     # ----------------------------------------------------------------------------- planner
     def _planned_roles(self) -> tuple[str, ...]:
@@ -434,41 +393,20 @@ class ClusterController:
                 logger.exception("planner evaluation failed; retrying")
 
     async def _signals(self) -> dict[str, PoolSignals]:
-        """This window's signals of each pool: routers' latency samples, workers' loads."""
-        routers = [m for m in self._members["router"] if m.state is MemberState.READY]
-        samples: list[LatencySamples] = await asyncio.gather(
-            *(r.actor.take_latency_samples.remote() for r in routers)
-        )
-        ttft_s = [t for s in samples for t in s.ttft_s]
-        itl_s = [t for s in samples for t in s.itl_s]
-        signals = {}
-        for role in self._planned_roles():
-            ready = [m for m in self._members[role] if m.state is MemberState.READY]
-            loads = await asyncio.gather(*(self._load(m) for m in ready))
-            num = max(len(ready), 1)
-            latency_s = percentile(ttft_s if role == "prefill" else itl_s, 0.9)
-            queued = sum(
-                load.num_waiting + (load.num_waiting_for_kv if role == "decode" else 0)
-                for load in loads
-            )
-            signals[role] = PoolSignals(
-                num_workers=self._desired[role],
-                latency_ms=latency_s * 1000 if latency_s is not None else None,
-                queue_per_worker=queued / num,
-                kv_usage=sum(load.kv_usage for load in loads) / num,
-            )
-        return signals
+        pools = {role: (self._desired[role], self._ready(role)) for role in self._planned_roles()}
+        return await self._probes.signals(self._ready("router"), pools)
 
     # ----------------------------------------------------------------------------- membership
+    def _ready(self, role: str) -> list[Member]:
+        return [m for m in self._members[role] if m.state is MemberState.READY]
+
     def _addresses(self, role: str) -> list[str]:
-        return [m.address for m in self._members[role] if m.state is MemberState.READY]
+        return [m.address for m in self._ready(role)]
 
     def _forget(self, member: Member) -> None:
         if member in self._members[member.role]:
             self._members[member.role].remove(member)
-        entry = self._channels.pop(member.address, None)
-        if entry is not None:
-            self._background.spawn(entry[0].close())
+        self._probes.forget(member.address)
         self._wakeup.set()
 
     async def _push_pools(self) -> None:
@@ -482,7 +420,7 @@ class ClusterController:
                 }
                 for role in POOL_ROLES
             }
-            routers = [m for m in self._members["router"] if m.state is MemberState.READY]
+            routers = self._ready("router")
             await asyncio.gather(*(self._push_to(r, pools) for r in routers))
 
     @staticmethod

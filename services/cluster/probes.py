@@ -1,0 +1,119 @@
+"""What the controller reads from the running cluster.
+
+Worker loads come over gRPC (``GetLoad``, one cached channel per worker); the routers' calls
+in flight on each worker and their latency samples come through Ray calls to the router actors.
+A worker or router that does not answer reads as idle: there is nothing to wait for on one that
+cannot serve, and the controller's reaper replaces it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+import grpc
+
+from services.cluster.members import Member, busy_units
+from services.cluster.planner import PoolSignals, percentile
+from services.common.background import BackgroundTasks
+from services.router.latency import LatencySamples
+from splitserve.v1 import worker_pb2, worker_pb2_grpc
+
+logger = logging.getLogger(__name__)
+
+CALL_TIMEOUT_S = 5.0
+
+
+class ClusterProbes:
+    """Reads loads, in-flight counts and latency samples; ``forget`` a removed worker."""
+
+    def __init__(self) -> None:
+        self._stubs: dict[str, tuple[grpc.aio.Channel, Any]] = {}
+        self._background = BackgroundTasks()
+
+    async def load(self, worker: Member) -> worker_pb2.WorkerLoad:
+        """The worker's ``GetLoad`` (empty if it does not answer)."""
+        if worker.address not in self._stubs:
+            channel = grpc.aio.insecure_channel(worker.address)
+            stub_class = (
+                worker_pb2_grpc.PrefillWorkerStub
+                if worker.role == "prefill"
+                else worker_pb2_grpc.DecodeWorkerStub
+            )
+            self._stubs[worker.address] = (channel, stub_class(channel))
+        stub = self._stubs[worker.address][1]
+        try:
+            return await stub.GetLoad(worker_pb2.GetLoadRequest(), timeout=CALL_TIMEOUT_S)
+        except grpc.aio.AioRpcError as exc:
+            logger.warning("%s %s: GetLoad failed (%s)", worker.role, worker.name, exc.code().name)
+            return worker_pb2.WorkerLoad()
+
+    async def busy(self, workers: Sequence[Member], routers: Sequence[Member]) -> dict[str, int]:
+        """``busy_units`` of each worker (by name): its load plus every router's calls on it."""
+        if not workers:
+            return {}
+        inflight_maps, loads = await asyncio.gather(
+            asyncio.gather(*(self._router_inflight(r) for r in routers)),
+            asyncio.gather(*(self.load(w) for w in workers)),
+        )
+        return {
+            w.name: busy_units(load, sum(i.get(w.address, 0) for i in inflight_maps))
+            for w, load in zip(workers, loads, strict=True)
+        }
+
+    async def signals(
+        self, routers: Sequence[Member], pools: dict[str, tuple[int, Sequence[Member]]]
+    ) -> dict[str, PoolSignals]:
+        """This window's ``PoolSignals`` per pool (``pools``: role -> (desired size, ready
+        workers)). Drains the routers' latency windows."""
+        samples: list[LatencySamples] = await asyncio.gather(
+            *(self._latency_samples(r) for r in routers)
+        )
+        latencies_s = {
+            "prefill": [t for s in samples for t in s.ttft_s],
+            "decode": [t for s in samples for t in s.itl_s],
+        }
+        signals = {}
+        for role, (desired, ready) in pools.items():
+            loads = await asyncio.gather(*(self.load(w) for w in ready))
+            num = max(len(ready), 1)
+            latency_s = percentile(latencies_s[role], 0.9)
+            queued = sum(
+                load.num_waiting + (load.num_waiting_for_kv if role == "decode" else 0)
+                for load in loads
+            )
+            signals[role] = PoolSignals(
+                num_workers=desired,
+                latency_ms=latency_s * 1000 if latency_s is not None else None,
+                queue_per_worker=queued / num,
+                kv_usage=sum(load.kv_usage for load in loads) / num,
+            )
+        return signals
+
+    def forget(self, address: str) -> None:
+        """Close the channel to a removed worker."""
+        entry = self._stubs.pop(address, None)
+        if entry is not None:
+            self._background.spawn(entry[0].close())
+
+    @staticmethod
+    async def _router_inflight(router: Member) -> dict[str, int]:
+        try:
+            return await asyncio.wait_for(
+                router.actor.num_inflight_by_worker.remote(), CALL_TIMEOUT_S
+            )
+        except Exception as exc:
+            logger.warning("router %s: no in-flight counts (%r)", router.name, exc)
+            return {}
+
+    @staticmethod
+    async def _latency_samples(router: Member) -> LatencySamples:
+        try:
+            return await asyncio.wait_for(
+                router.actor.take_latency_samples.remote(), CALL_TIMEOUT_S
+            )
+        except Exception as exc:
+            logger.warning("router %s: no latency samples (%r)", router.name, exc)
+            return LatencySamples([], [])
