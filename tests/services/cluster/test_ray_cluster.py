@@ -76,37 +76,60 @@ def test_scale_prefill_1_3_1_and_decode_1_2_1_under_load(start_ray_cluster, offl
     client.close()
 
 
-def _stream(client: Client, prompt: list[int], max_tokens: int, progress: dict, key: int) -> None:
-    tokens: list[int] = []
-    try:
-        for message in client.stub.Generate(
-            router_pb2.GenerateRequest(
-                token_ids=prompt, sampling=greedy(max_tokens, ignore_eos=True)
-            ),
-            timeout=120,
+class Streams:
+    """Long greedy streams, one thread each; ``progress[i]`` holds the tokens stream ``i``
+    received so far (or the error that ended it)."""
+
+    def __init__(self, client: Client, prompts: list[list[int]], max_tokens: int) -> None:
+        self.prompts = prompts
+        self.max_tokens = max_tokens
+        self.progress: dict[int, list[int] | Exception] = {}
+        self.threads = [
+            threading.Thread(target=self._run, args=(client, i)) for i in range(len(prompts))
+        ]
+        for thread in self.threads:
+            thread.start()
+
+    def _run(self, client: Client, i: int) -> None:
+        request = router_pb2.GenerateRequest(
+            token_ids=self.prompts[i], sampling=greedy(self.max_tokens, ignore_eos=True)
+        )
+        tokens: list[int] = []
+        try:
+            for message in client.stub.Generate(request, timeout=120):
+                tokens.extend(message.token_ids)
+                self.progress[i] = list(tokens)
+        except grpc.RpcError as exc:
+            self.progress[i] = exc
+
+    def wait_until_each_has(self, num_tokens: int) -> None:
+        deadline_s = time.monotonic() + 60
+        while not all(
+            isinstance(self.progress.get(i), list) and len(self.progress[i]) >= num_tokens
+            for i in range(len(self.prompts))
         ):
-            tokens.extend(message.token_ids)
-            progress[key] = list(tokens)
-    except grpc.RpcError as exc:
-        progress[key] = exc
+            assert time.monotonic() < deadline_s, self.progress
+            time.sleep(0.005)
+
+    @property
+    def running(self) -> bool:
+        return any(t.is_alive() for t in self.threads)
+
+    def check(self, offline) -> None:
+        """Every stream ended with exactly the offline engine's greedy tokens."""
+        for thread in self.threads:
+            thread.join(timeout=120)
+        params = SamplingParams(temperature=0.0, max_tokens=self.max_tokens, ignore_eos=True)
+        for i, expected in enumerate(offline.generate(self.prompts, params)):
+            assert self.progress[i] == expected.token_ids, f"stream {i}: {self.progress[i]!r:.200}"
 
 
 def test_decode_actor_killed_mid_stream_requests_finish_elsewhere(start_ray_cluster, offline):
     cluster = start_ray_cluster(num_prefill_workers=1, num_decode_workers=2)
     client = router_client(cluster)
     prompts = [[(7 * i + 11 * j) % 470 + 3 for j in range(24 + 5 * i)] for i in range(6)]
-    max_tokens = 400
-    progress: dict[int, list[int] | Exception] = {}
-    threads = [
-        threading.Thread(target=_stream, args=(client, p, max_tokens, progress, i))
-        for i, p in enumerate(prompts)
-    ]
-    for thread in threads:
-        thread.start()
-    deadline_s = time.monotonic() + 60
-    while not all(isinstance(progress.get(i), list) and len(progress[i]) >= 3 for i in range(6)):
-        assert time.monotonic() < deadline_s, progress
-        time.sleep(0.005)
+    streams = Streams(client, prompts, max_tokens=400)
+    streams.wait_until_each_has(3)
     status = client.status()
     victim = max(
         (w for w in status.workers if w.role == ROLES["decode"]), key=lambda w: w.load.num_running
@@ -114,13 +137,7 @@ def test_decode_actor_killed_mid_stream_requests_finish_elsewhere(start_ray_clus
     assert victim.load.num_running > 0
     pid = next(m.pid for m in cluster.members() if m.address == victim.address)
     os.kill(pid, signal.SIGKILL)
-    for thread in threads:
-        thread.join(timeout=120)
-    want = offline.generate(
-        prompts, SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-    )
-    for i, expected in enumerate(want):
-        assert progress[i] == expected.token_ids, f"stream {i}: {progress[i]!r:.200}"
+    streams.check(offline)
     router = next(m for m in cluster.members() if m.role == "router")
     failovers = scrape(router.metrics_port)[("splitserve_router_decode_failovers_total", ())]
     assert failovers >= 1
@@ -176,33 +193,19 @@ def test_scale_down_drains_a_busy_worker_before_removing_it(start_ray_cluster, o
     cluster = start_ray_cluster(num_prefill_workers=1, num_decode_workers=2)
     client = router_client(cluster)
     prompts = [[(13 * i + 5 * j) % 470 + 3 for j in range(30)] for i in range(4)]
-    max_tokens = 600
-    progress: dict[int, list[int] | Exception] = {}
-    threads = [
-        threading.Thread(target=_stream, args=(client, p, max_tokens, progress, i))
-        for i, p in enumerate(prompts)
-    ]
-    for thread in threads:
-        thread.start()
-    deadline_s = time.monotonic() + 60
-    while not all(isinstance(progress.get(i), list) and len(progress[i]) >= 3 for i in range(4)):
-        assert time.monotonic() < deadline_s, progress
-        time.sleep(0.005)
+    streams = Streams(client, prompts, max_tokens=600)
+    streams.wait_until_each_has(3)
     decode = [w for w in client.status().workers if w.role == ROLES["decode"]]
     assert all(w.load.num_running for w in decode), decode
     scale(client, "decode", 1)
     # The worker picked to go keeps streaming while draining: listed, draining, still running.
     seen_draining_busy = False
-    while any(t.is_alive() for t in threads):
+    while streams.running:
         for w in client.status().workers:
             seen_draining_busy |= w.draining and w.load.num_running > 0
         time.sleep(0.02)
     assert seen_draining_busy
-    want = offline.generate(
-        prompts, SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-    )
-    for i, expected in enumerate(want):
-        assert progress[i] == expected.token_ids, f"stream {i}: {progress[i]!r:.200}"
+    streams.check(offline)
     wait_for_pools(client, decode=1)
     router = next(m for m in cluster.members() if m.role == "router")
     assert scrape(router.metrics_port)[("splitserve_router_decode_failovers_total", ())] == 0
