@@ -6,6 +6,7 @@ import argparse
 import sys
 
 from engine import cli as generate_cli
+from loadtest import cli as loadtest_cli
 from services import admin, client, up
 from services.common.logs import add_log_level_flag, configure_logging
 
@@ -20,6 +21,7 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_parser(subparsers)
     client.add_parser(subparsers)
     admin.add_parsers(subparsers)
+    loadtest_cli.add_parser(subparsers)
     return parser
 
 

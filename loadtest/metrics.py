@@ -1,0 +1,134 @@
+"""What one loadtest run measured, from per-request timestamps.
+
+Definitions (times in seconds, measured by the client):
+
+- TTFT: from sending the request to its first token.
+- ITL: the gaps between successive token arrivals of a request; a message carrying n tokens
+  counts as n gaps of (its gap / n).
+- TPOT: (E2E - TTFT) / (output tokens - 1), per request with at least two tokens.
+- E2E: from sending to the last message.
+- Throughput: completed requests and output tokens per second of the run's wall time (first
+  send to last completion).
+- Goodput: completed requests per second that met both SLOs: TTFT <= ``slo_ttft_ms`` and the
+  p90 of their own ITL <= ``slo_itl_ms`` (so a request whose stream stalls now and then, as
+  when a long prefill joins its decode batch, misses it).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+PERCENTILES = (50, 90, 99)
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """Nearest-rank percentile, ``q`` in [0, 100]; NaN for no values."""
+    if not values:
+        return math.nan
+    ordered = sorted(values)
+    return ordered[max(math.ceil(q / 100 * len(ordered)) - 1, 0)]
+
+
+@dataclass(slots=True)
+class RequestRecord:
+    """One request as the client saw it. ``token_times_s`` has one entry per message with
+    tokens (absolute times) and ``token_counts`` how many tokens each carried."""
+
+    sent_s: float
+    prompt_tokens: int
+    token_times_s: list[float] = field(default_factory=list)
+    token_counts: list[int] = field(default_factory=list)
+    end_s: float | None = None
+    error: str | None = None  # the gRPC status name when it failed
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None and self.end_s is not None
+
+    @property
+    def output_tokens(self) -> int:
+        return sum(self.token_counts)
+
+    @property
+    def ttft_s(self) -> float | None:
+        return self.token_times_s[0] - self.sent_s if self.token_times_s else None
+
+    @property
+    def e2e_s(self) -> float | None:
+        return self.end_s - self.sent_s if self.end_s is not None else None
+
+    def itl_s(self) -> list[float]:
+        gaps: list[float] = []
+        for prev_s, now_s, count in zip(
+            self.token_times_s, self.token_times_s[1:], self.token_counts[1:], strict=False
+        ):
+            gaps.extend([(now_s - prev_s) / count] * count)
+        return gaps
+
+    @property
+    def tpot_s(self) -> float | None:
+        if self.output_tokens < 2 or self.ttft_s is None or self.e2e_s is None:
+            return None
+        return (self.e2e_s - self.ttft_s) / (self.output_tokens - 1)
+
+    def meets(self, slo_ttft_ms: float | None, slo_itl_ms: float | None) -> bool:
+        """Completed within both SLOs (an unset SLO always holds)."""
+        if not self.ok or self.ttft_s is None:
+            return False
+        if slo_ttft_ms is not None and self.ttft_s * 1000 > slo_ttft_ms:
+            return False
+        gaps = self.itl_s()
+        return slo_itl_ms is None or not gaps or percentile(gaps, 90) * 1000 <= slo_itl_ms
+
+
+@dataclass(frozen=True, slots=True)
+class Summary:
+    """Aggregates of one run; latencies in milliseconds as {"p50": ..., "p90": ..., "p99": ...}."""
+
+    num_sent: int
+    num_completed: int
+    errors: dict[str, int]
+    duration_s: float
+    requests_per_s: float
+    output_tokens_per_s: float
+    goodput_requests_per_s: float
+    slo_ttft_ms: float | None
+    slo_itl_ms: float | None
+    ttft_ms: dict[str, float]
+    tpot_ms: dict[str, float]
+    itl_ms: dict[str, float]
+    e2e_ms: dict[str, float]
+
+
+def _stats_ms(values_s: Sequence[float]) -> dict[str, float]:
+    return {f"p{q}": percentile(values_s, q) * 1000 for q in PERCENTILES}
+
+
+def summarize(
+    records: Sequence[RequestRecord], slo_ttft_ms: float | None, slo_itl_ms: float | None
+) -> Summary:
+    """Aggregate ``records`` (every request sent, completed or failed)."""
+    done = [r for r in records if r.ok]
+    errors = Counter(r.error for r in records if r.error is not None)
+    starts = [r.sent_s for r in records]
+    ends = [r.end_s for r in records if r.end_s is not None]
+    duration_s = max(ends) - min(starts) if ends and starts else 0.0
+    rate = (lambda n: n / duration_s) if duration_s > 0 else (lambda n: 0.0)
+    return Summary(
+        num_sent=len(records),
+        num_completed=len(done),
+        errors=dict(sorted(errors.items())),
+        duration_s=duration_s,
+        requests_per_s=rate(len(done)),
+        output_tokens_per_s=rate(sum(r.output_tokens for r in done)),
+        goodput_requests_per_s=rate(sum(r.meets(slo_ttft_ms, slo_itl_ms) for r in done)),
+        slo_ttft_ms=slo_ttft_ms,
+        slo_itl_ms=slo_itl_ms,
+        ttft_ms=_stats_ms([r.ttft_s for r in done if r.ttft_s is not None]),
+        tpot_ms=_stats_ms([r.tpot_s for r in done if r.tpot_s is not None]),
+        itl_ms=_stats_ms([gap for r in done for gap in r.itl_s()]),
+        e2e_ms=_stats_ms([r.e2e_s for r in done if r.e2e_s is not None]),
+    )

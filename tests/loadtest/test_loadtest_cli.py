@@ -1,0 +1,60 @@
+"""``splitserve loadtest`` against a real local cluster: every request accounted for, all three
+kinds of report written, numbers that make sense."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from services.launcher import LocalCluster
+from tests.services.conftest import tiny_engine_config
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.fixture(scope="module")
+def router_address(tiny_llama_dir):
+    cluster = LocalCluster(engine=tiny_engine_config(tiny_llama_dir))
+    try:
+        yield cluster.start(timeout_s=180)
+    finally:
+        cluster.stop()
+
+
+@pytest.mark.parametrize(
+    ("workload", "load"),
+    [("shared-prefix", ["--rate", "3,6"]), ("long-mixed", ["--concurrency", "3"])],
+)
+def test_short_loadtest_writes_plausible_reports(router_address, tmp_path, workload, load):
+    out = tmp_path / "report"
+    argv = [
+        sys.executable, "-m", "services.cli", "loadtest", "--target", router_address,
+        "--workload", workload, *load, "--duration", "3", "--num-requests", "10",
+        "--slo-ttft-ms", "5000", "--slo-itl-ms", "1000", "--seed", "1", "--out", str(out),
+    ]  # fmt: skip
+    result = subprocess.run(argv, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr
+    results = json.loads((out / "results.json").read_text())
+    assert results["config"]["workload"] == workload
+    assert len(results["runs"]) == (2 if "--rate" in load else 1)
+    for run in results["runs"]:
+        summary = run["summary"]
+        assert 1 <= summary["num_sent"] <= 10
+        assert summary["num_completed"] + sum(summary["errors"].values()) == summary["num_sent"]
+        assert len(run["requests"]) == summary["num_sent"]
+        assert summary["errors"] == {}
+        assert summary["requests_per_s"] > 0 and summary["output_tokens_per_s"] > 0
+        assert 0 <= summary["goodput_requests_per_s"] <= summary["requests_per_s"]
+        ttft, e2e = summary["ttft_ms"], summary["e2e_ms"]
+        assert 0 < ttft["p50"] <= ttft["p90"] <= ttft["p99"] <= e2e["p99"]
+        assert 0 < summary["itl_ms"]["p50"] <= summary["itl_ms"]["p99"]
+        for request in run["requests"]:
+            assert sum(request["token_counts"]) >= 1
+    report = (out / "report.md").read_text()
+    assert report.count("| rate ") + report.count("| concurrency ") == len(results["runs"])
+    for png in ("latency_cdf.png", "rate_sweep.png"):
+        data = (out / png).read_bytes()
+        assert data.startswith(PNG_MAGIC) and len(data) > 10_000

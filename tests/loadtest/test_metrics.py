@@ -1,0 +1,65 @@
+"""Loadtest metrics against hand-computed examples."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from loadtest.metrics import RequestRecord, percentile, summarize
+
+
+def records() -> list[RequestRecord]:
+    return [
+        # TTFT 0.5; gaps 0.1, then a 2-token message 0.2 later: 0.1, 0.1; TPOT 0.3 / 3.
+        RequestRecord(0.0, 10, [0.5, 0.6, 0.8], [1, 1, 2], end_s=0.8),
+        # TTFT 0.2; one gap of 1.0 (a stall); TPOT 1.0.
+        RequestRecord(1.0, 20, [1.2, 2.2], [1, 1], end_s=2.2),
+        RequestRecord(1.5, 30, error="UNAVAILABLE"),
+        # One token: TTFT 0.1, no gap, no TPOT.
+        RequestRecord(2.0, 40, [2.1], [1], end_s=2.1),
+    ]
+
+
+def test_per_request_latencies():
+    r1, r2, _, r4 = records()
+    assert r1.ttft_s == 0.5 and r1.e2e_s == 0.8 and r1.output_tokens == 4
+    assert r1.itl_s() == pytest.approx([0.1, 0.1, 0.1])
+    assert r1.tpot_s == pytest.approx(0.1)
+    assert r2.itl_s() == pytest.approx([1.0]) and r2.tpot_s == pytest.approx(1.0)
+    assert r4.itl_s() == [] and r4.tpot_s is None
+
+
+def test_summary_counts_rates_and_percentiles():
+    summary = summarize(records(), slo_ttft_ms=300, slo_itl_ms=500)
+    assert (summary.num_sent, summary.num_completed) == (4, 3)
+    assert summary.errors == {"UNAVAILABLE": 1}
+    assert summary.num_completed + sum(summary.errors.values()) == summary.num_sent
+    assert summary.duration_s == pytest.approx(2.2)
+    assert summary.requests_per_s == pytest.approx(3 / 2.2)
+    assert summary.output_tokens_per_s == pytest.approx(7 / 2.2)
+    # r1 misses TTFT (500 > 300 ms), r2 misses ITL (its p90 gap is the 1 s stall), r4 meets.
+    assert summary.goodput_requests_per_s == pytest.approx(1 / 2.2)
+    assert summary.ttft_ms == pytest.approx({"p50": 200, "p90": 500, "p99": 500})
+    assert summary.itl_ms == pytest.approx({"p50": 100, "p90": 1000, "p99": 1000})
+    assert summary.tpot_ms == pytest.approx({"p50": 100, "p90": 1000, "p99": 1000})
+    assert summary.e2e_ms == pytest.approx({"p50": 800, "p90": 1200, "p99": 1200})
+
+
+def test_unset_slos_always_hold_and_empty_runs_are_nan():
+    summary = summarize(records(), slo_ttft_ms=None, slo_itl_ms=None)
+    assert summary.goodput_requests_per_s == pytest.approx(3 / 2.2)
+    empty = summarize([RequestRecord(0.0, 5, error="DEADLINE_EXCEEDED")], None, None)
+    assert empty.num_completed == 0 and empty.requests_per_s == 0.0
+    assert math.isnan(empty.ttft_ms["p50"])
+
+
+def test_nearest_rank_percentile():
+    values = [float(v) for v in range(1, 101)]
+    assert (percentile(values, 50), percentile(values, 90), percentile(values, 99)) == (
+        50.0,
+        90.0,
+        99.0,
+    )
+    assert percentile([7.0], 99) == 7.0
+    assert math.isnan(percentile([], 50))
