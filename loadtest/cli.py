@@ -84,21 +84,20 @@ def main(args: argparse.Namespace) -> int:
     runs = []
     for i, rate in enumerate(rates):
         generator = WorkloadGenerator(args.workload, vocab, max_model_len, seed=args.seed)
-        plan = RunPlan(
-            num_requests=args.num_requests,
-            duration_s=args.duration,
-            rate_per_s=rate,
-            concurrency=args.concurrency,
-            burstiness=args.burstiness,
-            timeout_s=args.timeout_s,
-        )
-        arrivals = (
-            arrival_times_s(args.num_requests, rate, args.burstiness, args.seed + i)
+        arrivals_s = (
+            tuple(arrival_times_s(args.num_requests, rate, args.burstiness, args.seed + i))
             if rate is not None
             else None
         )
+        plan = RunPlan(
+            num_requests=args.num_requests,
+            duration_s=args.duration,
+            arrivals_s=arrivals_s,
+            concurrency=args.concurrency,
+            timeout_s=args.timeout_s,
+        )
         records = asyncio.run(
-            run(args.target, plan, generator.next, arrivals, show_progress=not args.no_progress)
+            run(args.target, plan, generator.next, show_progress=not args.no_progress)
         )
         summary = summarize(records, args.slo_ttft_ms, args.slo_itl_ms)
         label = f"rate {rate:g}/s" if rate is not None else f"concurrency {args.concurrency}"

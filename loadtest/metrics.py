@@ -21,15 +21,15 @@ from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from services.cluster.planner import percentile as nearest_rank
+
 PERCENTILES = (50, 90, 99)
 
 
 def percentile(values: Sequence[float], q: float) -> float:
     """Nearest-rank percentile, ``q`` in [0, 100]; NaN for no values."""
-    if not values:
-        return math.nan
-    ordered = sorted(values)
-    return ordered[max(math.ceil(q / 100 * len(ordered)) - 1, 0)]
+    value = nearest_rank(values, q / 100)
+    return math.nan if value is None else value
 
 
 @dataclass(slots=True)

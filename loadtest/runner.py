@@ -24,14 +24,13 @@ from splitserve.v1 import router_pb2, router_pb2_grpc
 
 @dataclass(frozen=True, slots=True)
 class RunPlan:
-    """How many requests to send and how (exactly one of ``rate_per_s`` and
-    ``concurrency``)."""
+    """How many requests to send and how: at the open-loop send times ``arrivals_s`` (seconds
+    from the start), or keeping ``concurrency`` in flight (exactly one of the two)."""
 
     num_requests: int
     duration_s: float
-    rate_per_s: float | None = None
+    arrivals_s: tuple[float, ...] | None = None
     concurrency: int | None = None
-    burstiness: float = 1.0
     timeout_s: float = 300.0
 
 
@@ -91,7 +90,6 @@ async def run(
     target: str,
     plan: RunPlan,
     make_request: Callable[[], SyntheticRequest],
-    arrivals_s: list[float] | None = None,
     show_progress: bool = True,
 ) -> list[RequestRecord]:
     """Run ``plan`` against the router at ``target``; one record per request sent."""
@@ -101,10 +99,9 @@ async def run(
         await channel.channel_ready()
         start_s = time.perf_counter()
         end_s = start_s + plan.duration_s
-        if plan.rate_per_s is not None:
-            assert arrivals_s is not None
+        if plan.arrivals_s is not None:
             tasks = []
-            for at_s in arrivals_s[: plan.num_requests]:
+            for at_s in plan.arrivals_s[: plan.num_requests]:
                 delay_s = start_s + at_s - time.perf_counter()
                 if start_s + at_s > end_s:
                     break
