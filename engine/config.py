@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from engine.cpu_tuning import parse_cpu_list
 from engine.flags import flag
 
 DTYPES = ("float32", "bfloat16", "float16")
@@ -27,7 +28,12 @@ class EngineConfig:
     num_kv_blocks: int | None = flag(None, "exact number of KV blocks (overrides the size)")
     enable_prefix_caching: bool = flag(True, "reuse KV blocks of shared prompt prefixes")
     seed: int = flag(0, "seed of the shared sampling generator")
-    num_threads: int | None = flag(None, "torch CPU threads (default: all cores)")
+    num_threads: int | None = flag(
+        None, "torch CPU threads (default: one per --cpu-cores core, else all cores)"
+    )
+    cpu_cores: str | None = flag(
+        None, "pin the process to these CPU cores, e.g. '1' or '0-3' (default: no pinning)"
+    )
     # Not a flag: workers turn it off because the router owns text and stop strings.
     detokenize: bool = True
     attention_backend: str = flag(
@@ -43,5 +49,7 @@ class EngineConfig:
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.cpu_cores is not None:
+            parse_cpu_list(self.cpu_cores)
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import logging
+import os
 
 logger = logging.getLogger(__name__)
 
@@ -33,3 +34,44 @@ def keep_freed_memory_in_heap() -> bool:
         return False
     logger.debug("glibc mallopt thresholds raised: %s", ok)
     return ok
+
+
+def parse_cpu_list(text: str) -> frozenset[int]:
+    """CPU ids from a list such as ``"1"`` or ``"0-3,8"`` (the kernel's cpulist format)."""
+    cpus: set[int] = set()
+    for part in text.split(","):
+        low, sep, high = part.strip().partition("-")
+        try:
+            first = int(low)
+            last = int(high) if sep else first
+        except ValueError:
+            raise ValueError(f"not a CPU list (e.g. '1' or '0-3,8'): {text!r}") from None
+        if first < 0 or last < first:
+            raise ValueError(f"not a CPU list (e.g. '1' or '0-3,8'): {text!r}")
+        cpus.update(range(first, last + 1))
+    return frozenset(cpus)
+
+
+def pin_process_to_cpus(cpus: frozenset[int]) -> None:
+    """Restrict every thread of this process to ``cpus``; threads started later inherit it.
+
+    Linux affinity is per thread, so pinning only the caller would leave the threads already
+    running (gRPC, asyncio executors, a Ray actor's own) free to run anywhere.
+    """
+    available = os.sched_getaffinity(0)
+    if not cpus <= available:
+        missing = ",".join(str(c) for c in sorted(cpus - available))
+        raise ValueError(f"CPU cores {missing} are not available to this process")
+    for tid in _thread_ids():
+        try:
+            os.sched_setaffinity(tid, cpus)
+        except ProcessLookupError:  # the thread ended meanwhile
+            continue
+    logger.info("pinned to CPU cores %s", ",".join(str(c) for c in sorted(cpus)))
+
+
+def _thread_ids() -> list[int]:
+    try:
+        return [int(tid) for tid in os.listdir("/proc/self/task")]
+    except FileNotFoundError:  # no procfs: the calling thread only
+        return [0]

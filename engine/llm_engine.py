@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.config import EngineConfig
-from engine.cpu_tuning import keep_freed_memory_in_heap
+from engine.cpu_tuning import keep_freed_memory_in_heap, parse_cpu_list, pin_process_to_cpus
 from engine.detokenizer import IncrementalDetokenizer
 from engine.kv_cache_manager import KVCacheManager
 from engine.loader.models import resolve_model
@@ -72,8 +72,13 @@ class LLMEngine:
 
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
-        if config.num_threads:
-            torch.set_num_threads(config.num_threads)
+        num_threads = config.num_threads
+        if config.cpu_cores is not None:
+            cpus = parse_cpu_list(config.cpu_cores)
+            pin_process_to_cpus(cpus)
+            num_threads = num_threads or len(cpus)
+        if num_threads:
+            torch.set_num_threads(num_threads)
         self.device = resolve_device(config.device)
         if self.device.type == "cpu":
             keep_freed_memory_in_heap()

@@ -75,6 +75,8 @@ class LocalCluster:
     extra_router_flags: Sequence[str] = ()
     # Flags for the workers of one role only ("prefill" / "decode"), after the shared ones.
     extra_role_flags: Mapping[str, Sequence[str]] = field(default_factory=dict)
+    # --cpu-cores of each worker in start order (prefill ones first); empty: no pinning.
+    worker_cpu_cores: Sequence[str] = ()
     log_level: str = "WARNING"
     processes: list[ServiceProcess] = field(default_factory=list)
 
@@ -93,6 +95,10 @@ class LocalCluster:
         env = dict(os.environ, SPLITSERVE_LOG_LEVEL=self.log_level)
         python = sys.executable
         worker_argv = [*to_argv(self._engine_for_workers()), *self.extra_worker_flags]
+        num_workers = self.num_prefill + self.num_decode
+        if self.worker_cpu_cores and len(self.worker_cpu_cores) != num_workers:
+            raise ValueError(f"worker_cpu_cores needs one entry per worker ({num_workers})")
+        cpu_cores = iter(self.worker_cpu_cores)
         for role, count in (("prefill", self.num_prefill), ("decode", self.num_decode)):
             for _ in range(count):
                 port, metrics_port = free_port(self.host), free_port(self.host)
@@ -101,6 +107,8 @@ class LocalCluster:
                     "--metrics-port", str(metrics_port),
                 ]  # fmt: skip
                 argv += [*worker_argv, *self.extra_role_flags.get(role, ())]
+                if self.worker_cpu_cores:
+                    argv += ["--cpu-cores", next(cpu_cores)]
                 address = f"{self.host}:{port}"
                 self.processes.append(ServiceProcess(role, address, metrics_port, argv))
         for process in self.processes:

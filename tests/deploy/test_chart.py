@@ -163,6 +163,8 @@ def _distinct_value(field: dataclasses.Field[Any], kind: type) -> Any:
         return (default or 0) + 3
     if kind is float:
         return round((default or 0.0) + 0.25, 2) if field.name != "scale_down_ratio" else 0.3
+    if field.name == "cpu_cores":
+        return "0-1"
     return f"/etc/splitserve/{field.name}"
 
 

@@ -4,6 +4,7 @@ kinds of report written, numbers that make sense."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -16,12 +17,33 @@ PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
 @pytest.fixture(scope="module")
-def router_address(tiny_llama_dir):
-    cluster = LocalCluster(engine=tiny_engine_config(tiny_llama_dir))
+def cluster(tiny_llama_dir):
+    """1 prefill + 1 decode worker, each pinned to its own core as the experiments run them."""
+    cores = sorted(os.sched_getaffinity(0))
+    cluster = LocalCluster(
+        engine=tiny_engine_config(tiny_llama_dir),
+        worker_cpu_cores=(str(cores[0]), str(cores[-1])),
+    )
     try:
-        yield cluster.start(timeout_s=180)
+        cluster.start(timeout_s=180)
+        yield cluster
     finally:
         cluster.stop()
+
+
+@pytest.fixture(scope="module")
+def router_address(cluster):
+    return cluster.router_address
+
+
+def test_each_worker_thread_runs_on_its_own_core(cluster):
+    cores = sorted(os.sched_getaffinity(0))
+    workers = [*cluster.workers("prefill"), *cluster.workers("decode")]
+    for worker, core in zip(workers, (cores[0], cores[-1]), strict=True):
+        assert worker.popen is not None
+        tids = [int(t) for t in os.listdir(f"/proc/{worker.popen.pid}/task")]
+        assert len(tids) > 2  # gRPC, asyncio and torch threads, not just the main one
+        assert all(os.sched_getaffinity(tid) == {core} for tid in tids), worker.role
 
 
 @pytest.mark.parametrize(

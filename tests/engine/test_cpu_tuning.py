@@ -1,0 +1,68 @@
+"""CPU pinning: the core list parser, and that pinning reaches every thread of the process."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from engine.config import EngineConfig
+from engine.cpu_tuning import parse_cpu_list
+
+
+@pytest.mark.parametrize(
+    ("text", "cpus"),
+    [("1", {1}), ("0-3", {0, 1, 2, 3}), ("0-1, 4,6-7", {0, 1, 4, 6, 7}), ("2-2", {2})],
+)
+def test_parse_cpu_list(text, cpus):
+    assert parse_cpu_list(text) == cpus
+
+
+@pytest.mark.parametrize("text", ["", "a", "3-1", "-1", "1-", "0,,1"])
+def test_parse_cpu_list_rejects_garbage(text):
+    with pytest.raises(ValueError, match="not a CPU list"):
+        parse_cpu_list(text)
+
+
+def test_engine_config_checks_cpu_cores():
+    with pytest.raises(ValueError, match="not a CPU list"):
+        EngineConfig(model="m", cpu_cores="first")
+
+
+def test_pinning_reaches_threads_started_before_and_after():
+    core = min(os.sched_getaffinity(0))
+    script = textwrap.dedent(f"""
+        import os, threading
+        from engine.cpu_tuning import pin_process_to_cpus
+
+        started, stop = threading.Event(), threading.Event()
+        tids = []
+        def park():
+            tids.append(threading.get_native_id())
+            started.set()
+            stop.wait()
+        before = threading.Thread(target=park)
+        before.start()
+        started.wait()
+        pin_process_to_cpus(frozenset({{{core}}}))
+        after = threading.Thread(target=park)
+        started.clear()
+        after.start()
+        started.wait()
+        print(sorted(os.sched_getaffinity(tid) == {{{core}}} for tid in [0, *tids]))
+        stop.set()
+    """)
+    result = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=60, check=True
+    )
+    assert result.stdout.split() == ["[True,", "True,", "True]"]
+
+
+def test_pinning_refuses_cores_the_process_cannot_use():
+    missing = max(os.sched_getaffinity(0)) + 1
+    script = f"from engine.cpu_tuning import pin_process_to_cpus; pin_process_to_cpus({{{missing}}})"
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+    assert result.returncode != 0 and f"CPU cores {missing} are not available" in result.stderr
