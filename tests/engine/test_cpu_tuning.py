@@ -63,6 +63,8 @@ def test_pinning_reaches_threads_started_before_and_after():
 
 def test_pinning_refuses_cores_the_process_cannot_use():
     missing = max(os.sched_getaffinity(0)) + 1
-    script = f"from engine.cpu_tuning import pin_process_to_cpus; pin_process_to_cpus({{{missing}}})"
+    script = (
+        f"from engine.cpu_tuning import pin_process_to_cpus; pin_process_to_cpus({{{missing}}})"
+    )
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
     assert result.returncode != 0 and f"CPU cores {missing} are not available" in result.stderr
