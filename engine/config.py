@@ -21,6 +21,11 @@ class EngineConfig:
     block_size: int = flag(16, "tokens per KV block")
     max_num_seqs: int = flag(128, "max requests in the running batch")
     max_num_batched_tokens: int = flag(2048, "max tokens computed per step (prefill chunk size)")
+    long_prefill_token_threshold: int = flag(
+        0,
+        "most prompt tokens one request computes per step, so that other prompts and decodes "
+        "share the step with a long one (0: up to the whole step budget)",
+    )
     max_model_len: int | None = flag(None, "max prompt + output tokens (default: model's)")
     kv_cache_memory_gb: float | None = flag(
         None, "KV cache size in GiB (default: 2 on CPU, 80%% of free memory on CUDA)"
@@ -49,6 +54,9 @@ class EngineConfig:
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        threshold = self.long_prefill_token_threshold
+        if threshold < 0:
+            raise ValueError(f"long_prefill_token_threshold must be >= 0, got {threshold}")
         if self.cpu_cores is not None:
             parse_cpu_list(self.cpu_cores)
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:

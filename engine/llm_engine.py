@@ -105,6 +105,7 @@ class LLMEngine:
                 max_num_seqs=config.max_num_seqs,
                 max_num_batched_tokens=config.max_num_batched_tokens,
                 max_model_len=self.max_model_len,
+                long_prefill_token_threshold=config.long_prefill_token_threshold,
             ),
             self.kv_cache_manager,
         )

@@ -21,6 +21,12 @@ class SchedulerConfig:
     max_num_seqs: int
     max_num_batched_tokens: int
     max_model_len: int
+    # Most prompt tokens per request per step (0: no cap below the step budget).
+    long_prefill_token_threshold: int = 0
+
+    @property
+    def max_chunk_tokens(self) -> int:
+        return self.long_prefill_token_threshold or self.max_num_batched_tokens
 
 
 @dataclass(frozen=True, slots=True)
@@ -168,7 +174,11 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            num_new = min(
+                request.num_tokens - request.num_computed_tokens,
+                budget,
+                self.config.max_chunk_tokens,
+            )
             while not self.kv_cache_manager.allocate_slots(request, num_new):
                 victim = self.running.pop()
                 self._preempt(victim)
@@ -200,7 +210,11 @@ class Scheduler:
                 if not self._start_remote_kv(request, hits, kv_loads):
                     break
                 continue
-            num_new = min(request.num_tokens - request.num_computed_tokens - num_hit_tokens, budget)
+            num_new = min(
+                request.num_tokens - request.num_computed_tokens - num_hit_tokens,
+                budget,
+                self.config.max_chunk_tokens,
+            )
             if not self.kv_cache_manager.allocate_slots(request, num_new, hits):
                 break
             self.waiting.popleft()

@@ -166,12 +166,16 @@ class PrefillChooser:
         """The prefill ended, with the worker's ``response`` or without one (failed or
         cancelled). Releases the reservation and records predicted vs realized hits."""
         self.cancel(choice)
+        if response is not None:
+            self.record_hits(choice, response.num_cached_tokens)
+
+    def record_hits(self, choice: PrefillChoice, num_cached_tokens: int) -> None:
+        """The chosen worker found ``num_cached_tokens`` of the prompt cached: count them
+        against the blocks the index predicted."""
         worker = choice.worker
-        if response is None or worker is None or worker.info is None:
+        if worker is None or worker.info is None:
             return
-        hit_blocks = min(
-            response.num_cached_tokens // worker.info.block_size, len(choice.block_hashes)
-        )
+        hit_blocks = min(num_cached_tokens // worker.info.block_size, len(choice.block_hashes))
         self.num_hit_blocks_predicted += choice.matched_blocks
         self.num_hit_blocks_realized += hit_blocks
         metrics.PREFIX_HITS_PREDICTED.inc(choice.matched_blocks)

@@ -9,15 +9,21 @@ pool and the KV transfer, when
 - every prefill worker is saturated (``prefill_cost``), or no prefill worker is healthy.
 
 One ledger call gives both the prefill decision and the prefix matches the decode choice uses.
+
+Colocated mode has no prefill pool: the worker that prefills is the one that decodes, so the
+decode worker is chosen by the prefill cost (prefix hits, queued prefill work, bounded load)
+over the decode pool, and the prompt's blocks are recorded as its own at once, so that the next
+request with the same prefix follows it.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from engine.block_hash import hash_block_tokens
+from engine.block_hash import BlockHash, hash_block_tokens
 from services.router import metrics
 from services.router.decode_choice import DecodeCandidate, DecodeChooser
 from services.router.prefill_choice import PrefillChoice, PrefillChooser
@@ -30,13 +36,15 @@ class PrefillPlace(enum.Enum):
     PREFILL_WORKER = "prefill_worker"
     SHORT_UNCACHED = "short_uncached"  # the decode worker computes the short uncached part
     SATURATED = "saturated"  # every prefill worker has too much queued
-    NO_PREFILL_WORKER = "no_prefill_worker"  # none healthy (or colocated mode)
+    NO_PREFILL_WORKER = "no_prefill_worker"  # none healthy
+    COLOCATED = "colocated"  # colocated mode: the decode worker chosen by the prefill cost
 
 
 @dataclass(frozen=True, slots=True)
 class RoutePlan:
     """The decision for one request; ``prefill.reservation`` is held only when the place is
-    ``PREFILL_WORKER`` (release it with ``PrefillChooser.done``)."""
+    ``PREFILL_WORKER`` or ``COLOCATED`` (release it with ``PrefillChooser.done`` or ``cancel``
+    once the prompt is prefilled)."""
 
     prefill: PrefillChoice
     place: PrefillPlace
@@ -57,10 +65,13 @@ class RoutePlanner:
         decode_chooser: DecodeChooser,
         *,
         local_prefill_max_tokens: int,
+        colocated: bool = False,
     ) -> None:
+        """In ``colocated`` mode ``prefill_chooser`` must score the decode pool."""
         self.prefill_chooser = prefill_chooser
         self.decode_chooser = decode_chooser
         self._local_prefill_max_tokens = local_prefill_max_tokens
+        self._colocated = colocated
 
     def block_size(self) -> int:
         """The cluster's KV block size, as the first worker that answered reports it."""
@@ -75,6 +86,8 @@ class RoutePlanner:
         used); without, nothing is (``Router.Explain``)."""
         block_size = self.block_size()
         block_hashes = hash_block_tokens(prompt_token_ids, block_size) if block_size else []
+        if self._colocated:
+            return await self._plan_colocated(req_id, block_hashes)
         short = len(prompt_token_ids) <= self._local_prefill_max_tokens
         has_prefill_pool = bool(self.prefill_chooser.pool.workers)
         choice = await self.prefill_chooser.choose(
@@ -100,3 +113,16 @@ class RoutePlanner:
         if req_id is not None and has_prefill_pool and place is not PrefillPlace.PREFILL_WORKER:
             metrics.LOCAL_PREFILLS.labels(place.value).inc()
         return RoutePlan(choice, place, decode_candidates, decode)
+
+    async def _plan_colocated(
+        self, req_id: str | None, block_hashes: Sequence[BlockHash]
+    ) -> RoutePlan:
+        choice = await self.prefill_chooser.choose(req_id, block_hashes)
+        candidates = tuple(self.decode_chooser.score(len(block_hashes), choice.matched))
+        chosen = [c for c in candidates if c.worker is choice.worker]
+        # Every worker saturated, or the chosen one unhealthy since: the least busy one.
+        decode = chosen[0] if chosen else self.decode_chooser.pick(candidates)
+        if not chosen:
+            self.prefill_chooser.cancel(choice)
+            choice = dataclasses.replace(choice, reservation=None)
+        return RoutePlan(choice, PrefillPlace.COLOCATED, candidates, decode)

@@ -39,12 +39,12 @@ from services.router.config import RouterConfig, parse_router_args
 from services.router.decode_choice import DecodeChooser
 from services.router.explain import explain_response
 from services.router.latency import LatencyWindow
-from services.router.prefill_choice import PrefillChooser, PrefillPolicy
+from services.router.prefill_choice import PrefillChoice, PrefillChooser, PrefillPolicy
 from services.router.prefill_cost import PrefillWeights
 from services.router.prefill_ledger import LocalPrefillLedger, PrefillLedger, RedisPrefillLedger
 from services.router.request_prep import ModelLimits, PreparedRequest, prepare_request
 from services.router.response_stream import ResponseStream
-from services.router.route_plan import RoutePlan, RoutePlanner
+from services.router.route_plan import PrefillPlace, RoutePlan, RoutePlanner
 from services.router.scaler import SCALABLE_ROLES, PoolScaler
 from services.router.worker_pool import InflightSlot, WorkerHandle, WorkerPool
 from splitserve.v1 import router_pb2, router_pb2_grpc, worker_pb2
@@ -202,8 +202,12 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         lease_holder: WorkerHandle | None = None
         chooser = self.planner.prefill_chooser
         slot = InflightSlot()
+        # Colocated: the decode worker's reservation, held until its first token.
+        colocated: PrefillChoice | None = None
         try:
             plan = await self.planner.plan(req_id, prepared.prompt_token_ids)
+            if plan.place is PrefillPlace.COLOCATED and plan.prefill.reservation is not None:
+                colocated = plan.prefill
             # The decode worker counts the request from now on, so that a burst spreads.
             slot.move_to(plan.decode.worker if plan.decode is not None else None)
             prefill = plan.prefill_worker
@@ -243,9 +247,16 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             decoding = self._decode(decode_request, stream, plan, slot, context, drop_lease)
             async for message in decoding:
                 lease_holder = None  # the decode worker owns the pull and its release now
+                if colocated is not None:
+                    chooser.cancel(colocated)
+                    colocated = None
                 yield message
+            if plan.place is PrefillPlace.COLOCATED:
+                chooser.record_hits(plan.prefill, stream.num_cached_tokens)
         finally:
             slot.move_to(None)
+            if colocated is not None:
+                chooser.cancel(colocated)
             if lease_holder is not None:
                 await self._release(lease_holder, req_id)
 
@@ -326,6 +337,8 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                         return
             except grpc.aio.AioRpcError as exc:
                 await self._worker_failed(worker, exc, context)
+                if plan.place is PrefillPlace.COLOCATED:  # it may come back with an empty cache
+                    await self.planner.prefill_chooser.forget(worker)
                 metrics.DECODE_FAILOVERS.inc()
                 logger.warning(
                     "req_id=%s decode on %s failed after %d tokens (%s); moving on",
@@ -455,8 +468,9 @@ def _build_planner(
         load_bound_slack=config.prefill_load_bound_slack,
         saturation_blocks=config.prefill_saturation_blocks,
     )
+    colocated = config.mode == "colocated"
     prefill_chooser = PrefillChooser(
-        prefill_pool,
+        decode_pool if colocated else prefill_pool,
         ledger,
         local_index=local_index,
         weights=weights,
@@ -474,6 +488,7 @@ def _build_planner(
         prefill_chooser,
         decode_chooser,
         local_prefill_max_tokens=config.local_prefill_max_tokens,
+        colocated=colocated,
     )
 
 

@@ -70,6 +70,22 @@ def test_chunked_prefill_and_mixed_batches_match_hf(arch_case):
     assert got == expected
 
 
+def test_long_prefill_threshold_shares_steps_and_matches_hf(arch_case):
+    """Capping each prompt's chunk lets every prompt start in the first step, and changes no
+    token."""
+    model_dir, _, prompts, expected = arch_case
+    llm = LLM(str(model_dir), dtype="float32", num_kv_blocks=256, long_prefill_token_threshold=8)
+    req_ids = [f"probe-{i}" for i in range(len(prompts))]
+    for req_id, prompt in zip(req_ids, prompts, strict=True):
+        llm.engine.add_request(req_id, prompt, GREEDY)
+    first = llm.engine.scheduler.schedule()
+    assert len(first.scheduled) == len(prompts)
+    assert max(item.num_new_tokens for item in first.scheduled) == 8
+    llm.engine.abort_requests(req_ids)
+    got = [o.token_ids for o in llm.generate(prompts, GREEDY)]
+    assert got == expected
+
+
 def test_preemption_under_tiny_block_budget_matches_hf(arch_case):
     model_dir, _, prompts, expected = arch_case
     # 14 blocks x 16 tokens cannot hold all 8 requests at once: some must be preempted.

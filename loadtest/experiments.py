@@ -1,0 +1,339 @@
+"""The headline comparisons, each arm a fresh local cluster on the same two cores.
+
+``python -m loadtest.experiments disaggregation --out DIR [--model smollm2-135m]
+[--rates 0.2,0.4] [--duration 180] [--slo-ttft-ms T] [--slo-itl-ms I]``
+``python -m loadtest.experiments prefix-routing --out DIR [...]``
+
+- ``disaggregation``: 1 prefill + 1 decode worker against 2 colocated replicas (each runs whole
+  requests) behind one router, on the ``long-mixed`` workload (long documents arriving among
+  streaming chats). Targets: disaggregated p99 ITL <= 0.5x colocated at the same offered rate,
+  and goodput >= 1.3x colocated under the SLOs.
+- ``prefix-routing``: 2 colocated replicas behind a router choosing by prefix cache hits and
+  load (``--prefill-policy cost``) against the cache-blind round-robin baseline, on the
+  ``shared-prefix`` workload. Target: prefix-aware TTFT p50 <= 0.3x round-robin.
+
+Both arms of an experiment run the same engine flags, with each worker pinned to its own core
+(``--cpu-cores``) on one torch thread, so that they use the same hardware; the router and the
+load generator share the two cores in both. Every arm replays the same seeded requests at the
+same send times after a short warm-up. Under ``--out``: one ``splitserve loadtest`` report per
+arm (``<arm>/results.json``, ``report.md``, plots), then ``comparison.md``, ``comparison.json``
+and ``comparison.png`` across arms.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import math
+import os
+import shlex
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from engine.config import EngineConfig
+from engine.flags import add_flags, from_args
+from loadtest.metrics import Summary
+from loadtest.report import RunResult, write_reports
+from loadtest.sweep import LoadSpec, run_sweep
+from services.launcher import LocalCluster
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class Arm:
+    """One cluster shape under test."""
+
+    name: str
+    mode: str
+    num_prefill: int
+    num_decode: int
+    router_flags: tuple[str, ...] = ()
+
+    @property
+    def slug(self) -> str:
+        return self.name.replace(" ", "-")
+
+
+@dataclass(frozen=True, slots=True)
+class Target:
+    """``metric`` of the first arm over the second's must be ``<=`` (or ``>=``) ``ratio``."""
+
+    metric: str  # a Summary field, optionally with a percentile: "itl_ms.p99"
+    op: str
+    ratio: float
+
+    def value(self, summary: Summary) -> float:
+        name, _, quantile = self.metric.partition(".")
+        value = getattr(summary, name)
+        return value[quantile] if quantile else value
+
+    def holds(self, ratio: float) -> bool:
+        return ratio <= self.ratio if self.op == "<=" else ratio >= self.ratio
+
+
+@dataclass(frozen=True, slots=True)
+class Experiment:
+    """Two arms (the first is the one expected to win), a workload, and what it must show."""
+
+    workload: str
+    arms: tuple[Arm, Arm]
+    targets: tuple[Target, ...]
+    default_rates: tuple[float, ...]
+    default_slo_ttft_ms: float
+    default_slo_itl_ms: float
+    engine_flags: tuple[str, ...] = ()  # both arms'
+
+
+EXPERIMENTS = {
+    "disaggregation": Experiment(
+        workload="long-mixed",
+        arms=(
+            Arm("disaggregated 1P+1D", "disaggregated", 1, 1),
+            Arm("colocated 2x", "colocated", 0, 2),
+        ),
+        targets=(Target("itl_ms.p99", "<=", 0.5), Target("goodput_requests_per_s", ">=", 1.3)),
+        default_rates=(0.3, 0.5, 0.7),
+        default_slo_ttft_ms=10_000.0,
+        default_slo_itl_ms=100.0,
+        # A short prompt then shares a step with a long one instead of waiting for all of it.
+        engine_flags=("--long-prefill-token-threshold", "512"),
+    ),
+    "prefix-routing": Experiment(
+        workload="shared-prefix",
+        arms=(
+            Arm("prefix-aware", "colocated", 0, 2, ("--prefill-policy", "cost")),
+            Arm("round-robin", "colocated", 0, 2, ("--prefill-policy", "round_robin")),
+        ),
+        targets=(Target("ttft_ms.p50", "<=", 0.3),),
+        default_rates=(1.0, 1.5),
+        default_slo_ttft_ms=1_000.0,
+        default_slo_itl_ms=100.0,
+        # Each replica holds about 5 of the workload's 8 system prompts (32 blocks each): the
+        # prompts one replica gets under prefix-aware routing fit, all of them do not.
+        engine_flags=("--num-kv-blocks", "200"),
+    ),
+}
+
+_WARMUP_REQUESTS = 4
+
+
+def run_arm(
+    arm: Arm, engine: EngineConfig, workload: str, spec: LoadSpec, cpu_cores: Sequence[str]
+) -> list[RunResult]:
+    """Start ``arm``'s cluster pinned to ``cpu_cores``, warm it up, run ``spec``, stop it."""
+    cluster = LocalCluster(
+        engine=engine,
+        num_prefill=arm.num_prefill,
+        num_decode=arm.num_decode,
+        mode=arm.mode,
+        worker_cpu_cores=cpu_cores,
+        extra_router_flags=arm.router_flags,
+    )
+    try:
+        target = cluster.start()
+        logger.info("%s: serving on %s", arm.name, target)
+        _warm_up(target, workload, spec.seed)
+        return run_sweep(target, spec, show_progress=sys.stderr.isatty())
+    finally:
+        cluster.stop()
+
+
+def _warm_up(target: str, workload: str, seed: int) -> None:
+    """A few requests of another seed, so that neither arm pays first-call costs (the compiled
+    kernel's load, allocator growth) inside the measured runs."""
+    spec = LoadSpec(
+        workload, concurrency=2, num_requests=_WARMUP_REQUESTS, duration_s=600.0, seed=seed + 1
+    )
+    (warm_up,) = run_sweep(target, spec, show_progress=False)
+    if warm_up.summary.errors:
+        raise RuntimeError(f"warm-up requests failed: {warm_up.summary.errors}")
+
+
+def compare(experiment: Experiment, runs: dict[str, list[RunResult]]) -> list[dict[str, Any]]:
+    """Per offered rate: each target's two values, their ratio and whether it holds."""
+    first, second = experiment.arms
+    rows = []
+    for ours, theirs in zip(runs[first.name], runs[second.name], strict=True):
+        for target in experiment.targets:
+            a, b = target.value(ours.summary), target.value(theirs.summary)
+            ratio = a / b if b else math.inf
+            rows.append(
+                {
+                    "run": ours.label,
+                    "metric": target.metric,
+                    first.name: a,
+                    second.name: b,
+                    "ratio": ratio,
+                    "target": f"{target.op} {target.ratio}",
+                    "met": target.holds(ratio),
+                }
+            )
+    return rows
+
+
+def _fmt(value: float) -> str:
+    return f"{value:.2f}" if math.isfinite(value) else "-"
+
+
+def comparison_markdown(
+    experiment: Experiment, command: str, runs: dict[str, list[RunResult]], rows: list[dict]
+) -> str:
+    first, second = experiment.arms
+    lines = [
+        f"# {first.name} vs {second.name} ({experiment.workload})",
+        "",
+        f"Command: `{command}`",
+        "",
+        "| arm | run | done/sent | req/s | goodput req/s | TTFT p50/p99 ms | ITL p50/p99 ms "
+        "| TPOT p50/p99 ms | E2E p50/p99 ms |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for arm in experiment.arms:
+        for result in runs[arm.name]:
+            s = result.summary
+            lines.append(
+                f"| {arm.name} | {result.label} | {s.num_completed}/{s.num_sent} "
+                f"| {_fmt(s.requests_per_s)} | {_fmt(s.goodput_requests_per_s)} "
+                f"| {s.ttft_ms['p50']:.0f} / {s.ttft_ms['p99']:.0f} "
+                f"| {s.itl_ms['p50']:.0f} / {s.itl_ms['p99']:.0f} "
+                f"| {s.tpot_ms['p50']:.0f} / {s.tpot_ms['p99']:.0f} "
+                f"| {s.e2e_ms['p50']:.0f} / {s.e2e_ms['p99']:.0f} |"
+            )
+    lines += ["", f"| run | metric | {first.name} | {second.name} | ratio | target | met |"]
+    lines.append("|---|---|---|---|---|---|---|")
+    for row in rows:
+        lines.append(
+            f"| {row['run']} | {row['metric']} | {_fmt(row[first.name])} "
+            f"| {_fmt(row[second.name])} | {_fmt(row['ratio'])}x | {row['target']} "
+            f"| {'yes' if row['met'] else 'no'} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def comparison_plot(experiment: Experiment, runs: dict[str, list[RunResult]], path: Path) -> None:
+    """Left: the latency the experiment is about, as a CDF per arm at the highest rate; then
+    goodput and that latency's tail against the offered rate, one line per arm."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    per_token = experiment.targets[0].metric.startswith("itl")
+    name, quantile = ("ITL", "p99") if per_token else ("TTFT", "p50")
+    fig, (cdf_axis, goodput_axis, tail_axis) = plt.subplots(1, 3, figsize=(16, 4.4))
+    for arm in experiment.arms:
+        results = runs[arm.name]
+        done = [r for r in results[-1].records if r.ok]
+        values_ms = sorted(
+            [g * 1000 for r in done for g in r.itl_s()]
+            if per_token
+            else [r.ttft_s * 1000 for r in done if r.ttft_s is not None]
+        )
+        n = len(values_ms)
+        cdf_axis.plot(values_ms, [(i + 1) / n for i in range(n)], label=arm.name)
+        rates = [r.offered_rate_per_s for r in results]
+        goodput_axis.plot(
+            rates, [r.summary.goodput_requests_per_s for r in results], "o-", label=arm.name
+        )
+        metric = "itl_ms" if per_token else "ttft_ms"
+        tail_axis.plot(
+            rates, [getattr(r.summary, metric)[quantile] for r in results], "o-", label=arm.name
+        )
+    cdf_axis.set_title(f"{name} CDF at {runs[experiment.arms[0].name][-1].label}")
+    cdf_axis.set_xlabel("ms")
+    cdf_axis.set_xscale("log")
+    cdf_axis.set_ylabel("fraction of tokens" if per_token else "fraction of requests")
+    goodput_axis.set_title("goodput (both SLOs met) vs offered rate")
+    goodput_axis.set_ylabel("requests/s")
+    tail_axis.set_title(f"{name} {quantile} vs offered rate")
+    tail_axis.set_ylabel("ms")
+    tail_axis.set_yscale("log")
+    for axis in (goodput_axis, tail_axis):
+        axis.set_xlabel("offered rate (requests/s)")
+    for axis in (cdf_axis, goodput_axis, tail_axis):
+        axis.grid(True, which="both", alpha=0.3)
+        axis.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m loadtest.experiments", description=__doc__)
+    parser.add_argument("experiment", choices=sorted(EXPERIMENTS))
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--rates", help="offered requests/s, comma-separated (default per run)")
+    parser.add_argument("--duration", type=float, default=180.0, help="seconds of sending")
+    parser.add_argument("--num-requests", type=int, default=1000, help="most requests per run")
+    parser.add_argument("--slo-ttft-ms", type=float, default=None)
+    parser.add_argument("--slo-itl-ms", type=float, default=None)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--engine-flags",
+        default="",
+        help="engine flags for every worker of both arms, after the experiment's own",
+    )
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+    experiment = EXPERIMENTS[args.experiment]
+    cores = sorted(os.sched_getaffinity(0))[:2]
+    if len(cores) < 2:
+        print("experiments need two CPU cores (one per worker)", file=sys.stderr)
+        return 2
+    spec = LoadSpec(
+        workload=experiment.workload,
+        rates=tuple(float(r) for r in args.rates.split(","))
+        if args.rates
+        else experiment.default_rates,
+        num_requests=args.num_requests,
+        duration_s=args.duration,
+        slo_ttft_ms=args.slo_ttft_ms or experiment.default_slo_ttft_ms,
+        slo_itl_ms=args.slo_itl_ms or experiment.default_slo_itl_ms,
+        seed=args.seed,
+    )
+    engine_flags = [*experiment.engine_flags, *shlex.split(args.engine_flags)]
+    engine = _engine_config(args.model, args.dtype, engine_flags)
+    command = "python -m loadtest.experiments " + shlex.join(sys.argv[1:] if argv is None else argv)
+    runs: dict[str, list[RunResult]] = {}
+    for arm in experiment.arms:
+        runs[arm.name] = run_arm(arm, engine, experiment.workload, spec, [str(c) for c in cores])
+        config = {
+            "command": command,
+            "target": arm.name,
+            "workload": experiment.workload,
+            "seed": spec.seed,
+            "model": args.model,
+            "burstiness": spec.burstiness,
+        }
+        write_reports(args.out / arm.slug, config, runs[arm.name])
+    rows = compare(experiment, runs)
+    markdown = comparison_markdown(experiment, command, runs, rows)
+    (args.out / "comparison.md").write_text(markdown)
+    (args.out / "comparison.json").write_text(
+        json.dumps({"command": command, "spec": _spec_json(spec), "targets": rows}, indent=1)
+    )
+    comparison_plot(experiment, runs, args.out / "comparison.png")
+    print(markdown)
+    return 0
+
+
+def _spec_json(spec: LoadSpec) -> dict[str, Any]:
+    return {name: getattr(spec, name) for name in spec.__slots__}
+
+
+def _engine_config(model: str, dtype: str, extra_flags: list[str]) -> EngineConfig:
+    parser = argparse.ArgumentParser()
+    add_flags(parser, EngineConfig)
+    flags = ["--model", model, "--dtype", dtype, "--num-threads", "1", *extra_flags]
+    return from_args(EngineConfig, parser.parse_args(flags))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

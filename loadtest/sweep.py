@@ -1,0 +1,102 @@
+"""One loadtest: the same seeded workload at each offered rate (or one closed-loop run) against
+a router, summarized per run. ``splitserve loadtest`` and ``loadtest.experiments`` both run it."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass
+
+import grpc
+
+from engine.loader.models import resolve_model
+from engine.tokenizer import Tokenizer
+from loadtest.metrics import summarize
+from loadtest.report import RunResult
+from loadtest.runner import RunPlan, run
+from loadtest.synthetic import WorkloadGenerator, arrival_times_s, regular_token_ids
+from services.common.grpc_server import CHANNEL_OPTIONS
+from splitserve.v1 import router_pb2, router_pb2_grpc
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class LoadSpec:
+    """What to send: a workload at each of ``rates`` (open loop, requests/s), or with
+    ``concurrency`` requests in flight when ``rates`` is empty; bounded per run by
+    ``num_requests`` and ``duration_s``. Every run replays the same seeded request sequence."""
+
+    workload: str
+    rates: tuple[float, ...] = ()
+    concurrency: int | None = None
+    num_requests: int = 1000
+    duration_s: float = 60.0
+    slo_ttft_ms: float | None = None
+    slo_itl_ms: float | None = None
+    burstiness: float = 1.0
+    seed: int = 0
+    timeout_s: float = 300.0
+
+    def __post_init__(self) -> None:
+        if bool(self.rates) == (self.concurrency is not None):
+            raise ValueError("give either rates or a concurrency")
+        if self.concurrency is not None and self.concurrency < 1:
+            raise ValueError(f"concurrency must be >= 1, got {self.concurrency}")
+        if any(r <= 0 for r in self.rates):
+            raise ValueError(f"rates must be > 0, got {self.rates}")
+
+
+def router_model(target: str) -> tuple[str, int, int]:
+    """The router's model, and the smallest vocabulary and max_model_len of its workers."""
+    with grpc.insecure_channel(target, options=CHANNEL_OPTIONS) as channel:
+        stub = router_pb2_grpc.RouterStub(channel)
+        status = stub.Status(router_pb2.StatusRequest(), timeout=30, wait_for_ready=True)
+    infos = [w.info for w in status.workers if w.info.max_model_len]
+    if not infos:
+        raise RuntimeError(f"no worker behind {target} has answered yet")
+    return (
+        status.model,
+        min(i.vocab_size for i in infos),
+        min(i.max_model_len for i in infos),
+    )
+
+
+def run_sweep(
+    target: str, spec: LoadSpec, model: str | None = None, show_progress: bool = True
+) -> list[RunResult]:
+    """Run ``spec`` against the router at ``target``; prompts come from ``model``'s tokenizer
+    (default: the router's model)."""
+    router_model_name, vocab_size, max_model_len = router_model(target)
+    tokenizer = Tokenizer(resolve_model(model or router_model_name)).backend
+    vocab = [i for i in regular_token_ids(tokenizer) if i < vocab_size]
+    results = []
+    for i, rate in enumerate(spec.rates or (None,)):
+        generator = WorkloadGenerator(spec.workload, vocab, max_model_len, seed=spec.seed)
+        arrivals_s = (
+            tuple(arrival_times_s(spec.num_requests, rate, spec.burstiness, spec.seed + i))
+            if rate is not None
+            else None
+        )
+        plan = RunPlan(
+            num_requests=spec.num_requests,
+            duration_s=spec.duration_s,
+            arrivals_s=arrivals_s,
+            concurrency=spec.concurrency,
+            timeout_s=spec.timeout_s,
+        )
+        records = asyncio.run(run(target, plan, generator.next, show_progress=show_progress))
+        summary = summarize(records, spec.slo_ttft_ms, spec.slo_itl_ms)
+        label = f"rate {rate:g}/s" if rate is not None else f"concurrency {spec.concurrency}"
+        results.append(RunResult(label, rate, spec.concurrency, summary, records))
+        logger.info(
+            "%s: %d/%d done, %.2f req/s, goodput %.2f req/s, TTFT p50 %.0f ms, ITL p99 %.0f ms",
+            label,
+            summary.num_completed,
+            summary.num_sent,
+            summary.requests_per_s,
+            summary.goodput_requests_per_s,
+            summary.ttft_ms["p50"],
+            summary.itl_ms["p99"],
+        )
+    return results
