@@ -2,9 +2,9 @@
 
 ``splitserve loadtest --target HOST:PORT --workload {chat,shared-prefix,long-mixed}
 (--rate R[,R...] | --concurrency C) [--duration S] [--num-requests N] [--slo-ttft-ms T]
-[--slo-itl-ms I] [--burstiness B] [--seed S] --out DIR``. Several rates run one after the
-other (a sweep) into the same reports. The workloads are described in ``loadtest.synthetic``,
-the metrics in ``loadtest.metrics``.
+[--slo-itl-ms I] [--slo-itl-percentile P] [--burstiness B] [--seed S] --out DIR``. Several
+rates run one after the other (a sweep) into the same reports. The workloads are described in
+``loadtest.synthetic``, the metrics in ``loadtest.metrics``.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ import shlex
 import sys
 from pathlib import Path
 
+from loadtest.metrics import DEFAULT_SLO_ITL_PERCENTILE
 from loadtest.report import write_reports
 from loadtest.sweep import LoadSpec, router_model, run_sweep
 from loadtest.synthetic import WORKLOADS
@@ -34,6 +35,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--num-requests", type=int, default=1000, help="most requests per run")
     parser.add_argument("--slo-ttft-ms", type=float, default=None)
     parser.add_argument("--slo-itl-ms", type=float, default=None)
+    parser.add_argument(
+        "--slo-itl-percentile",
+        type=float,
+        default=DEFAULT_SLO_ITL_PERCENTILE,
+        help="which percentile of a request's own inter-token gaps must stay within --slo-itl-ms",
+    )
     parser.add_argument(
         "--burstiness", type=float, default=1.0, help="1: Poisson arrivals; below 1: burstier"
     )
@@ -57,6 +64,7 @@ def main(args: argparse.Namespace) -> int:
             duration_s=args.duration,
             slo_ttft_ms=args.slo_ttft_ms,
             slo_itl_ms=args.slo_itl_ms,
+            slo_itl_percentile=args.slo_itl_percentile,
             burstiness=args.burstiness,
             seed=args.seed,
             timeout_s=args.timeout_s,

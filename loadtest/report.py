@@ -76,7 +76,8 @@ def markdown(config: dict[str, Any], runs: Sequence[RunResult]) -> str:
         "",
         f"Target `{config['target']}`, workload `{config['workload']}`, seed {config['seed']}; "
         f"SLOs: TTFT <= {_fmt(slo.slo_ttft_ms if slo else None, 0)} ms, "
-        f"p90 ITL per request <= {_fmt(slo.slo_itl_ms if slo else None, 0)} ms.",
+        f"p{_fmt(slo.slo_itl_percentile if slo else None, 0)} ITL per request <= "
+        f"{_fmt(slo.slo_itl_ms if slo else None, 0)} ms.",
         "",
         "| run | sent | done | errors | req/s | out tok/s | goodput req/s "
         "| TTFT p50/p90/p99 ms | TPOT p50/p99 ms | ITL p50/p99 ms | E2E p50/p99 ms |",

@@ -11,7 +11,7 @@ import grpc
 
 from engine.loader.models import resolve_model
 from engine.tokenizer import Tokenizer
-from loadtest.metrics import summarize
+from loadtest.metrics import DEFAULT_SLO_ITL_PERCENTILE, summarize
 from loadtest.report import RunResult
 from loadtest.runner import RunPlan, run
 from loadtest.synthetic import WorkloadGenerator, arrival_times_s, regular_token_ids
@@ -25,7 +25,8 @@ logger = logging.getLogger(__name__)
 class LoadSpec:
     """What to send: a workload at each of ``rates`` (open loop, requests/s), or with
     ``concurrency`` requests in flight when ``rates`` is empty; bounded per run by
-    ``num_requests`` and ``duration_s``. Every run replays the same seeded request sequence."""
+    ``num_requests`` and ``duration_s``. Run i's prompts and send times come from seed
+    ``seed + i``, so that two clusters given the same spec see the same requests."""
 
     workload: str
     rates: tuple[float, ...] = ()
@@ -34,6 +35,7 @@ class LoadSpec:
     duration_s: float = 60.0
     slo_ttft_ms: float | None = None
     slo_itl_ms: float | None = None
+    slo_itl_percentile: float = DEFAULT_SLO_ITL_PERCENTILE
     burstiness: float = 1.0
     seed: int = 0
     timeout_s: float = 300.0
@@ -43,6 +45,10 @@ class LoadSpec:
             raise ValueError("give either rates or a concurrency")
         if self.concurrency is not None and self.concurrency < 1:
             raise ValueError(f"concurrency must be >= 1, got {self.concurrency}")
+        if not 0 < self.slo_itl_percentile <= 100:
+            raise ValueError(
+                f"slo_itl_percentile must be in (0, 100], got {self.slo_itl_percentile}"
+            )
         if any(r <= 0 for r in self.rates):
             raise ValueError(f"rates must be > 0, got {self.rates}")
 
@@ -72,7 +78,8 @@ def run_sweep(
     vocab = [i for i in regular_token_ids(tokenizer) if i < vocab_size]
     results = []
     for i, rate in enumerate(spec.rates or (None,)):
-        generator = WorkloadGenerator(spec.workload, vocab, max_model_len, seed=spec.seed)
+        # Fresh prompts per run: a run replaying the last one's would hit its prefix cache.
+        generator = WorkloadGenerator(spec.workload, vocab, max_model_len, seed=spec.seed + i)
         arrivals_s = (
             tuple(arrival_times_s(spec.num_requests, rate, spec.burstiness, spec.seed + i))
             if rate is not None
@@ -86,7 +93,7 @@ def run_sweep(
             timeout_s=spec.timeout_s,
         )
         records = asyncio.run(run(target, plan, generator.next, show_progress=show_progress))
-        summary = summarize(records, spec.slo_ttft_ms, spec.slo_itl_ms)
+        summary = summarize(records, spec.slo_ttft_ms, spec.slo_itl_ms, spec.slo_itl_percentile)
         label = f"rate {rate:g}/s" if rate is not None else f"concurrency {spec.concurrency}"
         results.append(RunResult(label, rate, spec.concurrency, summary, records))
         logger.info(

@@ -50,7 +50,8 @@ class RouterConfig:
     )
     prefill_policy: str = flag(
         "cost",
-        "cost: the cheapest worker by cache hits and load; round_robin, random: cache-blind "
+        "cost: the cheapest worker by cache hits and load (colocated: the replica); "
+        "round_robin, random: cache-blind "
         "baselines for comparison",
         choices=PREFILL_POLICIES,
     )

@@ -63,3 +63,14 @@ def test_nearest_rank_percentile():
     )
     assert percentile([7.0], 99) == 7.0
     assert math.isnan(percentile([], 50))
+
+
+def test_itl_slo_percentile_decides_how_many_stalls_a_request_may_have():
+    # 20 gaps of 50 ms and 2 stalls of 400 ms: p90 (18th of 20) is fine, p99 (20th) is not.
+    times = [0.0]
+    for gap in [0.05] * 9 + [0.4] + [0.05] * 9 + [0.4]:
+        times.append(times[-1] + gap)
+    stalled = RequestRecord(0.0, 8, times, [1] * len(times), end_s=times[-1])
+    assert stalled.meets(None, 100, slo_itl_percentile=90)
+    assert not stalled.meets(None, 100, slo_itl_percentile=99)
+    assert summarize([stalled], None, 100, slo_itl_percentile=99).goodput_requests_per_s == 0
