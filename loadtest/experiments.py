@@ -37,7 +37,7 @@ from typing import Any
 
 from engine.config import EngineConfig
 from engine.flags import add_flags, from_args
-from loadtest.metrics import Summary
+from loadtest.metrics import RequestRecord, Summary, summarize
 from loadtest.report import RunResult, write_reports
 from loadtest.sweep import LoadSpec, run_sweep
 from services.launcher import LocalCluster
@@ -115,7 +115,7 @@ EXPERIMENTS = {
             Arm("round-robin", "colocated", 0, 2, ("--prefill-policy", "round_robin")),
         ),
         targets=(Target("ttft_ms.p50", "<=", 0.3),),
-        default_rates=(1.0, 1.5),
+        default_rates=(1.0, 1.5, 2.0),
         default_slo_ttft_ms=1_000.0,
         default_slo_itl_ms=100.0,
         default_slo_itl_percentile=90.0,
@@ -207,9 +207,9 @@ def comparison_markdown(
         f"SLOs: TTFT <= {spec.slo_ttft_ms:g} ms and p{spec.slo_itl_percentile:g} of each "
         f"request's inter-token gaps <= {spec.slo_itl_ms:g} ms.",
         "",
-        "| arm | run | done/sent | req/s | goodput req/s | TTFT p50/p99 ms | ITL p50/p99 ms "
-        "| TPOT p50/p99 ms | E2E p50/p99 ms |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| arm | run | done/sent | req/s | goodput req/s | prefix hits | TTFT p50/p99 ms "
+        "| ITL p50/p99 ms | TPOT p50/p99 ms | E2E p50/p99 ms |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for arm in experiment.arms:
         for result in runs[arm.name]:
@@ -217,6 +217,7 @@ def comparison_markdown(
             lines.append(
                 f"| {arm.name} | {result.label} | {s.num_completed}/{s.num_sent} "
                 f"| {_fmt(s.requests_per_s)} | {_fmt(s.goodput_requests_per_s)} "
+                f"| {s.prefix_hit_rate:.1%} "
                 f"| {s.ttft_ms['p50']:.0f} / {s.ttft_ms['p99']:.0f} "
                 f"| {s.itl_ms['p50']:.0f} / {s.itl_ms['p99']:.0f} "
                 f"| {s.tpot_ms['p50']:.0f} / {s.tpot_ms['p99']:.0f} "
@@ -234,8 +235,9 @@ def comparison_markdown(
 
 
 def comparison_plot(experiment: Experiment, runs: dict[str, list[RunResult]], path: Path) -> None:
-    """Left: the latency the experiment is about, as a CDF per arm at the highest rate; then
-    goodput and that latency's tail against the offered rate, one line per arm."""
+    """Left: the latency the experiment is about at the highest rate, per arm (ITL as the
+    fraction of gaps above x, which shows the tail; TTFT as a CDF); then goodput and that
+    latency's percentile against the offered rate, one line per arm."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -253,7 +255,8 @@ def comparison_plot(experiment: Experiment, runs: dict[str, list[RunResult]], pa
             else [r.ttft_s * 1000 for r in done if r.ttft_s is not None]
         )
         n = len(values_ms)
-        cdf_axis.plot(values_ms, [(i + 1) / n for i in range(n)], label=arm.name)
+        fractions = [(n - i) / n if per_token else (i + 1) / n for i in range(n)]
+        cdf_axis.plot(values_ms, fractions, label=arm.name)
         rates = [r.offered_rate_per_s for r in results]
         goodput_axis.plot(
             rates, [r.summary.goodput_requests_per_s for r in results], "o-", label=arm.name
@@ -262,10 +265,16 @@ def comparison_plot(experiment: Experiment, runs: dict[str, list[RunResult]], pa
         tail_axis.plot(
             rates, [getattr(r.summary, metric)[quantile] for r in results], "o-", label=arm.name
         )
-    cdf_axis.set_title(f"{name} CDF at {runs[experiment.arms[0].name][-1].label}")
+    at = runs[experiment.arms[0].name][-1].label
     cdf_axis.set_xlabel("ms")
     cdf_axis.set_xscale("log")
-    cdf_axis.set_ylabel("fraction of tokens" if per_token else "fraction of requests")
+    if per_token:
+        cdf_axis.set_title(f"inter-token gaps above x, at {at}")
+        cdf_axis.set_ylabel("fraction of gaps (log)")
+        cdf_axis.set_yscale("log")
+    else:
+        cdf_axis.set_title(f"TTFT CDF at {at}")
+        cdf_axis.set_ylabel("fraction of requests")
     goodput_axis.set_title("goodput (both SLOs met) vs offered rate")
     goodput_axis.set_ylabel("requests/s")
     tail_axis.set_title(f"{name} {quantile} vs offered rate")
@@ -299,6 +308,11 @@ def main(argv: list[str] | None = None) -> int:
         default="",
         help="engine flags for every worker of both arms, after the experiment's own",
     )
+    parser.add_argument(
+        "--report-only",
+        action="store_true",
+        help="start nothing: judge the arms' results.json already under --out by these SLOs",
+    )
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     experiment = EXPERIMENTS[args.experiment]
@@ -323,15 +337,19 @@ def main(argv: list[str] | None = None) -> int:
     command = "python -m loadtest.experiments " + shlex.join(sys.argv[1:] if argv is None else argv)
     runs: dict[str, list[RunResult]] = {}
     for arm in experiment.arms:
-        runs[arm.name] = run_arm(arm, engine, experiment.workload, spec, [str(c) for c in cores])
-        config = {
-            "command": command,
-            "target": arm.name,
-            "workload": experiment.workload,
-            "seed": spec.seed,
-            "model": args.model,
-            "burstiness": spec.burstiness,
-        }
+        if args.report_only:
+            config, runs[arm.name] = load_runs(args.out / arm.slug / "results.json", spec)
+        else:
+            cpu_cores = [str(c) for c in cores]
+            runs[arm.name] = run_arm(arm, engine, experiment.workload, spec, cpu_cores)
+            config = {
+                "command": command,
+                "target": arm.name,
+                "workload": experiment.workload,
+                "seed": spec.seed,
+                "model": args.model,
+                "burstiness": spec.burstiness,
+            }
         write_reports(args.out / arm.slug, config, runs[arm.name])
     rows = compare(experiment, runs)
     markdown = comparison_markdown(experiment, command, spec, runs, rows)
@@ -342,6 +360,20 @@ def main(argv: list[str] | None = None) -> int:
     comparison_plot(experiment, runs, args.out / "comparison.png")
     print(markdown)
     return 0
+
+
+def load_runs(path: Path, spec: LoadSpec) -> tuple[dict[str, Any], list[RunResult]]:
+    """An arm's config and runs as ``results.json`` recorded them, summarized under ``spec``'s
+    SLOs."""
+    results = json.loads(path.read_text())
+    runs = []
+    for run in results["runs"]:
+        records = [RequestRecord(**request) for request in run["requests"]]
+        summary = summarize(records, spec.slo_ttft_ms, spec.slo_itl_ms, spec.slo_itl_percentile)
+        runs.append(
+            RunResult(run["label"], run["offered_rate_per_s"], run["concurrency"], summary, records)
+        )
+    return results["config"], runs
 
 
 def _spec_json(spec: LoadSpec) -> dict[str, Any]:

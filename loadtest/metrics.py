@@ -9,6 +9,8 @@ Definitions (times in seconds, measured by the client):
 - E2E: from sending to the last message.
 - Throughput: completed requests and output tokens per second of the run's wall time (first
   send to last completion).
+- Prefix hit rate: prompt tokens served from a prefix cache over all prompt tokens, completed
+  requests.
 - Goodput: completed requests per second that met both SLOs: TTFT <= ``slo_ttft_ms`` and the
   ``slo_itl_percentile`` (default 90) of their own ITL <= ``slo_itl_ms``. At 90 a request
   misses it when more than a tenth of its gaps are slow; at 99, when a stream of a few hundred
@@ -45,6 +47,7 @@ class RequestRecord:
     token_counts: list[int] = field(default_factory=list)
     end_s: float | None = None
     error: str | None = None  # the gRPC status name when it failed
+    cached_tokens: int = 0  # prompt tokens served from a prefix cache (the router's usage)
 
     @property
     def ok(self) -> bool:
@@ -104,6 +107,7 @@ class Summary:
     requests_per_s: float
     output_tokens_per_s: float
     goodput_requests_per_s: float
+    prefix_hit_rate: float
     slo_ttft_ms: float | None
     slo_itl_ms: float | None
     slo_itl_percentile: float
@@ -130,6 +134,7 @@ def summarize(
     ends = [r.end_s for r in records if r.end_s is not None]
     duration_s = max(ends) - min(starts) if ends and starts else 0.0
     rate = (lambda n: n / duration_s) if duration_s > 0 else (lambda n: 0.0)
+    prompt_tokens = sum(r.prompt_tokens for r in done)
     return Summary(
         num_sent=len(records),
         num_completed=len(done),
@@ -139,6 +144,9 @@ def summarize(
         output_tokens_per_s=rate(sum(r.output_tokens for r in done)),
         goodput_requests_per_s=rate(
             sum(r.meets(slo_ttft_ms, slo_itl_ms, slo_itl_percentile) for r in done)
+        ),
+        prefix_hit_rate=(
+            sum(r.cached_tokens for r in done) / prompt_tokens if prompt_tokens else 0.0
         ),
         slo_ttft_ms=slo_ttft_ms,
         slo_itl_ms=slo_itl_ms,

@@ -79,9 +79,9 @@ def markdown(config: dict[str, Any], runs: Sequence[RunResult]) -> str:
         f"p{_fmt(slo.slo_itl_percentile if slo else None, 0)} ITL per request <= "
         f"{_fmt(slo.slo_itl_ms if slo else None, 0)} ms.",
         "",
-        "| run | sent | done | errors | req/s | out tok/s | goodput req/s "
+        "| run | sent | done | errors | req/s | out tok/s | goodput req/s | prefix hits "
         "| TTFT p50/p90/p99 ms | TPOT p50/p99 ms | ITL p50/p99 ms | E2E p50/p99 ms |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for run in runs:
         s = run.summary
@@ -89,7 +89,7 @@ def markdown(config: dict[str, Any], runs: Sequence[RunResult]) -> str:
         lines.append(
             f"| {run.label} | {s.num_sent} | {s.num_completed} | {errors} "
             f"| {_fmt(s.requests_per_s, 2)} | {_fmt(s.output_tokens_per_s)} "
-            f"| {_fmt(s.goodput_requests_per_s, 2)} "
+            f"| {_fmt(s.goodput_requests_per_s, 2)} | {s.prefix_hit_rate:.1%} "
             f"| {_fmt(s.ttft_ms['p50'])} / {_fmt(s.ttft_ms['p90'])} / {_fmt(s.ttft_ms['p99'])} "
             f"| {_fmt(s.tpot_ms['p50'])} / {_fmt(s.tpot_ms['p99'])} "
             f"| {_fmt(s.itl_ms['p50'])} / {_fmt(s.itl_ms['p99'])} "

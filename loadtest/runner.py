@@ -77,6 +77,8 @@ async def _send(
             if response.token_ids:
                 record.token_times_s.append(time.perf_counter())
                 record.token_counts.append(len(response.token_ids))
+            if response.HasField("usage"):
+                record.cached_tokens = response.usage.cached_tokens
         record.end_s = time.perf_counter()
         progress.done += 1
     except grpc.aio.AioRpcError as exc:

@@ -70,6 +70,7 @@ def test_short_loadtest_writes_plausible_reports(router_address, tmp_path, workl
         assert summary["errors"] == {}
         assert summary["requests_per_s"] > 0 and summary["output_tokens_per_s"] > 0
         assert 0 <= summary["goodput_requests_per_s"] <= summary["requests_per_s"]
+        assert 0 <= summary["prefix_hit_rate"] < 1
         ttft, e2e = summary["ttft_ms"], summary["e2e_ms"]
         assert 0 < ttft["p50"] <= ttft["p90"] <= ttft["p99"] <= e2e["p99"]
         assert 0 < summary["itl_ms"]["p50"] <= summary["itl_ms"]["p99"]

@@ -12,10 +12,10 @@ from loadtest.metrics import RequestRecord, percentile, summarize
 def records() -> list[RequestRecord]:
     return [
         # TTFT 0.5; gaps 0.1, then a 2-token message 0.2 later: 0.1, 0.1; TPOT 0.3 / 3.
-        RequestRecord(0.0, 10, [0.5, 0.6, 0.8], [1, 1, 2], end_s=0.8),
+        RequestRecord(0.0, 10, [0.5, 0.6, 0.8], [1, 1, 2], end_s=0.8, cached_tokens=8),
         # TTFT 0.2; one gap of 1.0 (a stall); TPOT 1.0.
         RequestRecord(1.0, 20, [1.2, 2.2], [1, 1], end_s=2.2),
-        RequestRecord(1.5, 30, error="UNAVAILABLE"),
+        RequestRecord(1.5, 30, error="UNAVAILABLE", cached_tokens=16),
         # One token: TTFT 0.1, no gap, no TPOT.
         RequestRecord(2.0, 40, [2.1], [1], end_s=2.1),
     ]
@@ -38,6 +38,7 @@ def test_summary_counts_rates_and_percentiles():
     assert summary.duration_s == pytest.approx(2.2)
     assert summary.requests_per_s == pytest.approx(3 / 2.2)
     assert summary.output_tokens_per_s == pytest.approx(7 / 2.2)
+    assert summary.prefix_hit_rate == pytest.approx(8 / 70)  # the failed request is left out
     # r1 misses TTFT (500 > 300 ms), r2 misses ITL (its p90 gap is the 1 s stall), r4 meets.
     assert summary.goodput_requests_per_s == pytest.approx(1 / 2.2)
     assert summary.ttft_ms == pytest.approx({"p50": 200, "p90": 500, "p99": 500})
