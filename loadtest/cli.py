@@ -16,7 +16,7 @@ from pathlib import Path
 
 from loadtest.metrics import DEFAULT_SLO_ITL_PERCENTILE
 from loadtest.report import write_reports
-from loadtest.sweep import LoadSpec, router_model, run_sweep
+from loadtest.sweep import LoadSpec, run_sweep, served_model
 from loadtest.synthetic import WORKLOADS
 
 
@@ -72,7 +72,8 @@ def main(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"splitserve loadtest: {exc}", file=sys.stderr)
         return 2
-    runs = run_sweep(args.target, spec, args.model, show_progress=not args.no_progress)
+    served = served_model(args.target, args.model)
+    runs = run_sweep(args.target, spec, served, show_progress=not args.no_progress)
     for result in runs:
         summary = result.summary
         print(
@@ -87,7 +88,7 @@ def main(args: argparse.Namespace) -> int:
         "target": args.target,
         "workload": args.workload,
         "seed": args.seed,
-        "model": router_model(args.target)[0],
+        "model": served.name,
         "burstiness": args.burstiness,
     }
     for path in write_reports(args.out, config, runs):

@@ -39,7 +39,7 @@ from engine.config import EngineConfig
 from engine.flags import add_flags, from_args
 from loadtest.metrics import RequestRecord, Summary, summarize
 from loadtest.report import RunResult, write_reports
-from loadtest.sweep import LoadSpec, run_sweep
+from loadtest.sweep import LoadSpec, ServedModel, run_sweep, served_model
 from services.launcher import LocalCluster
 
 logger = logging.getLogger(__name__)
@@ -144,13 +144,14 @@ def run_arm(
     try:
         target = cluster.start()
         logger.info("%s: serving on %s", arm.name, target)
-        _warm_up(target, workload, spec.seed)
-        return run_sweep(target, spec, show_progress=sys.stderr.isatty())
+        served = served_model(target)
+        _warm_up(target, served, workload, spec.seed)
+        return run_sweep(target, spec, served, show_progress=sys.stderr.isatty())
     finally:
         cluster.stop()
 
 
-def _warm_up(target: str, workload: str, seed: int) -> None:
+def _warm_up(target: str, served: ServedModel, workload: str, seed: int) -> None:
     """A few requests of another seed, so that neither arm pays first-call costs (the compiled
     kernel's load, allocator growth) inside the measured runs."""
     spec = LoadSpec(
@@ -160,7 +161,7 @@ def _warm_up(target: str, workload: str, seed: int) -> None:
         duration_s=600.0,
         seed=seed + _WARMUP_SEED_OFFSET,
     )
-    (warm_up,) = run_sweep(target, spec, show_progress=False)
+    (warm_up,) = run_sweep(target, spec, served, show_progress=False)
     if warm_up.summary.errors:
         raise RuntimeError(f"warm-up requests failed: {warm_up.summary.errors}")
 
@@ -316,8 +317,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     experiment = EXPERIMENTS[args.experiment]
-    cores = sorted(os.sched_getaffinity(0))[:2]
-    if len(cores) < 2:
+    cores = [str(c) for c in sorted(os.sched_getaffinity(0))[:2]]
+    if len(cores) < 2 and not args.report_only:
         print("experiments need two CPU cores (one per worker)", file=sys.stderr)
         return 2
     spec = LoadSpec(
@@ -340,8 +341,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.report_only:
             config, runs[arm.name] = load_runs(args.out / arm.slug / "results.json", spec)
         else:
-            cpu_cores = [str(c) for c in cores]
-            runs[arm.name] = run_arm(arm, engine, experiment.workload, spec, cpu_cores)
+            runs[arm.name] = run_arm(arm, engine, experiment.workload, spec, cores)
             config = {
                 "command": command,
                 "target": arm.name,

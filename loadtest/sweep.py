@@ -53,29 +53,39 @@ class LoadSpec:
             raise ValueError(f"rates must be > 0, got {self.rates}")
 
 
-def router_model(target: str) -> tuple[str, int, int]:
-    """The router's model, and the smallest vocabulary and max_model_len of its workers."""
+@dataclass(frozen=True, slots=True)
+class ServedModel:
+    """What prompts for a router may hold: its model's name, the regular token ids every
+    worker accepts, and the smallest max_model_len of its workers."""
+
+    name: str
+    vocab: tuple[int, ...]
+    max_model_len: int
+
+
+def served_model(target: str, tokenizer_model: str | None = None) -> ServedModel:
+    """Ask the router at ``target`` (once) what it serves; prompts are built from
+    ``tokenizer_model``'s tokenizer (default: the router's model)."""
     with grpc.insecure_channel(target, options=CHANNEL_OPTIONS) as channel:
         stub = router_pb2_grpc.RouterStub(channel)
         status = stub.Status(router_pb2.StatusRequest(), timeout=30, wait_for_ready=True)
     infos = [w.info for w in status.workers if w.info.max_model_len]
     if not infos:
         raise RuntimeError(f"no worker behind {target} has answered yet")
-    return (
-        status.model,
-        min(i.vocab_size for i in infos),
-        min(i.max_model_len for i in infos),
+    vocab_size = min(i.vocab_size for i in infos)
+    tokenizer = Tokenizer(resolve_model(tokenizer_model or status.model)).backend
+    return ServedModel(
+        name=status.model,
+        vocab=tuple(i for i in regular_token_ids(tokenizer) if i < vocab_size),
+        max_model_len=min(i.max_model_len for i in infos),
     )
 
 
 def run_sweep(
-    target: str, spec: LoadSpec, model: str | None = None, show_progress: bool = True
+    target: str, spec: LoadSpec, served: ServedModel, show_progress: bool = True
 ) -> list[RunResult]:
-    """Run ``spec`` against the router at ``target``; prompts come from ``model``'s tokenizer
-    (default: the router's model)."""
-    router_model_name, vocab_size, max_model_len = router_model(target)
-    tokenizer = Tokenizer(resolve_model(model or router_model_name)).backend
-    vocab = [i for i in regular_token_ids(tokenizer) if i < vocab_size]
+    """Run ``spec`` against the router at ``target``, which serves ``served``."""
+    vocab, max_model_len = list(served.vocab), served.max_model_len
     results = []
     for i, rate in enumerate(spec.rates or (None,)):
         # Fresh prompts per run: a run replaying the last one's would hit its prefix cache.
