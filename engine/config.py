@@ -43,7 +43,8 @@ class EngineConfig:
     detokenize: bool = True
     attention_backend: str = flag(
         "auto",
-        "decode attention: cpp (compiled CPU kernel), torch (reference path), "
+        "CPU attention: cpp (compiled decode kernel, plus the bfloat16 prefill kernel where "
+        "the host has AVX-512 BF16), torch (SDPA prefill, reference decode path), "
         "auto (cpp on CPU when it builds, else torch)",
         choices=ATTENTION_BACKENDS,
     )

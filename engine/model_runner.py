@@ -15,6 +15,7 @@ from engine.model.attention import (
     AttentionMetadata,
     DecodeInputs,
     PagedKVCache,
+    PrefillBatch,
     PrefillSeq,
     causal_mask,
     decode_bias,
@@ -70,6 +71,7 @@ class ModelRunner:
         self.cache = PagedKVCache(self.kv_cache)
         self.rope = RotaryEmbedding(config, self.max_model_len, self.dtype, device)
         self.decode_kernel = self._select_decode_kernel(attention_backend)
+        self.prefill_kernel = self._select_prefill_kernel()
         logger.info(
             "KV cache: %d blocks x %d tokens (%.2f GiB)",
             self.num_kv_blocks,
@@ -86,6 +88,19 @@ class ModelRunner:
             raise RuntimeError(
                 f"attention_backend=cpp: no CPU kernel for (head_dim, block_size) {shape}"
             )
+        return kernel
+
+    def _select_prefill_kernel(self) -> ModuleType | None:
+        """The decode kernel's module when it also has a prefill kernel for this model."""
+        kernel = self.decode_kernel
+        config = self.model_config
+        if kernel is None or not kernel.paged_prefill_supported(
+            self.dtype == torch.bfloat16,
+            config.head_dim,
+            self.block_size,
+            config.num_heads // config.num_kv_heads,
+        ):
+            return None
         return kernel
 
     def _blocks_for_memory(self, memory_gb: float | None) -> int:
@@ -124,6 +139,7 @@ class ModelRunner:
         decode_tables: list[list[int]] = []
         decode_lens: list[int] = []
         prefills: list[PrefillSeq] = []
+        prefill_chunks: list[tuple[list[int], int, int, int]] = []  # kernel: blocks, start, n, end
         for item in scheduled:
             request = item.request
             start, n = request.num_computed_tokens, item.num_new_tokens
@@ -139,6 +155,9 @@ class ModelRunner:
                 assert not prefills, "single-token items must precede prefill chunks"
                 decode_tables.append(blocks)
                 decode_lens.append(end)
+                continue
+            if self.prefill_kernel is not None:
+                prefill_chunks.append((blocks[: -(-end // bs)], q_start, n, end))
                 continue
             table = torch.tensor(blocks[: -(-end // bs)], dtype=torch.long)
             prefills.append(
@@ -157,6 +176,7 @@ class ModelRunner:
             num_decode_tokens=len(decode_tables),
             decode=self._decode_inputs(decode_tables, decode_lens),
             prefills=tuple(prefills),
+            prefill_batch=self._prefill_batch(prefill_chunks),
             cos=cos,
             sin=sin,
         )
@@ -164,6 +184,21 @@ class ModelRunner:
             torch.tensor(token_ids, dtype=torch.long, device=self.device),
             meta,
             torch.tensor(sample_idx, dtype=torch.long, device=self.device),
+        )
+
+    def _prefill_batch(self, chunks: list[tuple[list[int], int, int, int]]) -> PrefillBatch | None:
+        if not chunks:
+            return None
+        assert self.prefill_kernel is not None
+        max_blocks = max(len(blocks) for blocks, _, _, _ in chunks)
+        tables = [blocks + [0] * (max_blocks - len(blocks)) for blocks, _, _, _ in chunks]
+        return PrefillBatch(
+            block_tables=torch.tensor(tables, dtype=torch.long),
+            q_starts=torch.tensor([start for _, start, _, _ in chunks], dtype=torch.long),
+            q_lens=torch.tensor([n for _, _, n, _ in chunks], dtype=torch.long),
+            context_lens=torch.tensor([end for _, _, _, end in chunks], dtype=torch.long),
+            kernel=self.prefill_kernel,
+            sliding_window=self.model_config.sliding_window,
         )
 
     def _decode_inputs(self, tables: list[list[int]], context_lens: list[int]) -> DecodeInputs:

@@ -11,8 +11,10 @@ Each layer first writes the new tokens' K/V into their cache slots, then
   through padded block tables (the query heads sharing a KV head form the rows of one matmul,
   so GQA needs no K/V copy) with Hugging Face's eager score math (matmul, scale, mask, float32
   softmax);
-- each prefill chunk runs SDPA (FlashAttention on CUDA) over its own context: the new tokens
-  alone with ``is_causal`` when nothing was cached before them, else cached + new tokens with an
+- prefill chunks run either all at once in the compiled bfloat16 CPU kernel (``cpu_kernels``:
+  each chunk's whole context read in place, causal and sliding-window masks computed inside) or
+  one by one through SDPA (FlashAttention on CUDA) over their own context: the new tokens alone
+  with ``is_causal`` when nothing was cached before them, else cached + new tokens with an
   explicit bottom-right causal mask.
 """
 
@@ -86,6 +88,22 @@ class PrefillSeq:
 
 
 @dataclass(frozen=True, slots=True)
+class PrefillBatch:
+    """Every prefill chunk of a step, in the form the compiled prefill kernel reads.
+
+    Chunk ``s`` is rows ``[q_starts[s], q_starts[s] + q_lens[s])`` of the step's tokens: the
+    last ``q_lens[s]`` of its ``context_lens[s]`` context tokens, whose K/V are in the cache.
+    """
+
+    block_tables: torch.Tensor  # [S, max_blocks] long, padded with block 0
+    q_starts: torch.Tensor  # [S] long
+    q_lens: torch.Tensor  # [S] long
+    context_lens: torch.Tensor  # [S] long
+    kernel: ModuleType
+    sliding_window: int | None
+
+
+@dataclass(frozen=True, slots=True)
 class DecodeInputs:
     """The decode rows of a step, in the form the selected decode backend reads."""
 
@@ -104,7 +122,8 @@ class AttentionMetadata:
     slot_rows: torch.Tensor  # [T, KVH] cache rows of the new tokens (layer 0, keys)
     num_decode_tokens: int
     decode: DecodeInputs
-    prefills: tuple[PrefillSeq, ...]
+    prefills: tuple[PrefillSeq, ...]  # the SDPA path's chunks
+    prefill_batch: PrefillBatch | None  # the compiled kernel's chunks (then ``prefills`` is empty)
     cos: torch.Tensor  # [T, 1, D] rotary tables at the tokens' positions (see RotaryEmbedding)
     sin: torch.Tensor
 
@@ -150,11 +169,25 @@ def paged_attention(
     """
     cache.write(layer, meta.slot_rows, k, v)
     num_decode = meta.num_decode_tokens
-    if not meta.prefills:
+    batch = meta.prefill_batch
+    if not meta.prefills and batch is None:
         return _decode(layer, q, cache, meta)
     out = torch.empty_like(q)
     if num_decode:
         out[:num_decode] = _decode(layer, q[:num_decode], cache, meta)
+    if batch is not None:
+        batch.kernel.paged_prefill(
+            q,
+            cache.tensor,
+            batch.block_tables,
+            batch.q_starts,
+            batch.q_lens,
+            batch.context_lens,
+            layer,
+            q.shape[-1] ** -0.5,
+            batch.sliding_window or -1,
+            out,
+        )
     for seq in meta.prefills:
         out[seq.q_start : seq.q_start + seq.q_len] = _prefill(layer, q, k, v, cache, seq)
     return out

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
-from tests.fixtures.tiny_models import ARCHITECTURES
+from tests.fixtures.tiny_models import ARCHITECTURES, make_tiny_model
 
 PROMPT_LENS = (1, 5, 16, 17, 31, 48, 64, 97)
 MAX_TOKENS = 12
@@ -111,3 +111,36 @@ def test_both_decode_backends_match_hf(arch_case, backend):
     llm = LLM(str(model_dir), dtype="float32", num_kv_blocks=256, attention_backend=backend)
     got = [o.token_ids for o in llm.generate(prompts, GREEDY)]
     assert got == expected
+
+
+@pytest.mark.parametrize(
+    "arch,overrides",
+    [("llama", {}), ("mistral", {"sliding_window": 24}), ("qwen2", {"num_key_value_heads": 1})],
+)
+def test_bfloat16_cpu_kernels_agree_with_torch_path(tmp_path, arch, overrides):
+    """With head_dim 64 the compiled bfloat16 prefill and decode kernels run; chunked prefill
+    over cached prefixes (a 24-token budget) and mixed steps must give what the SDPA + torch
+    reference path gives, up to bf16 rounding flipping a late near-tie."""
+    model_dir = make_tiny_model(
+        tmp_path / arch,
+        arch,
+        hidden_size=256,
+        intermediate_size=256,
+        num_attention_heads=4,
+        **({"num_key_value_heads": 2} | overrides),
+    )
+    outputs = {}
+    for backend in ("torch", "auto"):
+        llm = LLM(
+            str(model_dir),
+            dtype="bfloat16",
+            num_kv_blocks=256,
+            max_num_batched_tokens=24,
+            attention_backend=backend,
+        )
+        if backend == "auto" and llm.engine.runner.prefill_kernel is None:
+            pytest.skip("no AVX-512 BF16 prefill kernel on this host")
+        prompts = make_prompts(llm.engine.vocab_size)
+        outputs[backend] = [o.token_ids for o in llm.generate(prompts, GREEDY)]
+    agree = sum(a[:6] == b[:6] for a, b in zip(outputs["torch"], outputs["auto"], strict=True))
+    assert agree >= len(PROMPT_LENS) - 1

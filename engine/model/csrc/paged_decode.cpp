@@ -13,30 +13,11 @@
 #include <cstring>
 #include <limits>
 
+#include "avx512_bf16.h"
+
 namespace {
 
 constexpr int64_t kMaxGroup = 16;  // query heads per KV head
-
-// exp(x) for x <= 0 to ~2 ulp: 2^n * p(r) after range reduction; a loop of these vectorizes
-// (std::exp does not), and exp dominates the softmax of short blocks.
-inline float fast_exp(float x) {
-  x = std::max(x, -87.3f);
-  const float t = x * 1.44269504088896341f;  // x / ln 2
-  const float n = std::floor(t);
-  const float r = (t - n) * 0.693147180559945309f;  // in [0, ln 2)
-  float p = 1.f / 5040.f;
-  p = p * r + 1.f / 720.f;
-  p = p * r + 1.f / 120.f;
-  p = p * r + 1.f / 24.f;
-  p = p * r + 1.f / 6.f;
-  p = p * r + 0.5f;
-  p = p * r + 1.f;
-  p = p * r + 1.f;
-  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
-  float scale;
-  std::memcpy(&scale, &bits, sizeof(float));
-  return p * scale;
-}
 
 template <typename T>
 inline void widen(const T* src, float* dst, int64_t n) {
@@ -98,10 +79,10 @@ void decode_one(const T* q, const T* cache, const int64_t* table, int64_t ctx, i
       }
       float m_new = m[g];
       for (int64_t t = 0; t < bs; ++t) m_new = std::max(m_new, sg[t]);
-      const float correction = fast_exp(m[g] - m_new);
+      const float correction = splitserve::exp_scalar(m[g] - m_new);
       float sum = 0.f;
       for (int64_t t = 0; t < bs; ++t) {
-        sg[t] = (t >= t0 && t < t1) ? fast_exp(sg[t] - m_new) : 0.f;
+        sg[t] = (t >= t0 && t < t1) ? splitserve::exp_scalar(sg[t] - m_new) : 0.f;
         sum += sg[t];
       }
       l[g] = l[g] * correction + sum;
@@ -120,6 +101,121 @@ void decode_one(const T* q, const T* cache, const int64_t* table, int64_t ctx, i
     for (int64_t d = 0; d < dim; ++d) out[g * dim + d] = static_cast<T>(acc[g][d] * inv);
   }
 }
+
+#if SPLITSERVE_AVX512_BF16
+constexpr int64_t kMaxHeads = 64;   // query heads of one sequence on the bfloat16 path
+constexpr int64_t kPrefetchBlocks = 2;
+
+// The bfloat16 path, one task per sequence: per block, the layer's K and V tiles of every KV
+// head are one contiguous run (see the cache layout), read front to back and prefetched
+// kPrefetchBlocks ahead, since scattered blocks make decode latency-bound. q.k runs as
+// bfloat16 pair dot products (exact products, float32 sums) giving a block's 16 scores in one
+// vector; the online softmax is vectorized; p.V accumulates in float32 from the V tile.
+template <int64_t dim>
+void decode_seq_bf16(const uint16_t* q, const uint16_t* cache, const int64_t* table, int64_t ctx,
+                     int64_t start, int64_t layer_offset, int64_t block_stride, int64_t kv_heads,
+                     int64_t group, float scale, uint16_t* out) {
+  constexpr int64_t bs = 16;
+  constexpr int64_t kPairVecs = dim / 32;  // bfloat16 dot-product operands per row
+  constexpr int64_t kVecs = dim / 16;      // float32 vectors per row
+  const int64_t heads = kv_heads * group;
+  const int64_t tile = bs * dim;           // elements of one head's K (or V) tile
+  const int64_t layer_bytes = 2 * kv_heads * tile * 2;
+  alignas(64) float acc[kMaxHeads][dim];
+  alignas(64) float p[16];
+  float m[kMaxHeads];
+  float l[kMaxHeads];
+  for (int64_t h = 0; h < heads; ++h) {
+    for (int64_t d = 0; d < dim; ++d) acc[h][d] = 0.f;
+    m[h] = -std::numeric_limits<float>::infinity();
+    l[h] = 0.f;
+  }
+  const __m512 neg_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  const __m512 scale_v = _mm512_set1_ps(scale);
+  const int64_t end_blk = (ctx + bs - 1) / bs;
+  for (int64_t blk = start / bs; blk < end_blk; ++blk) {
+    if (blk + kPrefetchBlocks < end_blk) {
+      const char* ahead = reinterpret_cast<const char*>(
+          cache + table[blk + kPrefetchBlocks] * block_stride + layer_offset);
+      for (int64_t off = 0; off < layer_bytes; off += 64) _mm_prefetch(ahead + off, _MM_HINT_T0);
+    }
+    const int64_t t0 = std::max<int64_t>(start - blk * bs, 0);
+    const int64_t t1 = std::min(bs, ctx - blk * bs);
+    const __mmask16 valid = static_cast<__mmask16>(((1u << t1) - 1) & ~((1u << t0) - 1));
+    const uint16_t* block = cache + table[blk] * block_stride + layer_offset;
+    for (int64_t kvh = 0; kvh < kv_heads; ++kvh) {
+      const uint16_t* k = block + kvh * tile;
+      const uint16_t* v = block + (kv_heads + kvh) * tile;
+      for (int64_t h = kvh * group; h < (kvh + 1) * group; ++h) {
+        __m512 dots[bs];
+        for (int64_t t = 0; t < bs; ++t) {
+          __m512 dot = _mm512_setzero_ps();
+          for (int64_t c = 0; c < kPairVecs; ++c) {
+            dot = _mm512_dpbf16_ps(dot, splitserve::load_bf16_pairs(q + h * dim + 32 * c),
+                                   splitserve::load_bf16_pairs(k + t * dim + 32 * c));
+          }
+          dots[t] = dot;
+        }
+        const __m512 s = _mm512_mask_mul_ps(neg_inf, valid, splitserve::hsum16(dots), scale_v);
+        const float m_new = std::max(m[h], _mm512_reduce_max_ps(s));
+        const float correction = splitserve::exp_scalar(m[h] - m_new);
+        const __m512 e = _mm512_maskz_mov_ps(
+            valid, splitserve::exp512(_mm512_sub_ps(s, _mm512_set1_ps(m_new))));
+        l[h] = l[h] * correction + _mm512_reduce_add_ps(e);
+        m[h] = m_new;
+        _mm512_store_ps(p, e);
+        __m512 a[kVecs];
+        const __m512 corr_v = _mm512_set1_ps(correction);
+        for (int64_t c = 0; c < kVecs; ++c) {
+          a[c] = _mm512_mul_ps(_mm512_load_ps(acc[h] + 16 * c), corr_v);
+        }
+        for (int64_t t = t0; t < t1; ++t) {
+          const __m512 pt = _mm512_set1_ps(p[t]);
+          for (int64_t c = 0; c < kVecs; ++c) {
+            a[c] = _mm512_fmadd_ps(pt, splitserve::load_bf16(v + t * dim + 16 * c), a[c]);
+          }
+        }
+        for (int64_t c = 0; c < kVecs; ++c) _mm512_store_ps(acc[h] + 16 * c, a[c]);
+      }
+    }
+  }
+  for (int64_t h = 0; h < heads; ++h) {
+    const __m512 inv = _mm512_set1_ps(1.f / l[h]);
+    for (int64_t c = 0; c < kVecs; ++c) {
+      splitserve::store_bf16(out + h * dim + 16 * c,
+                             _mm512_mul_ps(_mm512_load_ps(acc[h] + 16 * c), inv));
+    }
+  }
+}
+
+// True (and done) when the bfloat16 path covers this call.
+bool paged_decode_bf16(const torch::Tensor& q, const torch::Tensor& kv_cache,
+                       const int64_t* tables, const int64_t* lens, int64_t max_blocks,
+                       int64_t layer, float scale, int64_t sliding_window, torch::Tensor& out) {
+  const int64_t batch = q.size(0), heads = q.size(1), dim = q.size(2);
+  const int64_t layers = kv_cache.size(1), kv_heads = kv_cache.size(3), bs = kv_cache.size(4);
+  if (q.scalar_type() != at::kBFloat16 || bs != 16 || (dim != 64 && dim != 128) ||
+      heads > kMaxHeads) {
+    return false;
+  }
+  const auto* qp = reinterpret_cast<const uint16_t*>(q.data_ptr<at::BFloat16>());
+  const auto* cp = reinterpret_cast<const uint16_t*>(kv_cache.data_ptr<at::BFloat16>());
+  auto* op = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
+  const int64_t block_stride = layers * 2 * kv_heads * bs * dim;
+  const int64_t layer_offset = layer * 2 * kv_heads * bs * dim;
+  const int64_t group = heads / kv_heads;
+  auto run = dim == 64 ? decode_seq_bf16<64> : decode_seq_bf16<128>;
+  at::parallel_for(0, batch, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t b = begin; b < end; ++b) {
+      const int64_t ctx = lens[b];
+      const int64_t start = sliding_window > 0 ? std::max<int64_t>(0, ctx - sliding_window) : 0;
+      run(qp + b * heads * dim, cp, tables + b * max_blocks, ctx, start, layer_offset,
+          block_stride, kv_heads, group, scale, op + b * heads * dim);
+    }
+  });
+  return true;
+}
+#endif
 
 // Instantiations for the (head_dim, block_size) pairs in PAGED_DECODE_SHAPES (cpu_kernels.py).
 template <typename T>
@@ -166,6 +262,12 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor kv_cache, torch::Tenso
   const int64_t max_blocks = block_tables.size(1);
   const int64_t* tables = block_tables.data_ptr<int64_t>();
   const int64_t* lens = context_lens.data_ptr<int64_t>();
+#if SPLITSERVE_AVX512_BF16
+  if (paged_decode_bf16(q, kv_cache, tables, lens, max_blocks, layer, static_cast<float>(scale),
+                        sliding_window, out)) {
+    return out;
+  }
+#endif
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_decode", [&] {
     const scalar_t* qp = q.data_ptr<scalar_t>();
     const scalar_t* cp = kv_cache.data_ptr<scalar_t>();
@@ -183,8 +285,4 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor kv_cache, torch::Tenso
     });
   });
   return out;
-}
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_decode", &paged_decode, "paged-attention decode over block tables (CPU)");
 }

@@ -1,4 +1,4 @@
-"""The compiled CPU decode kernel against the pure-torch reference path."""
+"""The compiled CPU attention kernels against the pure-torch reference paths."""
 
 from __future__ import annotations
 
@@ -7,7 +7,15 @@ import shutil
 import pytest
 import torch
 
-from engine.model.attention import DecodeInputs, PagedKVCache, _decode, decode_bias
+from engine.model.attention import (
+    DecodeInputs,
+    PagedKVCache,
+    PrefillSeq,
+    _decode,
+    _prefill,
+    causal_mask,
+    decode_bias,
+)
 from engine.model.cpu_kernels import PAGED_DECODE_SHAPES, load_paged_decode
 
 # Skip only where no compiler exists; a build failure on a machine with one must fail loudly
@@ -51,3 +59,61 @@ def test_kernel_matches_torch_path(dtype, atol, head_dim, window):
             q, cache.tensor, tables, lens, layer, head_dim**-0.5, window or -1
         )
         torch.testing.assert_close(got.float(), want.float(), atol=atol, rtol=0)
+
+
+def sdpa_reference(layer, q, cache, tables, q_starts, q_lens, context_lens, window):
+    """The SDPA path's output for each chunk, from the same cache (K/V already written)."""
+    out = torch.zeros_like(q)
+    k = torch.zeros(q.shape[0], cache.num_kv_heads, cache.head_dim, dtype=q.dtype)
+    v = torch.zeros_like(k)
+    for table, start, n, ctx in zip(tables, q_starts, q_lens, context_lens, strict=True):
+        start, n, ctx = int(start), int(n), int(ctx)
+        tile_rows = cache.tile_rows(table[None, : -(-ctx // cache.block_size)])
+        keys, values = cache.gather(layer, tile_rows)  # [1, KVH, tokens, D]
+        # The SDPA path takes a whole prompt's K/V from the step's own k/v, not the cache.
+        k[start : start + n] = keys[0, :, ctx - n : ctx].transpose(0, 1)
+        v[start : start + n] = values[0, :, ctx - n : ctx].transpose(0, 1)
+        seq = PrefillSeq(start, n, ctx, tile_rows, causal_mask(n, ctx, window, q.device))
+        out[start : start + n] = _prefill(layer, q, k, v, cache, seq)
+    return out
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("group", [1, 3, 4])
+@pytest.mark.parametrize("window", [None, 20])
+def test_prefill_kernel_matches_sdpa(head_dim, group, window):
+    if not kernel.paged_prefill_supported(True, head_dim, 16, group):
+        pytest.skip("no AVX-512 BF16 on this host")
+    gen = torch.Generator().manual_seed(head_dim * group)
+    num_blocks, num_layers, kv_heads, bs = 96, 2, 2, 16
+    data = torch.randn(num_blocks, num_layers, 2, kv_heads, bs, head_dim, generator=gen)
+    cache = PagedKVCache(data.to(torch.bfloat16))
+    # (new tokens, context): a whole prompt, chunks after a cached prefix on and off block
+    # boundaries, one token, a prompt longer than one query tile.
+    chunks = [(37, 37), (5, 100), (16, 32), (1, 1), (20, 53), (70, 70)]
+    q_lens = torch.tensor([n for n, _ in chunks])
+    context_lens = torch.tensor([ctx for _, ctx in chunks])
+    q_starts = torch.cumsum(q_lens, 0) - q_lens
+    max_blocks = -(-int(context_lens.max()) // bs)
+    tables = torch.randperm(num_blocks, generator=gen)[: len(chunks) * max_blocks]
+    tables = tables.view(len(chunks), max_blocks).contiguous()
+    heads = kv_heads * group
+    # q as the model passes it: a strided view of the fused q/k/v rows.
+    qkv = torch.randn(int(q_lens.sum()), heads + 2 * kv_heads, head_dim, generator=gen)
+    q = qkv.to(torch.bfloat16)[:, :heads]
+    for layer in range(num_layers):
+        want = sdpa_reference(layer, q, cache, tables, q_starts, q_lens, context_lens, window)
+        got = torch.zeros_like(want)
+        kernel.paged_prefill(
+            q,
+            cache.tensor,
+            tables,
+            q_starts,
+            q_lens,
+            context_lens,
+            layer,
+            head_dim**-0.5,
+            window or -1,
+            got,
+        )
+        torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=0)

@@ -1,0 +1,103 @@
+// Helpers shared by the attention kernels. The AVX-512 part is compiled only where the host
+// has AVX512F + AVX512_BF16 (the kernels are built with -march=native); elsewhere the kernels
+// use their portable loops.
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+namespace splitserve {
+
+// exp(x) for x <= 0 to ~2 ulp: 2^n * p(r) after range reduction; a loop of these vectorizes
+// (std::exp does not), and exp dominates the softmax of short blocks.
+inline float exp_scalar(float x) {
+  x = std::max(x, -87.3f);
+  const float t = x * 1.44269504088896341f;  // x / ln 2
+  const float n = std::floor(t);
+  const float r = (t - n) * 0.693147180559945309f;  // in [0, ln 2)
+  float p = 1.f / 5040.f;
+  p = p * r + 1.f / 720.f;
+  p = p * r + 1.f / 120.f;
+  p = p * r + 1.f / 24.f;
+  p = p * r + 1.f / 6.f;
+  p = p * r + 0.5f;
+  p = p * r + 1.f;
+  p = p * r + 1.f;
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof(float));
+  return p * scale;
+}
+
+}  // namespace splitserve
+
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+#define SPLITSERVE_AVX512_BF16 1
+
+#include <immintrin.h>
+
+namespace splitserve {
+
+// exp(x) for x <= 0 in 16 lanes, the polynomial of exp_scalar: 2^n * p(r).
+// Lanes below -87.3 are clamped there (~1e-38), so callers zero masked-out lanes themselves.
+inline __m512 exp512(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.3f));
+  const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f));
+  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+  const __m512 r = _mm512_mul_ps(_mm512_sub_ps(t, n), _mm512_set1_ps(0.693147180559945309f));
+  __m512 p = _mm512_set1_ps(1.f / 5040.f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 720.f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 120.f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 24.f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 6.f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+  return _mm512_scalef_ps(p, n);
+}
+
+// Lane i of the result is the sum of the 16 lanes of v[i]: a transpose-and-add tree, 45
+// instructions for 16 horizontal sums instead of 16 separate reductions.
+inline __m512 hsum16(const __m512* v) {
+  __m512 x[8];
+  for (int i = 0; i < 8; ++i) {
+    x[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]),
+                         _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+  }
+  __m512 y[4];  // per 128-bit lane k: the sums over lane k of v[4i .. 4i+3]
+  for (int i = 0; i < 4; ++i) {
+    const __m512d a = _mm512_castps_pd(x[2 * i]);
+    const __m512d b = _mm512_castps_pd(x[2 * i + 1]);
+    y[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)),
+                         _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
+  }
+  const __m512 z01 = _mm512_add_ps(_mm512_shuffle_f32x4(y[0], y[1], 0x88),
+                                   _mm512_shuffle_f32x4(y[0], y[1], 0xDD));
+  const __m512 z23 = _mm512_add_ps(_mm512_shuffle_f32x4(y[2], y[3], 0x88),
+                                   _mm512_shuffle_f32x4(y[2], y[3], 0xDD));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(z01, z23, 0x88),
+                       _mm512_shuffle_f32x4(z01, z23, 0xDD));
+}
+
+// 16 bfloat16 values widened to float (exact).
+inline __m512 load_bf16(const uint16_t* p) {
+  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+
+// 32 bfloat16 values as one dot-product operand.
+inline __m512bh load_bf16_pairs(const uint16_t* p) {
+  return reinterpret_cast<__m512bh>(_mm512_loadu_si512(p));
+}
+
+// 16 floats rounded to bfloat16 (nearest even, like at::BFloat16's conversion).
+inline void store_bf16(uint16_t* p, __m512 x) {
+  const __m256bh packed = _mm512_cvtneps_pbh(x);
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), reinterpret_cast<const __m256i&>(packed));
+}
+
+}  // namespace splitserve
+
+#endif

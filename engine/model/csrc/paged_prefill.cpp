@@ -1,0 +1,267 @@
+// Paged-attention prefill for CPU in bfloat16 (AVX-512 BF16): every prefill chunk of a step
+// attends causally to its whole context, the cached prefix and its own tokens, read in place
+// from the paged cache (the chunk's K/V are written there first). No gather copy, no mask
+// tensor, one call per layer for all chunks.
+// Cache layout: [num_blocks, num_layers, 2, num_kv_heads, block_size, head_dim].
+//
+// A task is (chunk, KV head, tile of up to kTileQueries query positions); its rows are the
+// tile's positions times the query heads of that KV head (GQA). Per 16-key block the K tile is
+// transposed once into bfloat16 pairs per key, so each row's 16 scores come out of head_dim / 2
+// pair dot products as one vector, and the V tile is interleaved once into pairs of keys, so
+// p.V is head_dim / 16 pair dot products per key pair. Softmax is online, in float32; the
+// probabilities are rounded to bfloat16 for p.V, as Hugging Face's eager attention rounds them
+// before its p.V matmul.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+#include "avx512_bf16.h"
+
+#if SPLITSERVE_AVX512_BF16
+#include <omp.h>
+
+namespace {
+
+constexpr int64_t kBlock = 16;      // tokens per cache block (the only size built)
+constexpr int64_t kMaxRows = 64;    // query rows of one task
+constexpr int64_t kRowStep = 8;     // rows sharing one pass over the transposed K tile
+
+struct Task {
+  int64_t seq;
+  int64_t kv_head;
+  int64_t q_begin;  // tile [q_begin, q_end) of the chunk's query positions
+  int64_t q_end;
+  int64_t num_keys;  // keys the tile reads, its cost
+};
+
+struct Chunk {
+  const int64_t* table;
+  int64_t q_start;     // first row of the chunk in q / out
+  int64_t q_len;
+  int64_t first_pos;   // position of the chunk's first query token
+};
+
+struct Layout {
+  const uint16_t* q;
+  int64_t q_stride_t, q_stride_h;
+  uint16_t* out;
+  int64_t out_stride_t, out_stride_h;
+  const uint16_t* cache;
+  int64_t block_stride, layer_offset, kv_heads, group;
+  float scale;
+  int64_t window;  // <= 0: none
+};
+
+// acc lanes hold head dims in the order the unpack instructions interleave V (within each
+// 128-bit lane); this restores dim order for the 32 dims of vectors 2c (lo) and 2c + 1 (hi).
+inline void store_unpermuted(uint16_t* dst, __m512 lo, __m512 hi, __m512 inv) {
+  const __m512i first = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+  const __m512i second =
+      _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+  splitserve::store_bf16(dst, _mm512_mul_ps(_mm512_permutex2var_ps(lo, first, hi), inv));
+  splitserve::store_bf16(dst + 16, _mm512_mul_ps(_mm512_permutex2var_ps(lo, second, hi), inv));
+}
+
+template <int64_t dim>
+void prefill_task(const Task& task, const Chunk& chunk, const Layout& lay) {
+  constexpr int64_t kPairs = dim / 2;  // bfloat16 pairs per row
+  constexpr int64_t kVecs = dim / 16;  // float32 vectors per row
+  const int64_t tile = kBlock * dim;
+  const int64_t group = lay.group;
+  const int64_t rows = (task.q_end - task.q_begin) * group;
+  const int64_t padded_rows = (rows + kRowStep - 1) / kRowStep * kRowStep;
+
+  alignas(64) uint32_t q_rows[kMaxRows][kPairs];
+  alignas(64) float acc[kMaxRows][dim];
+  alignas(64) uint32_t kt[kPairs][kBlock];        // kt[j][t]: pair j of key t
+  alignas(64) uint32_t vp[kBlock / 2][dim];       // keys (2i, 2i+1) interleaved per dim
+  alignas(64) uint32_t p_pairs[kRowStep][kBlock / 2];
+  int32_t pos[kMaxRows];
+  float m[kMaxRows];
+  float l[kMaxRows];
+  float corr[kRowStep];
+  bool active[kRowStep];
+
+  // Row r = i * group + g: query position i of the tile, query head g of the KV head.
+  for (int64_t r = 0; r < padded_rows; ++r) {
+    const int64_t i = std::min(r, rows - 1) / group;
+    const int64_t g = std::min(r, rows - 1) % group;
+    const int64_t t = chunk.q_start + task.q_begin + i;
+    const uint16_t* src = lay.q + t * lay.q_stride_t + (task.kv_head * group + g) * lay.q_stride_h;
+    std::memcpy(q_rows[r], src, dim * sizeof(uint16_t));
+    pos[r] = static_cast<int32_t>(chunk.first_pos + task.q_begin + i);
+    std::fill(acc[r], acc[r] + dim, 0.f);
+    m[r] = -std::numeric_limits<float>::infinity();
+    l[r] = 0.f;
+  }
+
+  const int64_t key_end = chunk.first_pos + task.q_end;
+  const int64_t key_begin = key_end - task.num_keys;
+  const __m512 neg_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  const __m512 scale_v = _mm512_set1_ps(lay.scale);
+  const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  for (int64_t blk = key_begin / kBlock; blk * kBlock < key_end; ++blk) {
+    const uint16_t* base = lay.cache + chunk.table[blk] * lay.block_stride + lay.layer_offset;
+    const uint32_t* k32 = reinterpret_cast<const uint32_t*>(base + task.kv_head * tile);
+    for (int64_t t = 0; t < kBlock; ++t) {
+      for (int64_t j = 0; j < kPairs; ++j) kt[j][t] = k32[t * kPairs + j];
+    }
+    const uint16_t* v = base + (lay.kv_heads + task.kv_head) * tile;
+    for (int64_t tp = 0; tp < kBlock / 2; ++tp) {
+      for (int64_t c = 0; c < dim / 32; ++c) {
+        const __m512i a = _mm512_loadu_si512(v + (2 * tp) * dim + 32 * c);
+        const __m512i b = _mm512_loadu_si512(v + (2 * tp + 1) * dim + 32 * c);
+        _mm512_store_si512(vp[tp] + 32 * c, _mm512_unpacklo_epi16(a, b));
+        _mm512_store_si512(vp[tp] + 32 * c + 16, _mm512_unpackhi_epi16(a, b));
+      }
+    }
+    const __m512i key_pos = _mm512_add_epi32(_mm512_set1_epi32(static_cast<int32_t>(blk * kBlock)), lane);
+
+    for (int64_t rb = 0; rb < padded_rows; rb += kRowStep) {
+      __m512 s[kRowStep];
+      for (int64_t r = 0; r < kRowStep; ++r) s[r] = _mm512_setzero_ps();
+      for (int64_t j = 0; j < kPairs; ++j) {
+        const __m512bh kv = reinterpret_cast<__m512bh>(_mm512_load_si512(kt[j]));
+        for (int64_t r = 0; r < kRowStep; ++r) {
+          const __m512bh qq =
+              reinterpret_cast<__m512bh>(_mm512_set1_epi32(static_cast<int32_t>(q_rows[rb + r][j])));
+          s[r] = _mm512_dpbf16_ps(s[r], qq, kv);
+        }
+      }
+      for (int64_t r = 0; r < kRowStep; ++r) {
+        const int64_t row = rb + r;
+        __mmask16 valid = _mm512_cmple_epi32_mask(key_pos, _mm512_set1_epi32(pos[row]));
+        if (lay.window > 0) {
+          valid &= _mm512_cmpgt_epi32_mask(
+              key_pos, _mm512_set1_epi32(pos[row] - static_cast<int32_t>(lay.window)));
+        }
+        active[r] = valid != 0;
+        if (!active[r]) continue;
+        const __m512 sv = _mm512_mask_mul_ps(neg_inf, valid, s[r], scale_v);
+        const float m_new = std::max(m[row], _mm512_reduce_max_ps(sv));
+        corr[r] = splitserve::exp_scalar(m[row] - m_new);
+        const __m512 e = _mm512_maskz_mov_ps(
+            valid, splitserve::exp512(_mm512_sub_ps(sv, _mm512_set1_ps(m_new))));
+        l[row] = l[row] * corr[r] + _mm512_reduce_add_ps(e);
+        m[row] = m_new;
+        const __m256bh packed = _mm512_cvtneps_pbh(e);
+        std::memcpy(p_pairs[r], &packed, sizeof(packed));
+      }
+      for (int64_t r = 0; r < kRowStep; ++r) {
+        if (!active[r]) continue;
+        float* a_row = acc[rb + r];
+        __m512 a[kVecs];
+        const __m512 c = _mm512_set1_ps(corr[r]);
+        for (int64_t u = 0; u < kVecs; ++u) a[u] = _mm512_mul_ps(_mm512_load_ps(a_row + 16 * u), c);
+        for (int64_t tp = 0; tp < kBlock / 2; ++tp) {
+          const __m512bh pp =
+              reinterpret_cast<__m512bh>(_mm512_set1_epi32(static_cast<int32_t>(p_pairs[r][tp])));
+          for (int64_t u = 0; u < kVecs; ++u) {
+            a[u] = _mm512_dpbf16_ps(a[u], pp,
+                                    reinterpret_cast<__m512bh>(_mm512_load_si512(vp[tp] + 16 * u)));
+          }
+        }
+        for (int64_t u = 0; u < kVecs; ++u) _mm512_store_ps(a_row + 16 * u, a[u]);
+      }
+    }
+  }
+
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t i = r / group, g = r % group;
+    const int64_t t = chunk.q_start + task.q_begin + i;
+    uint16_t* dst = lay.out + t * lay.out_stride_t + (task.kv_head * group + g) * lay.out_stride_h;
+    const __m512 inv = _mm512_set1_ps(1.f / l[r]);
+    for (int64_t c = 0; c < dim / 32; ++c) {
+      store_unpermuted(dst + 32 * c, _mm512_load_ps(acc[r] + 32 * c),
+                       _mm512_load_ps(acc[r] + 32 * c + 16), inv);
+    }
+  }
+}
+
+}  // namespace
+
+bool paged_prefill_supported(int64_t dtype_is_bf16, int64_t head_dim, int64_t block_size,
+                             int64_t group) {
+  return dtype_is_bf16 && (head_dim == 64 || head_dim == 128) && block_size == kBlock &&
+         group <= kMaxRows;
+}
+
+// q, out: [T, H, D] bfloat16 with unit stride on D; kv_cache: [NB, L, 2, KVH, 16, D] contiguous;
+// block_tables: [S, max_blocks] int64; q_starts, q_lens, context_lens: [S] int64, chunk s being
+// rows [q_starts[s], q_starts[s] + q_lens[s]) of q, the last q_lens[s] of its context_lens[s]
+// tokens. Writes those rows of out.
+void paged_prefill(torch::Tensor q, torch::Tensor kv_cache, torch::Tensor block_tables,
+                   torch::Tensor q_starts, torch::Tensor q_lens, torch::Tensor context_lens,
+                   int64_t layer, double scale, int64_t sliding_window, torch::Tensor out) {
+  TORCH_CHECK(q.scalar_type() == at::kBFloat16 && kv_cache.scalar_type() == at::kBFloat16 &&
+                  out.scalar_type() == at::kBFloat16,
+              "paged_prefill: bfloat16 only");
+  TORCH_CHECK(kv_cache.is_contiguous() && block_tables.is_contiguous());
+  TORCH_CHECK(q.stride(2) == 1 && out.stride(2) == 1, "paged_prefill: head_dim must be dense");
+  const int64_t heads = q.size(1), dim = q.size(2);
+  const int64_t layers = kv_cache.size(1), kv_heads = kv_cache.size(3), bs = kv_cache.size(4);
+  const int64_t group = heads / kv_heads;
+  TORCH_CHECK(heads == group * kv_heads, "paged_prefill: heads not a multiple of KV heads");
+  TORCH_CHECK(paged_prefill_supported(1, dim, bs, group), "paged_prefill: shape not built");
+  const int64_t num_seqs = q_starts.size(0), max_blocks = block_tables.size(1);
+  const int64_t* tables = block_tables.data_ptr<int64_t>();
+  const int64_t* starts = q_starts.data_ptr<int64_t>();
+  const int64_t* lens = q_lens.data_ptr<int64_t>();
+  const int64_t* ctxs = context_lens.data_ptr<int64_t>();
+
+  const Layout lay{reinterpret_cast<const uint16_t*>(q.data_ptr<at::BFloat16>()),
+                   q.stride(0),
+                   q.stride(1),
+                   reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()),
+                   out.stride(0),
+                   out.stride(1),
+                   reinterpret_cast<const uint16_t*>(kv_cache.data_ptr<at::BFloat16>()),
+                   layers * 2 * kv_heads * bs * dim,
+                   layer * 2 * kv_heads * bs * dim,
+                   kv_heads,
+                   group,
+                   static_cast<float>(scale),
+                   sliding_window};
+  const int64_t tile_queries = std::clamp<int64_t>(kMaxRows / group, 1, 16);
+  std::vector<Chunk> chunks;
+  std::vector<Task> tasks;
+  for (int64_t s = 0; s < num_seqs; ++s) {
+    TORCH_CHECK(lens[s] >= 1 && lens[s] <= ctxs[s], "paged_prefill: bad chunk lengths");
+    TORCH_CHECK((ctxs[s] + bs - 1) / bs <= max_blocks, "paged_prefill: block table too short");
+    chunks.push_back({tables + s * max_blocks, starts[s], lens[s], ctxs[s] - lens[s]});
+    for (int64_t h = 0; h < kv_heads; ++h) {
+      for (int64_t b = 0; b < lens[s]; b += tile_queries) {
+        const int64_t e = std::min(lens[s], b + tile_queries);
+        const int64_t key_end = ctxs[s] - lens[s] + e;
+        const int64_t first = ctxs[s] - lens[s] + b;
+        const int64_t key_begin =
+            sliding_window > 0 ? std::max<int64_t>(0, first - sliding_window + 1) : 0;
+        tasks.push_back({s, h, b, e, key_end - key_begin});
+      }
+    }
+  }
+  // Longest first, handed out dynamically: tiles late in a long context cost the most.
+  std::stable_sort(tasks.begin(), tasks.end(),
+                   [](const Task& a, const Task& b) { return a.num_keys > b.num_keys; });
+  auto run = dim == 64 ? prefill_task<64> : prefill_task<128>;
+  const int64_t num_tasks = static_cast<int64_t>(tasks.size());
+#pragma omp parallel for schedule(dynamic, 1) num_threads(at::get_num_threads())
+  for (int64_t i = 0; i < num_tasks; ++i) run(tasks[i], chunks[tasks[i].seq], lay);
+}
+
+#else
+
+bool paged_prefill_supported(int64_t, int64_t, int64_t, int64_t) { return false; }
+
+void paged_prefill(torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor,
+                   torch::Tensor, int64_t, double, int64_t, torch::Tensor) {
+  TORCH_CHECK(false, "paged_prefill: built without AVX-512 BF16");
+}
+
+#endif
