@@ -8,7 +8,7 @@ from engine.cpu_tuning import parse_cpu_list
 from engine.flags import flag
 
 DTYPES = ("float32", "bfloat16", "float16")
-ATTENTION_BACKENDS = ("auto", "torch", "cpp")
+KERNEL_BACKENDS = ("auto", "torch", "cpp")
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,12 +41,12 @@ class EngineConfig:
     )
     # Not a flag: workers turn it off because the router owns text and stop strings.
     detokenize: bool = True
-    attention_backend: str = flag(
+    kernel_backend: str = flag(
         "auto",
-        "CPU attention: cpp (compiled decode kernel, plus the bfloat16 prefill kernel where "
-        "the host has AVX-512 BF16), torch (SDPA prefill, reference decode path), "
-        "auto (cpp on CPU when it builds, else torch)",
-        choices=ATTENTION_BACKENDS,
+        "CPU kernels: cpp (compiled paged decode; in bfloat16 also fused RMSNorm/rotary/SiLU "
+        "and, on AVX-512 BF16 hosts, the paged prefill), torch (reference paths: SDPA prefill, "
+        "torch decode and ops), auto (cpp on CPU when it builds, else torch)",
+        choices=KERNEL_BACKENDS,
     )
 
     def __post_init__(self) -> None:

@@ -94,7 +94,7 @@ class LLMEngine:
             config.max_model_len,
             config.num_kv_blocks,
             config.kv_cache_memory_gb,
-            config.attention_backend,
+            config.kernel_backend,
         )
         self.max_model_len = self.runner.max_model_len
         self.kv_cache_manager = KVCacheManager(

@@ -20,7 +20,8 @@ from engine.model.attention import (
     causal_mask,
     decode_bias,
 )
-from engine.model.cpu_kernels import PAGED_DECODE_SHAPES, load_paged_decode
+from engine.model.cpu_kernels import PAGED_DECODE_SHAPES, load_cpu_kernels
+from engine.model.ops import FusedCpuOps
 from engine.model.packed_linear import pack_linears
 from engine.model.rotary import RotaryEmbedding
 from engine.scheduler import ScheduledRequest
@@ -46,7 +47,7 @@ class ModelRunner:
         max_model_len: int | None,
         num_kv_blocks: int | None,
         kv_cache_memory_gb: float | None,
-        attention_backend: str,
+        kernel_backend: str,
     ) -> None:
         self.device = device
         self.dtype = TORCH_DTYPES[dtype]
@@ -70,8 +71,11 @@ class ModelRunner:
         )
         self.cache = PagedKVCache(self.kv_cache)
         self.rope = RotaryEmbedding(config, self.max_model_len, self.dtype, device)
-        self.decode_kernel = self._select_decode_kernel(attention_backend)
+        self.cpu_kernels = self._load_cpu_kernels(kernel_backend)
+        self.decode_kernel = self._select_decode_kernel()
         self.prefill_kernel = self._select_prefill_kernel()
+        if self.cpu_kernels is not None and self.dtype == torch.bfloat16:
+            self.model.use_ops(FusedCpuOps(self.cpu_kernels))
         logger.info(
             "KV cache: %d blocks x %d tokens (%.2f GiB)",
             self.num_kv_blocks,
@@ -79,29 +83,30 @@ class ModelRunner:
             self.kv_cache.numel() * self.kv_cache.element_size() / 2**30,
         )
 
-    def _select_decode_kernel(self, backend: str) -> ModuleType | None:
+    def _load_cpu_kernels(self, backend: str) -> ModuleType | None:
         if backend == "torch" or self.device.type != "cpu":
             return None
+        kernels = load_cpu_kernels()
+        if kernels is None and backend == "cpp":
+            raise RuntimeError("kernel_backend=cpp: the CPU kernels do not build here")
+        return kernels
+
+    def _select_decode_kernel(self) -> ModuleType | None:
         shape = (self.model_config.head_dim, self.block_size)
-        kernel = load_paged_decode() if shape in PAGED_DECODE_SHAPES else None
-        if kernel is None and backend == "cpp":
-            raise RuntimeError(
-                f"attention_backend=cpp: no CPU kernel for (head_dim, block_size) {shape}"
-            )
-        return kernel
+        if self.cpu_kernels is None or shape not in PAGED_DECODE_SHAPES:
+            return None
+        return self.cpu_kernels
 
     def _select_prefill_kernel(self) -> ModuleType | None:
-        """The decode kernel's module when it also has a prefill kernel for this model."""
-        kernel = self.decode_kernel
         config = self.model_config
-        if kernel is None or not kernel.paged_prefill_supported(
+        if self.cpu_kernels is None or not self.cpu_kernels.paged_prefill_supported(
             self.dtype == torch.bfloat16,
             config.head_dim,
             self.block_size,
             config.num_heads // config.num_kv_heads,
         ):
             return None
-        return kernel
+        return self.cpu_kernels
 
     def _blocks_for_memory(self, memory_gb: float | None) -> int:
         if memory_gb is None:

@@ -24,7 +24,7 @@ from types import ModuleType
 logger = logging.getLogger(__name__)
 
 _CSRC = Path(__file__).parent / "csrc"
-_SOURCES = ("paged_decode.cpp", "paged_prefill.cpp", "bindings.cpp")
+_SOURCES = ("paged_decode.cpp", "paged_prefill.cpp", "fused_ops.cpp", "bindings.cpp")
 # (head_dim, block_size) pairs paged_decode is instantiated for (see decode_task in csrc/).
 PAGED_DECODE_SHAPES = frozenset({(16, 16), (32, 16), (64, 16), (128, 16)})
 _CFLAGS = ["-O3", "-march=native", "-ffast-math", "-fno-finite-math-only", "-fopenmp"]
@@ -48,7 +48,7 @@ def _build_signature() -> str:
 
 
 @functools.cache
-def load_paged_decode() -> ModuleType | None:
+def load_cpu_kernels() -> ModuleType | None:
     """The compiled kernels' module, or None (logged) when it cannot be built here."""
     try:
         from torch.utils.cpp_extension import load

@@ -2,7 +2,9 @@
 
 Numerics follow Hugging Face's implementation op for op (RMSNorm in float32, rotary tables in
 float32 cast to the model dtype, residual order), so greedy decoding matches it token for
-token. q/k/v and gate/up projections are fused into one matmul each.
+token. q/k/v and gate/up projections are fused into one matmul each. The residual stream is
+one tensor updated in place: each layer's MLP output is added by the next layer's first norm
+(fused there when the ops are ``FusedCpuOps``), and the last one by ``forward``.
 """
 
 from __future__ import annotations
@@ -13,20 +15,13 @@ from torch import nn
 
 from engine.model.attention import AttentionMetadata, PagedKVCache, paged_attention
 from engine.model.config import ModelConfig
-from engine.model.rotary import apply_rotary
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """Hugging Face's RMSNorm bit for bit: normalize in float32, round, then scale.
-
-    (``F.rms_norm`` straight on bfloat16 is both slower on CPU and rounds differently.)
-    """
-    return F.rms_norm(x.float(), (x.shape[-1],), None, eps).to(x.dtype) * weight
+from engine.model.ops import TorchOps
 
 
 class Attention(nn.Module):
     def __init__(self, config: ModelConfig, layer: int) -> None:
         super().__init__()
+        self.ops = TorchOps()
         self.layer = layer
         self.num_heads = config.num_heads
         self.num_kv_heads = config.num_kv_heads
@@ -44,9 +39,8 @@ class Attention(nn.Module):
         num_tokens = hidden.shape[0]
         qkv = self.qkv_proj(hidden).view(num_tokens, -1, self.head_dim)
         # q and k heads are adjacent: rotate them in one pass.
-        qk = apply_rotary(qkv[:, : self.num_heads + self.num_kv_heads], meta.cos, meta.sin)
-        q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
-        v = qkv[:, self.num_heads + self.num_kv_heads :]
+        self.ops.rotary_(qkv, meta.cos, meta.sin, self.num_heads + self.num_kv_heads)
+        q, k, v = qkv.split([self.num_heads, self.num_kv_heads, self.num_kv_heads], dim=1)
         out = paged_attention(self.layer, q, k, v, cache, meta)
         return self.o_proj(out.reshape(num_tokens, self.q_size))
 
@@ -54,17 +48,18 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
+        self.ops = TorchOps()
         self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(hidden).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(self.ops.silu_and_mul(self.gate_up_proj(hidden)))
 
 
 class DecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, layer: int) -> None:
         super().__init__()
+        self.ops = TorchOps()
         self.eps = config.rms_norm_eps
         self.input_layernorm = nn.Parameter(torch.empty(config.hidden_size))
         self.post_attention_layernorm = nn.Parameter(torch.empty(config.hidden_size))
@@ -72,12 +67,21 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(config)
 
     def forward(
-        self, hidden: torch.Tensor, meta: AttentionMetadata, cache: PagedKVCache
+        self,
+        residual: torch.Tensor,
+        pending: torch.Tensor | None,
+        meta: AttentionMetadata,
+        cache: PagedKVCache,
     ) -> torch.Tensor:
-        attn_in = rms_norm(hidden, self.input_layernorm, self.eps)
-        hidden = hidden + self.self_attn(attn_in, meta, cache)
-        mlp_in = rms_norm(hidden, self.post_attention_layernorm, self.eps)
-        return hidden + self.mlp(mlp_in)
+        """Add ``pending`` (the previous layer's MLP output, if any) and this layer's attention
+        output to ``residual`` in place; return this layer's MLP output, still to be added."""
+        if pending is None:
+            attn_in = self.ops.rms_norm(residual, self.input_layernorm, self.eps)
+        else:
+            attn_in = self.ops.add_rms_norm(residual, pending, self.input_layernorm, self.eps)
+        attn_out = self.self_attn(attn_in, meta, cache)
+        mlp_in = self.ops.add_rms_norm(residual, attn_out, self.post_attention_layernorm, self.eps)
+        return self.mlp(mlp_in)
 
 
 class LlamaModel(nn.Module):
@@ -94,6 +98,7 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.config = config
+        self.ops = TorchOps()
         self.model = LlamaModel(config)
         if config.tie_word_embeddings:
             self.lm_head = self.model.embed_tokens
@@ -104,12 +109,19 @@ class LlamaForCausalLM(nn.Module):
         self, input_ids: torch.Tensor, meta: AttentionMetadata, cache: PagedKVCache
     ) -> torch.Tensor:
         """Final hidden states [T, hidden] of the batch's new tokens; fills their KV slots."""
-        hidden = self.model.embed_tokens(input_ids)
+        residual = self.model.embed_tokens(input_ids)
+        pending = None
         for layer in self.model.layers:
-            hidden = layer(hidden, meta, cache)
-        return hidden
+            pending = layer(residual, pending, meta, cache)
+        return residual if pending is None else residual.add_(pending)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Float32 logits [N, vocab] for the selected rows of the final hidden states."""
-        normed = rms_norm(hidden, self.model.norm, self.config.rms_norm_eps)
+        normed = self.ops.rms_norm(hidden, self.model.norm, self.config.rms_norm_eps)
         return F.linear(normed, self.lm_head.weight).float()
+
+    def use_ops(self, ops: TorchOps) -> None:
+        """Run every elementwise op of the model through ``ops`` from now on."""
+        for module in self.modules():
+            if isinstance(module, (LlamaForCausalLM, DecoderLayer, Attention, MLP)):
+                module.ops = ops

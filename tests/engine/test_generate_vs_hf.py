@@ -108,7 +108,7 @@ def test_bfloat16_runs_and_mostly_agrees(arch_case):
 def test_both_decode_backends_match_hf(arch_case, backend):
     """The pure-torch reference path and the default (compiled kernel on CPU) both match."""
     model_dir, _, prompts, expected = arch_case
-    llm = LLM(str(model_dir), dtype="float32", num_kv_blocks=256, attention_backend=backend)
+    llm = LLM(str(model_dir), dtype="float32", num_kv_blocks=256, kernel_backend=backend)
     got = [o.token_ids for o in llm.generate(prompts, GREEDY)]
     assert got == expected
 
@@ -136,7 +136,7 @@ def test_bfloat16_cpu_kernels_agree_with_torch_path(tmp_path, arch, overrides):
             dtype="bfloat16",
             num_kv_blocks=256,
             max_num_batched_tokens=24,
-            attention_backend=backend,
+            kernel_backend=backend,
         )
         if backend == "auto" and llm.engine.runner.prefill_kernel is None:
             pytest.skip("no AVX-512 BF16 prefill kernel on this host")

@@ -31,6 +31,11 @@ inline float exp_scalar(float x) {
   return p * scale;
 }
 
+// exp(x) for any x: exp_scalar, and +inf past float's range.
+inline float exp_any(float x) {
+  return x > 88.72f ? __builtin_inff() : exp_scalar(x);
+}
+
 }  // namespace splitserve
 
 #if defined(__AVX512F__) && defined(__AVX512BF16__)

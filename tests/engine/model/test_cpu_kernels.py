@@ -16,12 +16,12 @@ from engine.model.attention import (
     causal_mask,
     decode_bias,
 )
-from engine.model.cpu_kernels import PAGED_DECODE_SHAPES, load_paged_decode
+from engine.model.cpu_kernels import PAGED_DECODE_SHAPES, load_cpu_kernels
 
 # Skip only where no compiler exists; a build failure on a machine with one must fail loudly
 # rather than let the engine fall back unnoticed.
 pytestmark = pytest.mark.skipif(shutil.which("c++") is None, reason="no C++ compiler")
-kernel = load_paged_decode() if shutil.which("c++") else None
+kernel = load_cpu_kernels() if shutil.which("c++") else None
 
 
 def test_kernel_builds():

@@ -1,0 +1,75 @@
+"""The fused CPU ops against the torch reference ops they replace (bfloat16)."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+
+from engine.model.cpu_kernels import load_cpu_kernels
+from engine.model.ops import FusedCpuOps, TorchOps
+from engine.model.rotary import RotaryEmbedding
+
+pytestmark = pytest.mark.skipif(shutil.which("c++") is None, reason="no C++ compiler")
+BF16 = torch.bfloat16
+# One bfloat16 ulp, relative: the fused kernels may round a value the other way where their
+# float32 sum of squares or exp differs from torch's in the last bit.
+ONE_ULP = 2**-7
+
+
+@pytest.fixture(scope="module")
+def ops() -> tuple[TorchOps, FusedCpuOps]:
+    kernels = load_cpu_kernels()
+    assert kernels is not None
+    return TorchOps(), FusedCpuOps(kernels)
+
+
+def randn(*shape: int, seed: int, scale: float = 1.0) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    return (torch.randn(*shape, generator=gen) * scale).to(BF16)
+
+
+def assert_within_one_ulp(got: torch.Tensor, want: torch.Tensor) -> None:
+    assert got.shape == want.shape and got.dtype == want.dtype
+    torch.testing.assert_close(got.float(), want.float(), rtol=ONE_ULP, atol=1e-6)
+    assert (got != want).float().mean().item() < 1e-3  # nearly all bits equal
+
+
+@pytest.mark.parametrize("num_tokens", [1, 7, 300])
+def test_rms_norm(ops, num_tokens):
+    ref, fused = ops
+    x, weight = randn(num_tokens, 576, seed=0, scale=3.0), randn(576, seed=1)
+    assert_within_one_ulp(fused.rms_norm(x, weight, 1e-5), ref.rms_norm(x, weight, 1e-5))
+
+
+def test_add_rms_norm_updates_the_residual_in_place(ops):
+    ref, fused = ops
+    residual, x, weight = randn(300, 576, seed=2), randn(300, 576, seed=3), randn(576, seed=4)
+    want_residual, got_residual = residual.clone(), residual.clone()
+    want = ref.add_rms_norm(want_residual, x, weight, 1e-6)
+    got = fused.add_rms_norm(got_residual, x, weight, 1e-6)
+    assert torch.equal(got_residual, want_residual)  # one rounding of a float32 sum: exact
+    assert_within_one_ulp(got, want)
+
+
+@pytest.mark.parametrize("num_tokens", [1, 300])
+def test_silu_and_mul(ops, num_tokens):
+    ref, fused = ops
+    # Wide range: large negative gates (exp overflow side) and positive ones.
+    gate_up = randn(num_tokens, 2 * 1536, seed=5, scale=20.0)
+    assert_within_one_ulp(fused.silu_and_mul(gate_up), ref.silu_and_mul(gate_up))
+
+
+def test_rotary_in_place_is_bit_exact_and_leaves_other_heads(ops):
+    ref, fused = ops
+    config = type("Config", (), {"head_dim": 64, "rope_theta": 10000.0, "rope_scaling": {}})()
+    rope = RotaryEmbedding(config, 4096, BF16, torch.device("cpu"))
+    cos, sin = rope.cos_sin(torch.randint(0, 4096, (300,), generator=torch.Generator()))
+    # q (9 heads) and k (3) rotate, v (3) stays: the layout of the fused qkv projection.
+    qkv = randn(300, 15 * 64, seed=6).view(300, 15, 64)
+    want, got = qkv.clone(), qkv.clone()
+    ref.rotary_(want, cos, sin, 12)
+    fused.rotary_(got, cos, sin, 12)
+    assert torch.equal(got, want)
+    assert torch.equal(got[:, 12:], qkv[:, 12:])
