@@ -22,7 +22,7 @@ from engine.model.attention import (
 )
 from engine.model.cpu_kernels import PAGED_DECODE_SHAPES, load_cpu_kernels
 from engine.model.ops import FusedCpuOps
-from engine.model.packed_linear import pack_linears
+from engine.model.packed_linear import pack_linears, pack_lm_head
 from engine.model.rotary import RotaryEmbedding
 from engine.scheduler import ScheduledRequest
 
@@ -55,6 +55,7 @@ class ModelRunner:
         self.model, self.model_config = load_model(model_dir, self.dtype, device)
         if device.type == "cpu" and self.dtype == torch.bfloat16:
             pack_linears(self.model.model)
+            self.model.logits_proj = pack_lm_head(self.model.lm_head.weight)
         config = self.model_config
         self.max_model_len = max_model_len or config.max_position_embeddings
         self.kv_cache_spec = KVCacheSpec(

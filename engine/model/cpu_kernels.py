@@ -1,15 +1,17 @@
-"""JIT-built C++ CPU attention kernels (``csrc/``), with the torch paths as reference and fallback.
+"""JIT-built C++ CPU kernels (``csrc/``), with the torch paths as reference and fallback.
 
 - ``paged_decode`` reads K/V tiles in place through the block tables, where the torch path
   must first gather them into a padded copy. Any dtype; bfloat16 on AVX-512 BF16 hosts uses
   pair dot products and a vectorized softmax.
-- ``paged_prefill`` (bfloat16, AVX-512 BF16 hosts, head_dim 64 or 128) runs every prefill
+- ``paged_prefill`` (bfloat16, AVX-512 BF16 hosts, head_dim 32, 64 or 128) runs every prefill
   chunk of a step in one call, reading each chunk's context in place: about 4x the throughput
   of SDPA's CPU flash kernel on SmolLM2's shapes (``paged_prefill_supported`` says where).
+- ``rms_norm`` (with the residual add fused), ``rotary_`` and ``silu_and_mul`` (bfloat16): one
+  pass each instead of several torch ops; used through ``ops.FusedCpuOps``.
 
 The module is compiled once per machine with the host's instruction set (the build is cached
 by torch under ``$TORCH_EXTENSIONS_DIR``, default ``~/.cache/torch_extensions``) and checked
-against the torch paths in ``tests/engine/model/test_cpu_kernels.py``.
+against the torch paths in ``tests/engine/model/test_cpu_kernels.py`` and ``test_ops.py``.
 """
 
 from __future__ import annotations

@@ -104,6 +104,8 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head = self.model.embed_tokens
         else:
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        # A faster equivalent of the LM head matmul (``packed_linear.pack_lm_head``), if set.
+        self.logits_proj: nn.Module | None = None
 
     def forward(
         self, input_ids: torch.Tensor, meta: AttentionMetadata, cache: PagedKVCache
@@ -118,6 +120,8 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Float32 logits [N, vocab] for the selected rows of the final hidden states."""
         normed = self.ops.rms_norm(hidden, self.model.norm, self.config.rms_norm_eps)
+        if self.logits_proj is not None:
+            return self.logits_proj(normed).float()
         return F.linear(normed, self.lm_head.weight).float()
 
     def use_ops(self, ops: TorchOps) -> None:

@@ -27,15 +27,16 @@ def packing_available() -> bool:
 
 
 class PackedLinear(nn.Module):
-    """A frozen ``nn.Linear`` whose weight lives in oneDNN's blocked layout."""
+    """A frozen ``nn.Linear`` (``weight`` [out, in], optional ``bias``) whose weight lives in
+    oneDNN's blocked layout: a packed copy, the given tensors are not kept."""
 
-    def __init__(self, linear: nn.Linear) -> None:
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
         super().__init__()
-        self.in_features = linear.in_features
-        self.out_features = linear.out_features
-        weight = linear.weight.detach()
-        self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(weight, _DECODE_BATCH_HINT)
-        self.bias = None if linear.bias is None else linear.bias.detach()
+        self.out_features, self.in_features = weight.shape
+        self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(
+            weight.detach(), _DECODE_BATCH_HINT
+        )
+        self.bias = None if bias is None else bias.detach()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
@@ -53,8 +54,16 @@ def pack_linears(module: nn.Module) -> int:
     for name, child in module.named_children():
         if isinstance(child, nn.Linear) and child.weight.dtype == torch.bfloat16:
             if child.weight.device.type == "cpu":
-                setattr(module, name, PackedLinear(child))
+                setattr(module, name, PackedLinear(child.weight, child.bias))
                 count += 1
         else:
             count += pack_linears(child)
     return count
+
+
+def pack_lm_head(weight: torch.Tensor) -> PackedLinear | None:
+    """A packed copy of the LM head ``weight`` (also when tied to the embeddings, which keep
+    their own: about 2 bytes x vocab x hidden more memory), or None without packing."""
+    if not packing_available() or weight.dtype != torch.bfloat16 or weight.device.type != "cpu":
+        return None
+    return PackedLinear(weight)

@@ -194,7 +194,7 @@ bool paged_decode_bf16(const torch::Tensor& q, const torch::Tensor& kv_cache,
                        int64_t layer, float scale, int64_t sliding_window, torch::Tensor& out) {
   const int64_t batch = q.size(0), heads = q.size(1), dim = q.size(2);
   const int64_t layers = kv_cache.size(1), kv_heads = kv_cache.size(3), bs = kv_cache.size(4);
-  if (q.scalar_type() != at::kBFloat16 || bs != 16 || (dim != 64 && dim != 128) ||
+  if (q.scalar_type() != at::kBFloat16 || bs != 16 || (dim != 32 && dim != 64 && dim != 128) ||
       heads > kMaxHeads) {
     return false;
   }
@@ -204,7 +204,7 @@ bool paged_decode_bf16(const torch::Tensor& q, const torch::Tensor& kv_cache,
   const int64_t block_stride = layers * 2 * kv_heads * bs * dim;
   const int64_t layer_offset = layer * 2 * kv_heads * bs * dim;
   const int64_t group = heads / kv_heads;
-  auto run = dim == 64 ? decode_seq_bf16<64> : decode_seq_bf16<128>;
+  auto run = dim == 32 ? decode_seq_bf16<32> : dim == 64 ? decode_seq_bf16<64> : decode_seq_bf16<128>;
   at::parallel_for(0, batch, 1, [&](int64_t begin, int64_t end) {
     for (int64_t b = begin; b < end; ++b) {
       const int64_t ctx = lens[b];

@@ -188,7 +188,7 @@ void prefill_task(const Task& task, const Chunk& chunk, const Layout& lay) {
 
 bool paged_prefill_supported(int64_t dtype_is_bf16, int64_t head_dim, int64_t block_size,
                              int64_t group) {
-  return dtype_is_bf16 && (head_dim == 64 || head_dim == 128) && block_size == kBlock &&
+  return dtype_is_bf16 && (head_dim == 32 || head_dim == 64 || head_dim == 128) && block_size == kBlock &&
          group <= kMaxRows;
 }
 
@@ -249,7 +249,7 @@ void paged_prefill(torch::Tensor q, torch::Tensor kv_cache, torch::Tensor block_
   // Longest first, handed out dynamically: tiles late in a long context cost the most.
   std::stable_sort(tasks.begin(), tasks.end(),
                    [](const Task& a, const Task& b) { return a.num_keys > b.num_keys; });
-  auto run = dim == 64 ? prefill_task<64> : prefill_task<128>;
+  auto run = dim == 32 ? prefill_task<32> : dim == 64 ? prefill_task<64> : prefill_task<128>;
   const int64_t num_tasks = static_cast<int64_t>(tasks.size());
 #pragma omp parallel for schedule(dynamic, 1) num_threads(at::get_num_threads())
   for (int64_t i = 0; i < num_tasks; ++i) run(tasks[i], chunks[tasks[i].seq], lay);

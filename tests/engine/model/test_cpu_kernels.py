@@ -78,7 +78,7 @@ def sdpa_reference(layer, q, cache, tables, q_starts, q_lens, context_lens, wind
     return out
 
 
-@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("head_dim", [32, 64, 128])
 @pytest.mark.parametrize("group", [1, 3, 4])
 @pytest.mark.parametrize("window", [None, 20])
 def test_prefill_kernel_matches_sdpa(head_dim, group, window):
