@@ -1,0 +1,167 @@
+"""The compiled CPU kernels against the torch paths they replace, one op at a time.
+
+``python -m loadtest.bench_cpu_kernels [--threads 2] [--heads 9] [--kv-heads 3] [--head-dim 64]``
+
+Shapes default to SmolLM2-135M's attention (9 query heads, 3 KV heads, head_dim 64) in
+bfloat16, 16-token blocks, a cache as large as the engine's 2 GiB default, block ids shuffled
+(the layout after churn). Reported, best of ``--repeats``:
+
+- prefill attention of one causal prompt per layer, the paged kernel against SDPA (the engine's
+  path without the kernel), with GFLOP/s counted on the causal half;
+- decode attention of a ``--decode-batch`` batch with contexts uniform in [130, 640] tokens
+  over all layers, the paged kernel against the torch gather path, with the K/V bytes read;
+- the fused elementwise ops against their torch composition on ``--tokens`` rows.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import time
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+from engine.model.attention import DecodeInputs, PagedKVCache, _decode, decode_bias
+from engine.model.cpu_kernels import load_cpu_kernels
+from engine.model.ops import FusedCpuOps, TorchOps
+from engine.model.rotary import RotaryEmbedding
+
+BF16 = torch.bfloat16
+
+
+def best_ms(fn: Callable[[], object], repeats: int) -> float:
+    fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return min(times) * 1e3
+
+
+def prefill_ms(args: argparse.Namespace, kernels, cache: PagedKVCache, n: int) -> list[float]:
+    """[kernel, SDPA] ms for one causal ``n``-token prompt in one layer."""
+    heads, dim = args.heads, args.head_dim
+    q = torch.randn(n, heads, dim).to(BF16)
+    k = torch.randn(n, args.kv_heads, dim).to(BF16)
+    v = torch.randn(n, args.kv_heads, dim).to(BF16)
+    table = torch.randperm(cache.tensor.shape[0])[: -(-n // 16)][None].contiguous()
+    lens = torch.tensor([n])
+    out = torch.empty_like(q)
+
+    def kernel() -> None:
+        kernels.paged_prefill(
+            q, cache.tensor, table, torch.tensor([0]), lens, lens, 0, dim**-0.5, -1, out
+        )
+
+    def sdpa() -> None:
+        F.scaled_dot_product_attention(
+            q.transpose(0, 1)[None],
+            k.transpose(0, 1)[None],
+            v.transpose(0, 1)[None],
+            is_causal=True,
+            enable_gqa=True,
+        )
+
+    return [best_ms(kernel, args.repeats), best_ms(sdpa, args.repeats)]
+
+
+def bench_prefill(args: argparse.Namespace, kernels, cache: PagedKVCache) -> None:
+    print("| prompt tokens | kernel ms/layer | SDPA ms/layer | kernel GFLOP/s | SDPA GFLOP/s |")
+    print("|---|---|---|---|---|")
+    for n in (128, 256, 512, 1024):
+        ms = prefill_ms(args, kernels, cache, n)
+        flops = 4 * args.heads * args.head_dim * n * n / 2
+        gflops = [flops / m / 1e6 for m in ms]
+        print(f"| {n} | {ms[0]:.2f} | {ms[1]:.2f} | {gflops[0]:.0f} | {gflops[1]:.0f} |")
+
+
+def bench_decode(args: argparse.Namespace, kernels, cache: PagedKVCache) -> None:
+    gen = torch.Generator().manual_seed(0)
+    batch, heads, dim = args.decode_batch, args.heads, args.head_dim
+    lens = torch.randint(130, 641, (batch,), generator=gen)
+    max_blocks = -(-int(lens.max()) // 16)
+    tables = torch.randperm(cache.tensor.shape[0], generator=gen)[: batch * max_blocks]
+    tables = tables.view(batch, max_blocks).contiguous()
+    q = torch.randn(batch, heads, dim, generator=gen).to(BF16)
+    layers = cache.num_layers
+    inputs = DecodeInputs(
+        tables,
+        lens,
+        cache.tile_rows(tables),
+        decode_bias(lens, max_blocks * 16, None, BF16),
+        None,
+        None,
+    )
+    meta = type("Meta", (), {"decode": inputs})()
+
+    def kernel() -> None:
+        for layer in range(layers):
+            kernels.paged_decode(q, cache.tensor, tables, lens, layer, dim**-0.5, -1)
+
+    def reference() -> None:
+        for layer in range(layers):
+            _decode(layer, q, cache, meta)
+
+    kv_bytes = int(lens.sum()) * layers * 2 * args.kv_heads * dim * 2
+    ms = [best_ms(fn, args.repeats) for fn in (kernel, reference)]
+    print(f"\ndecode, {batch} sequences x {layers} layers, {kv_bytes / 1e6:.0f} MB of K/V read")
+    print("| path | ms per step | GB/s of K/V |\n|---|---|---|")
+    for name, m in zip(("kernel", "torch gather"), ms, strict=True):
+        print(f"| {name} | {m:.1f} | {kv_bytes / m / 1e6:.1f} |")
+
+
+def bench_ops(args: argparse.Namespace, kernels) -> None:
+    ref, fused = TorchOps(), FusedCpuOps(kernels)
+    n, hidden, inter = args.tokens, args.hidden, args.intermediate
+    heads = args.heads + 2 * args.kv_heads
+    x, w = torch.randn(n, hidden).to(BF16), torch.randn(hidden).to(BF16)
+    gate_up = torch.randn(n, 2 * inter).to(BF16)
+    qkv = torch.randn(n, heads, args.head_dim).to(BF16)
+    config = type("C", (), {"head_dim": args.head_dim, "rope_theta": 1e4, "rope_scaling": {}})()
+    cos, sin = RotaryEmbedding(config, 4096, BF16, torch.device("cpu")).cos_sin(
+        torch.arange(n) % 4096
+    )
+    rot = args.heads + args.kv_heads
+    cases = {
+        "rms_norm": lambda o: o.rms_norm(x, w, 1e-5),
+        "silu_and_mul": lambda o: o.silu_and_mul(gate_up),
+        "rotary_": lambda o: o.rotary_(qkv, cos, sin, rot),
+    }
+    print(f"\nelementwise ops on {n} rows\n| op | fused ms | torch ms |\n|---|---|---|")
+    for name, fn in cases.items():
+        ms = [best_ms(functools.partial(fn, o), args.repeats) for o in (fused, ref)]
+        print(f"| {name} | {ms[0]:.3f} | {ms[1]:.3f} |")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m loadtest.bench_cpu_kernels", description=__doc__)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--heads", type=int, default=9)
+    p.add_argument("--kv-heads", type=int, default=3)
+    p.add_argument("--head-dim", type=int, default=64)
+    p.add_argument("--layers", type=int, default=30)
+    p.add_argument("--hidden", type=int, default=576)
+    p.add_argument("--intermediate", type=int, default=1536)
+    p.add_argument("--num-kv-blocks", type=int, default=5800)
+    p.add_argument("--decode-batch", type=int, default=62)
+    p.add_argument("--tokens", type=int, default=4096)
+    p.add_argument("--repeats", type=int, default=5)
+    args = p.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    kernels = load_cpu_kernels()
+    if kernels is None or not kernels.paged_prefill_supported(True, args.head_dim, 16, 1):
+        raise SystemExit("the bfloat16 CPU kernels are not built on this host")
+    shape = (args.num_kv_blocks, args.layers, 2, args.kv_heads, 16, args.head_dim)
+    cache = PagedKVCache(torch.randn(shape).to(BF16))
+    with torch.inference_mode():
+        bench_prefill(args, kernels, cache)
+        bench_decode(args, kernels, cache)
+        bench_ops(args, kernels)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
