@@ -32,9 +32,7 @@ inline float exp_scalar(float x) {
 }
 
 // exp(x) for any x: exp_scalar, and +inf past float's range.
-inline float exp_any(float x) {
-  return x > 88.72f ? __builtin_inff() : exp_scalar(x);
-}
+inline float exp_any(float x) { return x > 88.72f ? __builtin_inff() : exp_scalar(x); }
 
 }  // namespace splitserve
 
@@ -78,12 +76,11 @@ inline __m512 hsum16(const __m512* v) {
     y[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)),
                          _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
   }
-  const __m512 z01 = _mm512_add_ps(_mm512_shuffle_f32x4(y[0], y[1], 0x88),
-                                   _mm512_shuffle_f32x4(y[0], y[1], 0xDD));
-  const __m512 z23 = _mm512_add_ps(_mm512_shuffle_f32x4(y[2], y[3], 0x88),
-                                   _mm512_shuffle_f32x4(y[2], y[3], 0xDD));
-  return _mm512_add_ps(_mm512_shuffle_f32x4(z01, z23, 0x88),
-                       _mm512_shuffle_f32x4(z01, z23, 0xDD));
+  const __m512 z01 =
+      _mm512_add_ps(_mm512_shuffle_f32x4(y[0], y[1], 0x88), _mm512_shuffle_f32x4(y[0], y[1], 0xDD));
+  const __m512 z23 =
+      _mm512_add_ps(_mm512_shuffle_f32x4(y[2], y[3], 0x88), _mm512_shuffle_f32x4(y[2], y[3], 0xDD));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(z01, z23, 0x88), _mm512_shuffle_f32x4(z01, z23, 0xDD));
 }
 
 // 16 bfloat16 values widened to float (exact).

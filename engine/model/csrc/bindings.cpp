@@ -1,18 +1,18 @@
 // The Python module of the CPU attention kernels (loaded by engine/model/cpu_kernels.py).
 #include <torch/extension.h>
 
-torch::Tensor paged_decode(torch::Tensor q, torch::Tensor kv_cache, torch::Tensor block_tables,
-                           torch::Tensor context_lens, int64_t layer, double scale,
-                           int64_t sliding_window);
+at::Tensor paged_decode(at::Tensor q, at::Tensor kv_cache, at::Tensor block_tables,
+                        at::Tensor context_lens, int64_t layer, double scale,
+                        int64_t sliding_window);
 bool paged_prefill_supported(int64_t dtype_is_bf16, int64_t head_dim, int64_t block_size,
                              int64_t group);
-void paged_prefill(torch::Tensor q, torch::Tensor kv_cache, torch::Tensor block_tables,
-                   torch::Tensor q_starts, torch::Tensor q_lens, torch::Tensor context_lens,
-                   int64_t layer, double scale, int64_t sliding_window, torch::Tensor out);
-torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps,
-                       c10::optional<torch::Tensor> residual);
-torch::Tensor silu_and_mul(torch::Tensor gate_up);
-void rotary_(torch::Tensor x, torch::Tensor cos, torch::Tensor sin, int64_t num_heads);
+void paged_prefill(at::Tensor q, at::Tensor kv_cache, at::Tensor block_tables, at::Tensor q_starts,
+                   at::Tensor q_lens, at::Tensor context_lens, int64_t layer, double scale,
+                   int64_t sliding_window, at::Tensor out);
+at::Tensor rms_norm(at::Tensor x, at::Tensor weight, double eps,
+                    c10::optional<at::Tensor> residual);
+at::Tensor silu_and_mul(at::Tensor gate_up);
+void rotary_(at::Tensor x, at::Tensor cos, at::Tensor sin, int64_t num_heads);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode", &paged_decode, "paged-attention decode over block tables (CPU)");

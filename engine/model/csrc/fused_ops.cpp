@@ -2,12 +2,16 @@
 // six torch ops (and their bfloat16 <-> float32 round trips) it replaces, with the same
 // rounding points as those ops, so results equal the torch composition except where torch's
 // own reductions or exp differ in the last float32 bit.
-#include <torch/extension.h>
 #include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <c10/util/Exception.h>
+#include <c10/util/Optional.h>
 
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <vector>
 
 #include "avx512_bf16.h"
 
@@ -33,13 +37,15 @@ inline uint16_t narrow(float f) {
 
 inline float round_bf16(float f) { return widen(narrow(f)); }
 
-const uint16_t* bf16_ptr(const torch::Tensor& t) {
+const uint16_t* bf16_ptr(const at::Tensor& t) {
   return reinterpret_cast<const uint16_t*>(t.data_ptr<at::BFloat16>());
 }
 
-uint16_t* bf16_mut(torch::Tensor& t) { return reinterpret_cast<uint16_t*>(t.data_ptr<at::BFloat16>()); }
+uint16_t* bf16_mut(at::Tensor& t) {
+  return reinterpret_cast<uint16_t*>(t.data_ptr<at::BFloat16>());
+}
 
-void check_rows(const torch::Tensor& x, const char* name) {
+void check_rows(const at::Tensor& x, const char* name) {
   TORCH_CHECK(x.scalar_type() == at::kBFloat16, name, ": bfloat16 only");
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, name, ": rows with a dense last dim expected");
 }
@@ -49,13 +55,13 @@ void check_rows(const torch::Tensor& x, const char* name) {
 // Hugging Face's RMSNorm: normalize in float32, round, then scale by weight (rounded).
 // With `residual`, first residual := residual + x (rounded, in place) and normalize that:
 // the decoder's residual add fused into the next norm. Returns the normalized rows.
-torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps,
-                       c10::optional<torch::Tensor> residual) {
+at::Tensor rms_norm(at::Tensor x, at::Tensor weight, double eps,
+                    c10::optional<at::Tensor> residual) {
   check_rows(x, "rms_norm");
   TORCH_CHECK(weight.is_contiguous() && weight.scalar_type() == at::kBFloat16);
   const int64_t rows = x.size(0), hidden = x.size(1);
   TORCH_CHECK(weight.size(0) == hidden, "rms_norm: weight size");
-  auto out = torch::empty({rows, hidden}, x.options());
+  auto out = at::empty({rows, hidden}, x.options());
   uint16_t* res = nullptr;
   int64_t res_stride = 0;
   if (residual.has_value()) {
@@ -86,18 +92,19 @@ torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps,
       for (int64_t i = 0; i < hidden; ++i) sum_sq += row[i] * row[i];
       const float inv = 1.f / std::sqrt(sum_sq / static_cast<float>(hidden) + epsf);
       uint16_t* orow = op + r * hidden;
-      for (int64_t i = 0; i < hidden; ++i) orow[i] = narrow(round_bf16(row[i] * inv) * widen(wp[i]));
+      for (int64_t i = 0; i < hidden; ++i)
+        orow[i] = narrow(round_bf16(row[i] * inv) * widen(wp[i]));
     }
   });
   return out;
 }
 
 // silu(gate) * up for gate_up = [gate | up] rows, rounding after the SiLU as torch's two ops do.
-torch::Tensor silu_and_mul(torch::Tensor gate_up) {
+at::Tensor silu_and_mul(at::Tensor gate_up) {
   check_rows(gate_up, "silu_and_mul");
   const int64_t rows = gate_up.size(0), width = gate_up.size(1) / 2;
   TORCH_CHECK(gate_up.size(1) == 2 * width, "silu_and_mul: odd width");
-  auto out = torch::empty({rows, width}, gate_up.options());
+  auto out = at::empty({rows, width}, gate_up.options());
   const uint16_t* gp = bf16_ptr(gate_up);
   uint16_t* op = bf16_mut(out);
   const int64_t stride = gate_up.stride(0);
@@ -119,7 +126,7 @@ torch::Tensor silu_and_mul(torch::Tensor gate_up) {
 // Rotates heads [0, num_heads) of x [T, heads, D] in place: x * cos + cat(x2, x1) * sin with
 // the tables of RotaryEmbedding.cos_sin ([T, 1, D]: [cos, cos] and [-sin, sin]), rounding
 // after each multiply and the add as torch's three ops do.
-void rotary_(torch::Tensor x, torch::Tensor cos, torch::Tensor sin, int64_t num_heads) {
+void rotary_(at::Tensor x, at::Tensor cos, at::Tensor sin, int64_t num_heads) {
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 && x.dim() == 3 && x.stride(2) == 1,
               "rotary_: bfloat16 [T, heads, D] with a dense last dim expected");
   TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.scalar_type() == at::kBFloat16 &&

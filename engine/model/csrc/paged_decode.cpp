@@ -4,8 +4,11 @@
 //
 // Per (sequence, KV head) task, per block: the [block_size, head_dim] K and V tiles are
 // widened to float once, then shared by the query heads of that KV head (GQA).
-#include <torch/extension.h>
+#include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty_like.h>
+#include <c10/util/Exception.h>
 
 #include <algorithm>
 #include <cmath>
@@ -59,8 +62,8 @@ void decode_one(const T* q, const T* cache, const int64_t* table, int64_t ctx, i
     const T* k = cache + table[blk] * block_stride + head_offset;
     if ((blk + 1) * bs < ctx) {
       // Blocks are scattered: fetch the next K/V tiles while this one is computed.
-      const char* next_k = reinterpret_cast<const char*>(cache + table[blk + 1] * block_stride +
-                                                         head_offset);
+      const char* next_k =
+          reinterpret_cast<const char*>(cache + table[blk + 1] * block_stride + head_offset);
       for (int64_t off = 0; off < bs * dim * int64_t(sizeof(T)); off += 64) {
         __builtin_prefetch(next_k + off);
         __builtin_prefetch(next_k + kv_stride * int64_t(sizeof(T)) + off);
@@ -103,7 +106,7 @@ void decode_one(const T* q, const T* cache, const int64_t* table, int64_t ctx, i
 }
 
 #if SPLITSERVE_AVX512_BF16
-constexpr int64_t kMaxHeads = 64;   // query heads of one sequence on the bfloat16 path
+constexpr int64_t kMaxHeads = 64;  // query heads of one sequence on the bfloat16 path
 constexpr int64_t kPrefetchBlocks = 2;
 
 // The bfloat16 path, one task per sequence: per block, the layer's K and V tiles of every KV
@@ -119,7 +122,7 @@ void decode_seq_bf16(const uint16_t* q, const uint16_t* cache, const int64_t* ta
   constexpr int64_t kPairVecs = dim / 32;  // bfloat16 dot-product operands per row
   constexpr int64_t kVecs = dim / 16;      // float32 vectors per row
   const int64_t heads = kv_heads * group;
-  const int64_t tile = bs * dim;           // elements of one head's K (or V) tile
+  const int64_t tile = bs * dim;  // elements of one head's K (or V) tile
   const int64_t layer_bytes = 2 * kv_heads * tile * 2;
   alignas(64) float acc[kMaxHeads][dim];
   alignas(64) float p[16];
@@ -159,8 +162,8 @@ void decode_seq_bf16(const uint16_t* q, const uint16_t* cache, const int64_t* ta
         const __m512 s = _mm512_mask_mul_ps(neg_inf, valid, splitserve::hsum16(dots), scale_v);
         const float m_new = std::max(m[h], _mm512_reduce_max_ps(s));
         const float correction = splitserve::exp_scalar(m[h] - m_new);
-        const __m512 e = _mm512_maskz_mov_ps(
-            valid, splitserve::exp512(_mm512_sub_ps(s, _mm512_set1_ps(m_new))));
+        const __m512 e =
+            _mm512_maskz_mov_ps(valid, splitserve::exp512(_mm512_sub_ps(s, _mm512_set1_ps(m_new))));
         l[h] = l[h] * correction + _mm512_reduce_add_ps(e);
         m[h] = m_new;
         _mm512_store_ps(p, e);
@@ -189,9 +192,9 @@ void decode_seq_bf16(const uint16_t* q, const uint16_t* cache, const int64_t* ta
 }
 
 // True (and done) when the bfloat16 path covers this call.
-bool paged_decode_bf16(const torch::Tensor& q, const torch::Tensor& kv_cache,
-                       const int64_t* tables, const int64_t* lens, int64_t max_blocks,
-                       int64_t layer, float scale, int64_t sliding_window, torch::Tensor& out) {
+bool paged_decode_bf16(const at::Tensor& q, const at::Tensor& kv_cache, const int64_t* tables,
+                       const int64_t* lens, int64_t max_blocks, int64_t layer, float scale,
+                       int64_t sliding_window, at::Tensor& out) {
   const int64_t batch = q.size(0), heads = q.size(1), dim = q.size(2);
   const int64_t layers = kv_cache.size(1), kv_heads = kv_cache.size(3), bs = kv_cache.size(4);
   if (q.scalar_type() != at::kBFloat16 || bs != 16 || (dim != 32 && dim != 64 && dim != 128) ||
@@ -204,13 +207,15 @@ bool paged_decode_bf16(const torch::Tensor& q, const torch::Tensor& kv_cache,
   const int64_t block_stride = layers * 2 * kv_heads * bs * dim;
   const int64_t layer_offset = layer * 2 * kv_heads * bs * dim;
   const int64_t group = heads / kv_heads;
-  auto run = dim == 32 ? decode_seq_bf16<32> : dim == 64 ? decode_seq_bf16<64> : decode_seq_bf16<128>;
+  auto run = dim == 32   ? decode_seq_bf16<32>
+             : dim == 64 ? decode_seq_bf16<64>
+                         : decode_seq_bf16<128>;
   at::parallel_for(0, batch, 1, [&](int64_t begin, int64_t end) {
     for (int64_t b = begin; b < end; ++b) {
       const int64_t ctx = lens[b];
       const int64_t start = sliding_window > 0 ? std::max<int64_t>(0, ctx - sliding_window) : 0;
-      run(qp + b * heads * dim, cp, tables + b * max_blocks, ctx, start, layer_offset,
-          block_stride, kv_heads, group, scale, op + b * heads * dim);
+      run(qp + b * heads * dim, cp, tables + b * max_blocks, ctx, start, layer_offset, block_stride,
+          kv_heads, group, scale, op + b * heads * dim);
     }
   });
   return true;
@@ -245,9 +250,9 @@ void decode_task(const T* q, const T* cache, const int64_t* table, int64_t ctx, 
 
 // q: [B, H, D] contiguous; kv_cache: [NB, L, 2, KVH, BS, D] contiguous;
 // block_tables: [B, max_blocks] int64; context_lens: [B] int64 (>= 1). Returns [B, H, D].
-torch::Tensor paged_decode(torch::Tensor q, torch::Tensor kv_cache, torch::Tensor block_tables,
-                           torch::Tensor context_lens, int64_t layer, double scale,
-                           int64_t sliding_window) {
+at::Tensor paged_decode(at::Tensor q, at::Tensor kv_cache, at::Tensor block_tables,
+                        at::Tensor context_lens, int64_t layer, double scale,
+                        int64_t sliding_window) {
   TORCH_CHECK(q.is_contiguous() && kv_cache.is_contiguous() && block_tables.is_contiguous());
   TORCH_CHECK(block_tables.scalar_type() == at::kLong && context_lens.scalar_type() == at::kLong);
   TORCH_CHECK(q.scalar_type() == kv_cache.scalar_type(), "q and cache dtypes differ");
@@ -256,7 +261,7 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor kv_cache, torch::Tenso
   const int64_t group = heads / kv_heads;
   TORCH_CHECK(group <= kMaxGroup, "paged_decode: too many query heads per KV head");
   TORCH_CHECK(heads == group * kv_heads, "paged_decode: heads not a multiple of KV heads");
-  auto out = torch::empty_like(q);
+  auto out = at::empty_like(q);
   const int64_t block_stride = layers * 2 * kv_heads * bs * dim;
   const int64_t kv_stride = kv_heads * bs * dim;
   const int64_t max_blocks = block_tables.size(1);
@@ -279,8 +284,8 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor kv_cache, torch::Tenso
         const int64_t start = sliding_window > 0 ? std::max<int64_t>(0, ctx - sliding_window) : 0;
         const int64_t q_offset = (b * heads + h * group) * dim;
         decode_task<scalar_t>(qp + q_offset, cp, tables + b * max_blocks, ctx, start,
-                              (layer * 2 * kv_heads + h) * bs * dim, block_stride, kv_stride,
-                              group, dim, bs, static_cast<float>(scale), op + q_offset);
+                              (layer * 2 * kv_heads + h) * bs * dim, block_stride, kv_stride, group,
+                              dim, bs, static_cast<float>(scale), op + q_offset);
       }
     });
   });

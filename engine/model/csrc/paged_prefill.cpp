@@ -11,8 +11,9 @@
 // p.V is head_dim / 16 pair dot products per key pair. Softmax is online, in float32; the
 // probabilities are rounded to bfloat16 for p.V, as Hugging Face's eager attention rounds them
 // before its p.V matmul.
-#include <torch/extension.h>
 #include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <c10/util/Exception.h>
 
 #include <algorithm>
 #include <cmath>
@@ -24,13 +25,12 @@
 #include "avx512_bf16.h"
 
 #if SPLITSERVE_AVX512_BF16
-#include <omp.h>
 
 namespace {
 
-constexpr int64_t kBlock = 16;      // tokens per cache block (the only size built)
-constexpr int64_t kMaxRows = 64;    // query rows of one task
-constexpr int64_t kRowStep = 8;     // rows sharing one pass over the transposed K tile
+constexpr int64_t kBlock = 16;    // tokens per cache block (the only size built)
+constexpr int64_t kMaxRows = 64;  // query rows of one task
+constexpr int64_t kRowStep = 8;   // rows sharing one pass over the transposed K tile
 
 struct Task {
   int64_t seq;
@@ -42,9 +42,9 @@ struct Task {
 
 struct Chunk {
   const int64_t* table;
-  int64_t q_start;     // first row of the chunk in q / out
+  int64_t q_start;  // first row of the chunk in q / out
   int64_t q_len;
-  int64_t first_pos;   // position of the chunk's first query token
+  int64_t first_pos;  // position of the chunk's first query token
 };
 
 struct Layout {
@@ -79,8 +79,8 @@ void prefill_task(const Task& task, const Chunk& chunk, const Layout& lay) {
 
   alignas(64) uint32_t q_rows[kMaxRows][kPairs];
   alignas(64) float acc[kMaxRows][dim];
-  alignas(64) uint32_t kt[kPairs][kBlock];        // kt[j][t]: pair j of key t
-  alignas(64) uint32_t vp[kBlock / 2][dim];       // keys (2i, 2i+1) interleaved per dim
+  alignas(64) uint32_t kt[kPairs][kBlock];   // kt[j][t]: pair j of key t
+  alignas(64) uint32_t vp[kBlock / 2][dim];  // keys (2i, 2i+1) interleaved per dim
   alignas(64) uint32_t p_pairs[kRowStep][kBlock / 2];
   int32_t pos[kMaxRows];
   float m[kMaxRows];
@@ -121,7 +121,8 @@ void prefill_task(const Task& task, const Chunk& chunk, const Layout& lay) {
         _mm512_store_si512(vp[tp] + 32 * c + 16, _mm512_unpackhi_epi16(a, b));
       }
     }
-    const __m512i key_pos = _mm512_add_epi32(_mm512_set1_epi32(static_cast<int32_t>(blk * kBlock)), lane);
+    const __m512i key_pos =
+        _mm512_add_epi32(_mm512_set1_epi32(static_cast<int32_t>(blk * kBlock)), lane);
 
     for (int64_t rb = 0; rb < padded_rows; rb += kRowStep) {
       __m512 s[kRowStep];
@@ -129,8 +130,8 @@ void prefill_task(const Task& task, const Chunk& chunk, const Layout& lay) {
       for (int64_t j = 0; j < kPairs; ++j) {
         const __m512bh kv = reinterpret_cast<__m512bh>(_mm512_load_si512(kt[j]));
         for (int64_t r = 0; r < kRowStep; ++r) {
-          const __m512bh qq =
-              reinterpret_cast<__m512bh>(_mm512_set1_epi32(static_cast<int32_t>(q_rows[rb + r][j])));
+          const __m512bh qq = reinterpret_cast<__m512bh>(
+              _mm512_set1_epi32(static_cast<int32_t>(q_rows[rb + r][j])));
           s[r] = _mm512_dpbf16_ps(s[r], qq, kv);
         }
       }
@@ -188,17 +189,17 @@ void prefill_task(const Task& task, const Chunk& chunk, const Layout& lay) {
 
 bool paged_prefill_supported(int64_t dtype_is_bf16, int64_t head_dim, int64_t block_size,
                              int64_t group) {
-  return dtype_is_bf16 && (head_dim == 32 || head_dim == 64 || head_dim == 128) && block_size == kBlock &&
-         group <= kMaxRows;
+  return dtype_is_bf16 && (head_dim == 32 || head_dim == 64 || head_dim == 128) &&
+         block_size == kBlock && group <= kMaxRows;
 }
 
 // q, out: [T, H, D] bfloat16 with unit stride on D; kv_cache: [NB, L, 2, KVH, 16, D] contiguous;
 // block_tables: [S, max_blocks] int64; q_starts, q_lens, context_lens: [S] int64, chunk s being
 // rows [q_starts[s], q_starts[s] + q_lens[s]) of q, the last q_lens[s] of its context_lens[s]
 // tokens. Writes those rows of out.
-void paged_prefill(torch::Tensor q, torch::Tensor kv_cache, torch::Tensor block_tables,
-                   torch::Tensor q_starts, torch::Tensor q_lens, torch::Tensor context_lens,
-                   int64_t layer, double scale, int64_t sliding_window, torch::Tensor out) {
+void paged_prefill(at::Tensor q, at::Tensor kv_cache, at::Tensor block_tables, at::Tensor q_starts,
+                   at::Tensor q_lens, at::Tensor context_lens, int64_t layer, double scale,
+                   int64_t sliding_window, at::Tensor out) {
   TORCH_CHECK(q.scalar_type() == at::kBFloat16 && kv_cache.scalar_type() == at::kBFloat16 &&
                   out.scalar_type() == at::kBFloat16,
               "paged_prefill: bfloat16 only");
@@ -259,8 +260,8 @@ void paged_prefill(torch::Tensor q, torch::Tensor kv_cache, torch::Tensor block_
 
 bool paged_prefill_supported(int64_t, int64_t, int64_t, int64_t) { return false; }
 
-void paged_prefill(torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor,
-                   torch::Tensor, int64_t, double, int64_t, torch::Tensor) {
+void paged_prefill(at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, int64_t,
+                   double, int64_t, at::Tensor) {
   TORCH_CHECK(false, "paged_prefill: built without AVX-512 BF16");
 }
 
