@@ -13,6 +13,8 @@ from services.common.convert import FINISH_REASON_NAMES
 from services.common.grpc_server import CHANNEL_OPTIONS
 from splitserve.v1 import router_pb2, router_pb2_grpc
 
+_RETRY_INTERVAL_S = 0.5
+
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser("client", help="stream a generation from a running router")
@@ -30,7 +32,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "--timeout-s",
         type=float,
         default=300.0,
-        help="deadline of the call, including waiting for a router that is still starting",
+        help="deadline of the call, including waiting for a router and workers still starting",
     )
     parser.add_argument("--json", action="store_true", help="print one JSON object at the end")
     parser.set_defaults(func=run)
@@ -58,27 +60,43 @@ def build_request(args: argparse.Namespace) -> router_pb2.GenerateRequest:
 def run(args: argparse.Namespace) -> int:
     request = build_request(args)
     start_s = time.perf_counter()
+    deadline_s = time.monotonic() + args.timeout_s
     first_token_s: float | None = None
     token_ids: list[int] = []
     text: list[str] = []
-    last = router_pb2.GenerateResponse()
+    last: router_pb2.GenerateResponse | None = None
+    waited = False
     with grpc.insecure_channel(args.target, options=CHANNEL_OPTIONS) as channel:
         stub = router_pb2_grpc.RouterStub(channel)
-        try:
-            # wait_for_ready: a router that is still starting is waited for, up to the deadline.
-            calls = stub.Generate(request, timeout=args.timeout_s, wait_for_ready=True)
-            for message in calls:
-                if first_token_s is None and message.token_ids:
-                    first_token_s = time.perf_counter() - start_s
-                token_ids.extend(message.token_ids)
-                text.append(message.text)
-                if not args.json:
-                    sys.stdout.write(message.text)
-                    sys.stdout.flush()
-                last = message
-        except grpc.RpcError as exc:
-            print(f"\nerror: {exc.code().name}: {exc.details()}", file=sys.stderr)
-            return 2
+        while True:
+            try:
+                # wait_for_ready: a router that is not listening yet is waited for.
+                calls = stub.Generate(
+                    request, timeout=max(deadline_s - time.monotonic(), 0.0), wait_for_ready=True
+                )
+                for message in calls:
+                    if first_token_s is None and message.token_ids:
+                        first_token_s = time.perf_counter() - start_s
+                    token_ids.extend(message.token_ids)
+                    text.append(message.text)
+                    if not args.json:
+                        sys.stdout.write(message.text)
+                        sys.stdout.flush()
+                    last = message
+                break
+            except grpc.RpcError as exc:
+                # A router whose workers are still starting answers UNAVAILABLE before
+                # streaming anything: the request was never admitted, so it is sent again.
+                retry = exc.code() == grpc.StatusCode.UNAVAILABLE and last is None
+                if retry and time.monotonic() + _RETRY_INTERVAL_S < deadline_s:
+                    if not waited:
+                        print(f"waiting for the cluster: {exc.details()}", file=sys.stderr)
+                        waited = True
+                    time.sleep(_RETRY_INTERVAL_S)
+                    continue
+                print(f"\nerror: {exc.code().name}: {exc.details()}", file=sys.stderr)
+                return 2
+    last = last or router_pb2.GenerateResponse()
     if args.json:
         print(
             json.dumps(

@@ -25,6 +25,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from engine.config import EngineConfig
 from engine.flags import to_argv
+from services.common.grpc_server import CHANNEL_OPTIONS
 
 logger = logging.getLogger(__name__)
 
@@ -175,7 +176,7 @@ def split_threads(engine: EngineConfig, num_engines: int) -> EngineConfig:
 
 def wait_healthy(process: ServiceProcess, deadline_s: float) -> None:
     """Block until ``process`` answers SERVING on gRPC health; raise if it dies or times out."""
-    with grpc.insecure_channel(process.address) as channel:
+    with grpc.insecure_channel(process.address, options=CHANNEL_OPTIONS) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
         while True:
             if not process.alive:

@@ -18,6 +18,7 @@ import grpc
 from services.cluster.members import Member, busy_units
 from services.cluster.planner import PoolSignals, percentile
 from services.common.background import BackgroundTasks
+from services.common.grpc_server import CHANNEL_OPTIONS
 from services.router.latency import LatencySamples
 from splitserve.v1 import worker_pb2, worker_pb2_grpc
 
@@ -36,7 +37,7 @@ class ClusterProbes:
     async def load(self, worker: Member) -> worker_pb2.WorkerLoad:
         """The worker's ``GetLoad`` (empty if it does not answer)."""
         if worker.address not in self._stubs:
-            channel = grpc.aio.insecure_channel(worker.address)
+            channel = grpc.aio.insecure_channel(worker.address, options=CHANNEL_OPTIONS)
             stub_class = (
                 worker_pb2_grpc.PrefillWorkerStub
                 if worker.role == "prefill"

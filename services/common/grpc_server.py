@@ -22,6 +22,9 @@ MAX_MESSAGE_BYTES = 64 * 2**20
 CHANNEL_OPTIONS = (
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    # A peer that is still starting (a worker compiling its kernels, a router) is retried at
+    # least every 2 s, not after gRPC's default backoff of up to 120 s.
+    ("grpc.max_reconnect_backoff_ms", 2000),
 )
 OVERALL_HEALTH = ""  # the health service name that covers the whole server
 
