@@ -1,6 +1,6 @@
-// Helpers shared by the attention kernels. The AVX-512 part is compiled only where the host
-// has AVX512F + AVX512_BF16 (the kernels are built with -march=native); elsewhere the kernels
-// use their portable loops.
+// Helpers shared by the CPU kernels: portable bfloat16 conversions and exp, and an AVX-512 part
+// compiled only where the host has AVX512F + AVX512_BF16 (the kernels are built with
+// -march=native); elsewhere the kernels use their portable loops.
 #pragma once
 
 #include <algorithm>
@@ -9,6 +9,23 @@
 #include <cstring>
 
 namespace splitserve {
+
+// bfloat16 bits to float (exact).
+inline float bf16_to_float(uint16_t v) {
+  const uint32_t bits = static_cast<uint32_t>(v) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof(f));
+  return f;
+}
+
+// float to bfloat16 bits, rounding to nearest even as at::BFloat16's conversion does.
+inline uint16_t float_to_bf16(float f) {
+  if (std::isnan(f)) return 0x7FC0;
+  uint32_t bits;
+  std::memcpy(&bits, &f, sizeof(bits));
+  bits += 0x7FFF + ((bits >> 16) & 1);
+  return static_cast<uint16_t>(bits >> 16);
+}
 
 // exp(x) for x <= 0 to ~2 ulp: 2^n * p(r) after range reduction; a loop of these vectorizes
 // (std::exp does not), and exp dominates the softmax of short blocks.

@@ -19,23 +19,10 @@ namespace {
 
 constexpr int64_t kRowsPerTask = 64;
 
-inline float widen(uint16_t v) {
-  const uint32_t bits = static_cast<uint32_t>(v) << 16;
-  float f;
-  std::memcpy(&f, &bits, sizeof(f));
-  return f;
-}
+using splitserve::bf16_to_float;
+using splitserve::float_to_bf16;
 
-// Round to nearest even, as at::BFloat16's conversion does.
-inline uint16_t narrow(float f) {
-  if (std::isnan(f)) return 0x7FC0;
-  uint32_t bits;
-  std::memcpy(&bits, &f, sizeof(bits));
-  bits += 0x7FFF + ((bits >> 16) & 1);
-  return static_cast<uint16_t>(bits >> 16);
-}
-
-inline float round_bf16(float f) { return widen(narrow(f)); }
+inline float round_bf16(float f) { return bf16_to_float(float_to_bf16(f)); }
 
 const uint16_t* bf16_ptr(const at::Tensor& t) {
   return reinterpret_cast<const uint16_t*>(t.data_ptr<at::BFloat16>());
@@ -82,18 +69,18 @@ at::Tensor rms_norm(at::Tensor x, at::Tensor weight, double eps,
       if (res != nullptr) {
         uint16_t* rr = res + r * res_stride;
         for (int64_t i = 0; i < hidden; ++i) {
-          rr[i] = narrow(widen(rr[i]) + widen(xr[i]));
-          row[i] = widen(rr[i]);
+          rr[i] = float_to_bf16(bf16_to_float(rr[i]) + bf16_to_float(xr[i]));
+          row[i] = bf16_to_float(rr[i]);
         }
       } else {
-        for (int64_t i = 0; i < hidden; ++i) row[i] = widen(xr[i]);
+        for (int64_t i = 0; i < hidden; ++i) row[i] = bf16_to_float(xr[i]);
       }
       float sum_sq = 0.f;
       for (int64_t i = 0; i < hidden; ++i) sum_sq += row[i] * row[i];
       const float inv = 1.f / std::sqrt(sum_sq / static_cast<float>(hidden) + epsf);
       uint16_t* orow = op + r * hidden;
       for (int64_t i = 0; i < hidden; ++i)
-        orow[i] = narrow(round_bf16(row[i] * inv) * widen(wp[i]));
+        orow[i] = float_to_bf16(round_bf16(row[i] * inv) * bf16_to_float(wp[i]));
     }
   });
   return out;
@@ -114,9 +101,9 @@ at::Tensor silu_and_mul(at::Tensor gate_up) {
       const uint16_t* u = g + width;
       uint16_t* o = op + r * width;
       for (int64_t i = 0; i < width; ++i) {
-        const float x = widen(g[i]);
+        const float x = bf16_to_float(g[i]);
         const float silu = round_bf16(x / (1.f + splitserve::exp_any(-x)));
-        o[i] = narrow(silu * widen(u[i]));
+        o[i] = float_to_bf16(silu * bf16_to_float(u[i]));
       }
     }
   });
@@ -144,10 +131,11 @@ void rotary_(at::Tensor x, at::Tensor cos, at::Tensor sin, int64_t num_heads) {
       const uint16_t* s = sp + t * dim;
       for (int64_t h = 0; h < num_heads; ++h) {
         uint16_t* row = xp + t * st + h * sh;
-        for (int64_t d = 0; d < dim; ++d) v[d] = widen(row[d]);
+        for (int64_t d = 0; d < dim; ++d) v[d] = bf16_to_float(row[d]);
         for (int64_t d = 0; d < dim; ++d) {
           const float rotated = v[d < half ? d + half : d - half];
-          row[d] = narrow(round_bf16(v[d] * widen(c[d])) + round_bf16(rotated * widen(s[d])));
+          row[d] = float_to_bf16(round_bf16(v[d] * bf16_to_float(c[d])) +
+                                 round_bf16(rotated * bf16_to_float(s[d])));
         }
       }
     }

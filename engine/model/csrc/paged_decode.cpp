@@ -30,10 +30,7 @@ inline void widen(const T* src, float* dst, int64_t n) {
 template <>
 inline void widen<at::BFloat16>(const at::BFloat16* src, float* dst, int64_t n) {
   const uint16_t* s = reinterpret_cast<const uint16_t*>(src);
-  for (int64_t i = 0; i < n; ++i) {
-    const uint32_t bits = static_cast<uint32_t>(s[i]) << 16;
-    std::memcpy(dst + i, &bits, sizeof(float));
-  }
+  for (int64_t i = 0; i < n; ++i) dst[i] = splitserve::bf16_to_float(s[i]);
 }
 
 template <typename T, int64_t dim, int64_t bs>

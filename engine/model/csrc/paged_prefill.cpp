@@ -37,7 +37,8 @@ struct Task {
   int64_t kv_head;
   int64_t q_begin;  // tile [q_begin, q_end) of the chunk's query positions
   int64_t q_end;
-  int64_t num_keys;  // keys the tile reads, its cost
+  int64_t key_begin;  // keys [key_begin, key_end) the tile reads (causal, windowed)
+  int64_t key_end;
 };
 
 struct Chunk {
@@ -101,12 +102,10 @@ void prefill_task(const Task& task, const Chunk& chunk, const Layout& lay) {
     l[r] = 0.f;
   }
 
-  const int64_t key_end = chunk.first_pos + task.q_end;
-  const int64_t key_begin = key_end - task.num_keys;
   const __m512 neg_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
   const __m512 scale_v = _mm512_set1_ps(lay.scale);
   const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-  for (int64_t blk = key_begin / kBlock; blk * kBlock < key_end; ++blk) {
+  for (int64_t blk = task.key_begin / kBlock; blk * kBlock < task.key_end; ++blk) {
     const uint16_t* base = lay.cache + chunk.table[blk] * lay.block_stride + lay.layer_offset;
     const uint32_t* k32 = reinterpret_cast<const uint32_t*>(base + task.kv_head * tile);
     for (int64_t t = 0; t < kBlock; ++t) {
@@ -243,13 +242,14 @@ void paged_prefill(at::Tensor q, at::Tensor kv_cache, at::Tensor block_tables, a
         const int64_t first = ctxs[s] - lens[s] + b;
         const int64_t key_begin =
             sliding_window > 0 ? std::max<int64_t>(0, first - sliding_window + 1) : 0;
-        tasks.push_back({s, h, b, e, key_end - key_begin});
+        tasks.push_back({s, h, b, e, key_begin, key_end});
       }
     }
   }
   // Longest first, handed out dynamically: tiles late in a long context cost the most.
-  std::stable_sort(tasks.begin(), tasks.end(),
-                   [](const Task& a, const Task& b) { return a.num_keys > b.num_keys; });
+  std::stable_sort(tasks.begin(), tasks.end(), [](const Task& a, const Task& b) {
+    return a.key_end - a.key_begin > b.key_end - b.key_begin;
+  });
   auto run = dim == 32 ? prefill_task<32> : dim == 64 ? prefill_task<64> : prefill_task<128>;
   const int64_t num_tasks = static_cast<int64_t>(tasks.size());
 #pragma omp parallel for schedule(dynamic, 1) num_threads(at::get_num_threads())
