@@ -4,10 +4,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from engine.cpu_isa import ISA_CHOICES, resolve_isa
 from engine.cpu_tuning import parse_cpu_list
 from engine.flags import flag
 
-DTYPES = ("float32", "bfloat16", "float16")
+# "auto": bfloat16 where the host has native bf16 dot products (CUDA, AVX512_BF16 CPUs),
+# float32 on CPUs below (bf16 matmuls are emulated there, ~4.6x slower; BENCHMARKS.md).
+DTYPES = ("auto", "float32", "bfloat16", "float16")
 KERNEL_BACKENDS = ("auto", "torch", "cpp")
 
 
@@ -15,8 +18,22 @@ KERNEL_BACKENDS = ("auto", "torch", "cpp")
 class EngineConfig:
     """How one engine instance runs a model. Immutable once the engine starts."""
 
-    model: str = flag(help="model directory, .gguf file or alias (e.g. smollm2-135m)")
-    dtype: str = flag("bfloat16", "weights and KV cache dtype", choices=DTYPES)
+    model: str = flag(
+        help="model directory, .gguf file, alias (e.g. smollm2-135m) or Hugging Face repo id "
+        "(org/name, downloaded into the Hugging Face cache; HF_TOKEN for gated models)"
+    )
+    revision: str | None = flag(
+        None, "branch, tag or commit of a Hugging Face repo id --model (default: main)"
+    )
+    served_model_name: str | None = flag(
+        None, "the model name clients see (Router.Status, the HTTP API); default: --model"
+    )
+    dtype: str = flag(
+        "auto",
+        "weights and KV cache dtype; auto: bfloat16 on CUDA and on CPUs with AVX-512 BF16, "
+        "float32 on other CPUs",
+        choices=DTYPES,
+    )
     device: str = flag("auto", "cpu, cuda, cuda:N or auto (cuda when available)")
     block_size: int = flag(16, "tokens per KV block")
     max_num_seqs: int = flag(128, "max requests in the running batch")
@@ -48,6 +65,12 @@ class EngineConfig:
         "torch decode and ops), auto (cpp on CPU when it builds, else torch)",
         choices=KERNEL_BACKENDS,
     )
+    cpu_isa: str = flag(
+        "auto",
+        "CPU instruction-set level the kernels may use: auto (the host's), or a lower one to "
+        "reproduce a smaller host (avx2, portable, ...); see engine/cpu_isa.py",
+        choices=ISA_CHOICES,
+    )
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -58,6 +81,7 @@ class EngineConfig:
         threshold = self.long_prefill_token_threshold
         if threshold < 0:
             raise ValueError(f"long_prefill_token_threshold must be >= 0, got {threshold}")
+        resolve_isa(self.cpu_isa)
         if self.cpu_cores is not None:
             parse_cpu_list(self.cpu_cores)
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:

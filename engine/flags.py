@@ -2,6 +2,11 @@
 
 ``max_num_seqs: int = flag(128, "...")`` becomes ``--max-num-seqs`` whose default is read from
 ``SPLITSERVE_MAX_NUM_SEQS`` when set. Services and Helm values use the same names.
+
+An env value is parsed only when its flag is absent from the command line: Kubernetes injects
+``<SERVICE>_PORT=tcp://...`` into pods (a Service named ``splitserve`` gives
+``SPLITSERVE_PORT``), and ``--port`` must still win over it. A value that does not parse is
+then a one-line error naming the variable, its value and the expected type (``parse_flags``).
 """
 
 from __future__ import annotations
@@ -10,10 +15,41 @@ import argparse
 import dataclasses
 import os
 import typing
+from collections.abc import Callable, Sequence
 from typing import Any
 
 ENV_PREFIX = "SPLITSERVE_"
 _MISSING = dataclasses.MISSING
+_TYPE_NAMES = {int: "an integer", float: "a number", bool: "a boolean (true/false)", str: "text"}
+
+
+class EnvValueError(ValueError):
+    """A ``SPLITSERVE_*`` env var whose value does not parse as its flag's type."""
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class EnvDefault:
+    """A flag's default taken from its env var, still unparsed (see ``resolve``)."""
+
+    var: str
+    text: str
+    kind: type
+    choices: tuple[str, ...] | None
+
+    def resolve(self) -> Any:
+        """The parsed value; raises ``EnvValueError`` naming the variable."""
+        expected = _TYPE_NAMES.get(self.kind, self.kind.__name__)
+        try:
+            value = _parse_bool(self.text) if self.kind is bool else self.kind(self.text)
+        except (ValueError, argparse.ArgumentTypeError):
+            raise EnvValueError(
+                f"{self.var}={self.text!r} is not valid: expected {expected}"
+            ) from None
+        if self.choices is not None and value not in self.choices:
+            raise EnvValueError(
+                f"{self.var}={self.text!r} is not valid: expected one of {', '.join(self.choices)}"
+            )
+        return value
 
 
 def flag(default: Any = _MISSING, help: str = "", *, choices: tuple[str, ...] | None = None) -> Any:
@@ -44,7 +80,9 @@ def _parse_bool(text: str) -> bool:
 
 
 def add_flags(parser: argparse.ArgumentParser, cls: type, skip: tuple[str, ...] = ()) -> None:
-    """Add one flag per field of dataclass ``cls`` (env var overrides the declared default)."""
+    """Add one flag per field of dataclass ``cls``; a set env var replaces the declared
+    default (as an ``EnvDefault``, parsed by ``parse_flags`` / ``from_args`` only when the
+    flag is not on the command line)."""
     hints = typing.get_type_hints(cls)
     for f in dataclasses.fields(cls):
         if f.name in skip or "help" not in f.metadata:
@@ -52,9 +90,9 @@ def add_flags(parser: argparse.ArgumentParser, cls: type, skip: tuple[str, ...] 
         kind = _scalar_type(hints[f.name])
         env_value = os.environ.get(env_name(f.name))
         default = f.default
-        converter = _parse_bool if kind is bool else kind
+        converter: Callable[[str], Any] = _parse_bool if kind is bool else kind
         if env_value is not None:
-            default = converter(env_value)
+            default = EnvDefault(env_name(f.name), env_value, kind, f.metadata["choices"])
         help_text = f"{f.metadata['help']} [env {env_name(f.name)}]"
         kwargs: dict[str, Any] = {"dest": f.name, "help": help_text}
         if kind is bool:
@@ -69,15 +107,40 @@ def add_flags(parser: argparse.ArgumentParser, cls: type, skip: tuple[str, ...] 
         parser.add_argument(flag_name(f.name), **kwargs)
 
 
+def resolve_env_defaults(args: argparse.Namespace) -> argparse.Namespace:
+    """Parse, in place, every flag value still taken from its env var; raises
+    ``EnvValueError`` for the first that does not parse."""
+    for name, value in vars(args).items():
+        if isinstance(value, EnvDefault):
+            setattr(args, name, value.resolve())
+    return args
+
+
+def parse_flags(
+    parser: argparse.ArgumentParser, argv: Sequence[str] | None = None
+) -> argparse.Namespace:
+    """``parser.parse_args(argv)`` with env defaults parsed; a bad env value exits with status
+    2 and one line on stderr (no usage text: the command line was not at fault)."""
+    args = parser.parse_args(argv)
+    try:
+        return resolve_env_defaults(args)
+    except EnvValueError as exc:
+        parser.exit(2, f"{parser.prog}: error: {exc}\n")
+
+
 def from_args(
     cls: type, args: argparse.Namespace, skip: tuple[str, ...] = (), **overrides: Any
 ) -> Any:
     """Build ``cls`` from parsed flags (fields absent from ``args`` or in ``skip`` keep their
-    defaults)."""
+    defaults). Env defaults not yet parsed are parsed here (``EnvValueError``)."""
     values = {
         f.name: getattr(args, f.name)
         for f in dataclasses.fields(cls)
         if hasattr(args, f.name) and f.name not in skip
+    }
+    values = {
+        name: value.resolve() if isinstance(value, EnvDefault) else value
+        for name, value in values.items()
     }
     values.update(overrides)
     return cls(**values)

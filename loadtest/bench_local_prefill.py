@@ -30,7 +30,7 @@ from pathlib import Path
 import grpc
 
 from engine.config import EngineConfig
-from engine.flags import add_flags, from_args
+from engine.flags import add_flags, from_args, parse_flags
 from services.launcher import LocalCluster, ServiceProcess, free_port, wait_healthy
 from splitserve.v1 import router_pb2, router_pb2_grpc
 
@@ -157,7 +157,7 @@ def main() -> None:
     parser.add_argument("--background", type=int, default=4)
     parser.add_argument("--background-tokens", type=int, default=64)
     parser.add_argument("--out", type=Path, default=Path("bench-out/local-prefill"))
-    args = parser.parse_args()
+    args = parse_flags(parser)
     args.out.mkdir(parents=True, exist_ok=True)
     report = run(args)
     report["args"] = {k: str(v) for k, v in vars(args).items()}

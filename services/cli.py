@@ -6,6 +6,7 @@ import argparse
 import sys
 
 from engine import cli as generate_cli
+from engine.flags import parse_flags
 from loadtest import cli as loadtest_cli
 from services import admin, client, up
 from services.common.logs import add_log_level_flag, configure_logging
@@ -26,7 +27,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = parse_flags(build_parser(), argv)
     configure_logging(args.log_level)
     return args.func(args)
 

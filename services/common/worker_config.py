@@ -7,7 +7,7 @@ import socket
 from dataclasses import dataclass, field
 
 from engine.config import EngineConfig
-from engine.flags import add_flags, flag, from_args
+from engine.flags import add_flags, flag, from_args, parse_flags
 from kvtransfer.registry import default_backend, is_available
 from services.common.logs import add_log_level_flag, configure_logging
 from services.common.redis_config import RedisConfig
@@ -68,7 +68,7 @@ def parse_worker_args(role: str, argv: list[str] | None) -> WorkerConfig:
     add_flags(parser, WorkerConfig)
     add_flags(parser, RedisConfig)
     add_log_level_flag(parser)
-    args = parser.parse_args(argv)
+    args = parse_flags(parser, argv)
     configure_logging(args.log_level)
     # Workers hand text and stop strings to the router.
     engine = from_args(EngineConfig, args, detokenize=False)

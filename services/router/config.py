@@ -8,7 +8,7 @@ import secrets
 import socket
 from dataclasses import dataclass, field
 
-from engine.flags import add_flags, flag, from_args
+from engine.flags import add_flags, flag, from_args, parse_flags
 from services.common.logs import add_log_level_flag
 from services.common.redis_config import RedisConfig
 
@@ -144,7 +144,7 @@ def parse_router_args(argv: list[str] | None) -> tuple[RouterConfig, str]:
     add_flags(parser, RouterConfig)
     add_flags(parser, RedisConfig)
     add_log_level_flag(parser)
-    args = parser.parse_args(argv)
+    args = parse_flags(parser, argv)
     config = from_args(RouterConfig, args, redis=from_args(RedisConfig, args))
     if not config.decode_address_list:
         # Only an orchestrator (services.cluster) starts a router with empty pools.

@@ -175,7 +175,7 @@ class GetInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerInfo(_message.Message):
-    __slots__ = ("worker_id", "role", "model", "vocab_size", "max_model_len", "block_size", "kv_peer", "kv_transfer_backend")
+    __slots__ = ("worker_id", "role", "model", "vocab_size", "max_model_len", "block_size", "kv_peer", "kv_transfer_backend", "dtype", "cpu_isa", "kernels", "served_model_name")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
@@ -184,6 +184,10 @@ class WorkerInfo(_message.Message):
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     KV_PEER_FIELD_NUMBER: _ClassVar[int]
     KV_TRANSFER_BACKEND_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    CPU_ISA_FIELD_NUMBER: _ClassVar[int]
+    KERNELS_FIELD_NUMBER: _ClassVar[int]
+    SERVED_MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     role: WorkerRole
     model: str
@@ -192,7 +196,11 @@ class WorkerInfo(_message.Message):
     block_size: int
     kv_peer: KVPeerInfo
     kv_transfer_backend: str
-    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[_Union[WorkerRole, str]] = ..., model: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., block_size: _Optional[int] = ..., kv_peer: _Optional[_Union[KVPeerInfo, _Mapping]] = ..., kv_transfer_backend: _Optional[str] = ...) -> None: ...
+    dtype: str
+    cpu_isa: str
+    kernels: str
+    served_model_name: str
+    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[_Union[WorkerRole, str]] = ..., model: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., block_size: _Optional[int] = ..., kv_peer: _Optional[_Union[KVPeerInfo, _Mapping]] = ..., kv_transfer_backend: _Optional[str] = ..., dtype: _Optional[str] = ..., cpu_isa: _Optional[str] = ..., kernels: _Optional[str] = ..., served_model_name: _Optional[str] = ...) -> None: ...
 
 class GetLoadRequest(_message.Message):
     __slots__ = ()
