@@ -60,9 +60,10 @@ class EngineConfig:
     detokenize: bool = True
     kernel_backend: str = flag(
         "auto",
-        "CPU kernels: cpp (compiled paged decode; in bfloat16 also fused RMSNorm/rotary/SiLU "
-        "and, on AVX-512 BF16 hosts, the paged prefill), torch (reference paths: SDPA prefill, "
-        "torch decode and ops), auto (cpp on CPU when it builds, else torch)",
+        "CPU kernels: cpp (compiled paged decode, oneDNN-packed linears; in bfloat16 also fused "
+        "RMSNorm/rotary/SiLU and, from avx512_bf16, the paged prefill), torch (reference paths: "
+        "F.linear, SDPA prefill, torch decode and ops), auto (cpp on CPU when it builds, else "
+        "torch)",
         choices=KERNEL_BACKENDS,
     )
     cpu_isa: str = flag(

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.config import EngineConfig
+from engine.cpu_isa import CpuIsa, host_isa, resolve_isa
 from engine.cpu_tuning import keep_freed_memory_in_heap, parse_cpu_list, pin_process_to_cpus
 from engine.detokenizer import IncrementalDetokenizer
 from engine.kv_cache_manager import KVCacheManager
@@ -35,6 +36,17 @@ def resolve_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     return torch.device(name)
+
+
+def resolve_dtype(name: str, device: torch.device, level: CpuIsa) -> str:
+    """``--dtype``, with ``auto`` made concrete: bfloat16 where matmuls have native bf16 (CUDA
+    with bf16 support, CPUs from AVX512_BF16 up), else float16 on CUDA and float32 on CPU (bf16
+    is emulated below AVX512_BF16, ~4.6x slower than float32 on AVX2: BENCHMARKS.md)."""
+    if name != "auto":
+        return name
+    if device.type == "cuda":
+        return "bfloat16" if torch.cuda.is_bf16_supported() else "float16"
+    return "bfloat16" if level >= CpuIsa.AVX512_BF16 else "float32"
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,19 +94,31 @@ class LLMEngine:
         self.device = resolve_device(config.device)
         if self.device.type == "cpu":
             keep_freed_memory_in_heap()
-        if config.dtype == "float16" and self.device.type == "cpu":
-            logger.warning("float16 matmuls are very slow on CPU; prefer bfloat16")
-        self.model_dir = resolve_model(config.model)
+        cpu_isa = resolve_isa(config.cpu_isa)
+        self.dtype = resolve_dtype(config.dtype, self.device, cpu_isa)
+        if self.dtype == "float16" and self.device.type == "cpu":
+            logger.warning("float16 matmuls are very slow on CPU; prefer bfloat16 or float32")
+        elif (
+            self.dtype == "bfloat16" and self.device.type == "cpu" and cpu_isa < CpuIsa.AVX512_BF16
+        ):
+            logger.warning(
+                "bfloat16 is emulated below avx512_bf16 (level %s): expect float32 to be faster",
+                cpu_isa.value,
+            )
+        self.model_dir = resolve_model(config.model, revision=config.revision)
+        # The name clients see (WorkerInfo, Router.Status): --served-model-name, else --model.
+        self.served_model_name = config.served_model_name or config.model
         self.tokenizer = Tokenizer(self.model_dir)
         self.runner = ModelRunner(
             self.model_dir,
-            config.dtype,
+            self.dtype,
             self.device,
             config.block_size,
             config.max_model_len,
             config.num_kv_blocks,
             config.kv_cache_memory_gb,
             config.kernel_backend,
+            cpu_isa,
         )
         self.max_model_len = self.runner.max_model_len
         self.kv_cache_manager = KVCacheManager(
@@ -114,7 +138,22 @@ class LLMEngine:
         self._states: dict[str, _RequestState] = {}
         self._kv_loads: list[KVLoad] = []
         self.last_num_scheduled_tokens = 0
-        logger.info("engine ready: model=%s pid=%d", self.model_dir, os.getpid())
+        kernels = self.runner.kernels
+        logger.info(
+            "engine ready: model=%s dtype=%s device=%s pid=%d",
+            self.model_dir,
+            self.dtype,
+            self.device,
+            os.getpid(),
+        )
+        if kernels.cpu_isa is not None:
+            logger.info(
+                "CPU level %s (host %s, --cpu-isa %s); kernels: %s",
+                kernels.cpu_isa.value,
+                host_isa().value,
+                config.cpu_isa,
+                kernels.describe(),
+            )
 
     # ----------------------------------------------------------------------------- requests
     def validate_request(

@@ -9,6 +9,7 @@ from types import ModuleType
 
 import torch
 
+from engine.cpu_isa import CpuIsa
 from engine.kv_cache_spec import KVCacheSpec
 from engine.loader.hf import load_model
 from engine.model.attention import (
@@ -21,6 +22,7 @@ from engine.model.attention import (
     decode_bias,
 )
 from engine.model.cpu_kernels import PAGED_DECODE_SHAPES, load_cpu_kernels
+from engine.model.kernel_plan import KernelImpl, KernelPlan
 from engine.model.ops import FusedCpuOps
 from engine.model.packed_linear import pack_linears, pack_lm_head
 from engine.model.rotary import RotaryEmbedding
@@ -35,7 +37,8 @@ class ModelRunner:
     """Runs forward passes of one model over its KV cache.
 
     The cache is one tensor ``[num_blocks, num_layers, 2, num_kv_heads, block_size, head_dim]``
-    (a block is contiguous across layers, for transfer); see ``PagedKVCache``.
+    (a block is contiguous across layers, for transfer); see ``PagedKVCache``. On CPU every
+    kernel is chosen for ``cpu_isa`` (never above the host's level); ``kernels`` says which.
     """
 
     def __init__(
@@ -48,14 +51,14 @@ class ModelRunner:
         num_kv_blocks: int | None,
         kv_cache_memory_gb: float | None,
         kernel_backend: str,
+        cpu_isa: CpuIsa,
     ) -> None:
         self.device = device
         self.dtype = TORCH_DTYPES[dtype]
         self.block_size = block_size
+        self.cpu_isa = cpu_isa if device.type == "cpu" else None
         self.model, self.model_config = load_model(model_dir, self.dtype, device)
-        if device.type == "cpu" and self.dtype == torch.bfloat16:
-            pack_linears(self.model.model)
-            self.model.logits_proj = pack_lm_head(self.model.lm_head.weight)
+        packed = self._pack_linears(kernel_backend)
         config = self.model_config
         self.max_model_len = max_model_len or config.max_position_embeddings
         self.kv_cache_spec = KVCacheSpec(
@@ -75,8 +78,17 @@ class ModelRunner:
         self.cpu_kernels = self._load_cpu_kernels(kernel_backend)
         self.decode_kernel = self._select_decode_kernel()
         self.prefill_kernel = self._select_prefill_kernel()
-        if self.cpu_kernels is not None and self.dtype == torch.bfloat16:
+        fused_ops = self.cpu_kernels is not None and self.dtype == torch.bfloat16
+        if fused_ops:
             self.model.use_ops(FusedCpuOps(self.cpu_kernels))
+        self.kernels = KernelPlan(
+            dtype=dtype,
+            cpu_isa=self.cpu_isa,
+            linear=KernelImpl.ONEDNN_PACKED if packed else KernelImpl.TORCH,
+            decode_attention=KernelImpl.TORCH if self.decode_kernel is None else KernelImpl.CPP,
+            prefill_attention=KernelImpl.SDPA if self.prefill_kernel is None else KernelImpl.CPP,
+            elementwise_ops=KernelImpl.CPP if fused_ops else KernelImpl.TORCH,
+        )
         logger.info(
             "KV cache: %d blocks x %d tokens (%.2f GiB)",
             self.num_kv_blocks,
@@ -84,10 +96,19 @@ class ModelRunner:
             self.kv_cache.numel() * self.kv_cache.element_size() / 2**30,
         )
 
+    def _pack_linears(self, backend: str) -> bool:
+        """Pack the linears and the LM head for oneDNN where the level allows (CPU only; not
+        with the ``torch`` reference backend); returns whether any was packed."""
+        if backend == "torch" or self.cpu_isa is None:
+            return False
+        num_packed = pack_linears(self.model.model, self.cpu_isa)
+        self.model.logits_proj = pack_lm_head(self.model.lm_head.weight, self.cpu_isa)
+        return num_packed > 0
+
     def _load_cpu_kernels(self, backend: str) -> ModuleType | None:
-        if backend == "torch" or self.device.type != "cpu":
+        if backend == "torch" or self.cpu_isa is None:
             return None
-        kernels = load_cpu_kernels()
+        kernels = load_cpu_kernels(self.cpu_isa)
         if kernels is None and backend == "cpp":
             raise RuntimeError("kernel_backend=cpp: the CPU kernels do not build here")
         return kernels

@@ -1,16 +1,22 @@
 """The compiled CPU kernels against the torch paths they replace, one op at a time.
 
-``python -m loadtest.bench_cpu_kernels [--threads 2] [--heads 9] [--kv-heads 3] [--head-dim 64]``
+``python -m loadtest.bench_cpu_kernels [--cpu-isa auto|avx2|...] [--dtype bfloat16|float32]
+[--threads 2] [--heads 9] [--kv-heads 3] [--head-dim 64]``
 
-Shapes default to SmolLM2-135M's attention (9 query heads, 3 KV heads, head_dim 64) in
-bfloat16, 16-token blocks, a cache as large as the engine's 2 GiB default, block ids shuffled
-(the layout after churn). Reported, best of ``--repeats``:
+Shapes default to SmolLM2-135M's (9 query heads, 3 KV heads, head_dim 64, hidden 576), 16-token
+blocks, a cache as large as the engine's 2 GiB default, block ids shuffled (the layout after
+churn). The kernels are those built for ``--cpu-isa`` (default: the host's level), so an AVX2
+host can be simulated on a better one. Reported, best of ``--repeats``:
 
+- the linears (q/k/v, gate/up, down, LM head) at 1, 64 and 512 rows, oneDNN-packed against
+  ``F.linear``, where the level packs the dtype;
 - prefill attention of one causal prompt per layer, the paged kernel against SDPA (the engine's
-  path without the kernel), with GFLOP/s counted on the causal half;
+  path without the kernel), with GFLOP/s counted on the causal half (bfloat16 from
+  avx512_bf16 up; elsewhere the engine runs SDPA);
 - decode attention of a ``--decode-batch`` batch with contexts uniform in [130, 640] tokens
   over all layers, the paged kernel against the torch gather path, with the K/V bytes read;
-- the fused elementwise ops against their torch composition on ``--tokens`` rows.
+- the fused elementwise ops (bfloat16 only) against their torch composition on ``--tokens``
+  rows.
 """
 
 from __future__ import annotations
@@ -23,12 +29,15 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from engine.cpu_isa import ISA_CHOICES, CpuIsa, resolve_isa
 from engine.model.attention import DecodeInputs, PagedKVCache, _decode, decode_bias
 from engine.model.cpu_kernels import load_cpu_kernels
 from engine.model.ops import FusedCpuOps, TorchOps
+from engine.model.packed_linear import PackedLinear, packing_supported
 from engine.model.rotary import RotaryEmbedding
 
 BF16 = torch.bfloat16
+DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
 
 def best_ms(fn: Callable[[], object], repeats: int) -> float:
@@ -78,6 +87,31 @@ def bench_prefill(args: argparse.Namespace, kernels, cache: PagedKVCache) -> Non
         print(f"| {n} | {ms[0]:.2f} | {ms[1]:.2f} | {gflops[0]:.0f} | {gflops[1]:.0f} |")
 
 
+def bench_linears(args: argparse.Namespace, level: CpuIsa, dtype: torch.dtype) -> None:
+    if not packing_supported(dtype, level):
+        print(f"linears: {dtype} weights are not packed at {level.value} (F.linear runs)\n")
+        return
+    hidden, inter, dim = args.hidden, args.intermediate, args.head_dim
+    shapes = {
+        "qkv_proj": ((args.heads + 2 * args.kv_heads) * dim, hidden),
+        "gate_up_proj": (2 * inter, hidden),
+        "down_proj": (hidden, inter),
+        "lm_head": (args.vocab, hidden),
+    }
+    print("| linear | rows | packed ms | F.linear ms |\n|---|---|---|---|")
+    for name, (out_features, in_features) in shapes.items():
+        weight = torch.randn(out_features, in_features).to(dtype)
+        packed = PackedLinear(weight)
+        for rows in (1, 64, 512):
+            x = torch.randn(rows, in_features).to(dtype)
+            ms = [
+                best_ms(lambda: packed(x), args.repeats),  # noqa: B023 (timed at once)
+                best_ms(lambda: F.linear(x, weight), args.repeats),  # noqa: B023
+            ]
+            print(f"| {name} | {rows} | {ms[0]:.3f} | {ms[1]:.3f} |")
+    print()
+
+
 def bench_decode(args: argparse.Namespace, kernels, cache: PagedKVCache) -> None:
     gen = torch.Generator().manual_seed(0)
     batch, heads, dim = args.decode_batch, args.heads, args.head_dim
@@ -85,13 +119,14 @@ def bench_decode(args: argparse.Namespace, kernels, cache: PagedKVCache) -> None
     max_blocks = -(-int(lens.max()) // 16)
     tables = torch.randperm(cache.tensor.shape[0], generator=gen)[: batch * max_blocks]
     tables = tables.view(batch, max_blocks).contiguous()
-    q = torch.randn(batch, heads, dim, generator=gen).to(BF16)
+    dtype = cache.tensor.dtype
+    q = torch.randn(batch, heads, dim, generator=gen).to(dtype)
     layers = cache.num_layers
     inputs = DecodeInputs(
         tables,
         lens,
         cache.tile_rows(tables),
-        decode_bias(lens, max_blocks * 16, None, BF16),
+        decode_bias(lens, max_blocks * 16, None, dtype),
         None,
         None,
     )
@@ -105,7 +140,7 @@ def bench_decode(args: argparse.Namespace, kernels, cache: PagedKVCache) -> None
         for layer in range(layers):
             _decode(layer, q, cache, meta)
 
-    kv_bytes = int(lens.sum()) * layers * 2 * args.kv_heads * dim * 2
+    kv_bytes = int(lens.sum()) * layers * 2 * args.kv_heads * dim * cache.tensor.element_size()
     ms = [best_ms(fn, args.repeats) for fn in (kernel, reference)]
     print(f"\ndecode, {batch} sequences x {layers} layers, {kv_bytes / 1e6:.0f} MB of K/V read")
     print("| path | ms per step | GB/s of K/V |\n|---|---|---|")
@@ -138,6 +173,8 @@ def bench_ops(args: argparse.Namespace, kernels) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m loadtest.bench_cpu_kernels", description=__doc__)
+    p.add_argument("--cpu-isa", choices=ISA_CHOICES, default="auto")
+    p.add_argument("--dtype", choices=tuple(DTYPES), default="bfloat16")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--heads", type=int, default=9)
     p.add_argument("--kv-heads", type=int, default=3)
@@ -145,21 +182,31 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--layers", type=int, default=30)
     p.add_argument("--hidden", type=int, default=576)
     p.add_argument("--intermediate", type=int, default=1536)
+    p.add_argument("--vocab", type=int, default=49152)
     p.add_argument("--num-kv-blocks", type=int, default=5800)
     p.add_argument("--decode-batch", type=int, default=62)
     p.add_argument("--tokens", type=int, default=4096)
     p.add_argument("--repeats", type=int, default=5)
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
-    kernels = load_cpu_kernels()
-    if kernels is None or not kernels.paged_prefill_supported(True, args.head_dim, 16, 1):
-        raise SystemExit("the bfloat16 CPU kernels are not built on this host")
+    level = resolve_isa(args.cpu_isa)
+    dtype = DTYPES[args.dtype]
+    kernels = load_cpu_kernels(level)
+    if kernels is None:
+        raise SystemExit(f"the CPU kernels do not build for {level.value} here")
+    print(f"CPU level {level.value}, {args.dtype}, {args.threads} threads\n")
     shape = (args.num_kv_blocks, args.layers, 2, args.kv_heads, 16, args.head_dim)
-    cache = PagedKVCache(torch.randn(shape).to(BF16))
+    cache = PagedKVCache(torch.randn(shape).to(dtype))
+    is_bf16 = dtype == BF16
     with torch.inference_mode():
-        bench_prefill(args, kernels, cache)
+        bench_linears(args, level, dtype)
+        if kernels.paged_prefill_supported(is_bf16, args.head_dim, 16, 1):
+            bench_prefill(args, kernels, cache)
+        else:
+            print(f"prefill: no paged prefill kernel for {args.dtype} at {level.value} (SDPA runs)")
         bench_decode(args, kernels, cache)
-        bench_ops(args, kernels)
+        if is_bf16:
+            bench_ops(args, kernels)
     return 0
 
 

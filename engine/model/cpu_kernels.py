@@ -9,9 +9,12 @@
 - ``rms_norm`` (with the residual add fused), ``rotary_`` and ``silu_and_mul`` (bfloat16): one
   pass each instead of several torch ops; used through ``ops.FusedCpuOps``.
 
-The module is compiled once per machine with the host's instruction set (the build is cached
-by torch under ``$TORCH_EXTENSIONS_DIR``, default ``~/.cache/torch_extensions``) and checked
-against the torch paths in ``tests/engine/model/test_cpu_kernels.py`` and ``test_ops.py``.
+The module is compiled once per machine and instruction-set level (``engine.cpu_isa``): the
+level's ``-march`` flags, never ``-march=native``, so a level forced below the host's runs that
+level's code paths (the AVX-512 BF16 paths exist only in builds for AVX512_BF16 and up; below,
+the portable loops, auto-vectorized for AVX2 at that level). The build is cached by torch under
+``$TORCH_EXTENSIONS_DIR`` (default ``~/.cache/torch_extensions``); each level is checked against
+the torch paths in ``tests/engine/model/test_cpu_kernels.py`` and ``test_ops.py``.
 """
 
 from __future__ import annotations
@@ -23,18 +26,21 @@ import time
 from pathlib import Path
 from types import ModuleType
 
+from engine.cpu_isa import CpuIsa
+
 logger = logging.getLogger(__name__)
 
 _CSRC = Path(__file__).parent / "csrc"
 _SOURCES = ("paged_decode.cpp", "paged_prefill.cpp", "fused_ops.cpp", "bindings.cpp")
 # (head_dim, block_size) pairs paged_decode is instantiated for (see decode_task in csrc/).
 PAGED_DECODE_SHAPES = frozenset({(16, 16), (32, 16), (64, 16), (128, 16)})
-_CFLAGS = ["-O3", "-march=native", "-ffast-math", "-fno-finite-math-only", "-fopenmp"]
+# -mtune only schedules instructions for this CPU; the level's -march decides which exist.
+_CFLAGS = ["-O3", "-mtune=native", "-ffast-math", "-fno-finite-math-only", "-fopenmp"]
 
 
 def _build_signature() -> str:
-    """Host ISA and kernel sources: a ``-march=native`` build must not be reused on another
-    CPU, and torch's build cache does not notice a changed header."""
+    """Host CPU and kernel sources: a ``-mtune=native`` build is tuned for one CPU, and torch's
+    build cache does not notice a changed header."""
     try:
         flags = next(
             line
@@ -50,20 +56,21 @@ def _build_signature() -> str:
 
 
 @functools.cache
-def load_cpu_kernels() -> ModuleType | None:
-    """The compiled kernels' module, or None (logged) when it cannot be built here."""
+def load_cpu_kernels(level: CpuIsa) -> ModuleType | None:
+    """The kernels' module built for ``level`` (at most the host's: see ``cpu_isa``), or None
+    (logged) when it cannot be built here. One build and one module per level and process."""
     try:
         from torch.utils.cpp_extension import load
 
         start_s = time.perf_counter()
         module = load(
-            name=f"splitserve_cpu_attention_{_build_signature()}",
+            name=f"splitserve_cpu_kernels_{level.value}_{_build_signature()}",
             sources=[str(_CSRC / name) for name in _SOURCES],
-            extra_cflags=_CFLAGS,
+            extra_cflags=[*level.compiler_flags, *_CFLAGS],
             extra_ldflags=["-fopenmp"],
         )
     except Exception as exc:  # a missing compiler or ninja must not stop the engine
-        logger.warning("CPU attention kernels unavailable, using the torch paths: %s", exc)
+        logger.warning("CPU kernels unavailable, using the torch paths: %s", exc)
         return None
-    logger.info("CPU attention kernels ready in %.1f s", time.perf_counter() - start_s)
+    logger.info("CPU kernels for %s ready in %.1f s", level.value, time.perf_counter() - start_s)
     return module

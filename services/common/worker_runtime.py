@@ -43,15 +43,20 @@ class WorkerRuntime:
     kv_peer: PeerInfo
 
     def info(self) -> worker_pb2.WorkerInfo:
+        kernels = self.engine.runner.kernels
         return worker_pb2.WorkerInfo(
             worker_id=self.worker_id,
             role=self.role,
             model=self.config.engine.model,
+            served_model_name=self.engine.served_model_name,
             vocab_size=self.engine.vocab_size,
             max_model_len=self.engine.max_model_len,
             block_size=self.config.engine.block_size,
             kv_peer=peer_info_to_proto(self.kv_peer),
             kv_transfer_backend=self.kv_backend.name,
+            dtype=self.engine.dtype,
+            cpu_isa="" if kernels.cpu_isa is None else kernels.cpu_isa.value,
+            kernels=kernels.describe(),
         )
 
 

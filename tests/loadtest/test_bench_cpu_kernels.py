@@ -1,4 +1,5 @@
-"""The CPU kernel micro-benchmark runs end to end on small shapes."""
+"""The CPU kernel micro-benchmark runs end to end on small shapes, at every level up to the
+host's, in both CPU dtypes."""
 
 from __future__ import annotations
 
@@ -6,21 +7,24 @@ import shutil
 
 import pytest
 
-from engine.model.cpu_kernels import load_cpu_kernels
+from engine.cpu_isa import CpuIsa, host_isa
 from loadtest import bench_cpu_kernels
 
-kernels = load_cpu_kernels() if shutil.which("c++") else None
-pytestmark = pytest.mark.skipif(
-    kernels is None or not kernels.paged_prefill_supported(True, 64, 16, 1),
-    reason="the bfloat16 CPU kernels are not built on this host",
-)
+pytestmark = pytest.mark.skipif(shutil.which("c++") is None, reason="no C++ compiler")
+SMALL = ["--layers", "2", "--num-kv-blocks", "128", "--decode-batch", "3", "--vocab", "512"]
 
 
-def test_prints_every_table(capsys):
-    argv = ["--layers", "2", "--num-kv-blocks", "128", "--decode-batch", "3"]
-    assert bench_cpu_kernels.main([*argv, "--tokens", "32", "--repeats", "1"]) == 0
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+@pytest.mark.parametrize("level", [lvl for lvl in CpuIsa if lvl <= host_isa()], ids=lambda level: level.value)
+def test_prints_every_table(capsys, level, dtype):
+    argv = [*SMALL, "--cpu-isa", level.value, "--dtype", dtype, "--tokens", "32"]
+    assert bench_cpu_kernels.main([*argv, "--repeats", "1"]) == 0
     out = capsys.readouterr().out
-    assert out.count("| 1024 |") == 1
+    assert f"CPU level {level.value}, {dtype}" in out
     assert "decode, 3 sequences x 2 layers" in out
+    has_prefill_kernel = dtype == "bfloat16" and level >= CpuIsa.AVX512_BF16
+    assert (out.count("| 1024 |") == 1) == has_prefill_kernel
+    packs = dtype == "float32" or level >= CpuIsa.AVX512
+    assert ("| lm_head | 64 |" in out) == packs
     for op in ("rms_norm", "silu_and_mul", "rotary_"):
-        assert f"| {op} |" in out
+        assert (f"| {op} |" in out) == (dtype == "bfloat16")

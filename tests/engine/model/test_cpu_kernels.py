@@ -1,12 +1,12 @@
-"""The compiled CPU attention kernels against the pure-torch reference paths."""
+"""The compiled CPU attention kernels, at every level up to the host's (the ``kernels``
+fixture), against the pure-torch reference paths."""
 
 from __future__ import annotations
-
-import shutil
 
 import pytest
 import torch
 
+from engine.cpu_isa import CpuIsa
 from engine.model.attention import (
     DecodeInputs,
     PagedKVCache,
@@ -16,16 +16,7 @@ from engine.model.attention import (
     causal_mask,
     decode_bias,
 )
-from engine.model.cpu_kernels import PAGED_DECODE_SHAPES, load_cpu_kernels
-
-# Skip only where no compiler exists; a build failure on a machine with one must fail loudly
-# rather than let the engine fall back unnoticed.
-pytestmark = pytest.mark.skipif(shutil.which("c++") is None, reason="no C++ compiler")
-kernel = load_cpu_kernels() if shutil.which("c++") else None
-
-
-def test_kernel_builds():
-    assert kernel is not None
+from engine.model.cpu_kernels import PAGED_DECODE_SHAPES
 
 
 def torch_reference(layer, q, cache, tables, lens, window):
@@ -44,7 +35,7 @@ def torch_reference(layer, q, cache, tables, lens, window):
 @pytest.mark.parametrize("dtype,atol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
 @pytest.mark.parametrize("head_dim", sorted({d for d, _ in PAGED_DECODE_SHAPES}))
 @pytest.mark.parametrize("window", [None, 20])
-def test_kernel_matches_torch_path(dtype, atol, head_dim, window):
+def test_kernel_matches_torch_path(kernels, dtype, atol, head_dim, window):
     gen = torch.Generator().manual_seed(head_dim)
     num_blocks, num_layers, kv_heads, group, bs = 64, 3, 2, 3, 16
     data = torch.randn(num_blocks, num_layers, 2, kv_heads, bs, head_dim, generator=gen)
@@ -55,7 +46,7 @@ def test_kernel_matches_torch_path(dtype, atol, head_dim, window):
     q = torch.randn(len(lens), kv_heads * group, head_dim, generator=gen).to(dtype)
     for layer in range(num_layers):
         want = torch_reference(layer, q, cache, tables, lens, window)
-        got = kernel.paged_decode(
+        got = kernels.paged_decode(
             q, cache.tensor, tables, lens, layer, head_dim**-0.5, window or -1
         )
         torch.testing.assert_close(got.float(), want.float(), atol=atol, rtol=0)
@@ -81,9 +72,9 @@ def sdpa_reference(layer, q, cache, tables, q_starts, q_lens, context_lens, wind
 @pytest.mark.parametrize("head_dim", [32, 64, 128])
 @pytest.mark.parametrize("group", [1, 3, 4])
 @pytest.mark.parametrize("window", [None, 20])
-def test_prefill_kernel_matches_sdpa(head_dim, group, window):
-    if not kernel.paged_prefill_supported(True, head_dim, 16, group):
-        pytest.skip("no AVX-512 BF16 on this host")
+def test_prefill_kernel_matches_sdpa(kernels, head_dim, group, window):
+    if not kernels.paged_prefill_supported(True, head_dim, 16, group):
+        pytest.skip("the paged prefill kernel is built from avx512_bf16 up")
     gen = torch.Generator().manual_seed(head_dim * group)
     num_blocks, num_layers, kv_heads, bs = 96, 2, 2, 16
     data = torch.randn(num_blocks, num_layers, 2, kv_heads, bs, head_dim, generator=gen)
@@ -104,7 +95,7 @@ def test_prefill_kernel_matches_sdpa(head_dim, group, window):
     for layer in range(num_layers):
         want = sdpa_reference(layer, q, cache, tables, q_starts, q_lens, context_lens, window)
         got = torch.zeros_like(want)
-        kernel.paged_prefill(
+        kernels.paged_prefill(
             q,
             cache.tensor,
             tables,
@@ -117,3 +108,9 @@ def test_prefill_kernel_matches_sdpa(head_dim, group, window):
             got,
         )
         torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=0)
+
+
+def test_prefill_kernel_exists_exactly_from_avx512_bf16(isa_level, kernels):
+    """Below AVX512_BF16 the engine must take the SDPA path: the build says so."""
+    supported = kernels.paged_prefill_supported(True, 64, 16, 3)
+    assert supported == (isa_level >= CpuIsa.AVX512_BF16)
