@@ -94,6 +94,8 @@ def _obj(properties: dict[str, Any], required: tuple[str, ...] = ()) -> dict[str
 
 _ANY_OBJECT = {"type": "object"}
 _STRING = {"type": "string"}
+_ABSOLUTE_PATH = {"type": "string", "pattern": "^/"}
+_ABSOLUTE_PATH_OR_EMPTY = {"type": "string", "pattern": "^(/.*)?$"}
 _COUNT = {"type": "integer", "minimum": 0}
 _PORT = {"type": "integer", "minimum": 1, "maximum": 65535}
 _PLACEMENT = {
@@ -102,6 +104,10 @@ _PLACEMENT = {
     "tolerations": {"type": "array", "items": _ANY_OBJECT},
     "affinity": _ANY_OBJECT,
     "annotations": {"type": "object", "additionalProperties": _STRING},
+}
+_ENV = {
+    "env": {"type": "array", "items": {"type": "object", "required": ["name"]}},
+    "envFrom": {"type": "array", "items": _ANY_OBJECT},
 }
 
 
@@ -113,6 +119,7 @@ def _pool() -> dict[str, Any]:
             "maxReplicas": _COUNT,
             "numGpus": {"type": "number", "minimum": 0},
             **_PLACEMENT,
+            **_ENV,
         },
         ("replicas", "minReplicas", "maxReplicas"),
     )
@@ -147,7 +154,7 @@ def schema() -> dict[str, Any]:
                 ),
             }
         ),
-        "head": _obj(_PLACEMENT),
+        "head": _obj({**_PLACEMENT, **_ENV}),
         "prefill": _pool(),
         "decode": _pool(),
         "redis": _obj(
@@ -174,6 +181,22 @@ def schema() -> dict[str, Any]:
                 "annotations": {"type": "object", "additionalProperties": _STRING},
             }
         ),
+        "modelVolume": _obj(
+            {
+                "claimName": _STRING,
+                "hostPath": _ABSOLUTE_PATH_OR_EMPTY,
+                "mountPath": _ABSOLUTE_PATH,
+                "readOnly": {"type": "boolean"},
+            }
+        ),
+        "huggingface": _obj(
+            {
+                "home": _ABSOLUTE_PATH_OR_EMPTY,
+                "tokenSecret": _obj({"name": _STRING, "key": {"type": "string", "minLength": 1}}),
+            }
+        ),
+        **_ENV,
+        "extraArgs": {"type": "array", "items": _STRING},
     }
     for section in FLAG_SECTIONS:
         properties[section] = _flag_schema(section)

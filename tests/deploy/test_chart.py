@@ -9,6 +9,7 @@ import importlib.util
 import json
 import shlex
 import typing
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -90,13 +91,27 @@ VALUE_SETS: dict[str, dict[str, Any]] = {
         "redis": {"persistence": {"enabled": True, "size": "2Gi"}},
         "imagePullSecrets": [{"name": "registry"}],
     },
+    "model-volume": {
+        "engine": {"model": "Qwen/Qwen2.5-0.5B-Instruct", "revision": "v2"},
+        "modelVolume": {"claimName": "models"},
+        "huggingface": {"home": "/models/huggingface", "tokenSecret": {"name": "hf-token"}},
+        "env": [{"name": "HF_HUB_OFFLINE", "value": "1"}],
+        "envFrom": [{"configMapRef": {"name": "tuning"}}],
+        "head": {"envFrom": [{"secretRef": {"name": "router-secrets"}}]},
+        "decode": {"env": [{"name": "OMP_NUM_THREADS", "value": "8"}]},
+        "extraArgs": ["--served-model-name=Qwen's 0.5B", "--max-num-seqs=7"],
+    },
+    "host-path-model": {
+        "engine": {"model": "/weights/Llama-3.2-1B-Instruct"},
+        "modelVolume": {"hostPath": "/srv/models", "mountPath": "/weights", "readOnly": False},
+    },
 }
 
 
-def render(values: dict[str, Any]) -> dict[str, list[dict[str, Any]]]:
+def render(values: dict[str, Any], release: str = "prod") -> dict[str, list[dict[str, Any]]]:
     """{template: its manifests}; NOTES.txt under its path as {"text": ...}."""
     chart = helm_python.Chart.load(CHART)
-    out = chart.render(values, name="prod", namespace="serving", is_install=True)
+    out = chart.render(values, name=release, namespace="serving", is_install=True)
     manifests = {}
     for path, text in out.items():
         if path.endswith("NOTES.txt"):
@@ -106,8 +121,30 @@ def render(values: dict[str, Any]) -> dict[str, list[dict[str, Any]]]:
     return manifests
 
 
-def objects(values: dict[str, Any]) -> list[dict[str, Any]]:
-    return [m for path, ms in render(values).items() if not path.endswith(".txt") for m in ms]
+def objects(values: dict[str, Any], release: str = "prod") -> list[dict[str, Any]]:
+    return [
+        m for path, ms in render(values, release).items() if not path.endswith(".txt") for m in ms
+    ]
+
+
+def pod_templates(node: Any) -> Iterator[dict[str, Any]]:
+    """Every pod template (or pod) anywhere in ``node``: a mapping whose spec has containers."""
+    if isinstance(node, dict):
+        if isinstance(node.get("spec"), dict) and "containers" in node["spec"]:
+            yield node
+        for child in node.values():
+            yield from pod_templates(child)
+    elif isinstance(node, list):
+        for child in node:
+            yield from pod_templates(child)
+
+
+def ray_pods(values: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """{head, prefill, decode: the group's pod spec}."""
+    cluster = next(o for o in objects(values) if o["kind"] == "RayCluster")["spec"]
+    groups = {g["groupName"]: g for g in cluster["workerGroupSpecs"]}
+    groups["head"] = cluster["headGroupSpec"]
+    return {name: group["template"]["spec"] for name, group in groups.items()}
 
 
 def head_argv(values: dict[str, Any]) -> list[str]:
@@ -252,6 +289,9 @@ def test_schema_rejects_unknown_keys_and_wrong_types():
         ({"router": {"prefillPolicy": "fastest"}}, "prefillPolicy"),
         ({"prefill": {"replicas": -1}}, "replicas"),
         ({"planner": {"autoscale": "yes"}}, "autoscale"),
+        ({"extraArgs": [7]}, "extraArgs"),
+        ({"env": [{"value": "1"}]}, "name"),
+        ({"modelVolume": {"mountPath": "models"}}, "mountPath"),
     ]:
         with pytest.raises(helm_python.HelmValuesError, match=message):
             chart.render(bad, name="prod", namespace="serving", is_install=True)
@@ -359,3 +399,84 @@ def test_notes_tell_how_to_call_the_service():
     notes = render({})["splitserve/templates/NOTES.txt"][0]["text"]
     assert "port-forward svc/prod-splitserve 50051:50051" in notes
     assert "splitserve client --target 127.0.0.1:50051" in notes
+
+
+@pytest.mark.parametrize("name", sorted(VALUE_SETS))
+def test_no_pod_gets_service_links(name):
+    """Released as `splitserve`, the client Service is `splitserve`: with service links on,
+    every pod of the namespace would get SPLITSERVE_PORT=tcp://... and the like, which
+    splitserve's flags read as their env vars."""
+    rendered = objects(VALUE_SETS[name], release="splitserve")
+    services = {o["metadata"]["name"] for o in rendered if o["kind"] == "Service"}
+    assert "splitserve" in services
+    templates = list(pod_templates(rendered))
+    roles = sorted(t["metadata"]["labels"]["splitserve.io/role"] for t in templates)
+    in_chart_redis = VALUE_SETS[name].get("redis", {}).get("enabled", True)
+    assert roles == sorted(["head", "prefill", "decode", *(["redis"] if in_chart_redis else [])])
+    for template in templates:
+        assert template["spec"].get("enableServiceLinks") is False, template["metadata"]["labels"]
+
+
+def test_model_volume_env_and_env_from_reach_every_splitserve_container():
+    pods = ray_pods(VALUE_SETS["model-volume"])
+    redis_password = {
+        "name": "SPLITSERVE_REDIS_PASSWORD",
+        "valueFrom": {"secretKeyRef": {"name": "prod-splitserve-redis", "key": "password"}},
+    }
+    release_env = [
+        {"name": "HF_HOME", "value": "/models/huggingface"},
+        {
+            "name": "HF_TOKEN",
+            "valueFrom": {"secretKeyRef": {"name": "hf-token", "key": "HF_TOKEN"}},
+        },
+        {"name": "HF_HUB_OFFLINE", "value": "1"},
+    ]
+    tuning = {"configMapRef": {"name": "tuning"}}
+    router_secrets = {"secretRef": {"name": "router-secrets"}}
+    expected = {
+        "head": ([redis_password, *release_env], [tuning, router_secrets]),
+        "prefill": (release_env, [tuning]),
+        "decode": ([*release_env, {"name": "OMP_NUM_THREADS", "value": "8"}], [tuning]),
+    }
+    for group, (env, env_from) in expected.items():
+        pod = pods[group]
+        assert pod["volumes"] == [
+            {"name": "model", "persistentVolumeClaim": {"claimName": "models", "readOnly": True}}
+        ], group
+        container = pod["containers"][0]
+        assert container["volumeMounts"] == [
+            {"name": "model", "mountPath": "/models", "readOnly": True}
+        ], group
+        assert container["env"] == env, group
+        assert container["envFrom"] == env_from, group
+
+
+def test_model_on_a_host_path_and_nothing_extra_by_default():
+    for pod in ray_pods(VALUE_SETS["host-path-model"]).values():
+        assert pod["volumes"] == [
+            {"name": "model", "hostPath": {"path": "/srv/models", "type": "Directory"}}
+        ]
+        mounts = pod["containers"][0]["volumeMounts"]
+        assert mounts == [{"name": "model", "mountPath": "/weights", "readOnly": False}]
+    assert "--model=/weights/Llama-3.2-1B-Instruct" in head_argv(VALUE_SETS["host-path-model"])
+    for group, pod in ray_pods({}).items():
+        assert "volumes" not in pod
+        container = pod["containers"][0]
+        assert "volumeMounts" not in container and "envFrom" not in container
+        assert [e["name"] for e in container.get("env", [])] == (
+            ["SPLITSERVE_REDIS_PASSWORD"] if group == "head" else []
+        )
+    with pytest.raises(helm_python.HelmRenderError, match="claimName or hostPath, not both"):
+        render({"modelVolume": {"claimName": "models", "hostPath": "/srv/models"}})
+
+
+def test_extra_args_follow_the_values_flags_and_win():
+    """extraArgs, shell-quoted, reach `splitserve up`'s parser after the values' flags."""
+    argv = head_argv(VALUE_SETS["model-volume"])
+    assert argv[-2:] == ["--served-model-name=Qwen's 0.5B", "--max-num-seqs=7"]
+    assert "--max-num-seqs=128" in argv  # the values' own, overridden
+    _, worker, router, _ = configs_from_args(build_parser().parse_args(argv))
+    engine = worker.engine
+    assert (engine.model, engine.revision) == ("Qwen/Qwen2.5-0.5B-Instruct", "v2")
+    assert (engine.served_model_name, engine.max_num_seqs) == ("Qwen's 0.5B", 7)
+    assert router.model == "Qwen/Qwen2.5-0.5B-Instruct"

@@ -47,6 +47,11 @@ redis://{{ include "splitserve.fullname" . }}-redis:6379/0
 {{- end -}}
 {{- end -}}
 
+{{/* One shell word, whatever the characters (a ' inside ends, escapes and reopens the quote). */}}
+{{- define "splitserve.shellQuote" -}}
+'{{ . | toString | replace "'" "'\\''" }}'
+{{- end -}}
+
 {{/*
 One flag per key of a values map: camelCase key -> --kebab-case flag; booleans become
 --flag / --no-flag; null leaves the flag out. Output: one shell-quoted argument per flag.
@@ -55,8 +60,58 @@ One flag per key of a values map: camelCase key -> --kebab-case flag; booleans b
 {{- range $key, $value := . -}}
 {{- if kindIs "bool" $value -}}
 {{- if $value }} --{{ kebabcase $key }}{{ else }} --no-{{ kebabcase $key }}{{ end -}}
-{{- else if not (kindIs "invalid" $value) }} --{{ kebabcase $key }}={{ $value | toString | squote }}
+{{- else if not (kindIs "invalid" $value) }} --{{ kebabcase $key }}={{ include "splitserve.shellQuote" $value }}
 {{- end -}}
+{{- end -}}
+{{- end -}}
+
+{{/* The pod's volumes: the one holding the user's model (modelVolume), if any. */}}
+{{- define "splitserve.volumes" -}}
+{{- with .Values.modelVolume -}}
+{{- if and .claimName .hostPath -}}
+{{- fail "modelVolume: set claimName or hostPath, not both" -}}
+{{- else if .claimName -}}
+{{- toYaml (list (dict "name" "model" "persistentVolumeClaim" (dict "claimName" .claimName "readOnly" .readOnly))) -}}
+{{- else if .hostPath -}}
+{{- toYaml (list (dict "name" "model" "hostPath" (dict "path" .hostPath "type" "Directory"))) -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+
+{{/*
+env, envFrom and volumeMounts of a splitserve container: the chart's own (the Redis password
+on the head, HF_HOME, HF_TOKEN, the model volume), then the release's env / envFrom, then the
+group's (of two env entries with one name, Kubernetes keeps the later).
+Arguments: root (the chart's context), group (the head, prefill or decode values), head (bool).
+*/}}
+{{- define "splitserve.containerEnv" -}}
+{{- $v := .root.Values -}}
+{{- $env := list -}}
+{{- if .head -}}
+{{- with include "splitserve.redisSecretName" .root -}}
+{{- $env = append $env (dict "name" "SPLITSERVE_REDIS_PASSWORD" "valueFrom" (dict "secretKeyRef" (dict "name" . "key" "password"))) -}}
+{{- end -}}
+{{- end -}}
+{{- with $v.huggingface.home -}}
+{{- $env = append $env (dict "name" "HF_HOME" "value" .) -}}
+{{- end -}}
+{{- with $v.huggingface.tokenSecret -}}
+{{- if .name -}}
+{{- $env = append $env (dict "name" "HF_TOKEN" "valueFrom" (dict "secretKeyRef" (dict "name" .name "key" .key))) -}}
+{{- end -}}
+{{- end -}}
+{{- $out := dict -}}
+{{- with concat $env $v.env .group.env -}}
+{{- $_ := set $out "env" . -}}
+{{- end -}}
+{{- with concat $v.envFrom .group.envFrom -}}
+{{- $_ := set $out "envFrom" . -}}
+{{- end -}}
+{{- if include "splitserve.volumes" .root -}}
+{{- $_ := set $out "volumeMounts" (list (dict "name" "model" "mountPath" $v.modelVolume.mountPath "readOnly" $v.modelVolume.readOnly)) -}}
+{{- end -}}
+{{- with $out -}}
+{{- toYaml . -}}
 {{- end -}}
 {{- end -}}
 
@@ -74,11 +129,12 @@ ray start --head --dashboard-host=0.0.0.0 --num-cpus=0 --disable-usage-stats
 --worker-metrics-port={{ $v.metrics.port }}
 --kuberay-cluster={{ include "splitserve.fullname" . }}
 --kuberay-namespace={{ .Release.Namespace }}
---redis-url={{ include "splitserve.redisUrl" . | squote }}
+--redis-url={{ include "splitserve.shellQuote" (include "splitserve.redisUrl" .) }}
 {{- include "splitserve.flags" $v.engine }}
 {{- include "splitserve.flags" $v.worker }}
 {{- include "splitserve.flags" $v.router }}
 {{- include "splitserve.flags" $v.cluster }}
 {{- include "splitserve.flags" $v.planner }}
 {{- include "splitserve.flags" $v.redisOptions }}
+{{- range $v.extraArgs }} {{ include "splitserve.shellQuote" . }}{{ end }}
 {{- end -}}
