@@ -153,10 +153,9 @@ def resolve_isa(requested: str, host: CpuIsa | None = None) -> CpuIsa:
 
 
 def library_env(level: CpuIsa) -> dict[str, str]:
-    """Env vars that cap torch's and oneDNN's own kernels at ``level`` in a new process (they
-    are read once, at the first kernel call); empty at the host's level."""
-    if level >= host_isa():
-        return {}
+    """Env vars that cap torch's and oneDNN's own kernels at ``level`` in a new process (each
+    library reads its variable once, at its first kernel call; at or above the host's level
+    they change nothing)."""
     return {
         "ONEDNN_MAX_CPU_ISA": level.onednn_max_cpu_isa,
         "ATEN_CPU_CAPABILITY": level.aten_cpu_capability,

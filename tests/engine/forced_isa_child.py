@@ -1,0 +1,34 @@
+"""Child process of ``test_forced_cpu_isa``: greedy token ids at a forced CPU level.
+
+``python -m tests.engine.forced_isa_child MODEL_DIR LEVEL`` prints one JSON object: the token
+ids of ``make_prompts`` in float32 and bfloat16 (chunked prefill, mixed steps), each engine's
+kernel plan, and the level torch's own kernels run at. Run with ``library_env(LEVEL)`` set,
+as an operator reproducing a smaller host would.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import torch
+
+from engine import LLM, SamplingParams
+from tests.engine.test_generate_vs_hf import MAX_TOKENS, make_prompts
+
+
+def main(model_dir: str, level: str) -> None:
+    result: dict[str, object] = {"aten_capability": torch.backends.cpu.get_cpu_capability()}
+    for dtype in ("float32", "bfloat16"):
+        llm = LLM(
+            model_dir, dtype=dtype, cpu_isa=level, num_kv_blocks=256, max_num_batched_tokens=24
+        )
+        prompts = make_prompts(llm.engine.vocab_size)
+        outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS))
+        result[dtype] = [out.token_ids for out in outs]
+        result[f"{dtype}_kernels"] = llm.engine.runner.kernels.describe()
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:])

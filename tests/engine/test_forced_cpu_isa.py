@@ -1,0 +1,91 @@
+"""Lower CPU levels forced on this host, as an operator reproduces a smaller one: splitserve's
+own override (``--cpu-isa``) together with torch's ``ATEN_CPU_CAPABILITY`` and oneDNN's
+``ONEDNN_MAX_CPU_ISA`` (``cpu_isa.library_env``), in child processes, since both libraries
+read their variable once per process.
+
+AVX2 and PORTABLE run on every x86-64 host (on an AVX2-only host AVX2 is the native level and
+this is the same run as the main one, under the libraries' caps).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from engine.cpu_isa import CpuIsa, host_isa, library_env
+from tests.engine.test_generate_vs_hf import MAX_TOKENS, hf_greedy, make_prompts
+
+REPO = Path(__file__).resolve().parents[2]
+FORCED = [level for level in (CpuIsa.AVX2, CpuIsa.PORTABLE) if level <= host_isa()]
+pytestmark = [
+    pytest.mark.skipif(not FORCED, reason=f"host level {host_isa().value} is below avx2"),
+    pytest.mark.skipif(shutil.which("c++") is None, reason="no C++ compiler"),
+]
+ATEN_NAMES = {CpuIsa.AVX2: "AVX2", CpuIsa.PORTABLE: "DEFAULT"}
+
+
+def child_env(level: CpuIsa) -> dict[str, str]:
+    return os.environ | library_env(level) | {"SPLITSERVE_CPU_ISA": level.value}
+
+
+@pytest.fixture(scope="module")
+def hf_expected(tiny_llama_dir: Path) -> list[list[int]]:
+    from transformers import AutoConfig
+
+    vocab_size = AutoConfig.from_pretrained(tiny_llama_dir).vocab_size
+    return hf_greedy(tiny_llama_dir, make_prompts(vocab_size), MAX_TOKENS)
+
+
+@pytest.mark.parametrize("level", FORCED, ids=lambda level: level.value)
+def test_generation_at_forced_level_matches_hf(tiny_llama_dir, hf_expected, level):
+    """float32 is token-for-token HF's; bfloat16 agrees with it as on any host (the first
+    tokens of all prompts but one, as ``test_bfloat16_runs_and_mostly_agrees`` requires)."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "tests.engine.forced_isa_child", str(tiny_llama_dir), level.value],
+        cwd=REPO,
+        env=child_env(level),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result["aten_capability"] == ATEN_NAMES[level]
+    # Below avx512 bfloat16 linears are F.linear, float32 ones packed; the compiled decode
+    # kernel runs in both; the paged prefill kernel exists only from avx512_bf16.
+    assert result["float32_kernels"] == "linear=onednn-packed decode=cpp prefill=sdpa ops=torch"
+    assert result["bfloat16_kernels"] == "linear=torch decode=cpp prefill=sdpa ops=cpp"
+    assert result["float32"] == hf_expected
+    agree = sum(g[:2] == e[:2] for g, e in zip(result["bfloat16"], hf_expected, strict=True))
+    assert agree >= len(hf_expected) - 1
+
+
+@pytest.mark.parametrize("level", FORCED, ids=lambda level: level.value)
+def test_kernel_tests_pass_at_forced_level(level):
+    """The kernel tests of that level, with torch's reference paths capped at it too."""
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            "-k",
+            level.value,
+            "tests/engine/model",
+        ],
+        cwd=REPO,
+        env=child_env(level),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:]
+    assert " passed" in proc.stdout
