@@ -152,6 +152,13 @@ def resolve_isa(requested: str, host: CpuIsa | None = None) -> CpuIsa:
     return level
 
 
+def cpu_auto_dtype(level: CpuIsa) -> str:
+    """``--dtype auto`` on a CPU of ``level``: bfloat16 with native bf16 dot products (from
+    AVX512_BF16), float32 below, where bf16 matmuls are emulated (~4.6x slower than float32 on
+    AVX2, see BENCHMARKS.md)."""
+    return "bfloat16" if level >= CpuIsa.AVX512_BF16 else "float32"
+
+
 def library_env(level: CpuIsa) -> dict[str, str]:
     """Env vars that cap torch's and oneDNN's own kernels at ``level`` in a new process (each
     library reads its variable once, at its first kernel call; at or above the host's level

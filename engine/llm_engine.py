@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.config import EngineConfig
-from engine.cpu_isa import CpuIsa, host_isa, resolve_isa
+from engine.cpu_isa import CpuIsa, cpu_auto_dtype, host_isa, resolve_isa
 from engine.cpu_tuning import keep_freed_memory_in_heap, parse_cpu_list, pin_process_to_cpus
 from engine.detokenizer import IncrementalDetokenizer
 from engine.kv_cache_manager import KVCacheManager
@@ -39,14 +39,13 @@ def resolve_device(name: str) -> torch.device:
 
 
 def resolve_dtype(name: str, device: torch.device, level: CpuIsa) -> str:
-    """``--dtype``, with ``auto`` made concrete: bfloat16 where matmuls have native bf16 (CUDA
-    with bf16 support, CPUs from AVX512_BF16 up), else float16 on CUDA and float32 on CPU (bf16
-    is emulated below AVX512_BF16, ~4.6x slower than float32 on AVX2: BENCHMARKS.md)."""
+    """``--dtype``, with ``auto`` made concrete: on CUDA bfloat16 where supported, else
+    float16; on CPU ``cpu_isa.cpu_auto_dtype`` (bfloat16 from AVX512_BF16, else float32)."""
     if name != "auto":
         return name
     if device.type == "cuda":
         return "bfloat16" if torch.cuda.is_bf16_supported() else "float16"
-    return "bfloat16" if level >= CpuIsa.AVX512_BF16 else "float32"
+    return cpu_auto_dtype(level)
 
 
 @dataclass(frozen=True, slots=True)

@@ -31,6 +31,7 @@ from engine.scheduler import ScheduledRequest
 logger = logging.getLogger(__name__)
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+FUSED_OPS_DTYPES = (torch.float32, torch.bfloat16)
 
 
 class ModelRunner:
@@ -78,7 +79,7 @@ class ModelRunner:
         self.cpu_kernels = self._load_cpu_kernels(kernel_backend)
         self.decode_kernel = self._select_decode_kernel()
         self.prefill_kernel = self._select_prefill_kernel()
-        fused_ops = self.cpu_kernels is not None and self.dtype == torch.bfloat16
+        fused_ops = self.cpu_kernels is not None and self.dtype in FUSED_OPS_DTYPES
         if fused_ops:
             self.model.use_ops(FusedCpuOps(self.cpu_kernels))
         self.kernels = KernelPlan(

@@ -32,6 +32,8 @@ class ArmJob:
     hf_batch_size: int
     threads: int
     seed: int
+    # splitserve's --cpu-isa (the other systems are capped by ATEN/oneDNN env vars only).
+    cpu_isa: str = "auto"
 
     def write(self, path: Path) -> None:
         """Serialise to ``path`` as JSON (overwrites)."""

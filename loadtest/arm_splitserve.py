@@ -24,6 +24,7 @@ def run(job: ArmJob) -> ArmResult:
     llm = LLM(
         model=job.model_dir,
         dtype=job.dtype,
+        cpu_isa=job.cpu_isa,
         max_num_seqs=job.max_num_seqs,
         max_num_batched_tokens=job.max_num_batched_tokens,
     )
@@ -50,7 +51,11 @@ def run(job: ArmJob) -> ArmResult:
         _version(),
         load_s,
         output_token_ids,
-        settings={"torch_threads": torch.get_num_threads(), "torch": torch.__version__},
+        settings={
+            "torch_threads": torch.get_num_threads(),
+            "torch": torch.__version__,
+            "kernels": llm.engine.runner.kernels.describe(),
+        },
     )
 
 

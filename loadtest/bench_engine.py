@@ -23,6 +23,7 @@ from pathlib import Path
 
 import psutil
 
+from engine.cpu_isa import ISA_CHOICES, cpu_auto_dtype, host_isa, library_env, resolve_isa
 from loadtest.arm_protocol import ArmJob, ArmResult
 from loadtest.bench_report import ArmRun, all_pair_matches, markdown_report, system_metrics
 from loadtest.workloads import Workload, random_token_workload
@@ -159,6 +160,8 @@ def child_env(system: str, args: argparse.Namespace) -> dict[str, str]:
         TRANSFORMERS_OFFLINE="1",
         OMP_NUM_THREADS=str(args.threads),
     )
+    if args.cpu_isa != "auto":
+        env.update(library_env(resolve_isa(args.cpu_isa)))
     if system == "vllm":
         cpus = sorted(os.sched_getaffinity(0))[: args.threads]
         env["VLLM_CPU_KVCACHE_SPACE"] = str(args.vllm_kv_cache_gib)
@@ -220,6 +223,8 @@ def _header(args: argparse.Namespace, model_dir: Path, workload: Workload) -> li
     return [
         f"## bench_engine: {args.model} ({args.dtype})",
         "",
+        f"- CPU level {resolve_isa(args.cpu_isa).value} (host {host_isa().value}, --cpu-isa "
+        f"{args.cpu_isa}); --dtype {args.dtype_requested} runs {args.dtype} in every system",
         f"- model dir: `{model_dir}`",
         f"- workload: {workload.num_prompts} prompts ({workload.method}, seed {workload.seed}), "
         f"prompt tokens uniform in [{args.min_prompt_tokens}, {args.max_prompt_tokens}] "
@@ -246,7 +251,20 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         metavar="DIR",
         help="write a tiny random Llama + tokenizer to DIR and exit",
     )
-    p.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
+    p.add_argument(
+        "--dtype",
+        choices=("auto", "bfloat16", "float32"),
+        default="auto",
+        help="auto: splitserve's choice for the CPU level (bfloat16 from avx512_bf16, else "
+        "float32), given to every system",
+    )
+    p.add_argument(
+        "--cpu-isa",
+        choices=ISA_CHOICES,
+        default="auto",
+        help="run every system at this CPU level: splitserve's --cpu-isa plus torch's and "
+        "oneDNN's env caps (vLLM's own compiled kernels pick theirs from the real CPU)",
+    )
     p.add_argument("--num-prompts", type=int, default=64)
     p.add_argument("--min-prompt-tokens", type=int, default=128)
     p.add_argument("--max-prompt-tokens", type=int, default=512)
@@ -282,6 +300,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if unknown:
         p.error(f"unknown systems: {', '.join(unknown)}")
     args.systems = systems
+    args.dtype_requested = args.dtype
+    if args.dtype == "auto":
+        args.dtype = cpu_auto_dtype(resolve_isa(args.cpu_isa))
     if args.make_tiny_model is None and not args.model:
         p.error("--model is required (or --make-tiny-model DIR)")
     return args
@@ -319,6 +340,7 @@ def main(argv: list[str] | None = None) -> int:
             hf_batch_size=args.hf_batch_size,
             threads=args.threads,
             seed=args.seed,
+            cpu_isa=args.cpu_isa,
         )
         runs.append(run_arm(system, job, args, out_dir))
 

@@ -1,9 +1,13 @@
 """Convert a llama.cpp GGUF file into a Hugging Face-format model directory.
 
-The output directory holds ``config.json``, ``model.safetensors`` (float32, HF tensor names),
+The output directory holds ``config.json``, ``model.safetensors`` (bfloat16, HF tensor names),
 ``tokenizer.json``, ``tokenizer_config.json`` and ``generation_config.json``, so the rest of the
 engine only ever loads HF directories. Quantized tensors are dequantized with the ``gguf``
-package in numpy; llama.cpp's rotary permutation of Llama q/k weights is undone.
+package in numpy; llama.cpp's rotary permutation of Llama q/k weights is undone. Every tensor is
+then rounded to the nearest bfloat16 (ties to even), half the size of float32 (an 8B model: 16
+instead of 32 GB). For quantized files, the usual GGUF, that rounding is below the
+quantization error; float16 and float32 files lose the mantissa bits bfloat16 lacks, also when
+the engine then runs in float32.
 
 Supported: architectures ``llama`` and ``qwen2`` with a byte-level BPE (``gpt2``) vocabulary and
 plain RoPE. Anything else raises ``ValueError`` naming what is unsupported.
@@ -23,7 +27,6 @@ from typing import Any
 
 import gguf
 import numpy as np
-from safetensors.numpy import save_file
 
 from engine.loader.gguf_tokenizer import (
     GGUFVocab,
@@ -36,8 +39,9 @@ from engine.loader.gguf_tokenizer import (
 
 logger = logging.getLogger(__name__)
 
-# Bump when the output format changes so caches keyed on it are rebuilt.
-CONVERTER_VERSION = 1
+# Bump when the output format changes so caches keyed on it are rebuilt (2: bfloat16 weights;
+# a version 1 float32 directory is never reused, as if it were a version 2 one).
+CONVERTER_VERSION = 2
 
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2")
 _HF_ARCHITECTURE = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
@@ -107,7 +111,7 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
     tmp_dir = out_dir.parent / f".{out_dir.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp"
     tmp_dir.mkdir()
     try:
-        save_file(tensors, str(tmp_dir / "model.safetensors"), metadata={"format": "pt"})
+        _save_bfloat16(tensors, tmp_dir / "model.safetensors")
         tokenizer.save(str(tmp_dir / "tokenizer.json"))
         _write_json(tmp_dir / "config.json", _hf_config(shape, vocab, vocab_size, tied))
         _write_json(
@@ -191,7 +195,28 @@ def _unpermute_rotary(weights: np.ndarray, num_heads: int) -> np.ndarray:
     return grouped.swapaxes(1, 2).reshape(weights.shape)
 
 
+def _bfloat16_bits(weights: np.ndarray) -> np.ndarray:
+    """`weights` rounded to the nearest bfloat16 (ties to even), as int16 bit patterns.
+
+    gguf's BF16 quantizer is llama.cpp's float32 -> bfloat16 conversion; converting tensor by
+    tensor keeps the peak memory near the bfloat16 model plus one float32 tensor.
+    """
+    as_float32 = np.ascontiguousarray(weights, dtype=np.float32)
+    return gguf.quants.quantize(as_float32, gguf.GGMLQuantizationType.BF16).view(np.int16)
+
+
+def _save_bfloat16(tensors: dict[str, np.ndarray], path: Path) -> None:
+    """Write the bfloat16 bit patterns `tensors` as a bfloat16 safetensors file."""
+    # Imported here: resolve_model imports this module in the router, which stays torch-free.
+    import torch
+    from safetensors.torch import save_file
+
+    as_torch = {name: torch.from_numpy(bits).view(torch.bfloat16) for name, bits in tensors.items()}
+    save_file(as_torch, str(path), metadata={"format": "pt"})
+
+
 def _read_tensors(reader: gguf.GGUFReader, shape: _ModelShape) -> dict[str, np.ndarray]:
+    """Every tensor under its HF name, as bfloat16 bit patterns (see `_bfloat16_bits`)."""
     tensors: dict[str, np.ndarray] = {}
     for tensor in reader.tensors:
         hf_name = _hf_tensor_name(tensor.name, shape.num_layers)
@@ -202,7 +227,7 @@ def _read_tensors(reader: gguf.GGUFReader, shape: _ModelShape) -> dict[str, np.n
             weights = _unpermute_rotary(weights, shape.num_heads)
         elif shape.arch == "llama" and ".attn_k." in tensor.name:
             weights = _unpermute_rotary(weights, shape.num_kv_heads)
-        tensors[hf_name] = np.ascontiguousarray(weights, dtype=np.float32)
+        tensors[hf_name] = _bfloat16_bits(weights)
     expected = _expected_tensor_names(shape)
     missing = sorted(expected - tensors.keys())
     unexpected = sorted(tensors.keys() - expected - {"lm_head.weight"})
@@ -235,7 +260,7 @@ def _hf_config(shape: _ModelShape, vocab: GGUFVocab, vocab_size: int, tied: bool
         "eos_token_id": vocab.eos_token_id,
         "pad_token_id": vocab.pad_token_id,
         "attention_dropout": 0.0,
-        "torch_dtype": "float32",
+        "torch_dtype": "bfloat16",
     }
     if shape.arch == "llama":
         config.update(attention_bias=False, mlp_bias=False)

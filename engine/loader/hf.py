@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from pathlib import Path
@@ -37,9 +38,7 @@ def load_model(
     Raises ``ValueError`` for an unsupported architecture and if a parameter is left unset.
     """
     config = ModelConfig.from_dir(model_dir)
-    files = sorted(model_dir.glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"{model_dir} has no *.safetensors files")
+    files = _weight_files(model_dir)
     start_s = time.perf_counter()
     with torch.device("meta"):
         model = LlamaForCausalLM(config)
@@ -58,6 +57,29 @@ def load_model(
         "loaded %s (%s) in %.1f s", model_dir, config.architecture, time.perf_counter() - start_s
     )
     return model, config
+
+
+def _weight_files(model_dir: Path) -> list[Path]:
+    """The checkpoint as transformers reads it: the shards ``model.safetensors.index.json``
+    lists, else ``model.safetensors``, else every ``*.safetensors`` file.
+
+    Repos such as Mistral's also hold the same weights in another layout
+    (``consolidated.safetensors``), which the index or the single file keeps out.
+    """
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+        files = [model_dir / name for name in sorted(set(weight_map.values()))]
+        missing = [f.name for f in files if not f.is_file()]
+        if missing:
+            raise FileNotFoundError(f"{model_dir} lacks shards its index lists: {missing[:4]}")
+        return files
+    if (model_dir / "model.safetensors").is_file():
+        return [model_dir / "model.safetensors"]
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"{model_dir} has no *.safetensors files")
+    return files
 
 
 def _shard_sizes(config: ModelConfig, fused: str) -> list[int]:

@@ -1,7 +1,8 @@
 """Resolve a model name or path to a Hugging Face-format directory.
 
 Accepted: an HF-format directory (used as-is), a ``.gguf`` file (converted once into a cache),
-or an alias from ``MODEL_ALIASES`` naming a GGUF file shipped inside a pip package.
+an alias from ``MODEL_ALIASES`` naming a GGUF file shipped inside a pip package, or a Hugging
+Face Hub repo id ``org/name`` (fetched into the Hugging Face cache, see ``engine.loader.hub``).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from engine.loader.gguf import CONVERTER_VERSION, convert_gguf
+from engine.loader.hub import fetch_repo, is_repo_id
 
 logger = logging.getLogger(__name__)
 
@@ -55,17 +57,30 @@ def default_cache_dir() -> Path:
     return Path(configured).expanduser() if configured else Path.home() / ".cache" / "splitserve"
 
 
-def resolve_model(name_or_path: str, cache_dir: Path | None = None) -> Path:
+def resolve_model(
+    name_or_path: str,
+    cache_dir: Path | None = None,
+    *,
+    revision: str | None = None,
+    tokenizer_only: bool = False,
+) -> Path:
     """Return an HF-format model directory for `name_or_path`.
 
-    Side effects: the first call for a GGUF file (or alias) converts it into
-    `<cache_dir>/gguf/<stem>-<key>`, where the key hashes the file's resolved path, size, mtime
-    and the converter version; later calls return that directory without converting. Concurrent
-    callers serialize on a lock file, so a file is converted once. Raises `ValueError` for an
-    unknown name and `FileNotFoundError` for a missing file or an alias whose package is not
-    installed (the message gives the pip command).
+    A local directory wins over a repo id of the same name. Side effects: the first call for a
+    GGUF file (or alias) converts it into `<cache_dir>/gguf/<stem>-<key>`, where the key hashes
+    the file's resolved path, size, mtime and the converter version; later calls return that
+    directory without converting. Concurrent callers serialize on a lock file, so a file is
+    converted once. A repo id is fetched by `fetch_repo` at `revision` (with `tokenizer_only`:
+    only its tokenizer files; other kinds of model are resolved whole). Raises `ValueError` for
+    an unknown name, a `revision` with a model that is not a repo id, and a repo that cannot be
+    fetched (`ModelFetchError`); `FileNotFoundError` for a missing file or an alias whose package
+    is not installed (the message gives the pip command).
     """
     path = Path(name_or_path).expanduser()
+    if revision is not None and (path.is_dir() or not is_repo_id(name_or_path)):
+        raise ValueError(
+            f"--revision applies to a Hugging Face repo id (org/name), not to {name_or_path!r}"
+        )
     if path.is_dir():
         return path
     alias = MODEL_ALIASES.get(name_or_path.lower())
@@ -77,9 +92,11 @@ def resolve_model(name_or_path: str, cache_dir: Path | None = None) -> Path:
         return _converted(path, cache_dir or default_cache_dir())
     if path.exists():
         raise ValueError(f"{path} is neither a model directory nor a .gguf file")
+    if is_repo_id(name_or_path):
+        return fetch_repo(name_or_path, revision, tokenizer_only=tokenizer_only)
     raise ValueError(
         f"unknown model {name_or_path!r}: pass a path to an HF-format directory or a .gguf "
-        f"file, or one of the aliases {sorted(MODEL_ALIASES)}"
+        f"file, a Hugging Face repo id (org/name), or one of the aliases {sorted(MODEL_ALIASES)}"
     )
 
 

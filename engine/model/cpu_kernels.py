@@ -31,7 +31,13 @@ from engine.cpu_isa import CpuIsa
 logger = logging.getLogger(__name__)
 
 _CSRC = Path(__file__).parent / "csrc"
-_SOURCES = ("paged_decode.cpp", "paged_prefill.cpp", "fused_ops.cpp", "bindings.cpp")
+_SOURCES = (
+    "paged_decode.cpp",
+    "paged_decode_avx2.cpp",
+    "paged_prefill.cpp",
+    "fused_ops.cpp",
+    "bindings.cpp",
+)
 # (head_dim, block_size) pairs paged_decode is instantiated for (see decode_task in csrc/).
 PAGED_DECODE_SHAPES = frozenset({(16, 16), (32, 16), (64, 16), (128, 16)})
 # -mtune only schedules instructions for this CPU; the level's -march decides which exist.

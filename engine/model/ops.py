@@ -2,8 +2,8 @@
 
 ``TorchOps`` composes torch ops with Hugging Face's numerics (RMSNorm in float32 then rounded
 and scaled, rotary as two multiplies and an add, SiLU then multiply). ``FusedCpuOps`` runs each
-as one pass of a compiled kernel (``csrc/fused_ops.cpp``, bfloat16 only) with the same rounding
-points; ``tests/engine/model/test_ops.py`` holds them to the reference.
+as one pass of a compiled kernel (``csrc/fused_ops.cpp``, float32 and bfloat16) with the same
+rounding points; ``tests/engine/model/test_ops.py`` holds them to the reference.
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ class TorchOps:
 
 
 class FusedCpuOps(TorchOps):
-    """The compiled kernels of ``cpu_kernels`` for bfloat16 on CPU."""
+    """The compiled kernels of ``cpu_kernels`` for float32 and bfloat16 on CPU."""
 
     def __init__(self, kernels: ModuleType) -> None:
         self._kernels = kernels

@@ -28,7 +28,16 @@ def _split_addresses(text: str) -> tuple[str, ...]:
 class RouterConfig:
     """How the router listens, which workers it drives, and its admission limits."""
 
-    model: str = flag(help="model directory, .gguf file or alias (for the tokenizer)")
+    model: str = flag(
+        help="model directory, .gguf file, alias or Hugging Face repo id (org/name; only its "
+        "tokenizer files are fetched): the workers' --model, for the tokenizer"
+    )
+    revision: str | None = flag(
+        None, "branch, tag or commit of a Hugging Face repo id --model (default: main)"
+    )
+    served_model_name: str | None = flag(
+        None, "the model name clients see (Router.Status); default: --model"
+    )
     host: str = flag("127.0.0.1", "address the gRPC server binds (0.0.0.0 in a pod)")
     port: int = flag(50051, "client-facing gRPC port")
     prefill_workers: str = flag(
@@ -121,6 +130,11 @@ class RouterConfig:
             raise ValueError(
                 f"max_inflight_requests must be >= 1, got {self.max_inflight_requests}"
             )
+
+    @property
+    def served_name(self) -> str:
+        """The model name clients see: ``served_model_name``, else ``model`` as given."""
+        return self.served_model_name or self.model
 
     def resolved_router_id(self) -> str:
         return self.router_id or (

@@ -436,7 +436,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         pools = await self.scaler.pools() if self.scaler is not None else []
         return router_pb2.StatusResponse(
             mode=self.config.mode,
-            model=self.config.model,
+            model=self.config.served_name,
             workers=workers,
             num_inflight_requests=len(self._inflight),
             prefix_hit_blocks_predicted=self.planner.prefill_chooser.num_hit_blocks_predicted,
@@ -511,7 +511,11 @@ class RunningRouter:
 
 async def start_router(config: RouterConfig, scaler: PoolScaler | None = None) -> RunningRouter:
     """Load the tokenizer, start serving and polling the workers; health is SERVING on return."""
-    tokenizer = await asyncio.to_thread(lambda: Tokenizer(resolve_model(config.model)))
+    tokenizer = await asyncio.to_thread(
+        lambda: Tokenizer(
+            resolve_model(config.model, revision=config.revision, tokenizer_only=True)
+        )
+    )
     servicer = RouterServicer(config, tokenizer, scaler)
     serving = await start_server(
         config.host,

@@ -58,8 +58,8 @@ def test_generation_at_forced_level_matches_hf(tiny_llama_dir, hf_expected, leve
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert result["aten_capability"] == ATEN_NAMES[level]
     # Below avx512 bfloat16 linears are F.linear, float32 ones packed; the compiled decode
-    # kernel runs in both; the paged prefill kernel exists only from avx512_bf16.
-    assert result["float32_kernels"] == "linear=onednn-packed decode=cpp prefill=sdpa ops=torch"
+    # kernel and fused ops run in both; the paged prefill kernel exists only from avx512_bf16.
+    assert result["float32_kernels"] == "linear=onednn-packed decode=cpp prefill=sdpa ops=cpp"
     assert result["bfloat16_kernels"] == "linear=torch decode=cpp prefill=sdpa ops=cpp"
     assert result["float32"] == hf_expected
     agree = sum(g[:2] == e[:2] for g, e in zip(result["bfloat16"], hf_expected, strict=True))

@@ -11,11 +11,12 @@ from engine.cpu_isa import CpuIsa, host_isa
 from loadtest import bench_cpu_kernels
 
 pytestmark = pytest.mark.skipif(shutil.which("c++") is None, reason="no C++ compiler")
+LEVELS = [level for level in CpuIsa if level <= host_isa()]
 SMALL = ["--layers", "2", "--num-kv-blocks", "128", "--decode-batch", "3", "--vocab", "512"]
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
-@pytest.mark.parametrize("level", [lvl for lvl in CpuIsa if lvl <= host_isa()], ids=lambda level: level.value)
+@pytest.mark.parametrize("level", LEVELS, ids=lambda level: level.value)
 def test_prints_every_table(capsys, level, dtype):
     argv = [*SMALL, "--cpu-isa", level.value, "--dtype", dtype, "--tokens", "32"]
     assert bench_cpu_kernels.main([*argv, "--repeats", "1"]) == 0

@@ -1,7 +1,8 @@
-// Fused bfloat16 elementwise ops for CPU: each is one pass over memory instead of the three to
-// six torch ops (and their bfloat16 <-> float32 round trips) it replaces, with the same
-// rounding points as those ops, so results equal the torch composition except where torch's
-// own reductions or exp differ in the last float32 bit.
+// Fused elementwise ops for CPU, in float32 and bfloat16: each is one pass over memory instead
+// of the three to six torch ops (and their bfloat16 <-> float32 round trips) it replaces, with
+// the same rounding points as those ops in that dtype (in float32, every rounding to the dtype
+// is a no-op), so results equal the torch composition except where torch's own reductions or
+// exp differ in the last float32 bit.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -11,6 +12,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #include "avx512_bf16.h"
@@ -19,22 +21,57 @@ namespace {
 
 constexpr int64_t kRowsPerTask = 64;
 
-using splitserve::bf16_to_float;
-using splitserve::float_to_bf16;
+// Element access for the two dtypes: float32 as is, bfloat16 as its bits (uint16_t).
+inline float to_float(float v) { return v; }
+inline float to_float(uint16_t v) { return splitserve::bf16_to_float(v); }
+inline float from_float(float v, float* /*tag*/) { return v; }
+inline uint16_t from_float(float v, uint16_t* /*tag*/) { return splitserve::float_to_bf16(v); }
 
-inline float round_bf16(float f) { return bf16_to_float(float_to_bf16(f)); }
+template <typename T>
+inline T to_dtype(float v) {
+  return from_float(v, static_cast<T*>(nullptr));
+}
 
-const uint16_t* bf16_ptr(const at::Tensor& t) {
+// A float32 value rounded to T and back: where torch's op chain rounds to the dtype.
+template <typename T>
+inline float round_to(float v) {
+  return to_float(to_dtype<T>(v));
+}
+
+template <typename T>
+const T* ptr(const at::Tensor& t);
+template <>
+const float* ptr<float>(const at::Tensor& t) {
+  return t.data_ptr<float>();
+}
+template <>
+const uint16_t* ptr<uint16_t>(const at::Tensor& t) {
   return reinterpret_cast<const uint16_t*>(t.data_ptr<at::BFloat16>());
 }
 
-uint16_t* bf16_mut(at::Tensor& t) {
-  return reinterpret_cast<uint16_t*>(t.data_ptr<at::BFloat16>());
+template <typename T>
+T* mut(at::Tensor& t) {
+  return const_cast<T*>(ptr<T>(t));
+}
+
+void check_dtype(const at::Tensor& x, const char* name) {
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat, name,
+              ": float32 or bfloat16 only");
 }
 
 void check_rows(const at::Tensor& x, const char* name) {
-  TORCH_CHECK(x.scalar_type() == at::kBFloat16, name, ": bfloat16 only");
+  check_dtype(x, name);
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, name, ": rows with a dense last dim expected");
+}
+
+// Runs fn.template operator()<T>() with T the element type of x (float or uint16_t bits).
+template <typename Fn>
+void dispatch(const at::Tensor& x, Fn&& fn) {
+  if (x.scalar_type() == at::kFloat) {
+    fn(static_cast<float*>(nullptr));
+  } else {
+    fn(static_cast<uint16_t*>(nullptr));
+  }
 }
 
 }  // namespace
@@ -45,43 +82,46 @@ void check_rows(const at::Tensor& x, const char* name) {
 at::Tensor rms_norm(at::Tensor x, at::Tensor weight, double eps,
                     c10::optional<at::Tensor> residual) {
   check_rows(x, "rms_norm");
-  TORCH_CHECK(weight.is_contiguous() && weight.scalar_type() == at::kBFloat16);
+  TORCH_CHECK(weight.is_contiguous() && weight.scalar_type() == x.scalar_type(),
+              "rms_norm: weight must be contiguous, in x's dtype");
   const int64_t rows = x.size(0), hidden = x.size(1);
   TORCH_CHECK(weight.size(0) == hidden, "rms_norm: weight size");
   auto out = at::empty({rows, hidden}, x.options());
-  uint16_t* res = nullptr;
-  int64_t res_stride = 0;
   if (residual.has_value()) {
     check_rows(*residual, "rms_norm residual");
+    TORCH_CHECK(residual->scalar_type() == x.scalar_type(), "rms_norm: residual dtype");
     TORCH_CHECK(residual->size(0) == rows && residual->size(1) == hidden);
-    res = bf16_mut(*residual);
-    res_stride = residual->stride(0);
   }
-  const uint16_t* xp = bf16_ptr(x);
-  const uint16_t* wp = bf16_ptr(weight);
-  uint16_t* op = bf16_mut(out);
   const int64_t x_stride = x.stride(0);
+  const int64_t res_stride = residual.has_value() ? residual->stride(0) : 0;
   const float epsf = static_cast<float>(eps);
-  at::parallel_for(0, rows, kRowsPerTask, [&](int64_t begin, int64_t end) {
-    std::vector<float> row(hidden);
-    for (int64_t r = begin; r < end; ++r) {
-      const uint16_t* xr = xp + r * x_stride;
-      if (res != nullptr) {
-        uint16_t* rr = res + r * res_stride;
-        for (int64_t i = 0; i < hidden; ++i) {
-          rr[i] = float_to_bf16(bf16_to_float(rr[i]) + bf16_to_float(xr[i]));
-          row[i] = bf16_to_float(rr[i]);
+  dispatch(x, [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    const T* xp = ptr<T>(x);
+    const T* wp = ptr<T>(weight);
+    T* res = residual.has_value() ? mut<T>(*residual) : nullptr;
+    T* op = mut<T>(out);
+    at::parallel_for(0, rows, kRowsPerTask, [&](int64_t begin, int64_t end) {
+      std::vector<float> row(hidden);
+      for (int64_t r = begin; r < end; ++r) {
+        const T* xr = xp + r * x_stride;
+        if (res != nullptr) {
+          T* rr = res + r * res_stride;
+          for (int64_t i = 0; i < hidden; ++i) {
+            rr[i] = to_dtype<T>(to_float(rr[i]) + to_float(xr[i]));
+            row[i] = to_float(rr[i]);
+          }
+        } else {
+          for (int64_t i = 0; i < hidden; ++i) row[i] = to_float(xr[i]);
         }
-      } else {
-        for (int64_t i = 0; i < hidden; ++i) row[i] = bf16_to_float(xr[i]);
+        float sum_sq = 0.f;
+        for (int64_t i = 0; i < hidden; ++i) sum_sq += row[i] * row[i];
+        const float inv = 1.f / std::sqrt(sum_sq / static_cast<float>(hidden) + epsf);
+        T* orow = op + r * hidden;
+        for (int64_t i = 0; i < hidden; ++i)
+          orow[i] = to_dtype<T>(round_to<T>(row[i] * inv) * to_float(wp[i]));
       }
-      float sum_sq = 0.f;
-      for (int64_t i = 0; i < hidden; ++i) sum_sq += row[i] * row[i];
-      const float inv = 1.f / std::sqrt(sum_sq / static_cast<float>(hidden) + epsf);
-      uint16_t* orow = op + r * hidden;
-      for (int64_t i = 0; i < hidden; ++i)
-        orow[i] = float_to_bf16(round_bf16(row[i] * inv) * bf16_to_float(wp[i]));
-    }
+    });
   });
   return out;
 }
@@ -92,20 +132,23 @@ at::Tensor silu_and_mul(at::Tensor gate_up) {
   const int64_t rows = gate_up.size(0), width = gate_up.size(1) / 2;
   TORCH_CHECK(gate_up.size(1) == 2 * width, "silu_and_mul: odd width");
   auto out = at::empty({rows, width}, gate_up.options());
-  const uint16_t* gp = bf16_ptr(gate_up);
-  uint16_t* op = bf16_mut(out);
   const int64_t stride = gate_up.stride(0);
-  at::parallel_for(0, rows, kRowsPerTask, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) {
-      const uint16_t* g = gp + r * stride;
-      const uint16_t* u = g + width;
-      uint16_t* o = op + r * width;
-      for (int64_t i = 0; i < width; ++i) {
-        const float x = bf16_to_float(g[i]);
-        const float silu = round_bf16(x / (1.f + splitserve::exp_any(-x)));
-        o[i] = float_to_bf16(silu * bf16_to_float(u[i]));
+  dispatch(gate_up, [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    const T* gp = ptr<T>(gate_up);
+    T* op = mut<T>(out);
+    at::parallel_for(0, rows, kRowsPerTask, [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r) {
+        const T* g = gp + r * stride;
+        const T* u = g + width;
+        T* o = op + r * width;
+        for (int64_t i = 0; i < width; ++i) {
+          const float x = to_float(g[i]);
+          const float silu = round_to<T>(x / (1.f + splitserve::exp_any(-x)));
+          o[i] = to_dtype<T>(silu * to_float(u[i]));
+        }
       }
-    }
+    });
   });
   return out;
 }
@@ -114,30 +157,34 @@ at::Tensor silu_and_mul(at::Tensor gate_up) {
 // the tables of RotaryEmbedding.cos_sin ([T, 1, D]: [cos, cos] and [-sin, sin]), rounding
 // after each multiply and the add as torch's three ops do.
 void rotary_(at::Tensor x, at::Tensor cos, at::Tensor sin, int64_t num_heads) {
-  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && x.dim() == 3 && x.stride(2) == 1,
-              "rotary_: bfloat16 [T, heads, D] with a dense last dim expected");
-  TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.scalar_type() == at::kBFloat16 &&
-              sin.scalar_type() == at::kBFloat16);
+  check_dtype(x, "rotary_");
+  TORCH_CHECK(x.dim() == 3 && x.stride(2) == 1, "rotary_: [T, heads, D] with a dense last dim");
+  TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.scalar_type() == x.scalar_type() &&
+                  sin.scalar_type() == x.scalar_type(),
+              "rotary_: contiguous cos/sin tables in x's dtype expected");
   const int64_t tokens = x.size(0), dim = x.size(2), half = dim / 2;
   TORCH_CHECK(num_heads <= x.size(1) && cos.numel() == tokens * dim && sin.numel() == tokens * dim);
-  uint16_t* xp = bf16_mut(x);
-  const uint16_t* cp = bf16_ptr(cos);
-  const uint16_t* sp = bf16_ptr(sin);
   const int64_t st = x.stride(0), sh = x.stride(1);
-  at::parallel_for(0, tokens, kRowsPerTask, [&](int64_t begin, int64_t end) {
-    std::vector<float> v(dim);
-    for (int64_t t = begin; t < end; ++t) {
-      const uint16_t* c = cp + t * dim;
-      const uint16_t* s = sp + t * dim;
-      for (int64_t h = 0; h < num_heads; ++h) {
-        uint16_t* row = xp + t * st + h * sh;
-        for (int64_t d = 0; d < dim; ++d) v[d] = bf16_to_float(row[d]);
-        for (int64_t d = 0; d < dim; ++d) {
-          const float rotated = v[d < half ? d + half : d - half];
-          row[d] = float_to_bf16(round_bf16(v[d] * bf16_to_float(c[d])) +
-                                 round_bf16(rotated * bf16_to_float(s[d])));
+  dispatch(x, [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    T* xp = mut<T>(x);
+    const T* cp = ptr<T>(cos);
+    const T* sp = ptr<T>(sin);
+    at::parallel_for(0, tokens, kRowsPerTask, [&](int64_t begin, int64_t end) {
+      std::vector<float> v(dim);
+      for (int64_t t = begin; t < end; ++t) {
+        const T* c = cp + t * dim;
+        const T* s = sp + t * dim;
+        for (int64_t h = 0; h < num_heads; ++h) {
+          T* row = xp + t * st + h * sh;
+          for (int64_t d = 0; d < dim; ++d) v[d] = to_float(row[d]);
+          for (int64_t d = 0; d < dim; ++d) {
+            const float rotated = v[d < half ? d + half : d - half];
+            row[d] = to_dtype<T>(round_to<T>(v[d] * to_float(c[d])) +
+                                 round_to<T>(rotated * to_float(s[d])));
+          }
         }
       }
-    }
+    });
   });
 }

@@ -17,6 +17,7 @@
 #include <limits>
 
 #include "avx512_bf16.h"
+#include "paged_decode_avx2.h"
 
 namespace {
 
@@ -266,6 +267,12 @@ at::Tensor paged_decode(at::Tensor q, at::Tensor kv_cache, at::Tensor block_tabl
   const int64_t* lens = context_lens.data_ptr<int64_t>();
 #if SPLITSERVE_AVX512_BF16
   if (paged_decode_bf16(q, kv_cache, tables, lens, max_blocks, layer, static_cast<float>(scale),
+                        sliding_window, out)) {
+    return out;
+  }
+#endif
+#if SPLITSERVE_AVX2
+  if (paged_decode_avx2(q, kv_cache, tables, lens, max_blocks, layer, static_cast<float>(scale),
                         sliding_window, out)) {
     return out;
   }

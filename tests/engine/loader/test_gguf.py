@@ -1,8 +1,14 @@
 """convert_gguf against references: the transformers model and tokenizer a GGUF was written
-from, `gguf.quants` for quantized data, and transformers' own GGUF reader for SmolLM2."""
+from, `gguf.quants` for quantized data, and transformers' own GGUF reader for SmolLM2.
+
+The converter stores bfloat16, so each reference's weights are rounded to bfloat16 the same way
+(torch's float32 -> bfloat16, round to nearest even) and compared exactly; logits are computed
+in float32 on both sides from those same weights.
+"""
 
 from __future__ import annotations
 
+import copy
 import json
 import re
 import shutil
@@ -13,7 +19,7 @@ import gguf
 import numpy as np
 import pytest
 import torch
-from safetensors.numpy import load_file
+from safetensors.torch import load_file
 from tokenizers import Tokenizer
 from transformers import (
     AutoConfig,
@@ -21,6 +27,7 @@ from transformers import (
     AutoTokenizer,
     LlamaConfig,
     LlamaForCausalLM,
+    PreTrainedModel,
 )
 
 from engine.loader.gguf import convert_gguf
@@ -46,8 +53,27 @@ def _convert(gguf_path: Path) -> Path:
     return out_dir
 
 
-def _state_dict(model: torch.nn.Module) -> dict[str, np.ndarray]:
-    return {name: t.detach().numpy() for name, t in model.state_dict().items()}
+def _bf16(tensor: torch.Tensor) -> torch.Tensor:
+    """What the converter stores for `tensor`: its nearest bfloat16."""
+    return tensor.detach().to(torch.bfloat16)
+
+
+def _bf16_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {name: _bf16(t) for name, t in model.state_dict().items()}
+
+
+def _with_bf16_weights(model: PreTrainedModel) -> PreTrainedModel:
+    """A float32 copy of `model` whose weights are rounded to bfloat16: the reference the
+    converted model (loaded in float32) must match exactly."""
+    rounded = copy.deepcopy(model)
+    with torch.no_grad():
+        for param in rounded.parameters():
+            param.copy_(_bf16(param).float())
+    return rounded
+
+
+def _load_float32(out_dir: Path) -> PreTrainedModel:
+    return AutoModelForCausalLM.from_pretrained(out_dir, dtype=torch.float32).eval()
 
 
 def _logits(model: torch.nn.Module) -> torch.Tensor:
@@ -66,17 +92,20 @@ def test_f32_llama_tensors_config_and_logits_match_source(
     out_dir = _convert(write_gguf(tmp_path / "m.gguf", model, trained_tokenizer))
 
     tensors = load_file(out_dir / "model.safetensors")
-    expected = _state_dict(model)
+    expected = _bf16_state_dict(model)
     assert tensors.keys() == expected.keys()
-    for name, array in expected.items():
-        assert tensors[name].dtype == np.float32
-        np.testing.assert_array_equal(tensors[name], array, err_msg=name)
+    for name, tensor in expected.items():
+        assert tensors[name].dtype == torch.bfloat16, name
+        assert torch.equal(tensors[name], tensor), name
+    # bfloat16 on disk: half of what float32 would take (plus the header).
+    float32_bytes = sum(t.numel() * 4 for t in expected.values())
+    assert (out_dir / "model.safetensors").stat().st_size < 0.51 * float32_bytes
 
     raw = _read_json(out_dir / "config.json")
     assert raw["architectures"] == ["LlamaForCausalLM"]
     assert raw["rope_theta"] == 10000.0
     assert raw["rope_parameters"] == {"rope_type": "default", "rope_theta": 10000.0}
-    assert raw["torch_dtype"] == "float32"
+    assert raw["torch_dtype"] == "bfloat16"
     config = AutoConfig.from_pretrained(out_dir)
     for field in (
         "model_type",
@@ -96,8 +125,10 @@ def test_f32_llama_tensors_config_and_logits_match_source(
     ):
         assert getattr(config, field) == getattr(model.config, field), field
 
-    converted = LlamaForCausalLM.from_pretrained(out_dir).eval()
-    torch.testing.assert_close(_logits(converted), _logits(model), rtol=0, atol=0)
+    converted = _load_float32(out_dir)
+    torch.testing.assert_close(
+        _logits(converted), _logits(_with_bf16_weights(model)), rtol=0, atol=0
+    )
     assert not list(tmp_path.glob(".hf.*")), "temp dir left behind"
 
 
@@ -155,16 +186,19 @@ def test_q8_0_weights_equal_gguf_dequantization(
     out_dir = _convert(write_gguf(tmp_path / "m.gguf", model, trained_tokenizer, qtype=qtype))
 
     tensors = load_file(out_dir / "model.safetensors")
-    for name, original in _state_dict(model).items():
+    for name, tensor in model.state_dict().items():
+        original = tensor.numpy()
         if original.ndim == 1:
-            np.testing.assert_array_equal(tensors[name], original, err_msg=name)
+            assert torch.equal(tensors[name], _bf16(tensor)), name
             continue
         # Q8_0 blocks run along a row and llama.cpp's q/k permutation moves whole rows, so
         # the unpermuted result must be the plain round trip of the unpermuted weights.
         round_trip = gguf.quants.dequantize(gguf.quants.quantize(original, qtype), qtype)
-        np.testing.assert_array_equal(tensors[name], round_trip, err_msg=name)
+        assert torch.equal(tensors[name], _bf16(torch.from_numpy(round_trip))), name
+        # Within one quantization step of the source, bfloat16 rounding included.
         step = np.abs(original).max() / 127
-        np.testing.assert_allclose(tensors[name], original, rtol=0, atol=step, err_msg=name)
+        converted = tensors[name].float().numpy()
+        np.testing.assert_allclose(converted, original, rtol=0, atol=step, err_msg=name)
 
 
 def test_tied_embeddings_have_no_lm_head(tmp_path: Path, trained_tokenizer: Tokenizer) -> None:
@@ -173,8 +207,10 @@ def test_tied_embeddings_have_no_lm_head(tmp_path: Path, trained_tokenizer: Toke
 
     assert "lm_head.weight" not in load_file(out_dir / "model.safetensors")
     assert _read_json(out_dir / "config.json")["tie_word_embeddings"] is True
-    converted = LlamaForCausalLM.from_pretrained(out_dir).eval()
-    torch.testing.assert_close(_logits(converted), _logits(model), rtol=0, atol=0)
+    converted = _load_float32(out_dir)
+    torch.testing.assert_close(
+        _logits(converted), _logits(_with_bf16_weights(model)), rtol=0, atol=0
+    )
 
 
 def test_qwen2_keeps_qkv_biases_unpermuted(tmp_path: Path, trained_tokenizer: Tokenizer) -> None:
@@ -182,16 +218,18 @@ def test_qwen2_keeps_qkv_biases_unpermuted(tmp_path: Path, trained_tokenizer: To
     out_dir = _convert(write_gguf(tmp_path / "m.gguf", model, trained_tokenizer))
 
     tensors = load_file(out_dir / "model.safetensors")
-    expected = _state_dict(model)
+    expected = _bf16_state_dict(model)
     assert tensors.keys() == expected.keys()
     assert "model.layers.0.self_attn.q_proj.bias" in tensors
-    for name, array in expected.items():
-        np.testing.assert_array_equal(tensors[name], array, err_msg=name)
+    for name, tensor in expected.items():
+        assert torch.equal(tensors[name], tensor), name
     config = _read_json(out_dir / "config.json")
     assert config["architectures"] == ["Qwen2ForCausalLM"]
     assert config["model_type"] == "qwen2"
-    converted = AutoModelForCausalLM.from_pretrained(out_dir).eval()
-    torch.testing.assert_close(_logits(converted), _logits(model), rtol=0, atol=0)
+    converted = _load_float32(out_dir)
+    torch.testing.assert_close(
+        _logits(converted), _logits(_with_bf16_weights(model)), rtol=0, atol=0
+    )
 
 
 def test_unsupported_architecture_is_named(tmp_path: Path) -> None:
@@ -223,7 +261,7 @@ def smollm2_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     out_dir = tmp_path_factory.mktemp("smollm2") / "hf"
     convert_gguf(gguf_path, out_dir)
     yield out_dir
-    shutil.rmtree(out_dir)  # 540 MB; pytest keeps old temp dirs around
+    shutil.rmtree(out_dir)  # 270 MB; pytest keeps old temp dirs around
 
 
 @needs_smollm2
@@ -273,7 +311,7 @@ def test_smollm2_weights_and_logits_match_transformers_gguf_reader(smollm2_dir: 
 
     gguf_path = smollm2_gguf_path()
     assert gguf_path is not None
-    ours = LlamaForCausalLM.from_pretrained(smollm2_dir).eval()
+    ours = LlamaForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32).eval()
     with torch.device("meta"):
         names_only = LlamaForCausalLM(ours.config)
     parsed = load_gguf_checkpoint(str(gguf_path), return_tensors=True, model_to_load=names_only)
@@ -284,18 +322,19 @@ def test_smollm2_weights_and_logits_match_transformers_gguf_reader(smollm2_dir: 
     for field in shared_fields:
         assert parsed["config"][field] == pytest.approx(our_config[field]), field
     our_state = ours.state_dict()
-    for name, tensor in parsed["tensors"].items():
+    rounded = {name: _bf16(tensor).float() for name, tensor in parsed["tensors"].items()}
+    for name, tensor in rounded.items():
         assert torch.equal(our_state[name], tensor), name
 
     reference = LlamaForCausalLM.from_pretrained(
-        None, config=LlamaConfig(**parsed["config"]), state_dict=parsed["tensors"]
+        None, config=LlamaConfig(**parsed["config"]), state_dict=rounded, dtype=torch.float32
     ).eval()
     torch.testing.assert_close(_logits(ours), _logits(reference), rtol=0, atol=1e-4)
 
 
 @needs_smollm2
 def test_smollm2_greedy_chat_answer(smollm2_dir: Path) -> None:
-    model = LlamaForCausalLM.from_pretrained(smollm2_dir).eval()
+    model = LlamaForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32).eval()
     tokenizer = AutoTokenizer.from_pretrained(smollm2_dir)
     messages = [{"role": "user", "content": "What is the capital of France?"}]
     prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)

@@ -10,7 +10,9 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
+from safetensors import safe_open
 
+from engine.loader import models
 from engine.loader.models import MODEL_ALIASES, ModelAlias, resolve_model
 from tests.engine.loader.tiny_gguf import needs_smollm2
 
@@ -49,6 +51,23 @@ def test_gguf_is_converted_once_and_reused(
     third = resolve_model(str(tiny_llama_gguf), cache_dir=cache_dir)
     assert third != first
     assert _conversions(caplog) == 2
+
+
+def test_conversion_is_bfloat16_and_older_converter_caches_are_not_reused(
+    tmp_path: Path, tiny_llama_gguf: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Version 1 wrote float32: its cache entries must not pass for bfloat16 ones."""
+    cache_dir = tmp_path / "cache"
+    monkeypatch.setattr(models, "CONVERTER_VERSION", 1)
+    old = resolve_model(str(tiny_llama_gguf), cache_dir=cache_dir)
+    monkeypatch.undo()
+    assert models.CONVERTER_VERSION > 1
+
+    current = resolve_model(str(tiny_llama_gguf), cache_dir=cache_dir)
+    assert current != old and current.parent == old.parent
+    with safe_open(str(current / "model.safetensors"), framework="pt") as f:
+        dtypes = {f.get_slice(name).get_dtype() for name in f.keys()}  # noqa: SIM118
+    assert dtypes == {"BF16"}
 
 
 def test_concurrent_callers_convert_once(
@@ -129,4 +148,4 @@ def test_smollm2_alias_converts_then_hits_cache(tmp_path: Path) -> None:
     start_s = time.perf_counter()
     assert resolve_model("smollm2-135m", cache_dir=tmp_path) == first
     assert time.perf_counter() - start_s < 0.5
-    shutil.rmtree(first)  # 540 MB; pytest keeps old temp dirs around
+    shutil.rmtree(first)  # 270 MB; pytest keeps old temp dirs around

@@ -35,12 +35,15 @@ def torch_reference(layer, q, cache, tables, lens, window):
 @pytest.mark.parametrize("dtype,atol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
 @pytest.mark.parametrize("head_dim", sorted({d for d, _ in PAGED_DECODE_SHAPES}))
 @pytest.mark.parametrize("window", [None, 20])
-def test_kernel_matches_torch_path(kernels, dtype, atol, head_dim, window):
+# Block boundaries and a single token; one sequence alone (fewer sequences than threads: the
+# AVX2 path then splits it by KV head).
+@pytest.mark.parametrize("context_lens", [(1, 15, 16, 17, 40, 95), (83,)], ids=["6seqs", "1seq"])
+def test_kernel_matches_torch_path(kernels, dtype, atol, head_dim, window, context_lens):
     gen = torch.Generator().manual_seed(head_dim)
     num_blocks, num_layers, kv_heads, group, bs = 64, 3, 2, 3, 16
     data = torch.randn(num_blocks, num_layers, 2, kv_heads, bs, head_dim, generator=gen)
     cache = PagedKVCache(data.to(dtype))
-    lens = torch.tensor([1, 15, 16, 17, 40, 95])  # block boundaries and a single token
+    lens = torch.tensor(context_lens)
     max_blocks = -(-int(lens.max()) // bs)
     tables = torch.stack([torch.randperm(num_blocks, generator=gen)[:max_blocks] for _ in lens])
     q = torch.randn(len(lens), kv_heads * group, head_dim, generator=gen).to(dtype)
