@@ -123,7 +123,7 @@ class ModelRunner:
     def _select_prefill_kernel(self) -> ModuleType | None:
         config = self.model_config
         if self.cpu_kernels is None or not self.cpu_kernels.paged_prefill_supported(
-            self.dtype == torch.bfloat16,
+            self.kv_cache_spec.dtype,
             config.head_dim,
             self.block_size,
             config.num_heads // config.num_kv_heads,

@@ -12,11 +12,10 @@ host can be simulated on a better one. Reported, best of ``--repeats``:
   ``F.linear``, where the level packs the dtype;
 - prefill attention of one causal prompt per layer, the paged kernel against SDPA (the engine's
   path without the kernel), with GFLOP/s counted on the causal half (bfloat16 from
-  avx512_bf16 up; elsewhere the engine runs SDPA);
+  avx512_bf16, float32 from avx2; elsewhere the engine runs SDPA);
 - decode attention of a ``--decode-batch`` batch with contexts uniform in [130, 640] tokens
   over all layers, the paged kernel against the torch gather path, with the K/V bytes read;
-- the fused elementwise ops (bfloat16 only) against their torch composition on ``--tokens``
-  rows.
+- the fused elementwise ops against their torch composition on ``--tokens`` rows.
 """
 
 from __future__ import annotations
@@ -36,7 +35,6 @@ from engine.model.ops import FusedCpuOps, TorchOps
 from engine.model.packed_linear import PackedLinear, packing_supported
 from engine.model.rotary import RotaryEmbedding
 
-BF16 = torch.bfloat16
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
 
@@ -53,9 +51,10 @@ def best_ms(fn: Callable[[], object], repeats: int) -> float:
 def prefill_ms(args: argparse.Namespace, kernels, cache: PagedKVCache, n: int) -> list[float]:
     """[kernel, SDPA] ms for one causal ``n``-token prompt in one layer."""
     heads, dim = args.heads, args.head_dim
-    q = torch.randn(n, heads, dim).to(BF16)
-    k = torch.randn(n, args.kv_heads, dim).to(BF16)
-    v = torch.randn(n, args.kv_heads, dim).to(BF16)
+    dtype = cache.tensor.dtype
+    q = torch.randn(n, heads, dim).to(dtype)
+    k = torch.randn(n, args.kv_heads, dim).to(dtype)
+    v = torch.randn(n, args.kv_heads, dim).to(dtype)
     table = torch.randperm(cache.tensor.shape[0])[: -(-n // 16)][None].contiguous()
     lens = torch.tensor([n])
     out = torch.empty_like(q)
@@ -148,15 +147,15 @@ def bench_decode(args: argparse.Namespace, kernels, cache: PagedKVCache) -> None
         print(f"| {name} | {m:.1f} | {kv_bytes / m / 1e6:.1f} |")
 
 
-def bench_ops(args: argparse.Namespace, kernels) -> None:
+def bench_ops(args: argparse.Namespace, kernels, dtype: torch.dtype) -> None:
     ref, fused = TorchOps(), FusedCpuOps(kernels)
     n, hidden, inter = args.tokens, args.hidden, args.intermediate
     heads = args.heads + 2 * args.kv_heads
-    x, w = torch.randn(n, hidden).to(BF16), torch.randn(hidden).to(BF16)
-    gate_up = torch.randn(n, 2 * inter).to(BF16)
-    qkv = torch.randn(n, heads, args.head_dim).to(BF16)
+    x, w = torch.randn(n, hidden).to(dtype), torch.randn(hidden).to(dtype)
+    gate_up = torch.randn(n, 2 * inter).to(dtype)
+    qkv = torch.randn(n, heads, args.head_dim).to(dtype)
     config = type("C", (), {"head_dim": args.head_dim, "rope_theta": 1e4, "rope_scaling": {}})()
-    cos, sin = RotaryEmbedding(config, 4096, BF16, torch.device("cpu")).cos_sin(
+    cos, sin = RotaryEmbedding(config, 4096, dtype, torch.device("cpu")).cos_sin(
         torch.arange(n) % 4096
     )
     rot = args.heads + args.kv_heads
@@ -197,16 +196,14 @@ def main(argv: list[str] | None = None) -> int:
     print(f"CPU level {level.value}, {args.dtype}, {args.threads} threads\n")
     shape = (args.num_kv_blocks, args.layers, 2, args.kv_heads, 16, args.head_dim)
     cache = PagedKVCache(torch.randn(shape).to(dtype))
-    is_bf16 = dtype == BF16
     with torch.inference_mode():
         bench_linears(args, level, dtype)
-        if kernels.paged_prefill_supported(is_bf16, args.head_dim, 16, 1):
+        if kernels.paged_prefill_supported(args.dtype, args.head_dim, 16, 1):
             bench_prefill(args, kernels, cache)
         else:
             print(f"prefill: no paged prefill kernel for {args.dtype} at {level.value} (SDPA runs)")
         bench_decode(args, kernels, cache)
-        if is_bf16:
-            bench_ops(args, kernels)
+        bench_ops(args, kernels, dtype)
     return 0
 
 

@@ -3,11 +3,12 @@
 - ``paged_decode`` reads K/V tiles in place through the block tables, where the torch path
   must first gather them into a padded copy. Any dtype; bfloat16 on AVX-512 BF16 hosts uses
   pair dot products and a vectorized softmax.
-- ``paged_prefill`` (bfloat16, AVX-512 BF16 hosts, head_dim 32, 64 or 128) runs every prefill
-  chunk of a step in one call, reading each chunk's context in place: about 4x the throughput
-  of SDPA's CPU flash kernel on SmolLM2's shapes (``paged_prefill_supported`` says where).
-- ``rms_norm`` (with the residual add fused), ``rotary_`` and ``silu_and_mul`` (bfloat16): one
-  pass each instead of several torch ops; used through ``ops.FusedCpuOps``.
+- ``paged_prefill`` (bfloat16 from AVX512_BF16, float32 from AVX2; head_dim 32, 64 or 128)
+  runs every prefill chunk of a step in one call, reading each chunk's context in place: about
+  4x the throughput of SDPA's CPU flash kernel in bfloat16 on SmolLM2's shapes
+  (``paged_prefill_supported(dtype, ...)`` says where).
+- ``rms_norm`` (with the residual add fused), ``rotary_`` and ``silu_and_mul`` (float32 and
+  bfloat16): one pass each instead of several torch ops; used through ``ops.FusedCpuOps``.
 
 The module is compiled once per machine and instruction-set level (``engine.cpu_isa``): the
 level's ``-march`` flags, never ``-march=native``, so a level forced below the host's runs that
@@ -35,6 +36,7 @@ _SOURCES = (
     "paged_decode.cpp",
     "paged_decode_avx2.cpp",
     "paged_prefill.cpp",
+    "paged_prefill_avx2.cpp",
     "fused_ops.cpp",
     "bindings.cpp",
 )

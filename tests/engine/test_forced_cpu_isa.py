@@ -19,7 +19,12 @@ from pathlib import Path
 import pytest
 
 from engine.cpu_isa import CpuIsa, host_isa, library_env
-from tests.engine.test_generate_vs_hf import MAX_TOKENS, hf_greedy, make_prompts
+from tests.engine.test_generate_vs_hf import (
+    MAX_TOKENS,
+    hf_greedy,
+    make_head_dim_64_model,
+    make_prompts,
+)
 
 REPO = Path(__file__).resolve().parents[2]
 FORCED = [level for level in (CpuIsa.AVX2, CpuIsa.PORTABLE) if level <= host_isa()]
@@ -35,19 +40,25 @@ def child_env(level: CpuIsa) -> dict[str, str]:
 
 
 @pytest.fixture(scope="module")
-def hf_expected(tiny_llama_dir: Path) -> list[list[int]]:
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """head_dim 64: the compiled prefill kernels' shapes."""
+    return make_head_dim_64_model(tmp_path_factory.mktemp("forced-isa"), "llama", {})
+
+
+@pytest.fixture(scope="module")
+def hf_expected(model_dir: Path) -> list[list[int]]:
     from transformers import AutoConfig
 
-    vocab_size = AutoConfig.from_pretrained(tiny_llama_dir).vocab_size
-    return hf_greedy(tiny_llama_dir, make_prompts(vocab_size), MAX_TOKENS)
+    vocab_size = AutoConfig.from_pretrained(model_dir).vocab_size
+    return hf_greedy(model_dir, make_prompts(vocab_size), MAX_TOKENS)
 
 
 @pytest.mark.parametrize("level", FORCED, ids=lambda level: level.value)
-def test_generation_at_forced_level_matches_hf(tiny_llama_dir, hf_expected, level):
+def test_generation_at_forced_level_matches_hf(model_dir, hf_expected, level):
     """float32 is token-for-token HF's; bfloat16 agrees with it as on any host (the first
     tokens of all prompts but one, as ``test_bfloat16_runs_and_mostly_agrees`` requires)."""
     proc = subprocess.run(
-        [sys.executable, "-m", "tests.engine.forced_isa_child", str(tiny_llama_dir), level.value],
+        [sys.executable, "-m", "tests.engine.forced_isa_child", str(model_dir), level.value],
         cwd=REPO,
         env=child_env(level),
         capture_output=True,
@@ -58,8 +69,12 @@ def test_generation_at_forced_level_matches_hf(tiny_llama_dir, hf_expected, leve
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert result["aten_capability"] == ATEN_NAMES[level]
     # Below avx512 bfloat16 linears are F.linear, float32 ones packed; the compiled decode
-    # kernel and fused ops run in both; the paged prefill kernel exists only from avx512_bf16.
-    assert result["float32_kernels"] == "linear=onednn-packed decode=cpp prefill=sdpa ops=cpp"
+    # kernel and fused ops run in both; the paged prefill kernel in float32 from avx2, in
+    # bfloat16 only from avx512_bf16.
+    f32_prefill = "cpp" if level >= CpuIsa.AVX2 else "sdpa"
+    assert result["float32_kernels"] == (
+        f"linear=onednn-packed decode=cpp prefill={f32_prefill} ops=cpp"
+    )
     assert result["bfloat16_kernels"] == "linear=torch decode=cpp prefill=sdpa ops=cpp"
     assert result["float32"] == hf_expected
     agree = sum(g[:2] == e[:2] for g, e in zip(result["bfloat16"], hf_expected, strict=True))

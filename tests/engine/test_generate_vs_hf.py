@@ -113,22 +113,45 @@ def test_both_decode_backends_match_hf(arch_case, backend):
     assert got == expected
 
 
-@pytest.mark.parametrize(
+KERNEL_SHAPED_ARCHS = pytest.mark.parametrize(
     "arch,overrides",
     [("llama", {}), ("mistral", {"sliding_window": 24}), ("qwen2", {"num_key_value_heads": 1})],
 )
-def test_bfloat16_cpu_kernels_agree_with_torch_path(tmp_path, arch, overrides):
-    """With head_dim 64 the compiled bfloat16 prefill and decode kernels run; chunked prefill
-    over cached prefixes (a 24-token budget) and mixed steps must give what the SDPA + torch
-    reference path gives, up to bf16 rounding flipping a late near-tie."""
-    model_dir = make_tiny_model(
-        tmp_path / arch,
+
+
+def make_head_dim_64_model(root: Path, arch: str, overrides: dict[str, int]) -> Path:
+    """A tiny model whose head_dim (64) the compiled prefill kernels are built for."""
+    return make_tiny_model(
+        root / arch,
         arch,
         hidden_size=256,
         intermediate_size=256,
         num_attention_heads=4,
         **({"num_key_value_heads": 2} | overrides),
     )
+
+
+@KERNEL_SHAPED_ARCHS
+def test_float32_cpu_kernels_match_hf(tmp_path, arch, overrides):
+    """With head_dim 64 the compiled float32 prefill (AVX2 and up) and decode kernels run;
+    chunked prefill over cached prefixes (a 24-token budget) and mixed steps must still be
+    Hugging Face's greedy tokens, one for one."""
+    model_dir = make_head_dim_64_model(tmp_path, arch, overrides)
+    llm = LLM(str(model_dir), dtype="float32", num_kv_blocks=256, max_num_batched_tokens=24)
+    if llm.engine.runner.prefill_kernel is None:
+        pytest.skip("the float32 prefill kernel is built from avx2 up")
+    prompts = make_prompts(llm.engine.vocab_size)
+    assert [o.token_ids for o in llm.generate(prompts, GREEDY)] == hf_greedy(
+        model_dir, prompts, MAX_TOKENS
+    )
+
+
+@KERNEL_SHAPED_ARCHS
+def test_bfloat16_cpu_kernels_agree_with_torch_path(tmp_path, arch, overrides):
+    """With head_dim 64 the compiled bfloat16 prefill and decode kernels run; chunked prefill
+    over cached prefixes (a 24-token budget) and mixed steps must give what the SDPA + torch
+    reference path gives, up to bf16 rounding flipping a late near-tie."""
+    model_dir = make_head_dim_64_model(tmp_path, arch, overrides)
     outputs = {}
     for backend in ("torch", "auto"):
         llm = LLM(

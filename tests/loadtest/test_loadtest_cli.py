@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
-from services.launcher import LocalCluster
+from services.launcher import LocalCluster, ServiceProcess, free_port, wait_healthy
 from tests.services.conftest import tiny_engine_config
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -81,3 +83,48 @@ def test_short_loadtest_writes_plausible_reports(router_address, tmp_path, workl
     for png in ("latency_cdf.png", "rate_sweep.png"):
         data = (out / png).read_bytes()
         assert data.startswith(PNG_MAGIC) and len(data) > 10_000
+
+
+def test_loadtest_waits_for_workers_that_are_still_starting(tiny_llama_dir, tmp_path):
+    """Right after ``splitserve up &``: the router answers, its workers do not yet."""
+    host = "127.0.0.1"
+    prefill, decode, router = (f"{host}:{free_port()}" for _ in range(3))
+    model = ["--model", str(tiny_llama_dir)]
+    worker_flags = [*model, "--dtype", "float32", "--num-kv-blocks", "64", "--num-threads", "1"]
+
+    def service(role: str, address: str, *flags: str) -> ServiceProcess:
+        port = address.rsplit(":", 1)[1]
+        argv = [sys.executable, "-m", f"services.{role}", "--host", host, "--port", port, *flags]
+        return ServiceProcess(role, address, 0, [*argv, "--metrics-port", "0"])
+
+    processes = [
+        service("router", router, *model, "--prefill-workers", prefill, "--decode-workers", decode),
+        service("prefill", prefill, *worker_flags),
+        service("decode", decode, *worker_flags),
+    ]
+    env = dict(os.environ)
+    out = tmp_path / "report"
+    try:
+        processes[0].start(env)
+        wait_healthy(processes[0], time.monotonic() + 120)
+        loadtest = subprocess.Popen(
+            [
+                sys.executable, "-m", "services.cli", "loadtest", "--target", router,
+                "--concurrency", "1", "--num-requests", "2", "--duration", "5",
+                "--no-progress", "--timeout-s", "120", "--out", str(out),
+            ],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        )  # fmt: skip
+        assert loadtest.stderr is not None
+        waiting = loadtest.stderr.readline()  # its first word: why it waits
+        for process in processes[1:]:
+            process.start(env)
+        _, stderr = loadtest.communicate(timeout=300)
+    finally:
+        for process in processes:
+            if process.popen is not None:
+                process.signal(signal.SIGKILL)
+                process.popen.wait()
+    assert loadtest.returncode == 0, waiting + stderr
+    assert waiting.startswith("waiting for the cluster: no decode worker is ready yet; "), waiting
+    assert json.loads((out / "results.json").read_text())["runs"][0]["summary"]["errors"] == {}

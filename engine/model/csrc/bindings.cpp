@@ -4,7 +4,7 @@
 at::Tensor paged_decode(at::Tensor q, at::Tensor kv_cache, at::Tensor block_tables,
                         at::Tensor context_lens, int64_t layer, double scale,
                         int64_t sliding_window);
-bool paged_prefill_supported(int64_t dtype_is_bf16, int64_t head_dim, int64_t block_size,
+bool paged_prefill_supported(const std::string& dtype, int64_t head_dim, int64_t block_size,
                              int64_t group);
 void paged_prefill(at::Tensor q, at::Tensor kv_cache, at::Tensor block_tables, at::Tensor q_starts,
                    at::Tensor q_lens, at::Tensor context_lens, int64_t layer, double scale,
@@ -17,9 +17,9 @@ void rotary_(at::Tensor x, at::Tensor cos, at::Tensor sin, int64_t num_heads);
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode", &paged_decode, "paged-attention decode over block tables (CPU)");
   m.def("paged_prefill_supported", &paged_prefill_supported,
-        "whether paged_prefill is built for this dtype and shape");
+        "whether paged_prefill is built for this dtype ('bfloat16', 'float32') and shape");
   m.def("paged_prefill", &paged_prefill,
-        "causal paged-attention prefill of chunks over their cached context (CPU, bfloat16)");
+        "causal paged-attention prefill of chunks over their cached context (CPU)");
   m.def("rms_norm", &rms_norm, "RMSNorm, optionally after a fused residual add (float32, bfloat16)");
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up (float32, bfloat16)");
   m.def("rotary_", &rotary_, "rotary embedding of the first heads, in place (float32, bfloat16)");

@@ -1,16 +1,15 @@
-// Paged-attention prefill for CPU in bfloat16 (AVX-512 BF16): every prefill chunk of a step
-// attends causally to its whole context, the cached prefix and its own tokens, read in place
-// from the paged cache (the chunk's K/V are written there first). No gather copy, no mask
-// tensor, one call per layer for all chunks.
-// Cache layout: [num_blocks, num_layers, 2, num_kv_heads, block_size, head_dim].
+// Paged-attention prefill for CPU: every prefill chunk of a step attends causally to its whole
+// context, the cached prefix and its own tokens, read in place from the paged cache (the
+// chunk's K/V are written there first). No gather copy, no mask tensor, one call per layer for
+// all chunks. Cache layout: [num_blocks, num_layers, 2, num_kv_heads, block_size, head_dim].
+// The work split is prefill_tasks.h's; this file has the entry point and the bfloat16 path
+// (AVX-512 BF16); paged_prefill_avx2.cpp has the float32 path (AVX2).
 //
-// A task is (chunk, KV head, tile of up to kTileQueries query positions); its rows are the
-// tile's positions times the query heads of that KV head (GQA). Per 16-key block the K tile is
-// transposed once into bfloat16 pairs per key, so each row's 16 scores come out of head_dim / 2
-// pair dot products as one vector, and the V tile is interleaved once into pairs of keys, so
-// p.V is head_dim / 16 pair dot products per key pair. Softmax is online, in float32; the
-// probabilities are rounded to bfloat16 for p.V, as Hugging Face's eager attention rounds them
-// before its p.V matmul.
+// bfloat16: per 16-key block the K tile is transposed once into bfloat16 pairs per key, so each
+// row's 16 scores come out of head_dim / 2 pair dot products as one vector, and the V tile is
+// interleaved once into pairs of keys, so p.V is head_dim / 16 pair dot products per key pair.
+// Softmax is online, in float32; the probabilities are rounded to bfloat16 for p.V, as Hugging
+// Face's eager attention rounds them before its p.V matmul.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <c10/util/Exception.h>
@@ -20,44 +19,27 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <string>
 #include <vector>
 
 #include "avx512_bf16.h"
+#include "paged_prefill_avx2.h"
+#include "prefill_tasks.h"
+
+using splitserve::PrefillChunk;
+using splitserve::PrefillLayout;
+using splitserve::PrefillTask;
 
 #if SPLITSERVE_AVX512_BF16
 
 namespace {
 
-constexpr int64_t kBlock = 16;    // tokens per cache block (the only size built)
-constexpr int64_t kMaxRows = 64;  // query rows of one task
-constexpr int64_t kRowStep = 8;   // rows sharing one pass over the transposed K tile
-
-struct Task {
-  int64_t seq;
-  int64_t kv_head;
-  int64_t q_begin;  // tile [q_begin, q_end) of the chunk's query positions
-  int64_t q_end;
-  int64_t key_begin;  // keys [key_begin, key_end) the tile reads (causal, windowed)
-  int64_t key_end;
-};
-
-struct Chunk {
-  const int64_t* table;
-  int64_t q_start;  // first row of the chunk in q / out
-  int64_t q_len;
-  int64_t first_pos;  // position of the chunk's first query token
-};
-
-struct Layout {
-  const uint16_t* q;
-  int64_t q_stride_t, q_stride_h;
-  uint16_t* out;
-  int64_t out_stride_t, out_stride_h;
-  const uint16_t* cache;
-  int64_t block_stride, layer_offset, kv_heads, group;
-  float scale;
-  int64_t window;  // <= 0: none
-};
+constexpr int64_t kBlock = splitserve::kPrefillBlock;
+constexpr int64_t kMaxRows = splitserve::kPrefillMaxRows;
+constexpr int64_t kRowStep = 8;  // rows sharing one pass over the transposed K tile
+using Task = PrefillTask;
+using Chunk = PrefillChunk;
+using Layout = PrefillLayout<uint16_t>;
 
 // acc lanes hold head dims in the order the unpack instructions interleave V (within each
 // 128-bit lane); this restores dim order for the 32 dims of vectors 2c (lo) and 2c + 1 (hi).
@@ -184,85 +166,101 @@ void prefill_task(const Task& task, const Chunk& chunk, const Layout& lay) {
   }
 }
 
-}  // namespace
-
-bool paged_prefill_supported(int64_t dtype_is_bf16, int64_t head_dim, int64_t block_size,
-                             int64_t group) {
-  return dtype_is_bf16 && (head_dim == 32 || head_dim == 64 || head_dim == 128) &&
-         block_size == kBlock && group <= kMaxRows;
-}
-
-// q, out: [T, H, D] bfloat16 with unit stride on D; kv_cache: [NB, L, 2, KVH, 16, D] contiguous;
-// block_tables: [S, max_blocks] int64; q_starts, q_lens, context_lens: [S] int64, chunk s being
-// rows [q_starts[s], q_starts[s] + q_lens[s]) of q, the last q_lens[s] of its context_lens[s]
-// tokens. Writes those rows of out.
-void paged_prefill(at::Tensor q, at::Tensor kv_cache, at::Tensor block_tables, at::Tensor q_starts,
-                   at::Tensor q_lens, at::Tensor context_lens, int64_t layer, double scale,
-                   int64_t sliding_window, at::Tensor out) {
-  TORCH_CHECK(q.scalar_type() == at::kBFloat16 && kv_cache.scalar_type() == at::kBFloat16 &&
-                  out.scalar_type() == at::kBFloat16,
-              "paged_prefill: bfloat16 only");
-  TORCH_CHECK(kv_cache.is_contiguous() && block_tables.is_contiguous());
-  TORCH_CHECK(q.stride(2) == 1 && out.stride(2) == 1, "paged_prefill: head_dim must be dense");
-  const int64_t heads = q.size(1), dim = q.size(2);
-  const int64_t layers = kv_cache.size(1), kv_heads = kv_cache.size(3), bs = kv_cache.size(4);
-  const int64_t group = heads / kv_heads;
-  TORCH_CHECK(heads == group * kv_heads, "paged_prefill: heads not a multiple of KV heads");
-  TORCH_CHECK(paged_prefill_supported(1, dim, bs, group), "paged_prefill: shape not built");
-  const int64_t num_seqs = q_starts.size(0), max_blocks = block_tables.size(1);
-  const int64_t* tables = block_tables.data_ptr<int64_t>();
-  const int64_t* starts = q_starts.data_ptr<int64_t>();
-  const int64_t* lens = q_lens.data_ptr<int64_t>();
-  const int64_t* ctxs = context_lens.data_ptr<int64_t>();
-
-  const Layout lay{reinterpret_cast<const uint16_t*>(q.data_ptr<at::BFloat16>()),
-                   q.stride(0),
-                   q.stride(1),
-                   reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()),
-                   out.stride(0),
-                   out.stride(1),
-                   reinterpret_cast<const uint16_t*>(kv_cache.data_ptr<at::BFloat16>()),
-                   layers * 2 * kv_heads * bs * dim,
-                   layer * 2 * kv_heads * bs * dim,
-                   kv_heads,
-                   group,
-                   static_cast<float>(scale),
-                   sliding_window};
-  const int64_t tile_queries = std::clamp<int64_t>(kMaxRows / group, 1, 16);
-  std::vector<Chunk> chunks;
-  std::vector<Task> tasks;
-  for (int64_t s = 0; s < num_seqs; ++s) {
-    TORCH_CHECK(lens[s] >= 1 && lens[s] <= ctxs[s], "paged_prefill: bad chunk lengths");
-    TORCH_CHECK((ctxs[s] + bs - 1) / bs <= max_blocks, "paged_prefill: block table too short");
-    chunks.push_back({tables + s * max_blocks, starts[s], lens[s], ctxs[s] - lens[s]});
-    for (int64_t h = 0; h < kv_heads; ++h) {
-      for (int64_t b = 0; b < lens[s]; b += tile_queries) {
-        const int64_t e = std::min(lens[s], b + tile_queries);
-        const int64_t key_end = ctxs[s] - lens[s] + e;
-        const int64_t first = ctxs[s] - lens[s] + b;
-        const int64_t key_begin =
-            sliding_window > 0 ? std::max<int64_t>(0, first - sliding_window + 1) : 0;
-        tasks.push_back({s, h, b, e, key_begin, key_end});
-      }
-    }
-  }
-  // Longest first, handed out dynamically: tiles late in a long context cost the most.
-  std::stable_sort(tasks.begin(), tasks.end(), [](const Task& a, const Task& b) {
-    return a.key_end - a.key_begin > b.key_end - b.key_begin;
-  });
+void run_bf16(const std::vector<Task>& tasks, const std::vector<Chunk>& chunks,
+              const Layout& lay, int64_t dim) {
   auto run = dim == 32 ? prefill_task<32> : dim == 64 ? prefill_task<64> : prefill_task<128>;
   const int64_t num_tasks = static_cast<int64_t>(tasks.size());
 #pragma omp parallel for schedule(dynamic, 1) num_threads(at::get_num_threads())
   for (int64_t i = 0; i < num_tasks; ++i) run(tasks[i], chunks[tasks[i].seq], lay);
 }
 
-#else
-
-bool paged_prefill_supported(int64_t, int64_t, int64_t, int64_t) { return false; }
-
-void paged_prefill(at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, int64_t,
-                   double, int64_t, at::Tensor) {
-  TORCH_CHECK(false, "paged_prefill: built without AVX-512 BF16");
-}
+}  // namespace
 
 #endif
+
+namespace {
+
+template <typename T>
+PrefillLayout<T> layout(const at::Tensor& q, const at::Tensor& kv_cache, at::Tensor& out,
+                        const T* qp, const T* cp, T* op, int64_t layer, double scale,
+                        int64_t sliding_window) {
+  const int64_t dim = q.size(2), layers = kv_cache.size(1), kv_heads = kv_cache.size(3);
+  const int64_t bs = kv_cache.size(4);
+  return {qp,
+          q.stride(0),
+          q.stride(1),
+          op,
+          out.stride(0),
+          out.stride(1),
+          cp,
+          layers * 2 * kv_heads * bs * dim,
+          layer * 2 * kv_heads * bs * dim,
+          kv_heads,
+          q.size(1) / kv_heads,
+          static_cast<float>(scale),
+          sliding_window};
+}
+
+}  // namespace
+
+bool paged_prefill_supported(const std::string& dtype, int64_t head_dim, int64_t block_size,
+                             int64_t group) {
+  if (!(head_dim == 32 || head_dim == 64 || head_dim == 128) ||
+      block_size != splitserve::kPrefillBlock || group > splitserve::kPrefillMaxRows) {
+    return false;
+  }
+#if SPLITSERVE_AVX512_BF16
+  if (dtype == "bfloat16") return true;
+#endif
+#if SPLITSERVE_AVX2
+  if (dtype == "float32") return true;
+#endif
+  return false;
+}
+
+// q, out: [T, H, D] (bfloat16 or float32, see paged_prefill_supported) with unit stride on D;
+// kv_cache: [NB, L, 2, KVH, 16, D] contiguous in q's dtype; block_tables: [S, max_blocks]
+// int64; q_starts, q_lens, context_lens: [S] int64, chunk s being rows
+// [q_starts[s], q_starts[s] + q_lens[s]) of q, the last q_lens[s] of its context_lens[s]
+// tokens. Writes those rows of out.
+void paged_prefill(at::Tensor q, at::Tensor kv_cache, at::Tensor block_tables, at::Tensor q_starts,
+                   at::Tensor q_lens, at::Tensor context_lens, int64_t layer, double scale,
+                   int64_t sliding_window, at::Tensor out) {
+  const bool is_bf16 = q.scalar_type() == at::kBFloat16;
+  TORCH_CHECK(kv_cache.scalar_type() == q.scalar_type() && out.scalar_type() == q.scalar_type(),
+              "paged_prefill: q, cache and out dtypes differ");
+  TORCH_CHECK(kv_cache.is_contiguous() && block_tables.is_contiguous());
+  TORCH_CHECK(q.stride(2) == 1 && out.stride(2) == 1, "paged_prefill: head_dim must be dense");
+  const int64_t heads = q.size(1), dim = q.size(2);
+  const int64_t kv_heads = kv_cache.size(3), bs = kv_cache.size(4);
+  const int64_t group = heads / kv_heads;
+  TORCH_CHECK(heads == group * kv_heads, "paged_prefill: heads not a multiple of KV heads");
+  TORCH_CHECK(paged_prefill_supported(is_bf16 ? "bfloat16" : "float32", dim, bs, group) &&
+                  (is_bf16 || q.scalar_type() == at::kFloat),
+              "paged_prefill: dtype or shape not built at this CPU level");
+  std::vector<PrefillChunk> chunks;
+  std::vector<PrefillTask> tasks;
+  splitserve::build_prefill_tasks(block_tables.data_ptr<int64_t>(), q_starts.data_ptr<int64_t>(),
+                                  q_lens.data_ptr<int64_t>(), context_lens.data_ptr<int64_t>(),
+                                  q_starts.size(0), block_tables.size(1), kv_heads, group,
+                                  sliding_window, chunks, tasks);
+#if SPLITSERVE_AVX512_BF16
+  if (is_bf16) {
+    const auto* qp = reinterpret_cast<const uint16_t*>(q.data_ptr<at::BFloat16>());
+    const auto* cp = reinterpret_cast<const uint16_t*>(kv_cache.data_ptr<at::BFloat16>());
+    auto* op = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
+    return run_bf16(tasks, chunks,
+                    layout(q, kv_cache, out, qp, cp, op, layer, scale, sliding_window), dim);
+  }
+#endif
+#if SPLITSERVE_AVX2
+  if (!is_bf16) {
+    return splitserve::run_prefill_f32_avx2(
+        tasks, chunks,
+        layout(q, kv_cache, out, q.data_ptr<float>(), kv_cache.data_ptr<float>(),
+               out.data_ptr<float>(), layer, scale, sliding_window),
+        dim);
+  }
+#endif
+  TORCH_CHECK(false, "paged_prefill: unreachable");
+}

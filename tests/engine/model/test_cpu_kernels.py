@@ -72,16 +72,18 @@ def sdpa_reference(layer, q, cache, tables, q_starts, q_lens, context_lens, wind
     return out
 
 
+@pytest.mark.parametrize("dtype,atol", [(torch.bfloat16, 2e-2), (torch.float32, 2e-5)])
 @pytest.mark.parametrize("head_dim", [32, 64, 128])
 @pytest.mark.parametrize("group", [1, 3, 4])
 @pytest.mark.parametrize("window", [None, 20])
-def test_prefill_kernel_matches_sdpa(kernels, head_dim, group, window):
-    if not kernels.paged_prefill_supported(True, head_dim, 16, group):
-        pytest.skip("the paged prefill kernel is built from avx512_bf16 up")
+def test_prefill_kernel_matches_sdpa(kernels, dtype, atol, head_dim, window, group):
+    dtype_name = str(dtype).removeprefix("torch.")
+    if not kernels.paged_prefill_supported(dtype_name, head_dim, 16, group):
+        pytest.skip(f"the paged prefill kernel is not built for {dtype_name} at this level")
     gen = torch.Generator().manual_seed(head_dim * group)
     num_blocks, num_layers, kv_heads, bs = 96, 2, 2, 16
     data = torch.randn(num_blocks, num_layers, 2, kv_heads, bs, head_dim, generator=gen)
-    cache = PagedKVCache(data.to(torch.bfloat16))
+    cache = PagedKVCache(data.to(dtype))
     # (new tokens, context): a whole prompt, chunks after a cached prefix on and off block
     # boundaries, one token, a prompt longer than one query tile.
     chunks = [(37, 37), (5, 100), (16, 32), (1, 1), (20, 53), (70, 70)]
@@ -94,7 +96,7 @@ def test_prefill_kernel_matches_sdpa(kernels, head_dim, group, window):
     heads = kv_heads * group
     # q as the model passes it: a strided view of the fused q/k/v rows.
     qkv = torch.randn(int(q_lens.sum()), heads + 2 * kv_heads, head_dim, generator=gen)
-    q = qkv.to(torch.bfloat16)[:, :heads]
+    q = qkv.to(dtype)[:, :heads]
     for layer in range(num_layers):
         want = sdpa_reference(layer, q, cache, tables, q_starts, q_lens, context_lens, window)
         got = torch.zeros_like(want)
@@ -110,10 +112,14 @@ def test_prefill_kernel_matches_sdpa(kernels, head_dim, group, window):
             window or -1,
             got,
         )
-        torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=0)
+        torch.testing.assert_close(got.float(), want.float(), atol=atol, rtol=0)
 
 
-def test_prefill_kernel_exists_exactly_from_avx512_bf16(isa_level, kernels):
-    """Below AVX512_BF16 the engine must take the SDPA path: the build says so."""
-    supported = kernels.paged_prefill_supported(True, 64, 16, 3)
-    assert supported == (isa_level >= CpuIsa.AVX512_BF16)
+def test_prefill_kernel_exists_exactly_where_its_level_allows(isa_level, kernels):
+    """bfloat16 from AVX512_BF16, float32 from AVX2, never float16: elsewhere the engine must
+    take the SDPA path, and the build says so."""
+    assert kernels.paged_prefill_supported("bfloat16", 64, 16, 3) == (
+        isa_level >= CpuIsa.AVX512_BF16
+    )
+    assert kernels.paged_prefill_supported("float32", 64, 16, 3) == (isa_level >= CpuIsa.AVX2)
+    assert not kernels.paged_prefill_supported("float16", 64, 16, 3)
