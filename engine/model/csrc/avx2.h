@@ -27,8 +27,8 @@ inline __m256 exp256(__m256 x) {
   p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
   p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f));
   p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f));
-  const __m256i bits = _mm256_slli_epi32(
-      _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  const __m256i bits =
+      _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
   return _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
 }
 
@@ -44,6 +44,19 @@ inline __m256 hsum8(const __m256* v) {
   const __m256 h4567 = _mm256_hadd_ps(h45, h67);
   return _mm256_add_ps(_mm256_permute2f128_ps(h0123, h4567, 0x20),
                        _mm256_permute2f128_ps(h0123, h4567, 0x31));
+}
+
+// The largest and the sum of the 8 lanes of v.
+inline float hmax8(__m256 v) {
+  __m128 x = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  x = _mm_max_ps(x, _mm_movehl_ps(x, x));
+  return _mm_cvtss_f32(_mm_max_ss(x, _mm_movehdup_ps(x)));
+}
+
+inline float hadd8(__m256 v) {
+  __m128 x = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  x = _mm_add_ps(x, _mm_movehl_ps(x, x));
+  return _mm_cvtss_f32(_mm_add_ss(x, _mm_movehdup_ps(x)));
 }
 
 // 8 values widened to float: float32 as is, bfloat16 exactly (bits shifted up).

@@ -20,7 +20,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "whether paged_prefill is built for this dtype ('bfloat16', 'float32') and shape");
   m.def("paged_prefill", &paged_prefill,
         "causal paged-attention prefill of chunks over their cached context (CPU)");
-  m.def("rms_norm", &rms_norm, "RMSNorm, optionally after a fused residual add (float32, bfloat16)");
+  m.def("rms_norm", &rms_norm,
+        "RMSNorm, optionally after a fused residual add (float32, bfloat16)");
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up (float32, bfloat16)");
   m.def("rotary_", &rotary_, "rotary embedding of the first heads, in place (float32, bfloat16)");
 }

@@ -33,18 +33,6 @@ inline float to_float(uint16_t v) { return splitserve::bf16_to_float(v); }
 inline void store(float* p, float v) { *p = v; }
 inline void store(uint16_t* p, float v) { *p = splitserve::float_to_bf16(v); }
 
-inline float hmax8(__m256 v) {
-  __m128 x = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  x = _mm_max_ps(x, _mm_movehl_ps(x, x));
-  return _mm_cvtss_f32(_mm_max_ss(x, _mm_movehdup_ps(x)));
-}
-
-inline float hadd8(__m256 v) {
-  __m128 x = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  x = _mm_add_ps(x, _mm_movehl_ps(x, x));
-  return _mm_cvtss_f32(_mm_add_ss(x, _mm_movehdup_ps(x)));
-}
-
 // Lanes t of [base, base + 8) with t0 <= t < t1, as an all-ones mask.
 inline __m256 lane_mask(int64_t base, int64_t t0, int64_t t1) {
   const __m256i idx = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
@@ -98,25 +86,26 @@ void decode_heads(const T* q, const T* cache, const int64_t* table, int64_t ctx,
         for (int64_t t = 0; t < bs; ++t) {
           __m256 dot = _mm256_setzero_ps();
           for (int64_t c = 0; c < kVecs; ++c) {
-            dot = _mm256_fmadd_ps(_mm256_load_ps(qf[h] + 8 * c), splitserve::load8(k + t * dim + 8 * c),
-                                  dot);
+            dot = _mm256_fmadd_ps(_mm256_load_ps(qf[h] + 8 * c),
+                                  splitserve::load8(k + t * dim + 8 * c), dot);
           }
           dots[t] = dot;
         }
         const __m256 s_lo = _mm256_blendv_ps(neg_inf, splitserve::hsum8(dots), valid_lo);
         const __m256 s_hi = _mm256_blendv_ps(neg_inf, splitserve::hsum8(dots + 8), valid_hi);
-        const float m_new = std::max(m[h], hmax8(_mm256_max_ps(s_lo, s_hi)));
+        const float m_new = std::max(m[h], splitserve::hmax8(_mm256_max_ps(s_lo, s_hi)));
         const float correction = splitserve::exp_scalar(m[h] - m_new);
         const __m256 m_v = _mm256_set1_ps(m_new);
         const __m256 e_lo = _mm256_and_ps(splitserve::exp256(_mm256_sub_ps(s_lo, m_v)), valid_lo);
         const __m256 e_hi = _mm256_and_ps(splitserve::exp256(_mm256_sub_ps(s_hi, m_v)), valid_hi);
-        l[h] = l[h] * correction + hadd8(_mm256_add_ps(e_lo, e_hi));
+        l[h] = l[h] * correction + splitserve::hadd8(_mm256_add_ps(e_lo, e_hi));
         m[h] = m_new;
         _mm256_store_ps(p, e_lo);
         _mm256_store_ps(p + 8, e_hi);
         __m256 a[kVecs];
         const __m256 corr_v = _mm256_set1_ps(correction);
-        for (int64_t c = 0; c < kVecs; ++c) a[c] = _mm256_mul_ps(_mm256_load_ps(acc[h] + 8 * c), corr_v);
+        for (int64_t c = 0; c < kVecs; ++c)
+          a[c] = _mm256_mul_ps(_mm256_load_ps(acc[h] + 8 * c), corr_v);
         for (int64_t t = t0; t < t1; ++t) {
           const __m256 pt = _mm256_set1_ps(p[t]);
           for (int64_t c = 0; c < kVecs; ++c) {
@@ -135,8 +124,8 @@ void decode_heads(const T* q, const T* cache, const int64_t* table, int64_t ctx,
 
 template <typename T>
 void run(const T* qp, const T* cp, const int64_t* tables, const int64_t* lens, int64_t batch,
-         int64_t heads, int64_t dim, int64_t max_blocks, int64_t layer_offset,
-         int64_t block_stride, int64_t kv_heads, float scale, int64_t sliding_window, T* op) {
+         int64_t heads, int64_t dim, int64_t max_blocks, int64_t layer_offset, int64_t block_stride,
+         int64_t kv_heads, float scale, int64_t sliding_window, T* op) {
   const int64_t group = heads / kv_heads;
   auto heads_fn = dim == 32   ? decode_heads<T, 32>
                   : dim == 64 ? decode_heads<T, 64>

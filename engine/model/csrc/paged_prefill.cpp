@@ -166,8 +166,8 @@ void prefill_task(const Task& task, const Chunk& chunk, const Layout& lay) {
   }
 }
 
-void run_bf16(const std::vector<Task>& tasks, const std::vector<Chunk>& chunks,
-              const Layout& lay, int64_t dim) {
+void run_bf16(const std::vector<Task>& tasks, const std::vector<Chunk>& chunks, const Layout& lay,
+              int64_t dim) {
   auto run = dim == 32 ? prefill_task<32> : dim == 64 ? prefill_task<64> : prefill_task<128>;
   const int64_t num_tasks = static_cast<int64_t>(tasks.size());
 #pragma omp parallel for schedule(dynamic, 1) num_threads(at::get_num_threads())

@@ -24,18 +24,6 @@ constexpr int64_t kBlock = kPrefillBlock;
 constexpr int64_t kMaxRows = kPrefillMaxRows;
 constexpr int64_t kRowStep = 4;  // rows sharing one pass over the transposed K tile
 
-inline float hmax8(__m256 v) {
-  __m128 x = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  x = _mm_max_ps(x, _mm_movehl_ps(x, x));
-  return _mm_cvtss_f32(_mm_max_ss(x, _mm_movehdup_ps(x)));
-}
-
-inline float hadd8(__m256 v) {
-  __m128 x = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  x = _mm_add_ps(x, _mm_movehl_ps(x, x));
-  return _mm_cvtss_f32(_mm_add_ss(x, _mm_movehdup_ps(x)));
-}
-
 template <int64_t dim>
 void prefill_task(const PrefillTask& task, const PrefillChunk& chunk,
                   const PrefillLayout<float>& lay) {
@@ -78,7 +66,8 @@ void prefill_task(const PrefillTask& task, const PrefillChunk& chunk,
     for (int64_t t = 0; t < kBlock; ++t) {
       for (int64_t d = 0; d < dim; ++d) kt[d][t] = k[t * dim + d];
     }
-    const __m256i key_lo = _mm256_add_epi32(_mm256_set1_epi32(static_cast<int32_t>(blk * kBlock)), lane);
+    const __m256i key_lo =
+        _mm256_add_epi32(_mm256_set1_epi32(static_cast<int32_t>(blk * kBlock)), lane);
     const __m256i key_hi = _mm256_add_epi32(key_lo, _mm256_set1_epi32(8));
 
     for (int64_t rb = 0; rb < padded_rows; rb += kRowStep) {
@@ -110,12 +99,12 @@ void prefill_task(const PrefillTask& task, const PrefillChunk& chunk,
         if (!active[r]) continue;
         const __m256 s_lo = _mm256_blendv_ps(neg_inf, s[r][0], valid_lo);
         const __m256 s_hi = _mm256_blendv_ps(neg_inf, s[r][1], valid_hi);
-        const float m_new = std::max(m[row], hmax8(_mm256_max_ps(s_lo, s_hi)));
+        const float m_new = std::max(m[row], splitserve::hmax8(_mm256_max_ps(s_lo, s_hi)));
         corr[r] = exp_scalar(m[row] - m_new);
         const __m256 m_v = _mm256_set1_ps(m_new);
         const __m256 e_lo = _mm256_and_ps(exp256(_mm256_sub_ps(s_lo, m_v)), valid_lo);
         const __m256 e_hi = _mm256_and_ps(exp256(_mm256_sub_ps(s_hi, m_v)), valid_hi);
-        l[row] = l[row] * corr[r] + hadd8(_mm256_add_ps(e_lo, e_hi));
+        l[row] = l[row] * corr[r] + splitserve::hadd8(_mm256_add_ps(e_lo, e_hi));
         m[row] = m_new;
         _mm256_store_ps(p[r], e_lo);
         _mm256_store_ps(p[r] + 8, e_hi);
@@ -149,8 +138,8 @@ void prefill_task(const PrefillTask& task, const PrefillChunk& chunk,
 }  // namespace
 
 void run_prefill_f32_avx2(const std::vector<PrefillTask>& tasks,
-                          const std::vector<PrefillChunk>& chunks,
-                          const PrefillLayout<float>& lay, int64_t dim) {
+                          const std::vector<PrefillChunk>& chunks, const PrefillLayout<float>& lay,
+                          int64_t dim) {
   auto run = dim == 32 ? prefill_task<32> : dim == 64 ? prefill_task<64> : prefill_task<128>;
   const int64_t num_tasks = static_cast<int64_t>(tasks.size());
 #pragma omp parallel for schedule(dynamic, 1) num_threads(at::get_num_threads())

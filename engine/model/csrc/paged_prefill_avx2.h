@@ -13,8 +13,8 @@ namespace splitserve {
 
 // Runs every task (in parallel, dynamically) for head_dim `dim` (32, 64 or 128).
 void run_prefill_f32_avx2(const std::vector<PrefillTask>& tasks,
-                          const std::vector<PrefillChunk>& chunks,
-                          const PrefillLayout<float>& lay, int64_t dim);
+                          const std::vector<PrefillChunk>& chunks, const PrefillLayout<float>& lay,
+                          int64_t dim);
 
 }  // namespace splitserve
 #endif
