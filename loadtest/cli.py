@@ -12,12 +12,18 @@ from __future__ import annotations
 import argparse
 import shlex
 import sys
+import time
 from pathlib import Path
+
+import grpc
 
 from loadtest.metrics import DEFAULT_SLO_ITL_PERCENTILE
 from loadtest.report import write_reports
-from loadtest.sweep import LoadSpec, run_sweep, served_model
+from loadtest.sweep import LoadSpec, run_sweep, served_model_of
 from loadtest.synthetic import WORKLOADS
+from services.common.grpc_server import CHANNEL_OPTIONS
+from services.startup import ClusterNotReady, WaitMessages, wait_for_cluster
+from splitserve.v1 import router_pb2_grpc
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -48,7 +54,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--model", default=None, help="tokenizer to build prompts with (default: the router's)"
     )
-    parser.add_argument("--timeout-s", type=float, default=300.0, help="deadline per request")
+    parser.add_argument(
+        "--timeout-s",
+        type=float,
+        default=300.0,
+        help="deadline per request, and for a router and workers still starting to serve",
+    )
     parser.add_argument("--out", type=Path, required=True, help="directory for the reports")
     parser.add_argument("--no-progress", action="store_true")
     parser.set_defaults(func=main)
@@ -72,7 +83,21 @@ def main(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"splitserve loadtest: {exc}", file=sys.stderr)
         return 2
-    served = served_model(args.target, args.model)
+    with grpc.insecure_channel(args.target, options=CHANNEL_OPTIONS) as channel:
+        stub = router_pb2_grpc.RouterStub(channel)
+        deadline_s = time.monotonic() + args.timeout_s
+        try:
+            status = wait_for_cluster(stub, args.target, deadline_s, WaitMessages(sys.stderr))
+        except ClusterNotReady as exc:
+            print(
+                f"splitserve loadtest: not serving after {args.timeout_s:g} s: {exc}",
+                file=sys.stderr,
+            )
+            return 2
+        except grpc.RpcError as exc:
+            print(f"splitserve loadtest: {exc.code().name}: {exc.details()}", file=sys.stderr)
+            return 2
+    served = served_model_of(status, args.model)
     runs = run_sweep(args.target, spec, served, show_progress=not args.no_progress)
     for result in runs:
         summary = result.summary

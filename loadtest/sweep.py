@@ -65,15 +65,24 @@ class ServedModel:
 
 def served_model(target: str, tokenizer_model: str | None = None) -> ServedModel:
     """Ask the router at ``target`` (once) what it serves; prompts are built from
-    ``tokenizer_model``'s tokenizer (default: the router's model)."""
+    ``tokenizer_model``'s tokenizer (default: the model its workers loaded)."""
     with grpc.insecure_channel(target, options=CHANNEL_OPTIONS) as channel:
         stub = router_pb2_grpc.RouterStub(channel)
         status = stub.Status(router_pb2.StatusRequest(), timeout=30, wait_for_ready=True)
+    return served_model_of(status, tokenizer_model)
+
+
+def served_model_of(
+    status: router_pb2.StatusResponse, tokenizer_model: str | None = None
+) -> ServedModel:
+    """What a router serves, from its ``Status`` (``ValueError`` if no worker has answered)."""
     infos = [w.info for w in status.workers if w.info.max_model_len]
     if not infos:
-        raise RuntimeError(f"no worker behind {target} has answered yet")
+        raise ValueError("no worker behind the router has answered yet")
     vocab_size = min(i.vocab_size for i in infos)
-    tokenizer = Tokenizer(resolve_model(tokenizer_model or status.model)).backend
+    # status.model is the served name (--served-model-name); the workers say what they loaded.
+    loaded = tokenizer_model or infos[0].model
+    tokenizer = Tokenizer(resolve_model(loaded, tokenizer_only=True)).backend
     return ServedModel(
         name=status.model,
         vocab=tuple(i for i in regular_token_ids(tokenizer) if i < vocab_size),

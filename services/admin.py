@@ -1,7 +1,9 @@
 """``splitserve status`` and ``splitserve scale``: a cluster's pools, workers and sizes.
 
 Both talk to a router over gRPC (``Router.Status`` / ``Router.Scale``), the same address clients
-use; on Ray the router forwards ``Scale`` to the cluster controller.
+use; on Ray the router forwards ``Scale`` to the cluster controller. Both wait for a router that
+is still starting (``services.startup``); ``status`` then prints at once, saying why the cluster
+does not serve yet if it does not.
 """
 
 from __future__ import annotations
@@ -16,10 +18,17 @@ from google.protobuf import json_format
 
 from services.common.convert import ROLE_NAMES
 from services.common.grpc_server import CHANNEL_OPTIONS
+from services.startup import (
+    ClusterNotReady,
+    WaitMessages,
+    router_answers,
+    wait_for_cluster,
+    why_not_serving,
+    why_pool_not_at_size,
+)
 from splitserve.v1 import router_pb2, router_pb2_grpc, worker_pb2
 
 _ROLES = {"prefill": worker_pb2.WORKER_ROLE_PREFILL, "decode": worker_pb2.WORKER_ROLE_DECODE}
-_WAIT_POLL_S = 0.5
 
 
 def add_parsers(subparsers: argparse._SubParsersAction) -> None:
@@ -28,6 +37,9 @@ def add_parsers(subparsers: argparse._SubParsersAction) -> None:
     )
     status.add_argument("--target", default="127.0.0.1:50051", help="router host:port")
     status.add_argument("--json", action="store_true", help="print Router.Status as JSON")
+    status.add_argument(
+        "--timeout-s", type=float, default=10.0, help="how long to wait for a router to answer"
+    )
     status.set_defaults(func=run_status)
     scale = subparsers.add_parser(
         "scale", help="set the number of prefill or decode workers of a running cluster"
@@ -38,18 +50,28 @@ def add_parsers(subparsers: argparse._SubParsersAction) -> None:
     scale.add_argument(
         "--wait", action="store_true", help="return once the pool has that many ready workers"
     )
-    scale.add_argument("--timeout-s", type=float, default=600.0, help="deadline of --wait")
+    scale.add_argument(
+        "--timeout-s",
+        type=float,
+        default=600.0,
+        help="deadline of the command: waiting for a router still starting, then --wait",
+    )
     scale.set_defaults(func=run_scale)
 
 
 def run_status(args: argparse.Namespace) -> int:
+    deadline_s = time.monotonic() + args.timeout_s
     with grpc.insecure_channel(args.target, options=CHANNEL_OPTIONS) as channel:
+        stub = router_pb2_grpc.RouterStub(channel)
         try:
-            status = router_pb2_grpc.RouterStub(channel).Status(
-                router_pb2.StatusRequest(), timeout=10.0
+            status = wait_for_cluster(
+                stub, args.target, deadline_s, WaitMessages(sys.stderr), router_answers
             )
         except grpc.RpcError as exc:
             print(f"error: {exc.code().name}: {exc.details()}", file=sys.stderr)
+            return 2
+        except ClusterNotReady as exc:
+            print(f"error: {exc}", file=sys.stderr)
             return 2
     if args.json:
         print(json_format.MessageToJson(status, preserving_proto_field_name=True))
@@ -63,39 +85,28 @@ def run_scale(args: argparse.Namespace) -> int:
         print("error: num_workers must be >= 0", file=sys.stderr)
         return 2
     request = router_pb2.ScaleRequest(role=_ROLES[args.pool], num_workers=args.num_workers)
+    deadline_s = time.monotonic() + args.timeout_s
+    messages = WaitMessages(sys.stderr)
     with grpc.insecure_channel(args.target, options=CHANNEL_OPTIONS) as channel:
         stub = router_pb2_grpc.RouterStub(channel)
         try:
-            reply = stub.Scale(request, timeout=30.0)
-            pools: Sequence[router_pb2.PoolStatus] = reply.pools
+            wait_for_cluster(stub, args.target, deadline_s, messages, router_answers)
+            pools: Sequence[router_pb2.PoolStatus] = stub.Scale(request, timeout=30.0).pools
             if args.wait:
-                pools = _wait_for_pool(stub, request.role, args.timeout_s)
+                why_not = why_pool_not_at_size(request.role)
+                pools = wait_for_cluster(stub, args.target, deadline_s, messages, why_not).pools
         except grpc.RpcError as exc:
             print(f"error: {exc.code().name}: {exc.details()}", file=sys.stderr)
             return 2
-        except TimeoutError as exc:
-            print(f"error: {exc}", file=sys.stderr)
+        except ClusterNotReady as exc:
+            print(f"error: not done after {args.timeout_s:g} s: {exc}", file=sys.stderr)
             return 2
     print(format_pools(pools))
     return 0
 
 
-def _wait_for_pool(
-    stub: router_pb2_grpc.RouterStub, role: int, timeout_s: float
-) -> Sequence[router_pb2.PoolStatus]:
-    deadline_s = time.monotonic() + timeout_s
-    while True:
-        pools = stub.Status(router_pb2.StatusRequest(), timeout=10.0).pools
-        pool = next(p for p in pools if p.role == role)
-        if pool.num_ready == pool.desired_workers and not (pool.num_starting or pool.num_draining):
-            return pools
-        if time.monotonic() > deadline_s:
-            raise TimeoutError(f"{ROLE_NAMES[role]} pool not at its size in {timeout_s:.0f} s")
-        time.sleep(_WAIT_POLL_S)
-
-
 def format_pools(pools: Sequence[router_pb2.PoolStatus]) -> str:
-    rows = [("POOL", "DESIRED", "READY", "STARTING", "DRAINING", "RESTARTS")]
+    rows = [("POOL", "DESIRED", "READY", "STARTING", "DRAINING", "RESTARTS", "FAILED_STARTS")]
     rows += [
         (
             ROLE_NAMES[p.role],
@@ -104,6 +115,7 @@ def format_pools(pools: Sequence[router_pb2.PoolStatus]) -> str:
             str(p.num_starting),
             str(p.num_draining),
             str(p.num_restarts),
+            str(p.num_failed_starts),
         )
         for p in pools
     ]
@@ -116,13 +128,16 @@ def format_status(status: router_pb2.StatusResponse) -> str:
         f"router: {status.mode}, model {status.model}, "
         f"{status.num_inflight_requests} requests in flight"
     ]
+    not_serving = why_not_serving(status)
+    if not_serving is not None:
+        lines.append(f"not serving: {not_serving}")
     if status.pools:
         lines += ["", format_pools(status.pools)]
     else:
         lines.append("pools: fixed (no orchestrator; splitserve up --no-ray)")
     rows = [
         ("ROLE", "ADDRESS", "WORKER_ID", "STATE", "RUNNING", "WAITING", "KV_LEASES", "KV_USAGE",
-         "QUEUED_PREFILL_TOKENS"),
+         "QUEUED_PREFILL_TOKENS", "DTYPE", "CPU"),
     ]  # fmt: skip
     for w in status.workers:
         state = "draining" if w.draining else "ready" if w.healthy else "unhealthy"
@@ -137,10 +152,24 @@ def format_status(status: router_pb2.StatusResponse) -> str:
                 str(w.load.num_kv_leases),
                 f"{w.load.kv_usage:.1%}",
                 str(w.load.num_queued_prefill_tokens),
+                w.info.dtype or "-",
+                w.info.cpu_isa or "-",
             )
         )
     lines += ["", _table(rows)]
-    errors = [f"  {w.address}: {w.last_error}" for w in status.workers if w.last_error]
+    kernels = sorted({w.info.kernels for w in status.workers})
+    if len(kernels) == 1:
+        lines.append(f"kernels: {kernels[0]}")
+    else:
+        lines += [
+            f"kernels of {w.address}: {w.info.kernels}" for w in status.workers if w.info.kernels
+        ]
+    errors = [
+        f"  {ROLE_NAMES[p.role]} pool, last failed start: {p.last_error}"
+        for p in status.pools
+        if p.last_error
+    ]
+    errors += [f"  {w.address}: {w.last_error}" for w in status.workers if w.last_error]
     if errors:
         lines += ["", "last errors:", *errors]
     return "\n".join(lines)

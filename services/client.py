@@ -11,6 +11,7 @@ import grpc
 
 from services.common.convert import FINISH_REASON_NAMES
 from services.common.grpc_server import CHANNEL_OPTIONS
+from services.startup import ClusterNotReady, WaitMessages, wait_for_cluster
 from splitserve.v1 import router_pb2, router_pb2_grpc
 
 _RETRY_INTERVAL_S = 0.5
@@ -65,12 +66,19 @@ def run(args: argparse.Namespace) -> int:
     token_ids: list[int] = []
     text: list[str] = []
     last: router_pb2.GenerateResponse | None = None
-    waited = False
+    messages = WaitMessages(sys.stderr)
     with grpc.insecure_channel(args.target, options=CHANNEL_OPTIONS) as channel:
         stub = router_pb2_grpc.RouterStub(channel)
         while True:
             try:
-                # wait_for_ready: a router that is not listening yet is waited for.
+                wait_for_cluster(stub, args.target, deadline_s, messages)
+            except ClusterNotReady as exc:
+                print(f"error: not serving after {args.timeout_s:g} s: {exc}", file=sys.stderr)
+                return 2
+            except grpc.RpcError as exc:
+                print(f"error: {exc.code().name}: {exc.details()}", file=sys.stderr)
+                return 2
+            try:
                 calls = stub.Generate(
                     request, timeout=max(deadline_s - time.monotonic(), 0.0), wait_for_ready=True
                 )
@@ -85,13 +93,11 @@ def run(args: argparse.Namespace) -> int:
                     last = message
                 break
             except grpc.RpcError as exc:
-                # A router whose workers are still starting answers UNAVAILABLE before
-                # streaming anything: the request was never admitted, so it is sent again.
+                # UNAVAILABLE before anything streamed: the request was never admitted (its
+                # decode worker went away after the check above), so it is sent again.
                 retry = exc.code() == grpc.StatusCode.UNAVAILABLE and last is None
                 if retry and time.monotonic() + _RETRY_INTERVAL_S < deadline_s:
-                    if not waited:
-                        print(f"waiting for the cluster: {exc.details()}", file=sys.stderr)
-                        waited = True
+                    messages.show(f"{exc.code().name}: {exc.details()}")
                     time.sleep(_RETRY_INTERVAL_S)
                     continue
                 print(f"\nerror: {exc.code().name}: {exc.details()}", file=sys.stderr)

@@ -2,23 +2,36 @@
 
 Each process is the plain service (``python -m services.prefill`` / ``.decode`` / ``.router``),
 exactly what a Kubernetes pod runs; the launcher only picks ports, passes the engine flags to
-every worker, waits for gRPC health, and tears everything down on Ctrl-C or when one of the
-processes it cannot lose (the router) exits. ``services.cluster`` runs the same services as Ray
-actors.
+every worker, starts the routers alongside the workers, waits for gRPC health, and tears
+everything down on Ctrl-C or when one of the processes it cannot lose (the router) exits.
+``services.cluster`` runs the same services as Ray actors.
+
+Each process's stderr passes through to the launcher's, which keeps its last lines: a process
+that exits is reported with its exit status and the last line it wrote (a worker that fails to
+load its model: the exception). There is no orchestrator to restart an exited worker; instead
+the launcher answers on its address in its place, every call with UNAVAILABLE and that reason,
+so that the routers, and through them ``Router.Status`` and every client, say why it does not
+serve.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import enum
 import logging
 import os
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections import deque
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import IO
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -26,10 +39,16 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from engine.config import EngineConfig
 from engine.flags import to_argv
 from services.common.grpc_server import CHANNEL_OPTIONS
+from services.startup import WorkerFailure, last_line
+from splitserve.v1 import router_pb2, router_pb2_grpc
 
 logger = logging.getLogger(__name__)
 
 _HEALTH_POLL_S = 0.2
+_HEALTH_CHECK_TIMEOUT_S = 1.0
+_STDERR_TAIL_LINES = 20
+# How long the last lines of an exited process may take to come through its pipe.
+_STDERR_DRAIN_S = 1.0
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -38,18 +57,40 @@ def free_port(host: str = "127.0.0.1") -> int:
         return sock.getsockname()[1]
 
 
+class ProcessState(enum.Enum):
+    STARTING = "starting"  # spawned, not answering SERVING on gRPC health yet
+    SERVING = "serving"
+    EXITED = "exited"  # seen gone by LocalCluster.supervise (reported once)
+
+
 @dataclass(slots=True)
 class ServiceProcess:
-    """One child process and the gRPC address it serves."""
+    """One child process and the gRPC address it serves. Its stderr passes through to ours
+    (file descriptor 2); the last lines are kept to tell why it exited (``exit_reason``)."""
 
     role: str
     address: str
     metrics_port: int
     argv: list[str]
     popen: subprocess.Popen[bytes] | None = None
+    state: ProcessState = ProcessState.STARTING
+    stderr_tail: deque[str] = field(default_factory=lambda: deque(maxlen=_STDERR_TAIL_LINES))
+    _stderr_pump: threading.Thread | None = field(default=None, init=False, repr=False)
+    _stand_in: grpc.Server | None = field(default=None, init=False, repr=False)
 
     def start(self, env: dict[str, str]) -> None:
-        self.popen = subprocess.Popen(self.argv, env=env, start_new_session=True)
+        self.popen = subprocess.Popen(
+            self.argv, env=env, start_new_session=True, stderr=subprocess.PIPE
+        )
+        self.state = ProcessState.STARTING
+        assert self.popen.stderr is not None
+        self._stderr_pump = threading.Thread(
+            target=_pass_through,
+            args=(self.popen.stderr, self.stderr_tail),
+            name=f"{self.role}-{self.address}-stderr",
+            daemon=True,
+        )
+        self._stderr_pump.start()
 
     @property
     def alive(self) -> bool:
@@ -59,6 +100,68 @@ class ServiceProcess:
         if self.alive:
             assert self.popen is not None
             os.killpg(self.popen.pid, sig)
+
+    def exit_reason(self) -> str:
+        """How the (exited) process ended: its exit status and the last line it wrote."""
+        assert self.popen is not None and self.popen.returncode is not None
+        if self._stderr_pump is not None:
+            self._stderr_pump.join(_STDERR_DRAIN_S)
+        code = self.popen.returncode
+        status = f"killed by {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
+        line = last_line("".join(self.stderr_tail))
+        return f"{status}: {line}" if line else status
+
+    def answer_in_place(self, details: str) -> None:
+        """Serve on the (exited) process's address: every call gets UNAVAILABLE with
+        ``details``. Logs and does nothing if the address cannot be bound."""
+        server = grpc.server(
+            ThreadPoolExecutor(max_workers=1),
+            handlers=(_Unavailable(details),),
+            # Never share the port with a process that would take it back.
+            options=(("grpc.so_reuseport", 0),),
+        )
+        try:
+            bound = server.add_insecure_port(self.address)
+        except RuntimeError:
+            bound = 0
+        if not bound:
+            logger.warning("cannot answer in place of %s at %s", self.role, self.address)
+            return
+        server.start()
+        self._stand_in = server
+
+    def close_stand_in(self) -> None:
+        if self._stand_in is not None:
+            self._stand_in.stop(None)
+            self._stand_in = None
+
+
+class _Unavailable(grpc.GenericRpcHandler):
+    """Answers every method with UNAVAILABLE and fixed details."""
+
+    def __init__(self, details: str) -> None:
+        self._handler = grpc.unary_unary_rpc_method_handler(self._abort)
+        self._details = details
+
+    def service(
+        self, handler_call_details: grpc.HandlerCallDetails
+    ) -> grpc.RpcMethodHandler | None:
+        return self._handler
+
+    def _abort(self, request: bytes, context: grpc.ServicerContext) -> None:
+        context.abort(grpc.StatusCode.UNAVAILABLE, self._details)
+
+
+def _pass_through(pipe: IO[bytes], tail: deque[str]) -> None:
+    """Copy a child's stderr to ours line by line until it closes, keeping the last lines."""
+    with pipe:
+        for line in pipe:
+            tail.append(line.decode(errors="replace"))
+            # Our stderr gone (a closed pipe): keep draining, or the child would block on it.
+            with contextlib.suppress(OSError):
+                view = memoryview(line)
+                while view:
+                    view = view[os.write(2, view) :]
 
 
 @dataclass(slots=True)
@@ -89,8 +192,21 @@ class LocalCluster:
         return [p for p in self.processes if p.role == role]
 
     def start(self, timeout_s: float = 300.0) -> str:
-        """Spawn workers, wait for their health, then the routers (sharing the workers); return
-        the first router's address."""
+        """``launch``, then block until every process serves and every router routes to every
+        worker; return the first router's address. Raises ``RuntimeError`` naming a process
+        that exits (see ``ServiceProcess.exit_reason``), ``TimeoutError`` after ``timeout_s``.
+        """
+        self.launch()
+        deadline_s = time.monotonic() + timeout_s
+        for process in self.processes:
+            wait_healthy(process, deadline_s)
+        for router in self.workers("router"):
+            _wait_routed(router, deadline_s)
+        return self.router_address
+
+    def launch(self) -> None:
+        """Spawn every worker and the routers at once (each router is given every worker's
+        address and routes to a worker once it serves); returns without waiting."""
         if self.mode == "colocated":
             self.num_prefill = 0
         env = dict(os.environ, SPLITSERVE_LOG_LEVEL=self.log_level)
@@ -112,21 +228,36 @@ class LocalCluster:
                     argv += ["--cpu-cores", next(cpu_cores)]
                 address = f"{self.host}:{port}"
                 self.processes.append(ServiceProcess(role, address, metrics_port, argv))
-        for process in self.processes:
-            process.start(env)
-        deadline_s = time.monotonic() + timeout_s
-        for process in self.processes:
-            wait_healthy(process, deadline_s)
-        routers = [
+        self.processes.extend(
             self._router_process(self.port if i == 0 and self.port else free_port(self.host))
             for i in range(self.num_routers)
-        ]
-        self.processes.extend(routers)
-        for router in routers:
-            router.start(env)
-        for router in routers:
-            wait_healthy(router, deadline_s)
-        return self.router_address
+        )
+        for process in self.processes:
+            process.start(env)
+
+    def supervise(self) -> list[WorkerFailure]:
+        """One round of watching the processes (``splitserve up --no-ray``): note those that
+        now serve, and return one ``WorkerFailure`` for each that exited since the last round.
+        An exited worker is not restarted (there is no orchestrator); it is answered for in
+        place (``ServiceProcess.answer_in_place``) until ``stop``."""
+        failures = []
+        for process in self.processes:
+            if process.state is ProcessState.EXITED:
+                continue
+            if not process.alive:
+                during = " during startup" if process.state is ProcessState.STARTING else ""
+                process.state = ProcessState.EXITED
+                reason = process.exit_reason()
+                if process.role != "router":
+                    process.answer_in_place(f"exited{during} ({reason}); not restarted")
+                failures.append(WorkerFailure(process.role, process.address, reason, 1, None))
+            elif process.state is ProcessState.STARTING and _serves(process.address):
+                process.state = ProcessState.SERVING
+        return failures
+
+    def serving(self) -> bool:
+        """Every process answered SERVING (as last seen by ``supervise``)."""
+        return all(p.state is ProcessState.SERVING for p in self.processes)
 
     def _router_process(self, port: int) -> ServiceProcess:
         metrics_port = free_port(self.host)
@@ -137,6 +268,7 @@ class LocalCluster:
             [
                 sys.executable, "-m", "services.router",
                 "--model", self.engine.model,
+                *_router_model_flags(self.engine),
                 "--host", self.host,
                 "--port", str(port),
                 "--mode", self.mode,
@@ -151,11 +283,13 @@ class LocalCluster:
         return split_threads(self.engine, self.num_prefill + self.num_decode)
 
     def stop(self, timeout_s: float = 15.0) -> None:
-        """SIGTERM everything (router first), then SIGKILL what is left after ``timeout_s``."""
+        """SIGTERM everything (routers first), then SIGKILL what is left after ``timeout_s``;
+        stop answering in place of exited workers."""
         for process in reversed(self.processes):
             process.signal(signal.SIGTERM)
         deadline_s = time.monotonic() + timeout_s
         for process in self.processes:
+            process.close_stand_in()
             if process.popen is None:
                 continue
             try:
@@ -163,6 +297,16 @@ class LocalCluster:
             except subprocess.TimeoutExpired:
                 process.signal(signal.SIGKILL)
                 process.popen.wait()
+
+
+def _router_model_flags(engine: EngineConfig) -> list[str]:
+    """The router's ``--revision`` and ``--served-model-name``: the workers' own, when set."""
+    flags: list[str] = []
+    if engine.revision is not None:
+        flags += ["--revision", engine.revision]
+    if engine.served_model_name is not None:
+        flags += ["--served-model-name", engine.served_model_name]
+    return flags
 
 
 def split_threads(engine: EngineConfig, num_engines: int) -> EngineConfig:
@@ -176,17 +320,55 @@ def split_threads(engine: EngineConfig, num_engines: int) -> EngineConfig:
 
 def wait_healthy(process: ServiceProcess, deadline_s: float) -> None:
     """Block until ``process`` answers SERVING on gRPC health; raise if it dies or times out."""
-    with grpc.insecure_channel(process.address, options=CHANNEL_OPTIONS) as channel:
-        stub = health_pb2_grpc.HealthStub(channel)
-        while True:
-            if not process.alive:
-                raise RuntimeError(f"{process.role} process ({' '.join(process.argv)}) exited")
+    _wait(
+        lambda: _serves(process.address),
+        deadline_s,
+        lambda: f"{process.role} at {process.address} is not healthy in time",
+        process,
+    )
+    process.state = ProcessState.SERVING
+
+
+def _wait_routed(router: ServiceProcess, deadline_s: float) -> None:
+    """Block until ``router`` reports every worker it was given as healthy."""
+
+    def routed() -> bool:
+        with grpc.insecure_channel(router.address, options=CHANNEL_OPTIONS) as channel:
             try:
-                reply = stub.Check(health_pb2.HealthCheckRequest(), timeout=1.0)
-                if reply.status == health_pb2.HealthCheckResponse.SERVING:
-                    return
+                status = router_pb2_grpc.RouterStub(channel).Status(
+                    router_pb2.StatusRequest(), timeout=_HEALTH_CHECK_TIMEOUT_S * 5
+                )
             except grpc.RpcError:
-                pass
-            if time.monotonic() > deadline_s:
-                raise TimeoutError(f"{process.role} at {process.address} is not healthy in time")
-            time.sleep(_HEALTH_POLL_S)
+                return False
+        return all(w.healthy for w in status.workers)
+
+    _wait(routed, deadline_s, lambda: f"router at {router.address} sees no healthy workers", router)
+
+
+def _wait(
+    done: Callable[[], bool],
+    deadline_s: float,
+    timeout_message: Callable[[], str],
+    process: ServiceProcess,
+) -> None:
+    while not done():
+        if not process.alive:
+            raise RuntimeError(
+                f"{process.role} at {process.address} exited ({process.exit_reason()}): "
+                f"{' '.join(process.argv)}"
+            )
+        if time.monotonic() > deadline_s:
+            raise TimeoutError(timeout_message())
+        time.sleep(_HEALTH_POLL_S)
+
+
+def _serves(address: str) -> bool:
+    """One gRPC health check: does ``address`` answer SERVING?"""
+    with grpc.insecure_channel(address, options=CHANNEL_OPTIONS) as channel:
+        try:
+            reply = health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(), timeout=_HEALTH_CHECK_TIMEOUT_S
+            )
+        except grpc.RpcError:
+            return False
+    return reply.status == health_pb2.HealthCheckResponse.SERVING

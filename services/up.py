@@ -4,6 +4,10 @@ By default every service is a Ray actor under a controller (``services.cluster``
 ``splitserve scale`` resize the pools while it runs; ``--no-ray`` starts them as plain local
 processes instead (``services.launcher``). Both take the same flags: every engine flag, the
 cluster's shape, and the worker and router flags that are the same for every replica.
+
+Both print each worker that fails to start (or, with ``--no-ray``, exits) on stderr, one line
+with its pool, name and the error's last line; a start that fails again with the same error is
+not printed again. SIGINT / SIGTERM stop everything at any point.
 """
 
 from __future__ import annotations
@@ -13,9 +17,12 @@ import dataclasses
 import os
 import signal
 import sys
+import threading
 import time
+from collections.abc import Callable
 
 from engine.config import EngineConfig
+from engine.cpu_isa import AUTO, library_env, resolve_isa
 from engine.flags import add_flags, from_args, to_argv
 from services.cluster.config import ClusterConfig
 from services.cluster.planner import PlannerConfig
@@ -23,13 +30,15 @@ from services.common.redis_config import RedisConfig
 from services.common.worker_config import WorkerConfig
 from services.launcher import LocalCluster, split_threads
 from services.router.config import RouterConfig
+from services.startup import WorkerFailure
 
 # Set per replica by the launcher or the controller, not by `up`'s flags.
 _PER_WORKER = ("host", "port", "worker_id", "metrics_port")
 _PER_ROUTER = (
-    "model", "host", "port", "mode", "prefill_workers", "decode_workers", "metrics_port",
-    "seed", "router_id",
+    "model", "revision", "served_model_name", "host", "port", "mode", "prefill_workers",
+    "decode_workers", "metrics_port", "seed", "router_id",
 )  # fmt: skip
+_SUPERVISE_S = 0.5
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -67,6 +76,8 @@ def configs_from_args(
         args,
         skip=_PER_ROUTER,
         model=engine.model,
+        revision=engine.revision,
+        served_model_name=engine.served_model_name,
         host=cluster.host,
         port=cluster.port,
         mode=cluster.mode,
@@ -81,6 +92,10 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"splitserve up: {exc}", file=sys.stderr)
         return 2
+    if worker.engine.cpu_isa != AUTO:
+        # Workers (launcher processes, or Ray actors under the raylet this process starts)
+        # inherit these: torch's and oneDNN's kernels are then capped at the same level.
+        os.environ.update(library_env(resolve_isa(worker.engine.cpu_isa)))
     if planner.autoscale and not cluster.ray:
         print("splitserve up: --autoscale needs Ray (drop --no-ray)", file=sys.stderr)
         return 2
@@ -88,6 +103,7 @@ def run(args: argparse.Namespace) -> int:
         # Each would keep its own index and reservations and herd onto the same workers.
         print("splitserve up: --num-routers above 1 needs --redis-url", file=sys.stderr)
         return 2
+    failures = _FailureConsole()
     if cluster.ray:
         from services.cluster.driver import RayCluster, serve_on_ray
 
@@ -98,8 +114,36 @@ def run(args: argparse.Namespace) -> int:
             metrics = ", ".join(f"{m.name}:{m.metrics_port}" for m in members)
             print(f"Prometheus /metrics: {metrics}", flush=True)
 
-        return serve_on_ray(cluster, worker, router, planner, args.log_level, report)
-    return _serve_local(cluster, worker, router, args.log_level)
+        try:
+            return serve_on_ray(
+                cluster, worker, router, planner, args.log_level, report, failures.report
+            )
+        except TimeoutError as exc:
+            print(f"splitserve up: {exc}", file=sys.stderr)
+            return 1
+    return _serve_local(cluster, worker, router, args.log_level, failures.report)
+
+
+class _FailureConsole:
+    """Prints each ``WorkerFailure`` on stderr in one line, except a failed start whose error
+    is the one last printed for its pool (the controller retries it with backoff)."""
+
+    def __init__(self) -> None:
+        self._last_error: dict[str, str] = {}
+
+    def report(self, failure: WorkerFailure) -> None:
+        if failure.attempt > 1 and self._last_error.get(failure.role) == failure.error:
+            return
+        self._last_error[failure.role] = failure.error
+        who = "router" if failure.role == "router" else f"{failure.role} worker"
+        if failure.retry_in_s is None:
+            what = f"exited ({failure.error}); not restarted (no orchestrator with --no-ray)"
+        else:
+            what = (
+                f"failed to start: {failure.error} (attempt {failure.attempt}, retrying in "
+                f"{failure.retry_in_s:.0f} s; this error is not repeated here)"
+            )
+        print(f"splitserve up: {who} {failure.worker} {what}", file=sys.stderr, flush=True)
 
 
 def _serve_local(
@@ -107,12 +151,12 @@ def _serve_local(
     worker: WorkerConfig,
     router: RouterConfig,
     log_level: str,
+    on_failure: Callable[[WorkerFailure], None],
 ) -> int:
-    stop = False
+    stop = threading.Event()
 
     def on_signal(signum: int, frame: object) -> None:
-        nonlocal stop
-        stop = True
+        stop.set()
 
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)
@@ -133,24 +177,30 @@ def _serve_local(
         extra_router_flags=(*to_argv(router, skip=_PER_ROUTER), *redis_argv),
     )
     start_s = time.monotonic()
+    announced = False
     try:
-        local.start()
-        routers = local.workers("router")
-        workers = ", ".join(f"{p.role}@{p.address}" for p in local.processes if p.role != "router")
-        _print_banner(
-            cluster,
-            [r.address for r in routers],
-            workers,
-            time.monotonic() - start_s,
-            on_ray=False,
-        )
-        metrics = ", ".join(f"{p.role}:{p.metrics_port}" for p in local.processes)
-        print(f"Prometheus /metrics on {cluster.host}: {metrics}", flush=True)
-        while not stop and all(r.alive for r in routers):
-            time.sleep(0.5)
+        local.launch()
+        while not stop.wait(_SUPERVISE_S):
+            exited = local.supervise()
+            for failure in exited:
+                on_failure(failure)
+            if any(f.role == "router" for f in exited):
+                print("splitserve up: a router exited; stopping", file=sys.stderr, flush=True)
+                return 1
+            if not announced and local.serving():
+                announced = True
+                _announce_local(cluster, local, time.monotonic() - start_s)
     finally:
         local.stop()
     return 0
+
+
+def _announce_local(cluster: ClusterConfig, local: LocalCluster, elapsed_s: float) -> None:
+    routers = [r.address for r in local.workers("router")]
+    workers = ", ".join(f"{p.role}@{p.address}" for p in local.processes if p.role != "router")
+    _print_banner(cluster, routers, workers, elapsed_s, on_ray=False)
+    metrics = ", ".join(f"{p.role}:{p.metrics_port}" for p in local.processes)
+    print(f"Prometheus /metrics on {cluster.host}: {metrics}", flush=True)
 
 
 def _print_banner(

@@ -24,6 +24,8 @@ import dataclasses
 import itertools
 import logging
 import secrets
+import traceback
+from collections import deque
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -39,6 +41,7 @@ from services.common.logs import configure_logging
 from services.common.worker_config import WorkerConfig
 from services.router.config import RouterConfig
 from services.router.scaler import PoolSize
+from services.startup import WorkerFailure, last_line
 
 if TYPE_CHECKING:
     from services.cluster.kuberay import KubeRayGroups
@@ -57,6 +60,8 @@ _DRAIN_POLL_S = 0.25
 _DRAIN_QUIET_POLLS = 2
 _STOP_GRACE_S = 5.0
 _MAX_START_BACKOFF_S = 30.0
+# Failed starts kept for ``start_failures`` (the driver fetches them every second).
+_FAILURES_KEPT = 100
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,6 +115,8 @@ class ClusterController:
         self._start_failures = dict.fromkeys(ROLES, 0)
         self._retry_at_s = dict.fromkeys(ROLES, 0.0)
         self._last_error = dict.fromkeys(ROLES, "")
+        self._failures: deque[WorkerFailure] = deque(maxlen=_FAILURES_KEPT)
+        self._num_failures = 0
         self._actor_classes = {role: ray.remote(cls) for role, cls in ACTOR_CLASSES.items()}
         self._names = itertools.count()
         self._token = secrets.token_hex(2)
@@ -165,6 +172,12 @@ class ClusterController:
     async def pools(self) -> list[PoolSize]:
         return self._sizes()
 
+    async def start_failures(self, after: int) -> tuple[int, list[WorkerFailure]]:
+        """How many starts have failed in all, and those after the first ``after`` (at most the
+        last ``_FAILURES_KEPT``), oldest first."""
+        missed = min(self._num_failures - after, len(self._failures))
+        return self._num_failures, list(self._failures)[len(self._failures) - missed :]
+
     async def members(self) -> list[MemberView]:
         return [
             MemberView(m.name, m.role, m.state.value, m.address, m.metrics_port, m.pid, m.hostname)
@@ -192,7 +205,14 @@ class ClusterController:
     # ----------------------------------------------------------------------------- loop
     def _sizes(self) -> list[PoolSize]:
         return [
-            pool_size(role, self._desired[role], self._members[role], self._num_restarts[role])
+            pool_size(
+                role,
+                self._desired[role],
+                self._members[role],
+                self._num_restarts[role],
+                self._last_error[role],
+                self._start_failures[role],
+            )
             for role in POOL_ROLES
         ]
 
@@ -219,6 +239,10 @@ class ClusterController:
         await self._reap_dead()
         draining: list[Member] = []
         for role in POOL_ROLES:
+            if len(self._ready(role)) >= self._desired[role]:
+                # At its size (e.g. scaled down past a failing start): nothing is failing.
+                self._start_failures[role] = 0
+                self._last_error[role] = ""
             live = [m for m in self._members[role] if m.live]
             missing = self._desired[role] - len(live)
             if missing > 0:
@@ -289,8 +313,21 @@ class ClusterController:
             failures = self._start_failures[role] = self._start_failures[role] + 1
             backoff_s = min(2.0 ** (failures - 1), _MAX_START_BACKOFF_S)
             self._retry_at_s[role] = asyncio.get_running_loop().time() + backoff_s
-            self._last_error[role] = f"{member.name} failed to start: {exc}"
-            logger.error("%s; retrying in %.0f s", self._last_error[role], backoff_s)
+            error = _error_line(exc, self._cluster.worker_start_timeout_s)
+            self._last_error[role] = error
+            self._failures.append(WorkerFailure(role, member.name, error, failures, backoff_s))
+            self._num_failures += 1
+            # `splitserve up` prints each failure on its console (without repeating an error):
+            # one line here, the whole traceback only at DEBUG.
+            logger.info(
+                "%s %s failed to start (attempt %d, retrying in %.0f s): %s",
+                role,
+                member.name,
+                failures,
+                backoff_s,
+                error,
+            )
+            logger.debug("%s %s: failed start", role, member.name, exc_info=exc)
             self._forget(member)
             self._background.spawn(self._stop(member))
             return
@@ -433,7 +470,11 @@ class ClusterController:
 
     @staticmethod
     async def _stop(member: Member) -> None:
-        """Stop the service gracefully if it still answers, then end the actor."""
+        """Stop the service gracefully if it still answers, then end the actor. A starting one
+        has nothing to finish: it is ended at once (its model load may hold its loop)."""
+        if member.state is MemberState.STARTING:
+            ray.kill(member.actor)
+            return
         try:
             await asyncio.wait_for(
                 member.actor.stop.remote(_STOP_GRACE_S), _STOP_GRACE_S + _CALL_TIMEOUT_S
@@ -441,3 +482,16 @@ class ClusterController:
         except Exception as exc:
             logger.debug("%s %s: no graceful stop (%r)", member.role, member.name, exc)
         ray.kill(member.actor)
+
+
+def _error_line(exc: BaseException, timeout_s: float) -> str:
+    """What a failed start raised, in one line: the last line of the worker's own exception
+    (not Ray's wrapping with the remote traceback)."""
+    if isinstance(exc, ray.exceptions.RayTaskError) and exc.cause is not None:
+        exc = exc.cause
+    elif isinstance(exc, TimeoutError):
+        return f"not serving after {timeout_s:g} s (--worker-start-timeout-s)"
+    elif isinstance(exc, ray.exceptions.RayError):
+        # e.g. ActorDiedError: the first line says what happened, the rest are ids.
+        return f"{type(exc).__name__}: {(str(exc).strip().splitlines() or [''])[0]}"
+    return last_line("".join(traceback.format_exception_only(exc)))

@@ -67,7 +67,14 @@ def pick_victims(members: Sequence[Member], busy: dict[str, int], count: int) ->
     return (starting + ready)[:count]
 
 
-def pool_size(role: str, desired: int, members: Sequence[Member], num_restarts: int) -> PoolSize:
+def pool_size(
+    role: str,
+    desired: int,
+    members: Sequence[Member],
+    num_restarts: int,
+    last_error: str = "",
+    num_failed_starts: int = 0,
+) -> PoolSize:
     states = [m.state for m in members]
     return PoolSize(
         role=role,
@@ -76,4 +83,6 @@ def pool_size(role: str, desired: int, members: Sequence[Member], num_restarts: 
         num_starting=states.count(MemberState.STARTING),
         num_draining=states.count(MemberState.DRAINING),
         num_restarts=num_restarts,
+        last_error=last_error,
+        num_failed_starts=num_failed_starts,
     )

@@ -30,6 +30,9 @@ class PoolSize:
     num_starting: int
     num_draining: int
     num_restarts: int
+    # Why the pool's last worker start failed, and how many failed in a row (see PoolStatus).
+    last_error: str = ""
+    num_failed_starts: int = 0
 
     def to_proto(self) -> router_pb2.PoolStatus:
         return router_pb2.PoolStatus(
@@ -39,6 +42,8 @@ class PoolSize:
             num_starting=self.num_starting,
             num_draining=self.num_draining,
             num_restarts=self.num_restarts,
+            last_error=self.last_error,
+            num_failed_starts=self.num_failed_starts,
         )
 
 

@@ -55,7 +55,8 @@ def test_client_waits_for_workers_that_are_still_starting(tiny_llama_dir):
                 process.signal(signal.SIGKILL)
                 process.popen.wait()
     assert client.returncode == 0, stderr
-    assert "waiting for the cluster: no decode worker has answered yet" in stderr
+    assert "waiting for the cluster: no decode worker is ready yet; " in stderr
+    assert f"decode worker {decode}: " in stderr  # which one, and why (not listening yet)
     got = json.loads(stdout)
     llm = LLM(str(tiny_llama_dir), dtype="float32", num_kv_blocks=64)
     want = llm.generate(["hello world"], SamplingParams(temperature=0.0, max_tokens=8))[0]

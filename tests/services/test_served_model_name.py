@@ -14,6 +14,7 @@ from pathlib import Path
 import psutil
 import pytest
 
+from engine.cpu_isa import host_isa
 from services.cli import build_parser
 from services.launcher import free_port
 from services.up import configs_from_args
@@ -75,3 +76,29 @@ def test_status_shows_the_served_name(served_cluster: str, tiny_llama_dir: Path)
     workers = status["workers"]
     assert [w["info"]["served_model_name"] for w in workers] == [SERVED_NAME]
     assert [w["info"]["model"] for w in workers] == [str(tiny_llama_dir)]
+
+
+def test_status_shows_each_workers_cpu_level_dtype_and_kernels(served_cluster: str) -> None:
+    """What the engine chose for this host reaches ``splitserve status`` (table and JSON)."""
+    status = json.loads(
+        subprocess.run(
+            [sys.executable, "-m", "services.cli", "status", "--target", served_cluster, "--json"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=True,
+        ).stdout
+    )
+    (info,) = [w["info"] for w in status["workers"]]
+    assert info["dtype"] == "float32"
+    assert info["cpu_isa"] == host_isa().value
+    assert info["kernels"].startswith("linear=")
+    table = subprocess.run(
+        [sys.executable, "-m", "services.cli", "status", "--target", served_cluster],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    ).stdout
+    assert f"float32  {host_isa().value}" in table
+    assert f"kernels: {info['kernels']}" in table

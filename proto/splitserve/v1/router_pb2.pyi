@@ -122,20 +122,24 @@ class StatusResponse(_message.Message):
     def __init__(self, mode: _Optional[str] = ..., model: _Optional[str] = ..., workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ..., num_inflight_requests: _Optional[int] = ..., prefix_hit_blocks_predicted: _Optional[int] = ..., prefix_hit_blocks_realized: _Optional[int] = ..., pools: _Optional[_Iterable[_Union[PoolStatus, _Mapping]]] = ...) -> None: ...
 
 class PoolStatus(_message.Message):
-    __slots__ = ("role", "desired_workers", "num_ready", "num_starting", "num_draining", "num_restarts")
+    __slots__ = ("role", "desired_workers", "num_ready", "num_starting", "num_draining", "num_restarts", "last_error", "num_failed_starts")
     ROLE_FIELD_NUMBER: _ClassVar[int]
     DESIRED_WORKERS_FIELD_NUMBER: _ClassVar[int]
     NUM_READY_FIELD_NUMBER: _ClassVar[int]
     NUM_STARTING_FIELD_NUMBER: _ClassVar[int]
     NUM_DRAINING_FIELD_NUMBER: _ClassVar[int]
     NUM_RESTARTS_FIELD_NUMBER: _ClassVar[int]
+    LAST_ERROR_FIELD_NUMBER: _ClassVar[int]
+    NUM_FAILED_STARTS_FIELD_NUMBER: _ClassVar[int]
     role: _worker_pb2.WorkerRole
     desired_workers: int
     num_ready: int
     num_starting: int
     num_draining: int
     num_restarts: int
-    def __init__(self, role: _Optional[_Union[_worker_pb2.WorkerRole, str]] = ..., desired_workers: _Optional[int] = ..., num_ready: _Optional[int] = ..., num_starting: _Optional[int] = ..., num_draining: _Optional[int] = ..., num_restarts: _Optional[int] = ...) -> None: ...
+    last_error: str
+    num_failed_starts: int
+    def __init__(self, role: _Optional[_Union[_worker_pb2.WorkerRole, str]] = ..., desired_workers: _Optional[int] = ..., num_ready: _Optional[int] = ..., num_starting: _Optional[int] = ..., num_draining: _Optional[int] = ..., num_restarts: _Optional[int] = ..., last_error: _Optional[str] = ..., num_failed_starts: _Optional[int] = ...) -> None: ...
 
 class ScaleRequest(_message.Message):
     __slots__ = ("role", "num_workers")

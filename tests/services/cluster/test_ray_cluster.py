@@ -229,9 +229,11 @@ def test_scale_and_status_commands_add_a_prefill_pool_at_run_time(start_ray_clus
     scaled = _cli("scale", "prefill", "1", "--wait", "--target", address)
     assert scaled.returncode == 0, scaled.stderr
     header, prefill_row, decode_row = scaled.stdout.split("\n")[:3]
-    assert header.split() == ["POOL", "DESIRED", "READY", "STARTING", "DRAINING", "RESTARTS"]
-    assert prefill_row.split() == ["prefill", "1", "1", "0", "0", "0"]
-    assert decode_row.split() == ["decode", "1", "1", "0", "0", "0"]
+    assert header.split() == [
+        "POOL", "DESIRED", "READY", "STARTING", "DRAINING", "RESTARTS", "FAILED_STARTS",
+    ]  # fmt: skip
+    assert prefill_row.split() == ["prefill", "1", "1", "0", "0", "0", "0"]
+    assert decode_row.split() == ["decode", "1", "1", "0", "0", "0", "0"]
 
     table = _cli("status", "--target", address)
     assert table.returncode == 0, table.stderr
