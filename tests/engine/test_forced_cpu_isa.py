@@ -35,8 +35,16 @@ pytestmark = [
 ATEN_NAMES = {CpuIsa.AVX2: "AVX2", CpuIsa.PORTABLE: "DEFAULT"}
 
 
-def child_env(level: CpuIsa) -> dict[str, str]:
-    return os.environ | library_env(level) | {"SPLITSERVE_CPU_ISA": level.value}
+def run_at_level(level: CpuIsa, *args: str) -> subprocess.CompletedProcess:
+    """``python ARGS`` in a child capped at ``level`` by splitserve's and the libraries' vars."""
+    return subprocess.run(
+        [sys.executable, *args],
+        cwd=REPO,
+        env=os.environ | library_env(level) | {"SPLITSERVE_CPU_ISA": level.value},
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -57,14 +65,7 @@ def hf_expected(model_dir: Path) -> list[list[int]]:
 def test_generation_at_forced_level_matches_hf(model_dir, hf_expected, level):
     """float32 is token-for-token HF's; bfloat16 agrees with it as on any host (the first
     tokens of all prompts but one, as ``test_bfloat16_runs_and_mostly_agrees`` requires)."""
-    proc = subprocess.run(
-        [sys.executable, "-m", "tests.engine.forced_isa_child", str(model_dir), level.value],
-        cwd=REPO,
-        env=child_env(level),
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    proc = run_at_level(level, "-m", "tests.engine.forced_isa_child", str(model_dir), level.value)
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert result["aten_capability"] == ATEN_NAMES[level]
@@ -84,23 +85,7 @@ def test_generation_at_forced_level_matches_hf(model_dir, hf_expected, level):
 @pytest.mark.parametrize("level", FORCED, ids=lambda level: level.value)
 def test_kernel_tests_pass_at_forced_level(level):
     """The kernel tests of that level, with torch's reference paths capped at it too."""
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "pytest",
-            "-q",
-            "-p",
-            "no:cacheprovider",
-            "-k",
-            level.value,
-            "tests/engine/model",
-        ],
-        cwd=REPO,
-        env=child_env(level),
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    args = ["-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", level.value, "tests/engine/model"]
+    proc = run_at_level(level, *args)
     assert proc.returncode == 0, proc.stdout[-3000:]
     assert " passed" in proc.stdout

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import signal
+import subprocess
 import time
 import urllib.request
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import grpc
+import psutil
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -129,3 +132,20 @@ def redis_server(tmp_path_factory) -> Iterator[RedisServer]:
     server.start()
     yield server
     server.stop()
+
+
+def stop_like_ctrl_c(proc: subprocess.Popen) -> None:
+    """Ctrl-C a ``splitserve up`` process, as a user would (it stops its services), then kill
+    whatever it left behind."""
+    if proc.poll() is not None:
+        return
+    services = psutil.Process(proc.pid).children(recursive=True)
+    proc.send_signal(signal.SIGINT)
+    try:
+        proc.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+    _, alive = psutil.wait_procs(services, timeout=10)
+    for service in alive:
+        service.kill()

@@ -15,6 +15,7 @@ import pytest
 from engine import LLM, EngineConfig, SamplingParams
 from engine.flags import add_flags, from_args, to_argv
 from services.launcher import free_port
+from tests.services.conftest import stop_like_ctrl_c
 
 
 def test_engine_flags_round_trip():
@@ -44,18 +45,7 @@ def up_process(request, tiny_llama_dir):
     ]  # fmt: skip
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True)
     yield proc, port
-    if proc.poll() is None:
-        # Ctrl-C, as a user would: `up` stops its services; kill whatever is left after that.
-        services = psutil.Process(proc.pid).children(recursive=True)
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-        _, alive = psutil.wait_procs(services, timeout=10)
-        for service in alive:
-            service.kill()
+    stop_like_ctrl_c(proc)
 
 
 def test_up_serves_the_client_and_shuts_down_on_ctrl_c(up_process, tiny_llama_dir):

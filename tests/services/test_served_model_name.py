@@ -5,19 +5,18 @@ while WorkerInfo.model keeps the ``--model`` the workers loaded."""
 from __future__ import annotations
 
 import json
-import signal
 import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
 
-import psutil
 import pytest
 
 from engine.cpu_isa import host_isa
 from services.cli import build_parser
 from services.launcher import free_port
 from services.up import configs_from_args
+from tests.services.conftest import stop_like_ctrl_c
 
 SERVED_NAME = "tiny-chat"
 
@@ -51,16 +50,7 @@ def served_cluster(tiny_llama_dir: Path) -> Iterator[str]:
         assert f"listening on 127.0.0.1:{port}" in banner, banner
         yield f"127.0.0.1:{port}"
     finally:
-        services = psutil.Process(proc.pid).children(recursive=True)
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-        _, alive = psutil.wait_procs(services, timeout=10)
-        for service in alive:
-            service.kill()
+        stop_like_ctrl_c(proc)
 
 
 def test_status_shows_the_served_name(served_cluster: str, tiny_llama_dir: Path) -> None:

@@ -73,12 +73,9 @@ void prefill_task(const Task& task, const Chunk& chunk, const Layout& lay) {
 
   // Row r = i * group + g: query position i of the tile, query head g of the KV head.
   for (int64_t r = 0; r < padded_rows; ++r) {
-    const int64_t i = std::min(r, rows - 1) / group;
-    const int64_t g = std::min(r, rows - 1) % group;
-    const int64_t t = chunk.q_start + task.q_begin + i;
-    const uint16_t* src = lay.q + t * lay.q_stride_t + (task.kv_head * group + g) * lay.q_stride_h;
-    std::memcpy(q_rows[r], src, dim * sizeof(uint16_t));
-    pos[r] = static_cast<int32_t>(chunk.first_pos + task.q_begin + i);
+    const int64_t src_row = std::min(r, rows - 1);
+    std::memcpy(q_rows[r], lay.q_row(task, chunk, src_row), dim * sizeof(uint16_t));
+    pos[r] = lay.position(task, chunk, src_row);
     std::fill(acc[r], acc[r] + dim, 0.f);
     m[r] = -std::numeric_limits<float>::infinity();
     l[r] = 0.f;
@@ -155,9 +152,7 @@ void prefill_task(const Task& task, const Chunk& chunk, const Layout& lay) {
   }
 
   for (int64_t r = 0; r < rows; ++r) {
-    const int64_t i = r / group, g = r % group;
-    const int64_t t = chunk.q_start + task.q_begin + i;
-    uint16_t* dst = lay.out + t * lay.out_stride_t + (task.kv_head * group + g) * lay.out_stride_h;
+    uint16_t* dst = lay.out_row(task, chunk, r);
     const __m512 inv = _mm512_set1_ps(1.f / l[r]);
     for (int64_t c = 0; c < dim / 32; ++c) {
       store_unpermuted(dst + 32 * c, _mm512_load_ps(acc[r] + 32 * c),

@@ -46,12 +46,10 @@ void prefill_task(const PrefillTask& task, const PrefillChunk& chunk,
   // Row r = i * group + g: query position i of the tile, query head g of the KV head. Padding
   // rows repeat the last row; their results are dropped.
   for (int64_t r = 0; r < padded_rows; ++r) {
-    const int64_t i = std::min(r, rows - 1) / group;
-    const int64_t g = std::min(r, rows - 1) % group;
-    const int64_t t = chunk.q_start + task.q_begin + i;
-    const float* src = lay.q + t * lay.q_stride_t + (task.kv_head * group + g) * lay.q_stride_h;
+    const int64_t src_row = std::min(r, rows - 1);
+    const float* src = lay.q_row(task, chunk, src_row);
     for (int64_t d = 0; d < dim; ++d) q_rows[r][d] = src[d] * lay.scale;
-    pos[r] = static_cast<int32_t>(chunk.first_pos + task.q_begin + i);
+    pos[r] = lay.position(task, chunk, src_row);
     std::fill(acc[r], acc[r] + dim, 0.f);
     m[r] = -std::numeric_limits<float>::infinity();
     l[r] = 0.f;
@@ -127,9 +125,7 @@ void prefill_task(const PrefillTask& task, const PrefillChunk& chunk,
   }
 
   for (int64_t r = 0; r < rows; ++r) {
-    const int64_t i = r / group, g = r % group;
-    const int64_t t = chunk.q_start + task.q_begin + i;
-    float* dst = lay.out + t * lay.out_stride_t + (task.kv_head * group + g) * lay.out_stride_h;
+    float* dst = lay.out_row(task, chunk, r);
     const float inv = 1.f / l[r];
     for (int64_t d = 0; d < dim; ++d) dst[d] = acc[r][d] * inv;
   }

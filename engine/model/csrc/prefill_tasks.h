@@ -64,7 +64,8 @@ inline void build_prefill_tasks(const int64_t* tables, const int64_t* starts, co
   });
 }
 
-// Where one step's query and output rows are and how to read the cache.
+// Where one step's query and output rows are and how to read the cache. Row r of a task is
+// query position r / group of its tile, for query head r % group of its KV head.
 template <typename T>
 struct PrefillLayout {
   const T* q;
@@ -75,6 +76,23 @@ struct PrefillLayout {
   int64_t block_stride, layer_offset, kv_heads, group;
   float scale;
   int64_t window;  // <= 0: none
+
+  int64_t token(const PrefillTask& task, const PrefillChunk& chunk, int64_t r) const {
+    return chunk.q_start + task.q_begin + r / group;
+  }
+  int64_t head(const PrefillTask& task, int64_t r) const {
+    return task.kv_head * group + r % group;
+  }
+  const T* q_row(const PrefillTask& task, const PrefillChunk& chunk, int64_t r) const {
+    return q + token(task, chunk, r) * q_stride_t + head(task, r) * q_stride_h;
+  }
+  T* out_row(const PrefillTask& task, const PrefillChunk& chunk, int64_t r) const {
+    return out + token(task, chunk, r) * out_stride_t + head(task, r) * out_stride_h;
+  }
+  // The row's position in its sequence (what causality and the window compare).
+  int32_t position(const PrefillTask& task, const PrefillChunk& chunk, int64_t r) const {
+    return static_cast<int32_t>(chunk.first_pos + task.q_begin + r / group);
+  }
 };
 
 }  // namespace splitserve
