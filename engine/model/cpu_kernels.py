@@ -31,8 +31,8 @@ from engine.cpu_isa import CpuIsa
 
 logger = logging.getLogger(__name__)
 
-_CSRC = Path(__file__).parent / "csrc"
-_SOURCES = (
+CSRC_DIR = Path(__file__).parent / "csrc"
+SOURCES = (
     "paged_decode.cpp",
     "paged_decode_avx2.cpp",
     "paged_prefill.cpp",
@@ -58,7 +58,7 @@ def _build_signature() -> str:
     except (OSError, StopIteration):
         flags = "unknown"
     digest = hashlib.sha256(flags.encode())
-    for path in sorted(_CSRC.iterdir()):
+    for path in sorted(CSRC_DIR.iterdir()):
         digest.update(path.read_bytes())
     return digest.hexdigest()[:8]
 
@@ -73,7 +73,7 @@ def load_cpu_kernels(level: CpuIsa) -> ModuleType | None:
         start_s = time.perf_counter()
         module = load(
             name=f"splitserve_cpu_kernels_{level.value}_{_build_signature()}",
-            sources=[str(_CSRC / name) for name in _SOURCES],
+            sources=[str(CSRC_DIR / name) for name in SOURCES],
             extra_cflags=[*level.compiler_flags, *_CFLAGS],
             extra_ldflags=["-fopenmp"],
         )

@@ -3,10 +3,14 @@ fixture), against the pure-torch reference paths."""
 
 from __future__ import annotations
 
+import shutil
+import subprocess
+import sysconfig
+
 import pytest
 import torch
 
-from engine.cpu_isa import CpuIsa
+from engine.cpu_isa import CpuIsa, host_isa
 from engine.model.attention import (
     DecodeInputs,
     PagedKVCache,
@@ -16,7 +20,7 @@ from engine.model.attention import (
     causal_mask,
     decode_bias,
 )
-from engine.model.cpu_kernels import PAGED_DECODE_SHAPES
+from engine.model.cpu_kernels import CSRC_DIR, PAGED_DECODE_SHAPES, SOURCES
 
 
 def torch_reference(layer, q, cache, tables, lens, window):
@@ -123,3 +127,23 @@ def test_prefill_kernel_exists_exactly_where_its_level_allows(isa_level, kernels
     )
     assert kernels.paged_prefill_supported("float32", 64, 16, 3) == (isa_level >= CpuIsa.AVX2)
     assert not kernels.paged_prefill_supported("float16", 64, 16, 3)
+
+
+@pytest.mark.skipif(host_isa() is CpuIsa.AMX, reason="the host's own builds cover every path")
+@pytest.mark.parametrize("source", SOURCES)
+def test_sources_compile_above_the_host_level(source):
+    """The paths this host cannot run (AVX-512 BF16) still compile: a syntax-only build at the
+    highest level, whose flags enable every path of every source."""
+    if shutil.which("g++") is None:
+        pytest.skip("no g++")
+    from torch.utils.cpp_extension import include_paths
+
+    includes = [f"-I{path}" for path in (*include_paths(), sysconfig.get_paths()["include"])]
+    proc = subprocess.run(
+        ["g++", "-std=c++20", "-fsyntax-only", "-fopenmp", "-DTORCH_EXTENSION_NAME=check",
+         *CpuIsa.AMX.compiler_flags, *includes, str(CSRC_DIR / source)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
