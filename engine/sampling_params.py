@@ -6,9 +6,20 @@ names the offending field (services map these ``ValueError``s to gRPC ``INVALID_
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 MAX_STOP_STRINGS = 16
+# Checked for NaN and infinity first: NaN fails no comparison ("nan < 0" is false), and a NaN or
+# infinite value turns the sampler's weights into NaN.
+FLOAT_FIELDS = (
+    "temperature",
+    "top_p",
+    "min_p",
+    "repetition_penalty",
+    "presence_penalty",
+    "frequency_penalty",
+)
 MAX_LOGPROBS = 20
 
 
@@ -45,6 +56,10 @@ class SamplingParams:
         self._validate()
 
     def _validate(self) -> None:
+        for name in FLOAT_FIELDS:
+            value = getattr(self, name)
+            if not math.isfinite(value):
+                raise ValueError(f"{name} must be a finite number, got {value}")
         if self.max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
         if self.temperature < 0:

@@ -6,12 +6,14 @@ transformers' greedy ``generate``.
 
 from __future__ import annotations
 
+import math
 import random
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import pytest
+from google.protobuf.descriptor import FieldDescriptor
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
     ProtoReflectionDescriptorDatabase,
@@ -175,6 +177,14 @@ BAD_REQUESTS = {
     "too many stop strings": (dict(prompt="hi", sampling=_sp(stop=["x"] * 17)), "stop"),
     "bad chat role": (dict(messages=[router_pb2.ChatMessage(role="robot", content="x")]), "role"),
 }  # fmt: skip
+# NaN and infinities in every float field (NaN passes any "< bound" check; one used to kill
+# every engine that sampled with it).
+BAD_REQUESTS |= {
+    f"{field.name}={value}": (dict(prompt="hi", sampling=_sp(**{field.name: value})), field.name)
+    for field in router_pb2.SamplingParams.DESCRIPTOR.fields
+    if field.type in (FieldDescriptor.TYPE_FLOAT, FieldDescriptor.TYPE_DOUBLE)
+    for value in (math.nan, math.inf, -math.inf)
+}
 
 
 @pytest.mark.parametrize("case", list(BAD_REQUESTS), ids=list(BAD_REQUESTS))
