@@ -1,7 +1,9 @@
 """gRPC server plumbing shared by the router and the workers.
 
 Every server gets standard ``grpc.health.v1`` health checking (NOT_SERVING until ready) and
-server reflection, stops gracefully on SIGTERM / SIGINT, and exposes the same channel options.
+server reflection, answers unparsable request bytes with INVALID_ARGUMENT
+(``request_decoding``), stops gracefully on SIGTERM / SIGINT, and exposes the same channel
+options.
 """
 
 from __future__ import annotations
@@ -14,6 +16,8 @@ from collections.abc import Awaitable, Callable, Sequence
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
+
+from services.common.request_decoding import RejectUndecodableRequests
 
 logger = logging.getLogger(__name__)
 
@@ -58,7 +62,7 @@ async def start_server(
 
     Health reports NOT_SERVING until ``ServingServer.set_serving`` is called.
     """
-    server = grpc.aio.server(options=CHANNEL_OPTIONS)
+    server = grpc.aio.server(options=CHANNEL_OPTIONS, interceptors=(RejectUndecodableRequests(),))
     register(server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)

@@ -199,6 +199,32 @@ def test_malformed_request_gets_invalid_argument(cluster, case):
         assert process.alive, f"{process.role} died"
 
 
+# Field 1 announced as 255 bytes long, then cut: no message type parses it.
+TRUNCATED = b"\x0a\xff"
+UNDECODABLE_CALLS = [
+    ("router", "/splitserve.v1.Router/Generate", True),
+    ("router", "/splitserve.v1.Router/Status", False),
+    ("decode", "/splitserve.v1.DecodeWorker/Decode", True),
+    ("decode", "/splitserve.v1.DecodeWorker/GetLoad", False),
+]
+
+
+@pytest.mark.parametrize("role,method,streaming", UNDECODABLE_CALLS)
+def test_undecodable_request_bytes_get_invalid_argument(cluster, role, method, streaming):
+    local, _ = cluster
+    (process,) = [p for p in local.processes if p.role == role][:1]
+    with grpc.insecure_channel(process.address) as channel:
+        factory = channel.unary_stream if streaming else channel.unary_unary
+        call = factory(method, request_serializer=None, response_deserializer=None)
+        with pytest.raises(grpc.RpcError) as info:
+            reply = call(TRUNCATED, timeout=10)
+            if streaming:
+                list(reply)
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "request does not parse" in info.value.details()
+    assert all(p.alive for p in local.processes)
+
+
 def test_servers_stay_healthy_after_bad_input(cluster, offline):
     local, client = cluster
     for process in local.processes:

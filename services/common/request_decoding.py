@@ -1,0 +1,91 @@
+"""Requests whose bytes do not parse get ``INVALID_ARGUMENT``, on every RPC of every server.
+
+gRPC itself answers a request message that fails to deserialize with ``UNKNOWN``
+("Unexpected DecodeError"), which tells a client neither that the fault is its own nor that a
+retry cannot help. ``RejectUndecodableRequests`` wraps each method's deserializer so that a
+``DecodeError`` yields an ``Undecodable`` marker instead of raising, and the method's behavior
+so that the marker is aborted with ``INVALID_ARGUMENT`` before the servicer sees it. Only
+unary-request methods exist in splitserve's services (and gRPC's health and reflection ones
+that are not wrapped are left as they are).
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+from google.protobuf.message import DecodeError
+
+
+@dataclass(frozen=True, slots=True)
+class Undecodable:
+    """What a wrapped deserializer returns for bytes that do not parse."""
+
+    error: str
+
+
+def _tolerant(deserializer: Callable[[bytes], Any]) -> Callable[[bytes], Any]:
+    def deserialize(data: bytes) -> Any:
+        try:
+            return deserializer(data)
+        except DecodeError as exc:
+            return Undecodable(str(exc))
+
+    return deserialize
+
+
+async def _reject(request: Undecodable, context: grpc.aio.ServicerContext) -> None:
+    await context.abort(
+        grpc.StatusCode.INVALID_ARGUMENT, f"request does not parse: {request.error}"
+    )
+
+
+def _guard_unary_stream(behavior: Callable[..., Any]) -> Callable[..., Any]:
+    if inspect.isasyncgenfunction(behavior):
+
+        async def stream(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+            if isinstance(request, Undecodable):
+                await _reject(request, context)
+            async for response in behavior(request, context):
+                yield response
+
+        return stream
+    return _guard_unary(behavior)
+
+
+def _guard_unary(behavior: Callable[..., Awaitable[Any]]) -> Callable[..., Awaitable[Any]]:
+    async def call(request: Any, context: grpc.aio.ServicerContext) -> Any:
+        if isinstance(request, Undecodable):
+            await _reject(request, context)
+        return await behavior(request, context)
+
+    return call
+
+
+class RejectUndecodableRequests(grpc.aio.ServerInterceptor):
+    """A server interceptor: unary-request methods answer unparsable bytes with
+    ``INVALID_ARGUMENT``; the servicer never sees them. Stateless."""
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler:
+        handler = await continuation(handler_call_details)
+        if handler is None or handler.request_streaming or handler.request_deserializer is None:
+            return handler
+        deserializer = _tolerant(handler.request_deserializer)
+        if handler.response_streaming:
+            return grpc.unary_stream_rpc_method_handler(
+                _guard_unary_stream(handler.unary_stream),
+                request_deserializer=deserializer,
+                response_serializer=handler.response_serializer,
+            )
+        return grpc.unary_unary_rpc_method_handler(
+            _guard_unary(handler.unary_unary),
+            request_deserializer=deserializer,
+            response_serializer=handler.response_serializer,
+        )
