@@ -33,6 +33,7 @@ logger = logging.getLogger(__name__)
 AUTO = "auto"
 
 
+@functools.total_ordering
 class CpuIsa(enum.Enum):
     """An x86-64 instruction-set level, ordered (``CpuIsa.AVX2 < CpuIsa.AVX512``)."""
 
@@ -42,21 +43,8 @@ class CpuIsa(enum.Enum):
     AVX512_BF16 = "avx512_bf16"
     AMX = "amx"
 
-    @property
-    def rank(self) -> int:
-        return _ORDER.index(self)
-
     def __lt__(self, other: CpuIsa) -> bool:
-        return self.rank < other.rank
-
-    def __le__(self, other: CpuIsa) -> bool:
-        return self.rank <= other.rank
-
-    def __gt__(self, other: CpuIsa) -> bool:
-        return self.rank > other.rank
-
-    def __ge__(self, other: CpuIsa) -> bool:
-        return self.rank >= other.rank
+        return _ORDER.index(self) < _ORDER.index(other)
 
     @property
     def compiler_flags(self) -> tuple[str, ...]:

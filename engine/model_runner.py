@@ -83,7 +83,6 @@ class ModelRunner:
         if fused_ops:
             self.model.use_ops(FusedCpuOps(self.cpu_kernels))
         self.kernels = KernelPlan(
-            dtype=dtype,
             cpu_isa=self.cpu_isa,
             linear=KernelImpl.ONEDNN_PACKED if packed else KernelImpl.TORCH,
             decode_attention=KernelImpl.TORCH if self.decode_kernel is None else KernelImpl.CPP,

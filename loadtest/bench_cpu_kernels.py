@@ -104,8 +104,8 @@ def bench_linears(args: argparse.Namespace, level: CpuIsa, dtype: torch.dtype) -
         for rows in (1, 64, 512):
             x = torch.randn(rows, in_features).to(dtype)
             ms = [
-                best_ms(lambda: packed(x), args.repeats),  # noqa: B023 (timed at once)
-                best_ms(lambda: F.linear(x, weight), args.repeats),  # noqa: B023
+                best_ms(functools.partial(packed, x), args.repeats),
+                best_ms(functools.partial(F.linear, x, weight), args.repeats),
             ]
             print(f"| {name} | {rows} | {ms[0]:.3f} | {ms[1]:.3f} |")
     print()

@@ -26,7 +26,6 @@ class KernelImpl(enum.Enum):
 class KernelPlan:
     """The implementation of each model part; ``cpu_isa`` is None off CPU."""
 
-    dtype: str
     cpu_isa: CpuIsa | None
     linear: KernelImpl
     decode_attention: KernelImpl

@@ -27,6 +27,18 @@ inline uint16_t float_to_bf16(float f) {
   return static_cast<uint16_t>(bits >> 16);
 }
 
+// Element access for kernels templated on the dtype: float32 as is, bfloat16 as its bits
+// (uint16_t). to_dtype<T> rounds a float to T (a no-op for float).
+inline float to_float(float v) { return v; }
+inline float to_float(uint16_t v) { return bf16_to_float(v); }
+inline float from_float(float v, float* /*tag*/) { return v; }
+inline uint16_t from_float(float v, uint16_t* /*tag*/) { return float_to_bf16(v); }
+
+template <typename T>
+inline T to_dtype(float v) {
+  return from_float(v, static_cast<T*>(nullptr));
+}
+
 // exp(x) for x <= 0 to ~2 ulp: 2^n * p(r) after range reduction; a loop of these vectorizes
 // (std::exp does not), and exp dominates the softmax of short blocks.
 inline float exp_scalar(float x) {

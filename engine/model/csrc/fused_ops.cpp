@@ -21,16 +21,8 @@ namespace {
 
 constexpr int64_t kRowsPerTask = 64;
 
-// Element access for the two dtypes: float32 as is, bfloat16 as its bits (uint16_t).
-inline float to_float(float v) { return v; }
-inline float to_float(uint16_t v) { return splitserve::bf16_to_float(v); }
-inline float from_float(float v, float* /*tag*/) { return v; }
-inline uint16_t from_float(float v, uint16_t* /*tag*/) { return splitserve::float_to_bf16(v); }
-
-template <typename T>
-inline T to_dtype(float v) {
-  return from_float(v, static_cast<T*>(nullptr));
-}
+using splitserve::to_dtype;
+using splitserve::to_float;
 
 // A float32 value rounded to T and back: where torch's op chain rounds to the dtype.
 template <typename T>

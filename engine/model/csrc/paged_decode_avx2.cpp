@@ -28,10 +28,8 @@ constexpr int64_t kBlockSize = 16;
 constexpr int64_t kMaxHeads = 64;  // query heads of one sequence
 constexpr int64_t kPrefetchBlocks = 2;
 
-inline float to_float(float v) { return v; }
-inline float to_float(uint16_t v) { return splitserve::bf16_to_float(v); }
-inline void store(float* p, float v) { *p = v; }
-inline void store(uint16_t* p, float v) { *p = splitserve::float_to_bf16(v); }
+using splitserve::to_dtype;
+using splitserve::to_float;
 
 // Lanes t of [base, base + 8) with t0 <= t < t1, as an all-ones mask.
 inline __m256 lane_mask(int64_t base, int64_t t0, int64_t t1) {
@@ -118,7 +116,7 @@ void decode_heads(const T* q, const T* cache, const int64_t* table, int64_t ctx,
   }
   for (int64_t h = h0; h < h1; ++h) {
     const float inv = 1.f / l[h];
-    for (int64_t d = 0; d < dim; ++d) store(out + h * dim + d, acc[h][d] * inv);
+    for (int64_t d = 0; d < dim; ++d) out[h * dim + d] = to_dtype<T>(acc[h][d] * inv);
   }
 }
 
