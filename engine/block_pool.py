@@ -56,6 +56,10 @@ class NoFreeBlocksError(RuntimeError):
     """Raised when more blocks are requested than are free or evictable."""
 
 
+class DoubleFreeError(RuntimeError):
+    """A block was freed more often than it was referenced (a bookkeeping bug upstream)."""
+
+
 class BlockPool:
     """Owns every ``KVCacheBlock`` of one engine.
 
@@ -121,8 +125,12 @@ class BlockPool:
         """Drop one reference from each block, in the given order.
 
         Callers pass a request's blocks tail first so that, among blocks released together, the
-        end of a sequence is evicted before its (more widely shared) beginning.
+        end of a sequence is evicted before its (more widely shared) beginning. Raises
+        ``DoubleFreeError`` before changing anything if a block has no reference to drop.
         """
+        unreferenced = [b.block_id for b in blocks if b.ref_cnt <= 0]
+        if unreferenced or len({b.block_id for b in blocks}) != len(blocks):
+            raise DoubleFreeError(f"freeing blocks without a reference: {unreferenced or blocks}")
         for block in blocks:
             block.ref_cnt -= 1
             if block.ref_cnt == 0:
@@ -153,6 +161,21 @@ class BlockPool:
             stored.append(block_hash)
         if stored:
             self._events.append(BlockStored(tuple(stored), parent_block_hash, self.block_size))
+
+    def uncache(self, blocks: Iterable[KVCacheBlock]) -> None:
+        """Withdraw ``blocks`` from prefix hits (their content is not to be trusted). Cached
+        ones become plain free blocks; in-use ones stay in use, unhashed."""
+        removed: list[BlockHash] = []
+        for block in blocks:
+            if block.block_hash is None:
+                continue
+            removed.append(block.block_hash)
+            del self._hash_to_block[block.block_hash]
+            block.block_hash = None
+            if self._cached.pop(block.block_id, None) is not None:
+                self._free.append(block)
+        if removed:
+            self._events.append(BlockRemoved(tuple(removed)))
 
     def reset_prefix_cache(self) -> bool:
         """Drop every cached hash. Only possible when no block is in use; returns success."""

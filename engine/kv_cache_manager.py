@@ -99,11 +99,16 @@ class KVCacheManager:
         )
         self._num_cached_blocks[request.req_id] = num_full
 
-    def free(self, request: Request) -> None:
-        """Release every block of the request (tail first); cached ones stay hittable."""
+    def free(self, request: Request, *, uncache: bool = False) -> None:
+        """Release every block of the request (tail first); cached ones stay hittable unless
+        ``uncache``: then the blocks it computed itself (not its prefix hits) are withdrawn from
+        the prefix cache, because their content may be garbage (a failed computation)."""
         blocks = self.req_to_blocks.pop(request.req_id, [])
         self._num_cached_blocks.pop(request.req_id, None)
         self.block_pool.free(blocks[::-1])
+        if uncache:
+            num_hit_blocks = max(request.num_cached_tokens, 0) // self.block_size
+            self.block_pool.uncache(blocks[num_hit_blocks:])
 
     def take_events(self) -> list[KVCacheEvent]:
         return self.block_pool.take_events()

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.batch_runner import BatchRunner
 from engine.config import EngineConfig
 from engine.cpu_isa import CpuIsa, cpu_auto_dtype, host_isa, resolve_isa
 from engine.cpu_tuning import keep_freed_memory_in_heap, parse_cpu_list, pin_process_to_cpus
@@ -24,9 +25,9 @@ from engine.model_runner import ModelRunner
 from engine.outputs import RequestOutput
 from engine.request import Request, RequestStatus
 from engine.request_limits import check_request_limits
-from engine.sampler import Sampler, SamplingInput, TokenLogprobs
+from engine.sampler import Sampler, TokenLogprobs
 from engine.sampling_params import SamplingParams
-from engine.scheduler import KVLoad, Scheduler, SchedulerConfig
+from engine.scheduler import KVLoad, Scheduler, SchedulerConfig, SchedulerOutput
 from engine.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -133,6 +134,7 @@ class LLMEngine:
             self.kv_cache_manager,
         )
         self.sampler = Sampler(config.seed)
+        self.batch_runner = BatchRunner(self.runner, self.sampler)
         self.vocab_size = self.runner.model_config.vocab_size
         self._states: dict[str, _RequestState] = {}
         self._kv_loads: list[KVLoad] = []
@@ -261,28 +263,29 @@ class LLMEngine:
 
     # ----------------------------------------------------------------------------- step
     def step(self) -> list[RequestOutput]:
-        """Run one batch; return an output for every request that got a token or finished."""
+        """Run one batch; return an output for every request that got a token or finished.
+
+        A failure confined to some requests (non-finite logits, an exception that a request
+        raises on its own) finishes those with ``finish_reason == "error"`` and the rest of the
+        batch goes on; ``EngineBrokenError`` means no request can run here any more.
+        """
         sched = self.scheduler.schedule()
         self._kv_loads.extend(sched.kv_loads)
         self.last_num_scheduled_tokens = sched.total_num_scheduled_tokens
         if sched.is_empty:
             return []
-        logits = self.runner.execute(sched.scheduled)
-        rows = [
-            SamplingInput(
-                params=s.request.sampling_params,
-                generator=s.request.next_token_generator(),
-                prompt_token_ids=s.request.prompt_token_ids,
-                output_token_ids=s.request.output_token_ids,
+        sampled, errors = self.batch_runner.run(sched.scheduled)
+        outputs = self._fail_requests(errors)
+        if errors:
+            sched = SchedulerOutput(
+                scheduled=[s for s in sched.scheduled if s.request.req_id not in errors],
+                preempted_req_ids=sched.preempted_req_ids,
+                kv_loads=sched.kv_loads,
             )
-            for s in sched.scheduled
-            if s.samples
-        ]
-        sampled = self.sampler(logits, rows)
         updated, finished = self.scheduler.update_from_output(sched, sampled.sampled_token_ids)
         now = time.perf_counter()
         finished_ids = {r.req_id for r in finished}
-        outputs: list[RequestOutput] = []
+        detokenize_errors: dict[str, str] = {}
         for request, logprobs in zip(updated, sampled.logprobs, strict=True):
             state = self._states[request.req_id]
             if state.first_token_time_s is None:
@@ -293,11 +296,15 @@ class LLMEngine:
             stopped_by_token = request.req_id in finished_ids and isinstance(
                 request.stop_reason, int
             )
-            stop = (
-                None
-                if stopped_by_token or state.detokenizer is None
-                else state.detokenizer.update([request.output_token_ids[-1]])
-            )
+            try:
+                stop = (
+                    None
+                    if stopped_by_token or state.detokenizer is None
+                    else state.detokenizer.update([request.output_token_ids[-1]])
+                )
+            except Exception as exc:  # confined to this request
+                detokenize_errors[request.req_id] = f"detokenizing failed: {exc!r}"
+                continue
             if stop is not None and request.req_id not in finished_ids:
                 request.stop_reason = stop
                 self.scheduler.finish_requests([request.req_id], RequestStatus.FINISHED_STOPPED)
@@ -305,6 +312,20 @@ class LLMEngine:
             outputs.append(self._make_output(state, new_ids))
             if request.status.is_finished:
                 del self._states[request.req_id]
+        outputs.extend(self._fail_requests(detokenize_errors))
+        return outputs
+
+    def _fail_requests(self, errors: dict[str, str]) -> list[RequestOutput]:
+        """Finish the requests in ``errors`` with FINISHED_ERROR (their blocks leave the prefix
+        cache) and return their final outputs."""
+        if not errors:
+            return []
+        finished = self.scheduler.finish_requests(errors, RequestStatus.FINISHED_ERROR)
+        outputs = []
+        for request in finished:
+            request.error = errors[request.req_id]
+            logger.warning("req_id=%s failed in the engine: %s", request.req_id, request.error)
+            outputs.append(self._make_output(self._states.pop(request.req_id), []))
         return outputs
 
     def _make_output(self, state: _RequestState, new_token_ids: list[int]) -> RequestOutput:
@@ -328,4 +349,5 @@ class LLMEngine:
             logprobs=list(state.logprobs) if state.logprobs is not None else None,
             arrival_time_s=request.arrival_time_s,
             first_token_time_s=state.first_token_time_s,
+            error=request.error,
         )

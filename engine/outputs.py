@@ -29,3 +29,5 @@ class RequestOutput:
     logprobs: list[TokenLogprobs] | None
     arrival_time_s: float
     first_token_time_s: float | None
+    # Set when finish_reason is "error": why this request (only) failed.
+    error: str | None = None

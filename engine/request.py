@@ -29,6 +29,9 @@ class RequestStatus(enum.Enum):
        │  ▼        ▼ (out of KV blocks: recompute later)
        │ WAITING_FOR_REMOTE_KV     PREEMPTED ──▶ (back to the front of the waiting queue)
        └──┘ (transfer done or failed)
+
+    FINISHED_ERROR: the request's own computation failed (non-finite logits, an exception
+    isolated to it); the engine goes on with the others.
     """
 
     WAITING = enum.auto()
@@ -38,6 +41,7 @@ class RequestStatus(enum.Enum):
     FINISHED_STOPPED = enum.auto()
     FINISHED_LENGTH_CAPPED = enum.auto()
     FINISHED_ABORTED = enum.auto()
+    FINISHED_ERROR = enum.auto()
 
     @property
     def is_finished(self) -> bool:
@@ -53,12 +57,14 @@ _FINISHED = frozenset(
         RequestStatus.FINISHED_STOPPED,
         RequestStatus.FINISHED_LENGTH_CAPPED,
         RequestStatus.FINISHED_ABORTED,
+        RequestStatus.FINISHED_ERROR,
     }
 )
 _FINISH_REASONS = {
     RequestStatus.FINISHED_STOPPED: "stop",
     RequestStatus.FINISHED_LENGTH_CAPPED: "length",
     RequestStatus.FINISHED_ABORTED: "abort",
+    RequestStatus.FINISHED_ERROR: "error",
 }
 
 
@@ -92,6 +98,8 @@ class Request:
     num_preemptions: int = 0
     status: RequestStatus = RequestStatus.WAITING
     stop_reason: int | str | None = None
+    # Why the request finished with FINISHED_ERROR (None otherwise).
+    error: str | None = None
     generator: torch.Generator | None = None
     _block_hashes: list[BlockHash] = field(default_factory=list)
 

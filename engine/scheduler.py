@@ -304,7 +304,9 @@ class Scheduler:
 
     def _finish(self, request: Request, status: RequestStatus) -> None:
         request.status = status
-        if request.hold_kv and status != RequestStatus.FINISHED_ABORTED:
+        if status is RequestStatus.FINISHED_ERROR:
+            self.kv_cache_manager.free(request, uncache=True)
+        elif request.hold_kv and status is not RequestStatus.FINISHED_ABORTED:
             self.held_kv[request.req_id] = request
         else:
             self.kv_cache_manager.free(request)

@@ -8,10 +8,11 @@ everything down on Ctrl-C or when one of the processes it cannot lose (the route
 
 Each process's stderr passes through to the launcher's, which keeps its last lines: a process
 that exits is reported with its exit status and the last line it wrote (a worker that fails to
-load its model: the exception). There is no orchestrator to restart an exited worker; instead
-the launcher answers on its address in its place, every call with UNAVAILABLE and that reason,
-so that the routers, and through them ``Router.Status`` and every client, say why it does not
-serve.
+load its model: the exception). A worker that exits after it served (its engine died, it was
+killed) is restarted on the same address, where the routers find it again. One that exits
+before it ever served is not (it would only fail again): the launcher answers on its address
+in its place, every call with UNAVAILABLE and that reason, so that the routers, and through
+them ``Router.Status`` and every client, say why it does not serve.
 """
 
 from __future__ import annotations
@@ -74,11 +75,13 @@ class ServiceProcess:
     argv: list[str]
     popen: subprocess.Popen[bytes] | None = None
     state: ProcessState = ProcessState.STARTING
+    num_restarts: int = 0
     stderr_tail: deque[str] = field(default_factory=lambda: deque(maxlen=_STDERR_TAIL_LINES))
     _stderr_pump: threading.Thread | None = field(default=None, init=False, repr=False)
     _stand_in: grpc.Server | None = field(default=None, init=False, repr=False)
 
     def start(self, env: dict[str, str]) -> None:
+        self.stderr_tail.clear()
         self.popen = subprocess.Popen(
             self.argv, env=env, start_new_session=True, stderr=subprocess.PIPE
         )
@@ -183,6 +186,7 @@ class LocalCluster:
     worker_cpu_cores: Sequence[str] = ()
     log_level: str = "WARNING"
     processes: list[ServiceProcess] = field(default_factory=list)
+    _env: dict[str, str] = field(default_factory=dict, init=False, repr=False)
 
     @property
     def router_address(self) -> str:
@@ -209,7 +213,7 @@ class LocalCluster:
         address and routes to a worker once it serves); returns without waiting."""
         if self.mode == "colocated":
             self.num_prefill = 0
-        env = dict(os.environ, SPLITSERVE_LOG_LEVEL=self.log_level)
+        env = self._env = dict(os.environ, SPLITSERVE_LOG_LEVEL=self.log_level)
         python = sys.executable
         worker_argv = [*to_argv(self._engine_for_workers()), *self.extra_worker_flags]
         num_workers = self.num_prefill + self.num_decode
@@ -238,13 +242,26 @@ class LocalCluster:
     def supervise(self) -> list[WorkerFailure]:
         """One round of watching the processes (``splitserve up --no-ray``): note those that
         now serve, and return one ``WorkerFailure`` for each that exited since the last round.
-        An exited worker is not restarted (there is no orchestrator); it is answered for in
-        place (``ServiceProcess.answer_in_place``) until ``stop``."""
+        A worker that had served is restarted at once; one that exited while starting is
+        answered for in place (``ServiceProcess.answer_in_place``) until ``stop``."""
         failures = []
         for process in self.processes:
             if process.state is ProcessState.EXITED:
                 continue
-            if not process.alive:
+            restart = process.role != "router" and process.state is ProcessState.SERVING
+            if not process.alive and restart:
+                process.num_restarts += 1
+                reason = process.exit_reason()
+                logger.warning(
+                    "%s at %s exited (%s); restarting it", process.role, process.address, reason
+                )
+                process.start(self._env)
+                failures.append(
+                    WorkerFailure(
+                        process.role, process.address, reason, process.num_restarts, 0.0, True
+                    )
+                )
+            elif not process.alive:
                 during = " during startup" if process.state is ProcessState.STARTING else ""
                 process.state = ProcessState.EXITED
                 reason = process.exit_reason()

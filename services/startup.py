@@ -39,6 +39,8 @@ class WorkerFailure:
     error: str  # the error's last line
     attempt: int  # failed starts of this pool in a row (1: the first since one served)
     retry_in_s: float | None  # when the next start is tried; None: never (no orchestrator)
+    # It had served and then exited (its engine died, it was killed): it is being restarted.
+    restarting: bool = False
 
 
 class ClusterNotReady(Exception):

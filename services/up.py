@@ -136,7 +136,9 @@ class _FailureConsole:
             return
         self._last_error[failure.role] = failure.error
         who = "router" if failure.role == "router" else f"{failure.role} worker"
-        if failure.retry_in_s is None:
+        if failure.restarting:
+            what = f"exited ({failure.error}); restarting it (restart {failure.attempt})"
+        elif failure.retry_in_s is None:
             what = f"exited ({failure.error}); not restarted (no orchestrator with --no-ray)"
         else:
             what = (

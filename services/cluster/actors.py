@@ -8,6 +8,7 @@ and drives them through these methods; clients and routers talk to the services 
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import os
 import socket
@@ -57,9 +58,11 @@ class _WorkerActor:
             config, port=0, metrics_port=metrics_port, kv_advertise_host=kv_advertise_host
         )
         self._worker: RunningWorker | None = None
+        self._watcher: asyncio.Task[None] | None = None
 
     async def start(self) -> Endpoint:
         self._worker = await self._start_worker(self._config)
+        self._watcher = asyncio.create_task(self._exit_when_engine_dies(self._worker))
         host = _advertised_host(self._config.host)
         return Endpoint(
             f"{host}:{self._worker.port}",
@@ -70,6 +73,14 @@ class _WorkerActor:
 
     async def _start_worker(self, config: WorkerConfig) -> RunningWorker:
         raise NotImplementedError
+
+    @staticmethod
+    async def _exit_when_engine_dies(worker: RunningWorker) -> None:
+        """A dead engine ends the actor's process, as it ends ``python -m services.<role>``:
+        the controller's next ping fails and it starts a replacement."""
+        await worker.engine_died.wait()
+        await worker.stop(grace_s=1.0)
+        os._exit(1)
 
     async def stop(self, grace_s: float) -> None:
         """Stop serving (open calls get ``grace_s``) and free the engine; the actor stays."""

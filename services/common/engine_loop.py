@@ -89,6 +89,9 @@ class EngineLoop:
         self.hooks: EngineHooks = hooks or NoHooks()
         # Called on the asyncio loop with each step's prefix-cache events, in order.
         self.on_kv_events = on_kv_events
+        # Called once on the asyncio loop after the engine thread crashed, once every open
+        # stream has been handed its EngineDeadError.
+        self.on_dead: Callable[[BaseException], None] | None = None
         self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self._wakeup = threading.Event()
         self._streams: dict[str, asyncio.Queue[RequestOutput]] = {}
@@ -229,7 +232,12 @@ class EngineLoop:
                 if not future.done():
                     future.set_exception(error)
             assert self._loop is not None
-            self._loop.call_soon_threadsafe(self._fail_all, error)
+            self._loop.call_soon_threadsafe(self._die, error, exc)
+
+    def _die(self, error: EngineDeadError, cause: BaseException) -> None:
+        self._fail_all(error)
+        if self.on_dead is not None:
+            self.on_dead(cause)
 
     def _drain_commands(self) -> None:
         while True:

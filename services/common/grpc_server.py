@@ -47,6 +47,10 @@ class ServingServer:
         for name in (OVERALL_HEALTH, *service_names):
             await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
 
+    async def set_not_serving(self) -> None:
+        """Report NOT_SERVING for every service from now on (the server keeps running)."""
+        await self.health.enter_graceful_shutdown()
+
     async def stop(self, grace_s: float) -> None:
         await self.health.enter_graceful_shutdown()
         await self.server.stop(grace_s)
@@ -79,10 +83,13 @@ async def start_server(
 
 
 async def serve_until_signal(
-    serving: ServingServer, cleanup: Callable[[], Awaitable[None]] | None = None
+    serving: ServingServer,
+    cleanup: Callable[[], Awaitable[None]] | None = None,
+    stop: asyncio.Event | None = None,
 ) -> None:
-    """Block until SIGTERM / SIGINT, then stop the server (5 s grace) and run ``cleanup``."""
-    stop = asyncio.Event()
+    """Block until SIGTERM / SIGINT (or ``stop`` is set), then stop the server (5 s grace) and
+    run ``cleanup``."""
+    stop = stop or asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)

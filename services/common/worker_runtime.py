@@ -13,6 +13,7 @@ import grpc
 from engine.llm_engine import LLMEngine
 from kvtransfer.base import KVTransferBackend, PeerInfo
 from kvtransfer.registry import make_backend
+from services.common.background import BackgroundTasks
 from services.common.convert import ROLE_NAMES, peer_info_to_proto
 from services.common.engine_loop import EngineHooks, EngineLoop
 from services.common.grpc_server import ServingServer, serve_until_signal, start_server
@@ -90,6 +91,8 @@ class RunningWorker:
     servicer: WorkerServicer
     serving: ServingServer
     publisher: KVEventPublisher | None
+    # Set when the engine thread died: the worker reports NOT_SERVING and its process exits.
+    engine_died: asyncio.Event
 
     @property
     def port(self) -> int:
@@ -131,6 +134,19 @@ async def start_worker(
     register_worker_metrics(ROLE_NAMES[role], runtime.worker_id, servicer.load)
     start_metrics_server(config.host, config.metrics_port)
     publisher = make_kv_event_publisher(config, runtime)
+    engine_died = asyncio.Event()
+    background = BackgroundTasks()
+
+    def on_engine_dead(cause: BaseException) -> None:
+        logger.error(
+            "engine died (%r): NOT_SERVING; its streams fail with UNAVAILABLE and the process "
+            "exits so that its supervisor starts a new one",
+            cause,
+        )
+        engine_died.set()
+        background.spawn(serving.set_not_serving())
+
+    runtime.loop.on_dead = on_engine_dead
     runtime.loop.start()
     if publisher is not None:
         publisher.start()
@@ -144,13 +160,15 @@ async def start_worker(
         runtime.kv_backend.name,
         runtime.kv_peer.address,
     )
-    return RunningWorker(runtime, servicer, serving, publisher)
+    return RunningWorker(runtime, servicer, serving, publisher, engine_died)
 
 
-async def serve_worker(starting: Awaitable[RunningWorker]) -> None:
-    """Run the worker ``starting`` starts (see ``start_worker``) until SIGTERM / SIGINT."""
+async def serve_worker(starting: Awaitable[RunningWorker]) -> int:
+    """Run the worker ``starting`` starts (see ``start_worker``) until SIGTERM / SIGINT or its
+    engine dies; return the process's exit status (1: the engine died)."""
     worker = await starting
-    await serve_until_signal(worker.serving, worker.cleanup)
+    await serve_until_signal(worker.serving, worker.cleanup, stop=worker.engine_died)
+    return 1 if worker.engine_died.is_set() else 0
 
 
 def make_kv_event_publisher(

@@ -25,6 +25,7 @@ from services.common.convert import (
     sampling_params_from_worker,
 )
 from services.common.engine_loop import EngineDeadError
+from services.common.failures import FailureKind, abort_with
 from services.common.worker_config import WorkerConfig, parse_worker_args
 from services.common.worker_runtime import (
     RunningWorker,
@@ -84,11 +85,17 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
 
         try:
             async for output in self.runtime.loop.generate(req_id, add):
+                if output.error is not None:
+                    await abort_with(
+                        context, grpc.StatusCode.INTERNAL, FailureKind.REQUEST, output.error
+                    )
                 yield self._response(output)
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         except EngineDeadError as exc:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+            await abort_with(
+                context, grpc.StatusCode.UNAVAILABLE, FailureKind.ENGINE_DEAD, str(exc)
+            )
         except asyncio.CancelledError:
             logger.info("req_id=%s cancelled by the caller", req_id)
             raise
@@ -156,8 +163,7 @@ async def start_decode_worker(config: WorkerConfig) -> RunningWorker:
 
 def main(argv: list[str] | None = None) -> int:
     config = parse_worker_args("decode", argv)
-    asyncio.run(serve_worker(start_decode_worker(config)))
-    return 0
+    return asyncio.run(serve_worker(start_decode_worker(config)))
 
 
 if __name__ == "__main__":

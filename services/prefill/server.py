@@ -26,6 +26,7 @@ from services.common.convert import (
     sampling_params_from_worker,
 )
 from services.common.engine_loop import EngineDeadError
+from services.common.failures import FailureKind, abort_with
 from services.common.worker_config import WorkerConfig, parse_worker_args
 from services.common.worker_runtime import (
     RunningWorker,
@@ -72,12 +73,16 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         except EngineDeadError as exc:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+            await abort_with(
+                context, grpc.StatusCode.UNAVAILABLE, FailureKind.ENGINE_DEAD, str(exc)
+            )
         except asyncio.CancelledError:
             # The request may have finished (and leased its blocks) just before the cancel.
             loop.abort(req_id)
             raise
         assert final is not None and final.finished
+        if final.error is not None:
+            await abort_with(context, grpc.StatusCode.INTERNAL, FailureKind.REQUEST, final.error)
         return await self._respond(req_id, prompt, params.max_tokens, final)
 
     async def _respond(
@@ -156,8 +161,7 @@ async def start_prefill_worker(config: WorkerConfig) -> RunningWorker:
 
 def main(argv: list[str] | None = None) -> int:
     config = parse_worker_args("prefill", argv)
-    asyncio.run(serve_worker(start_prefill_worker(config)))
-    return 0
+    return asyncio.run(serve_worker(start_prefill_worker(config)))
 
 
 if __name__ == "__main__":

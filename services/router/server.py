@@ -38,6 +38,7 @@ from services.router import metrics
 from services.router.config import RouterConfig, parse_router_args
 from services.router.decode_choice import DecodeChooser
 from services.router.explain import explain_response
+from services.router.failure_policy import FailurePolicy
 from services.router.latency import LatencyWindow
 from services.router.prefill_choice import PrefillChoice, PrefillChooser, PrefillPolicy
 from services.router.prefill_cost import PrefillWeights
@@ -52,10 +53,6 @@ from splitserve.v1 import router_pb2, router_pb2_grpc, worker_pb2
 logger = logging.getLogger(__name__)
 
 SERVICE_NAME = "splitserve.v1.Router"
-# Worker errors after which the request is retried elsewhere instead of failed.
-_RETRYABLE = frozenset(
-    {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN}
-)
 
 
 class RouterServicer(router_pb2_grpc.RouterServicer):
@@ -200,6 +197,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             request_id=req_id, prompt_token_ids=prepared.prompt_token_ids, sampling=worker_params
         )
         lease_holder: WorkerHandle | None = None
+        failures = FailurePolicy()
         chooser = self.planner.prefill_chooser
         slot = InflightSlot()
         # Colocated: the decode worker's reservation, held until its first token.
@@ -214,7 +212,9 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             if prefill is not None:
                 response = None
                 try:
-                    response = await self._prefill(prefill, prepared, worker_params, context)
+                    response = await self._prefill(
+                        prefill, prepared, worker_params, context, failures
+                    )
                     if response is None:  # the worker failed (a cancelled call raises)
                         await chooser.forget(prefill)
                 finally:
@@ -244,7 +244,9 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                     self._background.spawn(self._release(lease_holder, req_id))
                     lease_holder = None
 
-            decoding = self._decode(decode_request, stream, plan, slot, context, drop_lease)
+            decoding = self._decode(
+                decode_request, stream, plan, slot, context, drop_lease, failures
+            )
             async for message in decoding:
                 lease_holder = None  # the decode worker owns the pull and its release now
                 if colocated is not None:
@@ -266,6 +268,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         prepared: PreparedRequest,
         worker_params: worker_pb2.WorkerSamplingParams,
         context: grpc.aio.ServicerContext,
+        failures: FailurePolicy,
     ) -> worker_pb2.PrefillResponse | None:
         """Run the prefill; None when the worker failed (the decode worker prefills instead)."""
         request = worker_pb2.PrefillRequest(
@@ -278,7 +281,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         try:
             return await call
         except grpc.aio.AioRpcError as exc:
-            await self._worker_failed(worker, exc, context)
+            await self._worker_failed(worker, exc, context, failures)
             metrics.PREFILL_FALLBACKS.inc()
             logger.warning(
                 "req_id=%s prefill on %s failed (%s); the decode worker prefills locally",
@@ -303,6 +306,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         slot: InflightSlot,
         context: grpc.aio.ServicerContext,
         drop_lease: Callable[[], None],
+        failures: FailurePolicy,
     ) -> AsyncIterator[router_pb2.GenerateResponse]:
         """Stream the decode on the planned worker (``slot``'s); on a failure continue on
         another one, moving ``slot`` along, from the prompt and the tokens sent so far (the
@@ -336,7 +340,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                     if stream.finished:
                         return
             except grpc.aio.AioRpcError as exc:
-                await self._worker_failed(worker, exc, context)
+                await self._worker_failed(worker, exc, context, failures)
                 if plan.place is PrefillPlace.COLOCATED:  # it may come back with an empty cache
                     await self.planner.prefill_chooser.forget(worker)
                 metrics.DECODE_FAILOVERS.inc()
@@ -360,12 +364,16 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
 
     @staticmethod
     async def _worker_failed(
-        worker: WorkerHandle, exc: grpc.aio.AioRpcError, context: grpc.aio.ServicerContext
+        worker: WorkerHandle,
+        exc: grpc.aio.AioRpcError,
+        context: grpc.aio.ServicerContext,
+        failures: FailurePolicy,
     ) -> None:
-        """Fail the call with the worker's status if retrying cannot help; else mark the worker
+        """Fail the call if retrying cannot help (see ``FailurePolicy``); else mark the worker
         unhealthy (until a poll succeeds) so that the caller moves on to another path."""
-        if exc.code() not in _RETRYABLE:
-            await context.abort(exc.code(), exc.details() or f"{worker.role_name} worker failed")
+        failure = failures.judge(exc, worker.role_name)
+        if failure is not None:
+            await context.abort(failure.code, failure.details)
         worker.mark_failed(f"{exc.code().name}: {exc.details()}")
 
     async def _release(self, worker: WorkerHandle, req_id: str) -> None:

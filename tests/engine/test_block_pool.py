@@ -9,6 +9,7 @@ from engine.block_pool import (
     BlockPool,
     BlockRemoved,
     BlockStored,
+    DoubleFreeError,
     NoFreeBlocksError,
 )
 
@@ -62,6 +63,33 @@ def test_duplicate_hash_keeps_first_copy():
     pool.cache_blocks([a], [h(5)], None)
     pool.cache_blocks([b], [h(5)], None)
     assert pool.get_cached_block(h(5)) is a and b.block_hash is None
+    pool.check_integrity()
+
+
+def test_double_free_is_refused_and_changes_nothing():
+    pool = BlockPool(3, block_size=16)
+    a, b = pool.allocate(2)
+    pool.free([a])
+    with pytest.raises(DoubleFreeError):
+        pool.free([b, a])
+    with pytest.raises(DoubleFreeError):
+        pool.free([b, b])
+    assert b.ref_cnt == 1 and pool.num_free_blocks == 2
+    pool.check_integrity()
+
+
+def test_uncache_withdraws_cached_and_in_use_blocks_from_prefix_hits():
+    pool = BlockPool(3, block_size=16)
+    a, b = pool.allocate(2)
+    pool.cache_blocks([a, b], [h(1), h(2)], None)
+    pool.free([a])
+    pool.take_events()
+    pool.uncache([a, b])
+    assert pool.get_cached_block(h(1)) is None and pool.get_cached_block(h(2)) is None
+    assert pool.take_events() == [BlockRemoved((h(1), h(2)))]
+    assert pool.num_cached_blocks == 0 and b.ref_cnt == 1
+    pool.free([b])
+    assert pool.num_free_blocks == 3 and pool.num_cached_blocks == 0
     pool.check_integrity()
 
 
