@@ -53,6 +53,9 @@ ROLES = ("router", *POOL_ROLES)
 # targets the head pod).
 HEAD_RESOURCE = "node:__internal_head__"
 _PING_TIMEOUT_S = 10.0
+# Pings in a row an actor may miss before it counts as hung and is replaced (a worker whose
+# engine thread holds the GIL for a long step may miss one).
+_MAX_MISSED_PINGS = 3
 _CALL_TIMEOUT_S = 5.0
 _DRAIN_POLL_S = 0.25
 # A drained worker must look idle this many polls in a row (a routing decision made just
@@ -353,7 +356,7 @@ class ClusterController:
             if ok or member not in self._members[member.role]:
                 continue
             logger.warning(
-                "%s %s (%s, pid %d) died; replacing it",
+                "%s %s (%s, pid %d) died or hangs; replacing it",
                 member.role,
                 member.name,
                 member.address,
@@ -368,12 +371,22 @@ class ClusterController:
 
     @staticmethod
     async def _alive(member: Member) -> bool:
+        """False for a dead actor, and for a hung one (``_MAX_MISSED_PINGS`` in a row)."""
         try:
             await asyncio.wait_for(member.actor.ping.remote(), _PING_TIMEOUT_S)
         except ray.exceptions.RayActorError:
             return False
         except TimeoutError:
-            logger.warning("%s %s did not answer a ping in time", member.role, member.name)
+            member.num_missed_pings += 1
+            logger.warning(
+                "%s %s did not answer a ping in %.0f s (%d in a row)",
+                member.role,
+                member.name,
+                _PING_TIMEOUT_S,
+                member.num_missed_pings,
+            )
+            return member.num_missed_pings < _MAX_MISSED_PINGS
+        member.num_missed_pings = 0
         return True
 
     # ----------------------------------------------------------------------------- drain

@@ -35,6 +35,7 @@ class Member:
     metrics_port: int = 0
     pid: int = 0
     hostname: str = ""  # its pod on Kubernetes
+    num_missed_pings: int = 0  # in a row; a hung actor is replaced after a few
     task: asyncio.Task[None] | None = field(default=None, repr=False)
 
     @property

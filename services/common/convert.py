@@ -153,6 +153,7 @@ def load_to_proto(
     num_kv_leases: int = 0,
     num_transfers_failed: int = 0,
     num_leases_expired: int = 0,
+    shutting_down: bool = False,
 ) -> worker_pb2.WorkerLoad:
     return worker_pb2.WorkerLoad(
         num_running=stats.num_running,
@@ -167,4 +168,5 @@ def load_to_proto(
         num_preemptions=stats.num_preemptions,
         num_transfers_failed=num_transfers_failed,
         num_leases_expired=num_leases_expired,
+        shutting_down=shutting_down,
     )

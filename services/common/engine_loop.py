@@ -72,6 +72,11 @@ class EngineDeadError(RuntimeError):
     """The engine thread stopped (crashed or shut down); no request can make progress."""
 
 
+class StreamEndedError(RuntimeError):
+    """The worker ended the stream before its request finished (it is shutting down); the
+    request is aborted here and may continue on another worker."""
+
+
 class EngineLoop:
     """Owns the engine thread. Create on the asyncio loop, then ``start()``.
 
@@ -157,7 +162,7 @@ class EngineLoop:
             await self.call(add)
             while True:
                 output = await stream.get()
-                if isinstance(output, EngineDeadError):
+                if isinstance(output, (EngineDeadError, StreamEndedError)):
                     raise output
                 yield output
                 if output.finished:
@@ -167,6 +172,16 @@ class EngineLoop:
             self._streams.pop(req_id, None)
             if not finished and self.is_alive:
                 self.abort(req_id)
+
+    @property
+    def num_streams(self) -> int:
+        """Requests whose outputs are being streamed to a caller now."""
+        return len(self._streams)
+
+    def end_streams(self, reason: str) -> None:
+        """End every open stream with ``StreamEndedError(reason)`` (its caller aborts it)."""
+        for stream in self._streams.values():
+            stream.put_nowait(StreamEndedError(reason))  # type: ignore[arg-type]
 
     def abort(self, req_id: str) -> None:
         """Abort ``req_id`` on the engine thread (fire and forget; unknown ids are ignored)."""

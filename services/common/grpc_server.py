@@ -23,12 +23,35 @@ logger = logging.getLogger(__name__)
 
 # Prompts of 100k+ tokens and their responses must fit.
 MAX_MESSAGE_BYTES = 64 * 2**20
-CHANNEL_OPTIONS = (
+# HTTP/2 keepalive: a peer that stops answering pings (a hung or SIGSTOPped process, a cut
+# link: TCP alone may wait for minutes) fails its calls with UNAVAILABLE within about
+# KEEPALIVE_TIME_MS + KEEPALIVE_TIMEOUT_MS, even while a stream is silent.
+KEEPALIVE_TIME_MS = 10_000
+KEEPALIVE_TIMEOUT_MS = 5_000
+_MESSAGE_SIZES = (
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+)
+CHANNEL_OPTIONS = (
+    *_MESSAGE_SIZES,
     # A peer that is still starting (a worker compiling its kernels, a router) is retried at
     # least every 2 s, not after gRPC's default backoff of up to 120 s.
     ("grpc.max_reconnect_backoff_ms", 2000),
+    ("grpc.keepalive_time_ms", KEEPALIVE_TIME_MS),
+    ("grpc.keepalive_timeout_ms", KEEPALIVE_TIMEOUT_MS),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.max_pings_without_data", 0),
+)
+SERVER_OPTIONS = (
+    *_MESSAGE_SIZES,
+    # The server pings its clients too: the calls of a router that hangs or is cut off are
+    # cancelled (freeing their KV blocks) instead of waiting for it forever.
+    ("grpc.keepalive_time_ms", 2 * KEEPALIVE_TIME_MS),
+    ("grpc.keepalive_timeout_ms", KEEPALIVE_TIMEOUT_MS),
+    # Accept the clients' keepalive pings (gRPC's default answers them with GOAWAY).
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.min_ping_interval_without_data_ms", KEEPALIVE_TIME_MS // 2),
+    ("grpc.http2.max_ping_strikes", 0),
 )
 OVERALL_HEALTH = ""  # the health service name that covers the whole server
 
@@ -66,7 +89,7 @@ async def start_server(
 
     Health reports NOT_SERVING until ``ServingServer.set_serving`` is called.
     """
-    server = grpc.aio.server(options=CHANNEL_OPTIONS, interceptors=(RejectUndecodableRequests(),))
+    server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=(RejectUndecodableRequests(),))
     register(server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -85,20 +108,27 @@ async def start_server(
 async def serve_until_signal(
     serving: ServingServer,
     cleanup: Callable[[], Awaitable[None]] | None = None,
-    stop: asyncio.Event | None = None,
+    fatal: asyncio.Event | None = None,
+    before_stop: Callable[[], Awaitable[None]] | None = None,
 ) -> None:
-    """Block until SIGTERM / SIGINT (or ``stop`` is set), then stop the server (5 s grace) and
-    run ``cleanup``."""
-    stop = stop or asyncio.Event()
+    """Block until SIGTERM / SIGINT (then run ``before_stop``, a drain) or until ``fatal`` is
+    set; then stop the server (5 s grace) and run ``cleanup``."""
+    signalled = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    server_done = asyncio.ensure_future(serving.server.wait_for_termination())
-    stop_requested = asyncio.ensure_future(stop.wait())
-    await asyncio.wait({server_done, stop_requested}, return_when=asyncio.FIRST_COMPLETED)
+        loop.add_signal_handler(sig, signalled.set)
+    waits = [
+        asyncio.ensure_future(serving.server.wait_for_termination()),
+        asyncio.ensure_future(signalled.wait()),
+    ]
+    if fatal is not None:
+        waits.append(asyncio.ensure_future(fatal.wait()))
+    await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
     logger.info("shutting down")
+    if signalled.is_set() and before_stop is not None:
+        await before_stop()
     await serving.stop(grace_s=5.0)
     if cleanup is not None:
         await cleanup()
-    for task in (server_done, stop_requested):
+    for task in waits:
         task.cancel()

@@ -40,6 +40,11 @@ class WorkerConfig:
         3.0, "seconds the prefix index keeps this worker routable without a heartbeat"
     )
     metrics_port: int = flag(0, "port of the Prometheus /metrics endpoint (0: off)")
+    shutdown_grace_s: float = flag(
+        30.0,
+        "on SIGTERM: seconds the worker keeps serving its open streams (taking no new ones) "
+        "before it ends them, marked so that routers continue them on other workers",
+    )
     lease_ttl_s: float = flag(
         30.0, "prefill: seconds a finished prefill's blocks wait for the decode side's pull"
     )

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -25,6 +26,10 @@ from splitserve.v1 import worker_pb2
 
 logger = logging.getLogger(__name__)
 
+_DRAIN_POLL_S = 0.05
+# What a drained server still gives its calls (ending streams only takes a loop turn).
+_STOP_GRACE_S = 1.0
+
 
 class WorkerServicer(Protocol):
     def load(self) -> worker_pb2.WorkerLoad:
@@ -42,6 +47,8 @@ class WorkerRuntime:
     loop: EngineLoop
     kv_backend: KVTransferBackend
     kv_peer: PeerInfo
+    # Set by ``RunningWorker.drain``: new calls are refused (UNAVAILABLE, retryable).
+    shutting_down: bool = False
 
     def info(self) -> worker_pb2.WorkerInfo:
         kernels = self.engine.runner.kernels
@@ -102,9 +109,34 @@ class RunningWorker:
         return self.servicer.load()
 
     async def stop(self, grace_s: float = 5.0) -> None:
-        """Stop serving (in-flight calls get ``grace_s``), then the engine and KV transfers."""
-        await self.serving.stop(grace_s)
+        """``drain`` for up to ``grace_s``, stop serving, then the engine and KV transfers."""
+        await self.drain(grace_s)
+        await self.serving.stop(_STOP_GRACE_S)
         await self.cleanup()
+
+    async def drain(self, grace_s: float) -> None:
+        """Take no new request (health NOT_SERVING, ``WorkerLoad.shutting_down``, new calls
+        UNAVAILABLE) and give the open streams, and a prefill worker's leases, up to
+        ``grace_s`` to finish; then end the streams still open with UNAVAILABLE marked
+        ``FailureKind.SHUTDOWN``, which routers continue on other workers token-exactly."""
+        runtime = self.runtime
+        runtime.shutting_down = True
+        await self.serving.set_not_serving()
+        loop = runtime.loop
+
+        def busy() -> bool:
+            return loop.is_alive and bool(loop.num_streams or loop.stats.num_held_kv)
+
+        await _wait_until(lambda: not busy(), grace_s)
+        if loop.num_streams:
+            logger.warning(
+                "shutdown grace of %.0f s over: ending %d open streams (they continue on other "
+                "workers)",
+                grace_s,
+                loop.num_streams,
+            )
+            loop.end_streams("the worker is shutting down")
+            await _wait_until(lambda: not loop.num_streams, _STOP_GRACE_S)
 
     async def cleanup(self) -> None:
         """Stop the engine, the index publisher and the KV transfer endpoint."""
@@ -164,11 +196,24 @@ async def start_worker(
 
 
 async def serve_worker(starting: Awaitable[RunningWorker]) -> int:
-    """Run the worker ``starting`` starts (see ``start_worker``) until SIGTERM / SIGINT or its
-    engine dies; return the process's exit status (1: the engine died)."""
+    """Run the worker ``starting`` starts (see ``start_worker``) until SIGTERM / SIGINT (then
+    ``drain`` for ``--shutdown-grace-s``) or until its engine dies; return the process's exit
+    status (1: the engine died)."""
     worker = await starting
-    await serve_until_signal(worker.serving, worker.cleanup, stop=worker.engine_died)
+    grace_s = worker.runtime.config.shutdown_grace_s
+    await serve_until_signal(
+        worker.serving,
+        worker.cleanup,
+        fatal=worker.engine_died,
+        before_stop=lambda: worker.drain(grace_s),
+    )
     return 1 if worker.engine_died.is_set() else 0
+
+
+async def _wait_until(done: Callable[[], bool], timeout_s: float) -> None:
+    deadline_s = time.monotonic() + timeout_s
+    while not done() and time.monotonic() < deadline_s:
+        await asyncio.sleep(_DRAIN_POLL_S)
 
 
 def make_kv_event_publisher(

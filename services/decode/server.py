@@ -24,7 +24,7 @@ from services.common.convert import (
     peer_info_from_proto,
     sampling_params_from_worker,
 )
-from services.common.engine_loop import EngineDeadError
+from services.common.engine_loop import EngineDeadError, StreamEndedError
 from services.common.failures import FailureKind, abort_with
 from services.common.worker_config import WorkerConfig, parse_worker_args
 from services.common.worker_runtime import (
@@ -53,6 +53,13 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         self, request: worker_pb2.DecodeRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[worker_pb2.DecodeResponse]:
         req_id = request.request_id
+        if self.runtime.shutting_down:
+            await abort_with(
+                context,
+                grpc.StatusCode.UNAVAILABLE,
+                FailureKind.SHUTDOWN,
+                "the worker is shutting down",
+            )
         try:
             params = sampling_params_from_worker(request.sampling)
         except ValueError as exc:
@@ -96,6 +103,8 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
             await abort_with(
                 context, grpc.StatusCode.UNAVAILABLE, FailureKind.ENGINE_DEAD, str(exc)
             )
+        except StreamEndedError as exc:
+            await abort_with(context, grpc.StatusCode.UNAVAILABLE, FailureKind.SHUTDOWN, str(exc))
         except asyncio.CancelledError:
             logger.info("req_id=%s cancelled by the caller", req_id)
             raise
@@ -141,7 +150,9 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
 
     def load(self) -> worker_pb2.WorkerLoad:
         return load_to_proto(
-            self.runtime.loop.stats, num_transfers_failed=self.puller.num_transfers_failed
+            self.runtime.loop.stats,
+            num_transfers_failed=self.puller.num_transfers_failed,
+            shutting_down=self.runtime.shutting_down,
         )
 
 

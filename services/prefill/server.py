@@ -25,7 +25,7 @@ from services.common.convert import (
     peer_info_to_proto,
     sampling_params_from_worker,
 )
-from services.common.engine_loop import EngineDeadError
+from services.common.engine_loop import EngineDeadError, StreamEndedError
 from services.common.failures import FailureKind, abort_with
 from services.common.worker_config import WorkerConfig, parse_worker_args
 from services.common.worker_runtime import (
@@ -54,6 +54,13 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
         self, request: worker_pb2.PrefillRequest, context: grpc.aio.ServicerContext
     ) -> worker_pb2.PrefillResponse:
         req_id = request.request_id
+        if self.runtime.shutting_down:
+            await abort_with(
+                context,
+                grpc.StatusCode.UNAVAILABLE,
+                FailureKind.SHUTDOWN,
+                "the worker is shutting down",
+            )
         prompt = list(request.prompt_token_ids)
         try:
             params = sampling_params_from_worker(request.sampling)
@@ -76,6 +83,8 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
             await abort_with(
                 context, grpc.StatusCode.UNAVAILABLE, FailureKind.ENGINE_DEAD, str(exc)
             )
+        except StreamEndedError as exc:
+            await abort_with(context, grpc.StatusCode.UNAVAILABLE, FailureKind.SHUTDOWN, str(exc))
         except asyncio.CancelledError:
             # The request may have finished (and leased its blocks) just before the cancel.
             loop.abort(req_id)
@@ -140,6 +149,7 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
             self.runtime.loop.stats,
             num_kv_leases=self.leases.num_leases,
             num_leases_expired=self.leases.num_leases_expired,
+            shutting_down=self.runtime.shutting_down,
         )
 
 

@@ -57,6 +57,16 @@ class RouterConfig:
     max_decode_retries: int = flag(
         2, "times a request moves to another decode worker when its worker fails"
     )
+    worker_call_timeout_s: float = flag(
+        3600.0,
+        "deadline of each call to a worker when the client set none or a later one (a worker "
+        "that runs past it is given up and the request continues elsewhere)",
+    )
+    worker_fence_after_failed_polls: int = flag(
+        2,
+        "health polls in a row a worker may fail before the router fences it: its open calls "
+        "are cancelled and their requests continue on other workers",
+    )
     prefill_policy: str = flag(
         "cost",
         "cost: the cheapest worker by cache hits and load (colocated: the replica); "

@@ -70,8 +70,11 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         self.scaler = scaler
         rng = random.Random(config.seed)
         prefill = config.prefill_address_list if config.mode == "disaggregated" else ()
-        self.prefill_pool = WorkerPool(worker_pb2.WORKER_ROLE_PREFILL, prefill)
-        self.decode_pool = WorkerPool(worker_pb2.WORKER_ROLE_DECODE, config.decode_address_list)
+        fence_after = config.worker_fence_after_failed_polls
+        self.prefill_pool = WorkerPool(worker_pb2.WORKER_ROLE_PREFILL, prefill, fence_after)
+        self.decode_pool = WorkerPool(
+            worker_pb2.WORKER_ROLE_DECODE, config.decode_address_list, fence_after
+        )
         self.planner = _build_planner(config, self.prefill_pool, self.decode_pool, rng)
         self._inflight: set[str] = set()
         self.latency = LatencyWindow()
@@ -277,26 +280,32 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             sampling=worker_params,
         )
         worker.num_inflight += 1
-        call = worker.stub.Prefill(request, timeout=context.time_remaining())
+        call = worker.stub.Prefill(request, timeout=self._call_timeout_s(context))
+        worker.open_call(call)
+        error = ""
         try:
             return await call
         except grpc.aio.AioRpcError as exc:
             await self._worker_failed(worker, exc, context, failures)
-            metrics.PREFILL_FALLBACKS.inc()
-            logger.warning(
-                "req_id=%s prefill on %s failed (%s); the decode worker prefills locally",
-                prepared.req_id,
-                worker.address,
-                exc.code().name,
-            )
-            return None
+            error = exc.code().name
         except asyncio.CancelledError:
-            call.cancel()
-            # A prefill that completed as we were cancelled leaves a lease; drop it now.
-            self._background.spawn(self._release(worker, prepared.req_id))
-            raise
+            if not worker.close_call(call) or _cancelling():
+                call.cancel()
+                # A prefill that completed as we were cancelled leaves a lease; drop it now.
+                self._background.spawn(self._release(worker, prepared.req_id))
+                raise
+            error = "fenced"
         finally:
+            worker.close_call(call)
             worker.num_inflight -= 1
+        metrics.PREFILL_FALLBACKS.inc()
+        logger.warning(
+            "req_id=%s prefill on %s failed (%s); the decode worker prefills locally",
+            prepared.req_id,
+            worker.address,
+            error,
+        )
+        return None
 
     async def _decode(
         self,
@@ -315,7 +324,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         prompt_blocks = len(plan.prefill.block_hashes)
         for _ in range(self.config.max_decode_retries + 1):
             worker = slot.worker
-            if worker is None or tried or not worker.healthy:
+            if worker is None or tried or not worker.routable:
                 candidate = self.planner.decode_chooser.choose(
                     prompt_blocks, plan.prefill.matched, exclude=tried
                 )
@@ -324,7 +333,9 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                 worker = candidate.worker
                 slot.move_to(worker)
             tried.add(worker.address)
-            call = worker.stub.Decode(request, timeout=context.time_remaining())
+            call = worker.stub.Decode(request, timeout=self._call_timeout_s(context))
+            worker.open_call(call)
+            error = ""
             try:
                 async for response in call:
                     if response.finished and not request.HasField("kv_ref"):
@@ -341,26 +352,40 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                         return
             except grpc.aio.AioRpcError as exc:
                 await self._worker_failed(worker, exc, context, failures)
-                if plan.place is PrefillPlace.COLOCATED:  # it may come back with an empty cache
-                    await self.planner.prefill_chooser.forget(worker)
-                metrics.DECODE_FAILOVERS.inc()
-                logger.warning(
-                    "req_id=%s decode on %s failed after %d tokens (%s); moving on",
-                    request.request_id,
-                    worker.address,
-                    len(stream.output_token_ids),
-                    exc.code().name,
-                )
-                # Continue from what the client already has, prefilling it locally.
-                del request.output_token_ids[:]
-                request.output_token_ids.extend(stream.output_token_ids)
-                request.ClearField("kv_ref")
-                request.ClearField("kv_peer")
-                drop_lease()
+                error = exc.code().name
+            except asyncio.CancelledError:
+                if not worker.close_call(call) or _cancelling():
+                    raise
+                error = "fenced"
             finally:
+                worker.close_call(call)
                 # A no-op when the call completed; otherwise the worker aborts the request.
                 call.cancel()
+            if not error:
+                continue
+            if plan.place is PrefillPlace.COLOCATED:  # it may come back with an empty cache
+                await self.planner.prefill_chooser.forget(worker)
+            metrics.DECODE_FAILOVERS.inc()
+            logger.warning(
+                "req_id=%s decode on %s failed after %d tokens (%s); moving on",
+                request.request_id,
+                worker.address,
+                len(stream.output_token_ids),
+                error,
+            )
+            # Continue from what the client already has, prefilling it locally.
+            del request.output_token_ids[:]
+            request.output_token_ids.extend(stream.output_token_ids)
+            request.ClearField("kv_ref")
+            request.ClearField("kv_peer")
+            drop_lease()
         await context.abort(grpc.StatusCode.UNAVAILABLE, "no healthy decode worker")
+
+    def _call_timeout_s(self, context: grpc.aio.ServicerContext) -> float:
+        """A worker call's deadline: the client's, capped by ``--worker-call-timeout-s``."""
+        remaining_s = context.time_remaining()
+        cap_s = self.config.worker_call_timeout_s
+        return cap_s if remaining_s is None else min(remaining_s, cap_s)
 
     @staticmethod
     async def _worker_failed(
@@ -371,7 +396,9 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
     ) -> None:
         """Fail the call if retrying cannot help (see ``FailurePolicy``); else mark the worker
         unhealthy (until a poll succeeds) so that the caller moves on to another path."""
-        failure = failures.judge(exc, worker.role_name)
+        remaining_s = context.time_remaining()
+        deadline_was_ours = remaining_s is None or remaining_s > 0
+        failure = failures.judge(exc, worker.role_name, deadline_was_ours)
         if failure is not None:
             await context.abort(failure.code, failure.details)
         worker.mark_failed(f"{exc.code().name}: {exc.details()}")
@@ -451,6 +478,12 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             prefix_hit_blocks_realized=self.planner.prefill_chooser.num_hit_blocks_realized,
             pools=[p.to_proto() for p in pools],
         )
+
+
+def _cancelling() -> bool:
+    """Whether the running task itself is being cancelled (not just a call it awaited)."""
+    task = asyncio.current_task()
+    return task is not None and task.cancelling() > 0
 
 
 def _build_planner(

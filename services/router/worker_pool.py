@@ -1,7 +1,10 @@
 """The router's view of one pool of workers: channels, health and load.
 
 Health and load come from polling each worker's ``GetLoad`` every ``health_check_interval_s``;
-a failed call marks the worker unhealthy until a later poll succeeds. Between polls the router
+a failed call marks the worker unhealthy until a later poll succeeds. A worker that fails
+``fence_after_failed_polls`` polls in a row is fenced: the router cancels its own calls open on
+it (``WorkerHandle.fence``), so that streams on a hung worker continue elsewhere instead of
+waiting for it. Between polls the router
 counts its own in-flight requests per worker (``num_inflight``); the choosers
 (``prefill_choice``, ``decode_choice``) weigh both.
 
@@ -45,11 +48,15 @@ class WorkerHandle:
     last_error: str = ""
     num_inflight: int = 0
     draining: bool = False
+    fence_after_failed_polls: int = 2
+    num_failed_polls: int = 0
+    _open_calls: set[grpc.aio.Call] = field(default_factory=set, repr=False)
+    _fenced_calls: set[grpc.aio.Call] = field(default_factory=set, repr=False)
 
     @property
     def routable(self) -> bool:
-        """May be chosen for a new request."""
-        return self.healthy and not self.draining
+        """May be chosen for a new request (not while it drains or shuts down)."""
+        return self.healthy and not self.draining and not self.load.shutting_down
 
     def mark_failed(self, error: str) -> None:
         if self.healthy:
@@ -60,6 +67,34 @@ class WorkerHandle:
     @property
     def role_name(self) -> str:
         return ROLE_NAMES[self.role]
+
+    def open_call(self, call: grpc.aio.Call) -> None:
+        """Track ``call`` until ``close_call``, so that ``fence`` can cancel it."""
+        self._open_calls.add(call)
+
+    def close_call(self, call: grpc.aio.Call) -> bool:
+        """Stop tracking ``call``; True if ``fence`` cancelled it (the awaiting code then sees
+        ``asyncio.CancelledError`` without its own task being cancelled)."""
+        self._open_calls.discard(call)
+        if call in self._fenced_calls:
+            self._fenced_calls.discard(call)
+            return True
+        return False
+
+    def fence(self, error: str) -> None:
+        """Mark the worker unhealthy and cancel every call this router has open on it."""
+        self.mark_failed(error)
+        if self._open_calls:
+            logger.warning(
+                "%s worker %s fenced: cancelling %d open calls (%s)",
+                self.role_name,
+                self.address,
+                len(self._open_calls),
+                error,
+            )
+        for call in self._open_calls:
+            self._fenced_calls.add(call)
+            call.cancel()
 
     async def poll(self) -> None:
         """Refresh info (once) and load; updates ``healthy``. Never raises."""
@@ -72,8 +107,14 @@ class WorkerHandle:
                 worker_pb2.GetLoadRequest(), timeout=_POLL_TIMEOUT_S
             )
         except grpc.aio.AioRpcError as exc:
-            self.mark_failed(f"{exc.code().name}: {exc.details()}")
+            self.num_failed_polls += 1
+            error = f"{exc.code().name}: {exc.details()}"
+            if self.num_failed_polls >= self.fence_after_failed_polls:
+                self.fence(f"{self.num_failed_polls} health polls failed, the last: {error}")
+            else:
+                self.mark_failed(error)
             return
+        self.num_failed_polls = 0
         if not self.healthy:
             logger.info("%s worker %s is healthy", self.role_name, self.address)
         self.healthy = True
@@ -98,8 +139,14 @@ class InflightSlot:
 class WorkerPool:
     """All workers of one role, in the order they joined."""
 
-    def __init__(self, role: worker_pb2.WorkerRole.ValueType, addresses: tuple[str, ...]) -> None:
+    def __init__(
+        self,
+        role: worker_pb2.WorkerRole.ValueType,
+        addresses: tuple[str, ...],
+        fence_after_failed_polls: int = 2,
+    ) -> None:
         self.role = role
+        self.fence_after_failed_polls = fence_after_failed_polls
         self._stub_cls = (
             worker_pb2_grpc.PrefillWorkerStub
             if role == worker_pb2.WORKER_ROLE_PREFILL
@@ -112,7 +159,13 @@ class WorkerPool:
 
     def _connect(self, address: str) -> WorkerHandle:
         channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
-        return WorkerHandle(address, self.role, channel, self._stub_cls(channel))
+        return WorkerHandle(
+            address,
+            self.role,
+            channel,
+            self._stub_cls(channel),
+            fence_after_failed_polls=self.fence_after_failed_polls,
+        )
 
     def routable_workers(self) -> list[WorkerHandle]:
         return [w for w in self.workers if w.routable]

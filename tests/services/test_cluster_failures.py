@@ -61,6 +61,46 @@ def test_lease_expires_when_no_decode_worker_pulls(cluster):
         assert not released.released
 
 
+# The router fences a worker after 2 failed health polls (0.5 s apart, 2 s timeout each): a
+# stream on a hung decode worker continues elsewhere within about 6 s. The test allows 60 s.
+HUNG_WORKER_BOUND_S = 60.0
+
+
+def test_decode_worker_hung_mid_stream_continues_elsewhere_without_client_deadline(
+    cluster, offline
+):
+    local, client = cluster
+    prompt = prompts(seed=7, n=1)[0]
+    want = offline.generate(
+        [prompt], SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
+    )
+    request = router_pb2.GenerateRequest(token_ids=prompt, sampling=greedy(200, ignore_eos=True))
+    call = client.stub.Generate(request)  # no deadline
+    first = [*next(call).token_ids]
+    while len(first) < 10:
+        first.extend(next(call).token_ids)
+    busy = [w for w in client.status().workers if w.role == 2 and w.load.num_running]
+    assert len(busy) == 1
+    victim = next(p for p in local.workers("decode") if p.address == busy[0].address)
+    victim.signal(signal.SIGSTOP)
+    try:
+        with ThreadPoolExecutor(max_workers=1) as pool:
+            rest = pool.submit(lambda: [t for m in call for t in m.token_ids])
+            try:
+                token_ids = first + rest.result(timeout=HUNG_WORKER_BOUND_S)
+            except TimeoutError:
+                call.cancel()
+                raise
+    finally:
+        victim.signal(signal.SIGCONT)
+    assert token_ids == want[0].token_ids
+    deadline_s = time.monotonic() + 30
+    while not all(w.healthy for w in client.status().workers):
+        assert time.monotonic() < deadline_s, "the resumed worker is not healthy again"
+        time.sleep(0.2)
+    client.wait_idle()
+
+
 def test_decode_worker_death_mid_stream_continues_elsewhere(cluster, offline):
     local, client = cluster
     prompt = prompts(seed=1, n=1)[0]
