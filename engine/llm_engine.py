@@ -49,6 +49,18 @@ def resolve_dtype(name: str, device: torch.device, level: CpuIsa) -> str:
     return cpu_auto_dtype(level)
 
 
+def _check_kv_capacity(num_kv_blocks: int, block_size: int, max_model_len: int) -> None:
+    """Refuse to start when one request of ``max_model_len`` tokens cannot fit in the whole
+    KV cache: it would preempt itself forever and block every request queued behind it."""
+    capacity_tokens = num_kv_blocks * block_size
+    if capacity_tokens < max_model_len:
+        raise ValueError(
+            f"the KV cache holds {capacity_tokens} tokens ({num_kv_blocks} blocks of "
+            f"{block_size}), fewer than one request of max_model_len {max_model_len}: give it "
+            f"more memory (--kv-cache-memory-gb, --num-kv-blocks) or lower --max-model-len"
+        )
+
+
 @dataclass(frozen=True, slots=True)
 class EngineStats:
     """A snapshot of the engine's load, for routing and the Status RPC."""
@@ -121,6 +133,7 @@ class LLMEngine:
             cpu_isa,
         )
         self.max_model_len = self.runner.max_model_len
+        _check_kv_capacity(self.runner.num_kv_blocks, config.block_size, self.max_model_len)
         self.kv_cache_manager = KVCacheManager(
             self.runner.num_kv_blocks, config.block_size, config.enable_prefix_caching
         )
@@ -335,19 +348,24 @@ class LLMEngine:
         detokenizer = state.detokenizer
         # take_delta flushes the tail when finished.
         delta_text = detokenizer.take_delta(finished) if detokenizer is not None else ""
+        logprobs = state.logprobs
+        new_logprobs = None
+        if logprobs is not None:
+            new_logprobs = logprobs[len(logprobs) - len(new_token_ids) :] if new_token_ids else []
         return RequestOutput(
             req_id=request.req_id,
             prompt_token_ids=request.prompt_token_ids,
-            token_ids=list(request.output_token_ids),
+            token_ids=list(request.output_token_ids) if finished else [],
             new_token_ids=new_token_ids,
-            text=detokenizer.output_text if detokenizer is not None else "",
+            text=detokenizer.output_text if finished and detokenizer is not None else "",
             delta_text=delta_text,
             finished=finished,
             finish_reason=request.status.finish_reason,
             stop_reason=request.stop_reason,
             num_cached_tokens=max(request.num_cached_tokens, 0),
-            logprobs=list(state.logprobs) if state.logprobs is not None else None,
+            logprobs=list(logprobs) if finished and logprobs is not None else None,
             arrival_time_s=request.arrival_time_s,
             first_token_time_s=state.first_token_time_s,
+            new_logprobs=new_logprobs,
             error=request.error,
         )

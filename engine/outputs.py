@@ -11,8 +11,10 @@ from engine.sampler import TokenLogprobs
 class RequestOutput:
     """A request's state after a step.
 
-    ``new_token_ids`` / ``delta_text`` are what this step added (for streaming); ``token_ids`` /
-    ``text`` are everything generated so far. ``delta_text`` never contains text that a stop
+    ``new_token_ids`` / ``new_logprobs`` / ``delta_text`` are what this step added (for
+    streaming). The cumulative ``token_ids`` / ``logprobs`` / ``text`` are filled on the
+    finished output only (empty / None before): a stream that is read late holds deltas, not
+    one copy of everything so far per step. ``delta_text`` never contains text that a stop
     string could still retract. Times are ``time.perf_counter()`` stamps.
     """
 
@@ -29,5 +31,7 @@ class RequestOutput:
     logprobs: list[TokenLogprobs] | None
     arrival_time_s: float
     first_token_time_s: float | None
+    # One per new token when logprobs were asked for (None otherwise).
+    new_logprobs: list[TokenLogprobs] | None = None
     # Set when finish_reason is "error": why this request (only) failed.
     error: str | None = None

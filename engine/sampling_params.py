@@ -10,6 +10,10 @@ import math
 from dataclasses import dataclass
 
 MAX_STOP_STRINGS = 16
+# A stop string is held back from the stream until it cannot match any more, and checked after
+# every token: its length bounds both.
+MAX_STOP_STRING_CHARS = 1024
+MAX_STOP_TOKEN_IDS = 1024
 # Checked for NaN and infinity first: NaN fails no comparison ("nan < 0" is false), and a NaN or
 # infinite value turns the sampler's weights into NaN.
 FLOAT_FIELDS = (
@@ -82,6 +86,15 @@ class SamplingParams:
             raise ValueError(f"stop has {len(self.stop)} strings; at most {MAX_STOP_STRINGS}")
         if any(not s for s in self.stop):
             raise ValueError("stop strings must be non-empty")
+        longest = max((len(s) for s in self.stop), default=0)
+        if longest > MAX_STOP_STRING_CHARS:
+            raise ValueError(
+                f"stop has a string of {longest} characters; at most {MAX_STOP_STRING_CHARS}"
+            )
+        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            raise ValueError(
+                f"stop_token_ids has {len(self.stop_token_ids)} ids; at most {MAX_STOP_TOKEN_IDS}"
+            )
         if any(t < 0 for t in self.stop_token_ids):
             raise ValueError("stop_token_ids must be >= 0")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:

@@ -87,6 +87,8 @@ class Scheduler:
         self.waiting_for_remote_kv: dict[str, Request] = {}
         # Finished requests whose blocks stay allocated until ``release_held_kv`` (hold_kv).
         self.held_kv: dict[str, Request] = {}
+        # Running requests whose reader fell behind: they keep their blocks, get no new tokens.
+        self.paused: set[str] = set()
         self.num_preemptions = 0
 
     # ----------------------------------------------------------------------------- requests
@@ -117,6 +119,14 @@ class Scheduler:
             self._finish(request, status)
             finished.append(request)
         return finished
+
+    def set_paused(self, req_id: str, paused: bool) -> None:
+        """Stop (or resume) scheduling ``req_id`` while it runs; it keeps its blocks and may
+        still be preempted. Unknown ids are ignored."""
+        if paused and req_id in self.requests:
+            self.paused.add(req_id)
+        else:
+            self.paused.discard(req_id)
 
     def finish_remote_kv(self, req_id: str, success: bool) -> None:
         """A transfer announced in ``SchedulerOutput.kv_loads`` completed (or failed).
@@ -174,6 +184,9 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
+            if request.req_id in self.paused:
+                i += 1
+                continue
             num_new = min(
                 request.num_tokens - request.num_computed_tokens,
                 budget,
@@ -304,6 +317,7 @@ class Scheduler:
 
     def _finish(self, request: Request, status: RequestStatus) -> None:
         request.status = status
+        self.paused.discard(request.req_id)
         if status is RequestStatus.FINISHED_ERROR:
             self.kv_cache_manager.free(request, uncache=True)
         elif request.hold_kv and status is not RequestStatus.FINISHED_ABORTED:

@@ -21,6 +21,12 @@ from kvtransfer.base import KV_TRANSFER_VERSION, KVTransferError
 from splitserve.v1 import kv_transfer_pb2 as pb
 
 MAX_FRAME_BYTES = 16 * 1024 * 1024
+# A hello is a few hundred bytes: a peer that has not said it yet gets no bigger buffer.
+MAX_HELLO_BYTES = 4096
+# A pooled connection unused this long is closed rather than reused (the server drops
+# connections idle for SERVER_IDLE_TIMEOUT_S; reusing one it dropped would fail a transfer).
+CLIENT_IDLE_S = 60.0
+SERVER_IDLE_TIMEOUT_S = 2 * CLIENT_IDLE_S
 _LENGTH = struct.Struct(">I")
 
 
@@ -43,16 +49,22 @@ def send_frame(sock: socket.socket, frame: pb.KVFrame) -> None:
     sock.sendall(_LENGTH.pack(len(body)) + body)
 
 
-def recv_frame(sock: socket.socket, io_timeout_s: float, wait_s: float | None) -> pb.KVFrame:
+def recv_frame(
+    sock: socket.socket,
+    io_timeout_s: float,
+    wait_s: float | None,
+    max_bytes: int = MAX_FRAME_BYTES,
+) -> pb.KVFrame:
     """Read one frame: wait up to ``wait_s`` (None: forever) for it to start, then
-    ``io_timeout_s`` per socket operation. Raises ``ProtocolError`` on a bad frame."""
+    ``io_timeout_s`` per socket operation. Raises ``ProtocolError`` on a bad frame, or one
+    announcing more than ``max_bytes`` (before allocating anything for it)."""
     header = bytearray(_LENGTH.size)
     sock.settimeout(wait_s)
     recv_exact_into(sock, memoryview(header))
     sock.settimeout(io_timeout_s)
     (length,) = _LENGTH.unpack(header)
-    if length > MAX_FRAME_BYTES:
-        raise ProtocolError(f"frame of {length} bytes exceeds {MAX_FRAME_BYTES}")
+    if length > max_bytes:
+        raise ProtocolError(f"frame of {length} bytes exceeds {max_bytes}")
     body = bytearray(length)
     recv_exact_into(sock, memoryview(body))
     return decode_frame(bytes(body))
@@ -113,7 +125,7 @@ class PeerConnections:
         self._max_connections = max_connections
         self._on_first_connection = on_first_connection
         self._cond = threading.Condition()
-        self._idle: list[socket.socket] = []
+        self._idle: list[tuple[socket.socket, float]] = []  # (connection, idle since)
         self._open: set[socket.socket] = set()
         self._num_reserved = 0  # open + being connected
         self._ever_connected = False
@@ -125,8 +137,11 @@ class PeerConnections:
             while True:
                 if self._closed:
                     raise KVTransferError("connections to peer are closed")
-                if self._idle:
-                    return self._idle.pop()
+                while self._idle:
+                    sock, idle_since_s = self._idle.pop()
+                    if time.monotonic() - idle_since_s < CLIENT_IDLE_S:
+                        return sock
+                    self._drop(sock)
                 if self._num_reserved < self._max_connections:
                     self._num_reserved += 1
                     break
@@ -160,7 +175,7 @@ class PeerConnections:
         """Return ``sock`` to the idle list, or close it when it is not ``reusable``."""
         with self._cond:
             if reusable and not self._closed:
-                self._idle.append(sock)
+                self._idle.append((sock, time.monotonic()))
             else:
                 self._drop(sock)
             self._cond.notify()
@@ -169,8 +184,9 @@ class PeerConnections:
         """Close idle connections and interrupt busy ones (their users then fail)."""
         with self._cond:
             self._closed = True
-            busy = self._open.difference(self._idle)
-            for sock in list(self._idle):
+            idle = [sock for sock, _ in self._idle]
+            busy = self._open.difference(idle)
+            for sock in idle:
                 self._drop(sock)
             self._idle.clear()
             self._cond.notify_all()

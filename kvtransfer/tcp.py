@@ -13,6 +13,11 @@ the destination sends ``read`` and ``release`` frames, one at a time per connect
 Raw block bytes go straight from the source cache's memory to the socket and from the socket
 into the destination blocks (``sendall`` / ``recv_into`` on memoryviews of cache rows; runs
 of adjacent blocks move as one region), so a transfer copies nothing in Python.
+
+The listener is hardened against peers that misbehave: at most ``MAX_SERVER_CONNECTIONS`` are
+served at once, a connection must say a valid hello (at most ``MAX_HELLO_BYTES``) within the io
+timeout before anything bigger is read from it, and one idle for ``SERVER_IDLE_TIMEOUT_S`` is
+closed (clients stop reusing pooled connections well before).
 """
 
 from __future__ import annotations
@@ -40,6 +45,8 @@ from kvtransfer._common import (
     contiguous_runs,
 )
 from kvtransfer._tcp_wire import (
+    MAX_HELLO_BYTES,
+    SERVER_IDLE_TIMEOUT_S,
     PeerConnections,
     ProtocolError,
     check_hello,
@@ -59,6 +66,10 @@ from kvtransfer.base import (
 from splitserve.v1 import kv_transfer_pb2 as pb
 
 logger = logging.getLogger(__name__)
+
+
+# Connections a worker serves at once (each holds a thread); more are refused at accept.
+MAX_SERVER_CONNECTIONS = 256
 
 
 class _ReadParts:
@@ -212,7 +223,17 @@ class TcpBackend(KVTransferBackend):
                 if self._closed:
                     conn.close()
                     return
-                self._server_conns.add(conn)
+                full = len(self._server_conns) >= MAX_SERVER_CONNECTIONS
+                if not full:
+                    self._server_conns.add(conn)
+            if full:
+                logger.warning(
+                    "kv tcp: refused a connection from %s (%d open)",
+                    address,
+                    MAX_SERVER_CONNECTIONS,
+                )
+                conn.close()
+                continue
             threading.Thread(
                 target=self._serve_connection,
                 args=(conn, address),
@@ -223,11 +244,15 @@ class TcpBackend(KVTransferBackend):
     def _serve_connection(self, conn: socket.socket, address: tuple[str, int]) -> None:
         try:
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            hello = recv_frame(conn, self._io_timeout_s, self._io_timeout_s)
+            hello = recv_frame(conn, self._io_timeout_s, self._io_timeout_s, MAX_HELLO_BYTES)
             if not self._accept_hello(conn, hello):
                 return
             while True:
-                frame = recv_frame(conn, self._io_timeout_s, wait_s=None)
+                try:
+                    frame = recv_frame(conn, self._io_timeout_s, wait_s=SERVER_IDLE_TIMEOUT_S)
+                except TimeoutError:
+                    logger.debug("kv tcp connection from %s idle: closed", address)
+                    return
                 kind = frame.WhichOneof("body")
                 if kind == "read":
                     self._serve_read(conn, frame.read)

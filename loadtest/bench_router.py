@@ -141,10 +141,16 @@ def run_policy(
     """Serve the workload under ``policy`` on a fresh cluster. For ``cost``, also measure the
     decision cost while the cluster (its workers' index entries live) is still up."""
     redis.Redis.from_url(redis_server.url).flushall()
-    engine = EngineConfig(
-        model=str(model_dir), dtype="bfloat16", num_threads=1, max_num_batched_tokens=2048
-    )
     prefill_blocks = args.prefill_cache_prompts * (args.system_tokens // BLOCK_SIZE + 8)
+    decode_blocks = args.concurrency * 2 * 80 + 256
+    engine = EngineConfig(
+        model=str(model_dir),
+        dtype="bfloat16",
+        num_threads=1,
+        max_num_batched_tokens=2048,
+        # The small caches are the point of the benchmark: requests stay far below this.
+        max_model_len=BLOCK_SIZE * min(prefill_blocks, decode_blocks),
+    )
     cluster = LocalCluster(
         engine=engine,
         num_prefill=args.prefill,
@@ -152,7 +158,7 @@ def run_policy(
         extra_worker_flags=("--redis-url", redis_server.url, "--kv-transfer", args.kv_transfer),
         extra_role_flags={
             "prefill": ("--num-kv-blocks", str(prefill_blocks)),
-            "decode": ("--num-kv-blocks", str(args.concurrency * 2 * 80 + 256)),
+            "decode": ("--num-kv-blocks", str(decode_blocks)),
         },
         extra_router_flags=(
             "--redis-url", redis_server.url, "--prefill-policy", policy,

@@ -121,7 +121,7 @@ EXPERIMENTS = {
         default_slo_itl_percentile=90.0,
         # Each replica holds about 5 of the workload's 8 system prompts (32 blocks each): the
         # prompts one replica gets under prefix-aware routing fit, all of them do not.
-        engine_flags=("--num-kv-blocks", "200"),
+        engine_flags=("--num-kv-blocks", "200", "--max-model-len", "3200"),
     ),
 }
 

@@ -255,7 +255,7 @@ class LocalCluster:
                 logger.warning(
                     "%s at %s exited (%s); restarting it", process.role, process.address, reason
                 )
-                process.start(self._env)
+                self.restart(process)
                 failures.append(
                     WorkerFailure(
                         process.role, process.address, reason, process.num_restarts, 0.0, True
@@ -271,6 +271,13 @@ class LocalCluster:
             elif process.state is ProcessState.STARTING and _serves(process.address):
                 process.state = ProcessState.SERVING
         return failures
+
+    def restart(self, process: ServiceProcess) -> None:
+        """Start ``process`` (one of ours, exited) again with the same flags and address."""
+        if process.popen is not None:
+            process.popen.wait()
+        process.close_stand_in()
+        process.start(self._env)
 
     def serving(self) -> bool:
         """Every process answered SERVING (as last seen by ``supervise``)."""

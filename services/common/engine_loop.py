@@ -24,6 +24,7 @@ from typing import Any, Protocol, TypeVar
 from engine.block_pool import KVCacheEvent
 from engine.llm_engine import EngineStats, LLMEngine
 from engine.outputs import RequestOutput
+from services.common.output_stream import OutputStream
 
 logger = logging.getLogger(__name__)
 
@@ -99,7 +100,7 @@ class EngineLoop:
         self.on_dead: Callable[[BaseException], None] | None = None
         self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self._wakeup = threading.Event()
-        self._streams: dict[str, asyncio.Queue[RequestOutput]] = {}
+        self._streams: dict[str, OutputStream] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._stopping = False
@@ -155,21 +156,24 @@ class EngineLoop:
         outputs until the finished one. Closing or cancelling the iterator early aborts it."""
         if req_id in self._streams:
             raise ValueError(f"request_id {req_id!r} is already in flight")
-        stream: asyncio.Queue[RequestOutput] = asyncio.Queue()
+        stream = OutputStream(
+            lambda paused: self._command(lambda: self.engine.scheduler.set_paused(req_id, paused))
+        )
         self._streams[req_id] = stream
         finished = False
         try:
             await self.call(add)
             while True:
                 output = await stream.get()
-                if isinstance(output, (EngineDeadError, StreamEndedError)):
+                if isinstance(output, Exception):
                     raise output
                 yield output
                 if output.finished:
                     finished = True
                     return
         finally:
-            self._streams.pop(req_id, None)
+            if self._streams.get(req_id) is stream:
+                del self._streams[req_id]
             if not finished and self.is_alive:
                 self.abort(req_id)
 
@@ -181,11 +185,14 @@ class EngineLoop:
     def end_streams(self, reason: str) -> None:
         """End every open stream with ``StreamEndedError(reason)`` (its caller aborts it)."""
         for stream in self._streams.values():
-            stream.put_nowait(StreamEndedError(reason))  # type: ignore[arg-type]
+            stream.put(StreamEndedError(reason))
 
     def abort(self, req_id: str) -> None:
         """Abort ``req_id`` on the engine thread (fire and forget; unknown ids are ignored)."""
-        self._commands.put(lambda: self._dispatch_abort(req_id))
+        self._command(lambda: self._dispatch_abort(req_id))
+
+    def _command(self, command: Callable[[], object]) -> None:
+        self._commands.put(command)
         self._wakeup.set()
 
     async def abort_and_wait(self, req_id: str) -> bool:
@@ -200,11 +207,11 @@ class EngineLoop:
         for output in outputs:
             stream = self._streams.get(output.req_id)
             if stream is not None:
-                stream.put_nowait(output)
+                stream.put(output)
 
     def _fail_all(self, error: EngineDeadError) -> None:
         for stream in self._streams.values():
-            stream.put_nowait(error)  # type: ignore[arg-type]
+            stream.put(error)
 
     # ----------------------------------------------------------------------------- engine thread
     def _dispatch_abort(self, req_id: str) -> bool:

@@ -7,7 +7,9 @@ live before" (the first one, a lapse, a Redis restarted empty) triggers a full r
 the worker's index entries are cleared and replaced by a snapshot of every block hash the engine
 holds. While the index is unreachable, events are dropped and the next successful heartbeat
 republishes: the index is a hint, so it may lag, but it never keeps a worker's stale blocks
-after the worker came back.
+after the worker came back. Every ``reconcile_interval_s`` the worker's entries are trimmed to
+what its engine holds (blocks a router predicted for a prefill that never ran); on ``stop``
+(a drain, SIGTERM) they are removed.
 """
 
 from __future__ import annotations
@@ -23,6 +25,8 @@ from services.common.prefix_index import PrefixIndex
 
 logger = logging.getLogger(__name__)
 
+_FORGET_TIMEOUT_S = 2.0
+
 
 class KVEventPublisher:
     """Keeps ``index`` in step with one worker's prefix cache. Runs on the asyncio loop."""
@@ -33,12 +37,14 @@ class KVEventPublisher:
         worker_id: str,
         snapshot: Callable[[], Awaitable[list[BlockHash]]],
         ttl_s: float = 3.0,
+        reconcile_interval_s: float = 30.0,
     ) -> None:
         self.index = index
         self.worker_id = worker_id
         self.num_republished = 0
         self._snapshot = snapshot
         self._ttl_s = ttl_s
+        self._reconcile_interval_s = reconcile_interval_s
         self._pending: list[KVCacheEvent] = []
         self._wakeup = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
@@ -52,11 +58,16 @@ class KVEventPublisher:
         self._wakeup.set()
 
     async def stop(self) -> None:
-        """Stop publishing; the worker's entries expire with its heartbeat."""
+        """Stop publishing and remove the worker's entries (best effort: a worker that cannot
+        reach the index leaves them to the routers' reaping once its heartbeat expires)."""
         if self._task is not None:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
+        try:
+            await asyncio.wait_for(self.index.forget(self.worker_id), _FORGET_TIMEOUT_S)
+        except Exception as exc:
+            logger.warning("worker %s left its prefix index entries (%r)", self.worker_id, exc)
         await self.index.close()
 
     async def _run(self) -> None:
@@ -64,6 +75,7 @@ class KVEventPublisher:
         synced = False
         next_heartbeat_s = 0.0
         loop = asyncio.get_running_loop()
+        next_reconcile_s = loop.time() + self._reconcile_interval_s
         while True:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._wakeup.wait(), interval_s)
@@ -79,6 +91,9 @@ class KVEventPublisher:
                     continue
                 events, self._pending = self._pending, []
                 await self.index.apply(self.worker_id, events)
+                if loop.time() >= next_reconcile_s:
+                    next_reconcile_s = loop.time() + self._reconcile_interval_s
+                    await self.index.retain(self.worker_id, await self._snapshot())
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # Redis down or restarting: republish once it is back

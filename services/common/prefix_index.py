@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import abc
 import time
+from collections import OrderedDict
 from collections.abc import Sequence
 
 import redis.asyncio as aioredis
@@ -46,6 +47,24 @@ class PrefixIndex(abc.ABC):
         then publish its whole cache again."""
 
     @abc.abstractmethod
+    async def forget(self, worker_id: str) -> None:
+        """``worker_id`` is gone for good (drained, shut down): drop its entries and liveness."""
+
+    @abc.abstractmethod
+    async def reap(self) -> list[str]:
+        """Drop the entries of every worker without a live heartbeat (it died without
+        ``forget``); return their ids. Idempotent: any number of routers may run it."""
+
+    async def retain(self, worker_id: str, block_hashes: Sequence[BlockHash]) -> None:
+        """``worker_id`` holds exactly ``block_hashes`` among its entries: drop the others
+        (blocks predicted for prefills that never ran, events lost to a lapse)."""
+        await self.remove(worker_id, list(set(await self.entries(worker_id)) - set(block_hashes)))
+
+    @abc.abstractmethod
+    async def entries(self, worker_id: str) -> list[BlockHash]:
+        """The block hashes the index has for ``worker_id``."""
+
+    @abc.abstractmethod
     async def match(self, block_hashes: Sequence[BlockHash]) -> dict[str, int]:
         """For each live worker holding at least the first block: how many leading blocks of
         ``block_hashes`` it holds. Workers with no match or no live heartbeat are left out."""
@@ -66,18 +85,33 @@ class PrefixIndex(abc.ABC):
 
 
 class InProcessPrefixIndex(PrefixIndex):
-    """The index in this process's memory: for a single router without Redis."""
+    """The index in this process's memory: for a single router without Redis.
 
-    def __init__(self) -> None:
-        self._holders: dict[BlockHash, set[str]] = {}
+    Bounded: it keeps the ``max_blocks`` most recently stored block hashes (a router without
+    Redis only learns predictions, one per routed prompt block, and nothing removes them).
+    """
+
+    def __init__(self, max_blocks: int = 2**18) -> None:
+        self.max_blocks = max_blocks
+        # Least recently stored first.
+        self._holders: OrderedDict[BlockHash, set[str]] = OrderedDict()
         self._blocks: dict[str, set[BlockHash]] = {}
         self._alive_until_s: dict[str, float] = {}
 
     async def store(self, worker_id: str, block_hashes: Sequence[BlockHash]) -> None:
         blocks = self._blocks.setdefault(worker_id, set())
         for block_hash in block_hashes:
-            self._holders.setdefault(block_hash, set()).add(worker_id)
+            holders = self._holders.get(block_hash)
+            if holders is None:
+                holders = self._holders[block_hash] = set()
+            else:
+                self._holders.move_to_end(block_hash)
+            holders.add(worker_id)
             blocks.add(block_hash)
+        while len(self._holders) > self.max_blocks:
+            block_hash, holders = self._holders.popitem(last=False)
+            for holder in holders:
+                self._blocks[holder].discard(block_hash)
 
     async def remove(self, worker_id: str, block_hashes: Sequence[BlockHash]) -> None:
         blocks = self._blocks.get(worker_id, set())
@@ -91,6 +125,20 @@ class InProcessPrefixIndex(PrefixIndex):
 
     async def clear(self, worker_id: str) -> None:
         await self.remove(worker_id, list(self._blocks.pop(worker_id, ())))
+
+    async def forget(self, worker_id: str) -> None:
+        await self.clear(worker_id)
+        self._alive_until_s.pop(worker_id, None)
+
+    async def reap(self) -> list[str]:
+        now_s = time.monotonic()
+        dead = [w for w in self._blocks if self._alive_until_s.get(w, 0.0) <= now_s]
+        for worker_id in dead:
+            await self.forget(worker_id)
+        return dead
+
+    async def entries(self, worker_id: str) -> list[BlockHash]:
+        return list(self._blocks.get(worker_id, ()))
 
     async def heartbeat(self, worker_id: str, ttl_s: float) -> bool:
         now_s = time.monotonic()
@@ -202,6 +250,25 @@ class RedisPrefixIndex(PrefixIndex):
         await self._remove(
             worker_id, list(await self._redis.smembers(f"{self._ns}worker:{worker_id}"))
         )
+
+    async def forget(self, worker_id: str) -> None:
+        await self.clear(worker_id)
+        await self._redis.delete(f"{self._ns}alive:{worker_id}")
+
+    async def reap(self) -> list[str]:
+        prefix = f"{self._ns}worker:"
+        worker_ids = [
+            key.decode()[len(prefix) :] async for key in self._redis.scan_iter(f"{prefix}*")
+        ]
+        dead = []
+        for worker_id in worker_ids:
+            if not await self._redis.exists(f"{self._ns}alive:{worker_id}"):
+                await self.clear(worker_id)
+                dead.append(worker_id)
+        return dead
+
+    async def entries(self, worker_id: str) -> list[BlockHash]:
+        return list(await self._redis.smembers(f"{self._ns}worker:{worker_id}"))
 
     async def heartbeat(self, worker_id: str, ttl_s: float) -> bool:
         key = f"{self._ns}alive:{worker_id}"

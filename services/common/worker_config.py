@@ -40,6 +40,11 @@ class WorkerConfig:
         3.0, "seconds the prefix index keeps this worker routable without a heartbeat"
     )
     metrics_port: int = flag(0, "port of the Prometheus /metrics endpoint (0: off)")
+    stream_idle_timeout_s: float = flag(
+        60.0,
+        "seconds a decode stream whose reader stopped reading stays paused (keeping its KV "
+        "blocks) before the worker aborts it (ABORTED)",
+    )
     shutdown_grace_s: float = flag(
         30.0,
         "on SIGTERM: seconds the worker keeps serving its open streams (taking no new ones) "

@@ -8,9 +8,9 @@ pull fails, the prompt is prefilled here (colocated mode, no prefill worker, fai
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import sys
-from collections.abc import AsyncIterator
 
 import grpc
 
@@ -51,7 +51,9 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
 
     async def Decode(
         self, request: worker_pb2.DecodeRequest, context: grpc.aio.ServicerContext
-    ) -> AsyncIterator[worker_pb2.DecodeResponse]:
+    ) -> None:
+        """Stream the request's tokens with ``context.write``; a write its reader leaves
+        blocked for ``--stream-idle-timeout-s`` aborts the request (ABORTED, not retried)."""
         req_id = request.request_id
         if self.runtime.shutting_down:
             await abort_with(
@@ -90,13 +92,18 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
                 self.puller.abort(engine, req_id)
                 raise
 
+        outputs = self.runtime.loop.generate(req_id, add)
+        stalled = False
         try:
-            async for output in self.runtime.loop.generate(req_id, add):
-                if output.error is not None:
-                    await abort_with(
-                        context, grpc.StatusCode.INTERNAL, FailureKind.REQUEST, output.error
-                    )
-                yield self._response(output)
+            async with contextlib.aclosing(outputs):  # closing aborts an unfinished request
+                async for output in outputs:
+                    if output.error is not None:
+                        await abort_with(
+                            context, grpc.StatusCode.INTERNAL, FailureKind.REQUEST, output.error
+                        )
+                    if not await self._write(context, self._response(output)):
+                        stalled = True
+                        break
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         except EngineDeadError as exc:
@@ -108,6 +115,29 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         except asyncio.CancelledError:
             logger.info("req_id=%s cancelled by the caller", req_id)
             raise
+        if stalled:
+            idle_s = self.runtime.config.stream_idle_timeout_s
+            logger.warning("req_id=%s aborted: its reader took no output for %g s", req_id, idle_s)
+            # The request is aborted already; the status reaches the reader when it reads.
+            await abort_with(
+                context,
+                grpc.StatusCode.ABORTED,
+                FailureKind.REQUEST,
+                f"the reader took no output for {idle_s:g} s (--stream-idle-timeout-s)",
+            )
+
+    async def _write(
+        self, context: grpc.aio.ServicerContext, response: worker_pb2.DecodeResponse
+    ) -> bool:
+        """Send ``response``; False when the reader let the write wait for
+        ``--stream-idle-timeout-s``. Meanwhile the engine pauses the request
+        (``OutputStream``), so a stalled reader costs its KV blocks and nothing more."""
+        try:
+            async with asyncio.timeout(self.runtime.config.stream_idle_timeout_s):
+                await context.write(response)
+        except TimeoutError:
+            return False
+        return True
 
     def _check_kv_ref(self, src: KVRef, num_prompt_tokens: int) -> str | None:
         block_size = self.runtime.config.engine.block_size
@@ -123,10 +153,8 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
     def _response(self, output: RequestOutput) -> worker_pb2.DecodeResponse:
         new_ids = output.new_token_ids
         response = worker_pb2.DecodeResponse(token_ids=new_ids, finished=output.finished)
-        if output.logprobs and new_ids:
-            response.logprobs.extend(
-                logprobs_to_proto(lp) for lp in output.logprobs[-len(new_ids) :]
-            )
+        if output.new_logprobs:
+            response.logprobs.extend(logprobs_to_proto(lp) for lp in output.new_logprobs)
         if output.finished:
             response.finish_reason = output.finish_reason or ""
             if output.stop_reason is not None:

@@ -4,12 +4,17 @@ A finished prefill's blocks are published to the KV transfer backend under the r
 stay allocated until one of: the decode side releases them through the backend after its pull,
 the router calls ``Release`` (the request ended without a decode), or the lease expires (the
 decode side never came). An abandoned request therefore never strands KV for longer than the TTL.
+
+Unpublishing waits for reads of the blocks that are still sending (a slow or hung reader, up to
+the backend's io timeout): it runs on a thread of its own, and the blocks are freed by the next
+step after it returns, so that no reader can stall the engine thread and every other prefill.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 from engine.llm_engine import LLMEngine
@@ -34,6 +39,9 @@ class LeaseHooks:
         self.ttl_s = ttl_s
         self._leases: dict[str, Lease] = {}
         self.num_leases_expired = 0
+        # Released leases whose unpublish is still waiting for readers; freed once done.
+        self._unpublishing: dict[str, Future[None]] = {}
+        self._executor = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kv-unpublish")
 
     def get(self, req_id: str) -> Lease | None:
         return self._leases.get(req_id)
@@ -44,7 +52,7 @@ class LeaseHooks:
 
     @property
     def busy(self) -> bool:
-        return bool(self._leases)
+        return bool(self._leases or self._unpublishing)
 
     def after_step(self, engine: LLMEngine, outputs: list[RequestOutput]) -> None:
         for output in outputs:
@@ -57,6 +65,11 @@ class LeaseHooks:
             self._leases[output.req_id] = Lease(tuple(block_ids), time.monotonic() + self.ttl_s)
 
     def before_step(self, engine: LLMEngine) -> None:
+        for req_id in [r for r, f in self._unpublishing.items() if f.done()]:
+            error = self._unpublishing.pop(req_id).exception()
+            if error is not None:
+                logger.warning("req_id=%s unpublish failed: %r", req_id, error)
+            engine.release_held_kv(req_id)
         for req_id in self.backend.take_released():
             self.release(engine, req_id)
         if not self._leases:
@@ -74,7 +87,10 @@ class LeaseHooks:
         return outputs
 
     def release(self, engine: LLMEngine, req_id: str) -> bool:
-        """Free a finished prefill's blocks (unpublishing them first). False if none held."""
+        """Unpublish a finished prefill's blocks, off this thread, and free them once that is
+        done (a later ``before_step``). False if it holds none."""
         self._leases.pop(req_id, None)
-        self.backend.unpublish(req_id)
-        return engine.release_held_kv(req_id)
+        held = req_id in engine.scheduler.held_kv
+        if held and req_id not in self._unpublishing:
+            self._unpublishing[req_id] = self._executor.submit(self.backend.unpublish, req_id)
+        return held

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from engine.flags import add_flags, flag, from_args, parse_flags
 from services.common.logs import add_log_level_flag
 from services.common.redis_config import RedisConfig
+from services.router.request_prep import RequestBounds
 
 MODES = ("disaggregated", "colocated")
 PREFILL_POLICIES = ("cost", "round_robin", "random")
@@ -53,6 +54,10 @@ class RouterConfig:
         choices=MODES,
     )
     max_inflight_requests: int = flag(1024, "requests in flight before RESOURCE_EXHAUSTED")
+    max_prompt_bytes: int = flag(
+        4 * 2**20, "largest prompt text, or sum of chat message contents, in UTF-8 bytes"
+    )
+    max_messages: int = flag(1024, "most chat messages in one request")
     health_check_interval_s: float = flag(0.5, "seconds between worker load/health polls")
     max_decode_retries: int = flag(
         2, "times a request moves to another decode worker when its worker fails"
@@ -145,6 +150,12 @@ class RouterConfig:
     def served_name(self) -> str:
         """The model name clients see: ``served_model_name``, else ``model`` as given."""
         return self.served_model_name or self.model
+
+    def request_bounds(self) -> RequestBounds:
+        return RequestBounds(
+            max_prompt_bytes=self.max_prompt_bytes,
+            max_messages=self.max_messages,
+        )
 
     def resolved_router_id(self) -> str:
         return self.router_id or (

@@ -29,18 +29,51 @@ class ModelLimits:
 
 
 @dataclass(frozen=True, slots=True)
+class RequestBounds:
+    """Sizes of a request's text (``--max-prompt-bytes``, ``--max-messages``), checked before
+    any tokenization so that no request costs more than they allow. The sizes of its sampling
+    fields are ``SamplingParams``' own bounds (stop strings, stop token ids, logprobs)."""
+
+    max_prompt_bytes: int = 4 * 2**20
+    max_messages: int = 1024
+
+    def check(self, request: router_pb2.GenerateRequest) -> None:
+        """Raise ``ValueError`` naming the field of the first size over its bound."""
+        num_messages = len(request.messages)
+        if num_messages > self.max_messages:
+            raise ValueError(f"messages: {num_messages} messages, more than {self.max_messages}")
+        num_bytes = len(request.prompt.encode()) + sum(
+            len(m.content.encode()) for m in request.messages
+        )
+        if num_bytes > self.max_prompt_bytes:
+            field = "messages" if num_messages else "prompt"
+            raise ValueError(f"{field}: {num_bytes} bytes, more than {self.max_prompt_bytes}")
+
+
+@dataclass(frozen=True, slots=True)
 class PreparedRequest:
+    """A validated request. ``req_id`` is the router's: unique across routers and time, it
+    keys the request on the workers (its engine entries, KV leases, releases). The client's
+    ``request_id`` is only a label (``client_request_id``), echoed in responses and logged."""
+
     req_id: str
+    client_request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
 
 
 def prepare_request(
-    request: router_pb2.GenerateRequest, tokenizer: Tokenizer, limits: ModelLimits
+    request: router_pb2.GenerateRequest,
+    tokenizer: Tokenizer,
+    limits: ModelLimits,
+    bounds: RequestBounds = RequestBounds(),
 ) -> PreparedRequest:
-    """Raises ``ValueError`` naming the field when the request cannot be served."""
-    req_id = request.request_id or uuid.uuid4().hex
-    if len(req_id) > MAX_REQUEST_ID_CHARS:
+    """Raises ``ValueError`` naming the field when the request cannot be served. Tokenizes and
+    renders chat templates: CPU work that callers on an event loop run in a thread."""
+    bounds.check(request)
+    req_id = uuid.uuid4().hex
+    client_request_id = request.request_id or req_id
+    if len(client_request_id) > MAX_REQUEST_ID_CHARS:
         raise ValueError(f"request_id: longer than {MAX_REQUEST_ID_CHARS} characters")
     try:
         params = sampling_params_from_client(request.sampling)
@@ -48,7 +81,7 @@ def prepare_request(
         raise ValueError(f"sampling.{exc}") from None
     prompt_token_ids = _prompt_token_ids(request, tokenizer)
     _check_limits(prompt_token_ids, params, limits)
-    return PreparedRequest(req_id, prompt_token_ids, params)
+    return PreparedRequest(req_id, client_request_id, prompt_token_ids, params)
 
 
 def _prompt_token_ids(request: router_pb2.GenerateRequest, tokenizer: Tokenizer) -> list[int]:

@@ -33,7 +33,7 @@ from services.common.convert import FINISH_REASON_NAMES, sampling_params_to_work
 from services.common.grpc_server import ServingServer, serve_until_signal, start_server
 from services.common.logs import configure_logging
 from services.common.metrics import start_metrics_server
-from services.common.prefix_index import InProcessPrefixIndex
+from services.common.prefix_index import InProcessPrefixIndex, RedisPrefixIndex
 from services.router import metrics
 from services.router.config import RouterConfig, parse_router_args
 from services.router.decode_choice import DecodeChooser
@@ -53,6 +53,8 @@ from splitserve.v1 import router_pb2, router_pb2_grpc, worker_pb2
 logger = logging.getLogger(__name__)
 
 SERVICE_NAME = "splitserve.v1.Router"
+# How often a router drops dead workers' prefix index entries (any router may: idempotent).
+_REAP_INTERVAL_S = 10.0
 
 
 class RouterServicer(router_pb2_grpc.RouterServicer):
@@ -76,10 +78,16 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             worker_pb2.WORKER_ROLE_DECODE, config.decode_address_list, fence_after
         )
         self.planner = _build_planner(config, self.prefill_pool, self.decode_pool, rng)
-        self._inflight: set[str] = set()
+        self._num_inflight = 0
+        self.bounds = config.request_bounds()
         self.latency = LatencyWindow()
         self._background = BackgroundTasks()
         self._poller: asyncio.Task[None] | None = None
+        # Redis only: the entries of workers that died without removing them are dropped here
+        # (the in-process index is bounded instead).
+        self._reaped_index = (
+            RedisPrefixIndex.from_config(config.redis) if config.redis.enabled else None
+        )
 
     # ----------------------------------------------------------------------------- lifecycle
     async def start(self) -> None:
@@ -90,6 +98,8 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
     async def stop(self) -> None:
         if self._poller is not None:
             self._poller.cancel()
+        if self._reaped_index is not None:
+            await self._reaped_index.close()
         await self.prefill_pool.close()
         await self.decode_pool.close()
         await self.planner.prefill_chooser.close()
@@ -111,9 +121,24 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         }
 
     async def _poll_forever(self) -> None:
+        loop = asyncio.get_running_loop()
+        next_reap_s = loop.time()
         while True:
             await asyncio.sleep(self.config.health_check_interval_s)
             await self._poll_once()
+            if self._reaped_index is not None and loop.time() >= next_reap_s:
+                next_reap_s = loop.time() + _REAP_INTERVAL_S
+                await self._reap_dead_workers(self._reaped_index)
+
+    @staticmethod
+    async def _reap_dead_workers(index: RedisPrefixIndex) -> None:
+        try:
+            dead = await index.reap()
+        except Exception as exc:  # Redis down: the next round tries again
+            logger.debug("prefix index reaping failed: %r", exc)
+            return
+        if dead:
+            logger.info("prefix index: removed the entries of dead workers %s", dead)
 
     def limits(self) -> ModelLimits | None:
         """The model's limits as the workers report them (None until one has answered)."""
@@ -130,12 +155,20 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         self, request: router_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[router_pb2.GenerateResponse]:
         start_s = time.perf_counter()
-        prepared = await self._admit(request, context)
-        self._inflight.add(prepared.req_id)
+        limits = await self._admit(context)
+        # Counted from here: a burst of expensive prompts is bounded while it is tokenized.
+        self._num_inflight += 1
         metrics.INFLIGHT.inc()
         outcome = "error"
         last_token_s: float | None = None
         try:
+            try:
+                prepared = await asyncio.to_thread(
+                    prepare_request, request, self.tokenizer, limits, self.bounds
+                )
+            except ValueError as exc:
+                outcome = "invalid"
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
             async for message in self._generate(prepared, context):
                 if message.token_ids:
                     now_s = time.perf_counter()
@@ -159,42 +192,36 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             outcome = "cancelled"
             raise
         finally:
-            self._inflight.discard(prepared.req_id)
+            self._num_inflight -= 1
             metrics.INFLIGHT.dec()
             metrics.REQUESTS.labels(outcome).inc()
 
-    async def _admit(
-        self, request: router_pb2.GenerateRequest, context: grpc.aio.ServicerContext
-    ) -> PreparedRequest:
-        """Validate and tokenize, or abort the call (INVALID_ARGUMENT, RESOURCE_EXHAUSTED, ...)."""
+    async def _admit(self, context: grpc.aio.ServicerContext) -> ModelLimits:
+        """The model's limits if a request may start now; else abort the call (UNAVAILABLE
+        before any decode worker answered, RESOURCE_EXHAUSTED at --max-inflight-requests)."""
         limits = self.limits()
         if limits is None:
             metrics.REQUESTS.labels("rejected").inc()
             await context.abort(grpc.StatusCode.UNAVAILABLE, "no decode worker has answered yet")
-        try:
-            prepared = prepare_request(request, self.tokenizer, limits)
-        except ValueError as exc:
-            metrics.REQUESTS.labels("invalid").inc()
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        if prepared.req_id in self._inflight:
-            metrics.REQUESTS.labels("invalid").inc()
-            await context.abort(
-                grpc.StatusCode.INVALID_ARGUMENT,
-                f"request_id: {prepared.req_id!r} is already in flight",
-            )
-        if len(self._inflight) >= self.config.max_inflight_requests:
+        if self._num_inflight >= self.config.max_inflight_requests:
             metrics.REQUESTS.labels("rejected").inc()
             await context.abort(
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
-                f"{len(self._inflight)} requests in flight (max_inflight_requests)",
+                f"{self._num_inflight} requests in flight (max_inflight_requests)",
             )
-        return prepared
+        return limits
 
     async def _generate(
         self, prepared: PreparedRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[router_pb2.GenerateResponse]:
         req_id = prepared.req_id
-        stream = ResponseStream(req_id, self.tokenizer, prepared.prompt_token_ids, prepared.params)
+        if prepared.client_request_id != req_id:
+            logger.info(
+                "req_id=%s is the client's request_id %r", req_id, prepared.client_request_id
+            )
+        stream = ResponseStream(
+            prepared.client_request_id, self.tokenizer, prepared.prompt_token_ids, prepared.params
+        )
         worker_params = sampling_params_to_worker(prepared.params)
         decode_request = worker_pb2.DecodeRequest(
             request_id=req_id, prompt_token_ids=prepared.prompt_token_ids, sampling=worker_params
@@ -420,7 +447,9 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         if limits is None:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "no decode worker has answered yet")
         try:
-            prepared = prepare_request(request, self.tokenizer, limits)
+            prepared = await asyncio.to_thread(
+                prepare_request, request, self.tokenizer, limits, self.bounds
+            )
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         plan = await self.planner.plan(None, prepared.prompt_token_ids)
@@ -473,7 +502,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             mode=self.config.mode,
             model=self.config.served_name,
             workers=workers,
-            num_inflight_requests=len(self._inflight),
+            num_inflight_requests=self._num_inflight,
             prefix_hit_blocks_predicted=self.planner.prefill_chooser.num_hit_blocks_predicted,
             prefix_hit_blocks_realized=self.planner.prefill_chooser.num_hit_blocks_realized,
             pools=[p.to_proto() for p in pools],

@@ -81,16 +81,15 @@ class WorkerHandle:
             return True
         return False
 
-    def fence(self, error: str) -> None:
-        """Mark the worker unhealthy and cancel every call this router has open on it."""
-        self.mark_failed(error)
+    def fence(self, reason: str) -> None:
+        """Cancel every call this router has open on the worker (it is unhealthy already)."""
         if self._open_calls:
             logger.warning(
                 "%s worker %s fenced: cancelling %d open calls (%s)",
                 self.role_name,
                 self.address,
                 len(self._open_calls),
-                error,
+                reason,
             )
         for call in self._open_calls:
             self._fenced_calls.add(call)
@@ -108,11 +107,9 @@ class WorkerHandle:
             )
         except grpc.aio.AioRpcError as exc:
             self.num_failed_polls += 1
-            error = f"{exc.code().name}: {exc.details()}"
+            self.mark_failed(f"{exc.code().name}: {exc.details()}")
             if self.num_failed_polls >= self.fence_after_failed_polls:
-                self.fence(f"{self.num_failed_polls} health polls failed, the last: {error}")
-            else:
-                self.mark_failed(error)
+                self.fence(f"{self.num_failed_polls} health polls in a row failed")
             return
         self.num_failed_polls = 0
         if not self.healthy:

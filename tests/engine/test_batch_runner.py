@@ -22,7 +22,13 @@ def poisoned_dir(tiny_llama_dir, tmp_path_factory):
 
 def make_engine(model_dir) -> LLMEngine:
     return LLMEngine(
-        EngineConfig(model=str(model_dir), dtype="float32", num_kv_blocks=48, max_num_seqs=8)
+        EngineConfig(
+            model=str(model_dir),
+            dtype="float32",
+            num_kv_blocks=48,
+            max_model_len=48 * 16,
+            max_num_seqs=8,
+        )
     )
 
 

@@ -40,6 +40,7 @@ def test_integrity_holds_after_every_step(tiny_llama_dir):
             model=str(tiny_llama_dir),
             dtype="float32",
             num_kv_blocks=20,
+            max_model_len=320,
             max_num_batched_tokens=40,
             max_num_seqs=4,
         )
@@ -204,3 +205,15 @@ def test_external_kv_admission_matches_local_compute(tiny_llama_dir, success):
     target.finish_kv_load("r", success)
     tokens = run_checked(target)["r"]
     assert tokens == hf_greedy(tiny_llama_dir, [prompt], GREEDY.max_tokens)[0]
+
+
+def test_a_kv_cache_smaller_than_one_max_model_len_request_refuses_to_start(tiny_llama_dir):
+    """A request the whole cache cannot hold would preempt itself forever (vLLM refuses too)."""
+    with pytest.raises(ValueError, match="fewer than one request of max_model_len 1024"):
+        LLMEngine(EngineConfig(model=str(tiny_llama_dir), dtype="float32", num_kv_blocks=63))
+    engine = LLMEngine(
+        EngineConfig(
+            model=str(tiny_llama_dir), dtype="float32", num_kv_blocks=63, max_model_len=63 * 16
+        )
+    )
+    assert engine.max_model_len == 1008

@@ -89,7 +89,13 @@ def test_long_prefill_threshold_shares_steps_and_matches_hf(arch_case):
 def test_preemption_under_tiny_block_budget_matches_hf(arch_case):
     model_dir, _, prompts, expected = arch_case
     # 14 blocks x 16 tokens cannot hold all 8 requests at once: some must be preempted.
-    llm = LLM(str(model_dir), dtype="float32", num_kv_blocks=14, enable_prefix_caching=False)
+    llm = LLM(
+        str(model_dir),
+        dtype="float32",
+        num_kv_blocks=14,
+        max_model_len=14 * 16,
+        enable_prefix_caching=False,
+    )
     got = [o.token_ids for o in llm.generate(prompts, GREEDY)]
     assert llm.engine.scheduler.num_preemptions > 0
     assert got == expected

@@ -6,10 +6,19 @@ from __future__ import annotations
 import contextlib
 import socket
 import struct
+import time
 
 import torch
 
-from kvtransfer._tcp_wire import MAX_FRAME_BYTES, recv_frame, send_frame, split_address
+import kvtransfer._tcp_wire
+import kvtransfer.tcp
+from kvtransfer._tcp_wire import (
+    MAX_FRAME_BYTES,
+    MAX_HELLO_BYTES,
+    recv_frame,
+    send_frame,
+    split_address,
+)
 from kvtransfer.base import KV_TRANSFER_VERSION, KVRef
 from kvtransfer.tcp import TcpBackend
 from splitserve.v1 import kv_transfer_pb2 as pb
@@ -47,6 +56,7 @@ def test_server_rejects_bad_hello_and_malformed_frames_then_keeps_serving():
             assert_closed_by_peer(sock)  # closed after the rejection
         for garbage in (
             struct.pack(">I", MAX_FRAME_BYTES + 1),  # oversized length
+            struct.pack(">I", MAX_HELLO_BYTES + 1),  # bigger than any hello
             struct.pack(">I", 3) + b"\xff\xff\xff",  # undecodable body
             struct.pack(">I", 0),  # frame without a body
             struct.pack(">I", 0) + b"more",
@@ -84,6 +94,61 @@ def test_a_read_split_into_parts_is_bit_exact_and_a_refused_part_fails_it():
         src_backend.publish("first-half", src_ids[:32])
         half = KVRef("parts-src", "first-half", tuple(src_ids), NUM_BLOCKS * 16)
         assert read(dst, "second-part-refused", half, list(range(NUM_BLOCKS))) is FAILED
+    finally:
+        dst.close()
+        src_backend.close()
+
+
+def hello_frame(info) -> pb.KVFrame:
+    hello = pb.KVHello(version=KV_TRANSFER_VERSION, compat_hash=info.compat_hash, engine_id="raw")
+    return pb.KVFrame(hello=hello)
+
+
+def test_connections_beyond_the_cap_are_refused_and_the_server_keeps_serving(monkeypatch):
+    monkeypatch.setattr(kvtransfer.tcp, "MAX_SERVER_CONNECTIONS", 2)
+    spec = SMALL_SPEC
+    src_backend = TcpBackend("cap-src")
+    info = src_backend.register_kv_cache(make_cache(spec, seed=6), spec)
+    dst, _ = make_dst("tcp", spec)
+    address = split_address(info.address)
+    try:
+        silent = [socket.create_connection(address, timeout=5) for _ in range(2)]
+        with socket.create_connection(address, timeout=5) as extra:
+            assert_closed_by_peer(extra)
+        for sock in silent:
+            sock.close()
+        deadline_s = time.monotonic() + 10
+        while src_backend._server_conns:  # their threads see the close
+            assert time.monotonic() < deadline_s
+            time.sleep(0.01)
+        dst.add_peer(info)
+        src_backend.publish("r", [2])
+        assert read(dst, "r", KVRef("cap-src", "r", (2,), 8), [1]) is DONE
+    finally:
+        dst.close()
+        src_backend.close()
+
+
+def test_idle_connections_are_closed_and_pooled_ones_are_not_reused_stale(monkeypatch):
+    monkeypatch.setattr(kvtransfer.tcp, "SERVER_IDLE_TIMEOUT_S", 0.5)
+    monkeypatch.setattr(kvtransfer._tcp_wire, "CLIENT_IDLE_S", 0.25)
+    spec = SMALL_SPEC
+    src_backend = TcpBackend("idle-src")
+    info = src_backend.register_kv_cache(make_cache(spec, seed=7), spec)
+    dst, dst_cache = make_dst("tcp", spec)
+    try:
+        with socket.create_connection(split_address(info.address), timeout=5) as sock:
+            send_frame(sock, hello_frame(info))
+            assert recv_frame(sock, 2, 2).hello_ack.ok
+            sock.settimeout(5)
+            assert_closed_by_peer(sock)  # after SERVER_IDLE_TIMEOUT_S without a frame
+        dst.add_peer(info)
+        src_backend.publish("a", [3])
+        src_backend.publish("b", [4])
+        assert read(dst, "a", KVRef("idle-src", "a", (3,), 8), [5]) is DONE
+        time.sleep(1.0)  # the server dropped the pooled connection meanwhile
+        assert read(dst, "b", KVRef("idle-src", "b", (4,), 8), [6]) is DONE
+        assert torch.equal(rows(dst_cache)[6], rows(make_cache(spec, seed=7))[4])
     finally:
         dst.close()
         src_backend.close()

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import math
 import random
-import time
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
@@ -175,6 +174,13 @@ BAD_REQUESTS = {
     "top_k below -1": (dict(prompt="hi", sampling=_sp(top_k=-2)), "top_k"),
     "negative seed": (dict(prompt="hi", sampling=_sp(seed=-1)), "seed"),
     "too many stop strings": (dict(prompt="hi", sampling=_sp(stop=["x"] * 17)), "stop"),
+    "stop string too long": (dict(prompt="hi", sampling=_sp(stop=["x" * 1025])), "stop"),
+    "too many stop ids": (dict(prompt="hi", sampling=_sp(stop_token_ids=[1] * 1025)), "stop"),
+    "prompt too large": (dict(prompt="x" * (4 * 2**20 + 1)), "prompt"),
+    "too many messages": (
+        dict(messages=[router_pb2.ChatMessage(role="user", content="x")] * 1025),
+        "messages",
+    ),
     "bad chat role": (dict(messages=[router_pb2.ChatMessage(role="robot", content="x")]), "role"),
 }  # fmt: skip
 # NaN and infinities in every float field (NaN passes any "< bound" check; one used to kill
@@ -237,19 +243,21 @@ def test_servers_stay_healthy_after_bad_input(cluster, offline):
     assert client.generate(token_ids=[9, 9, 9], sampling=greedy(4)).token_ids == want.token_ids
 
 
-def test_duplicate_in_flight_request_id_is_rejected(client):
+def test_requests_sharing_a_request_id_are_served_apart(client, offline):
+    """The client's request_id is a label: the router keys requests by its own ids."""
+    first = [4] * 30
+    want = offline.generate([first], SamplingParams(temperature=0.0, max_tokens=60))[0]
     call = client.stub.Generate(
-        router_pb2.GenerateRequest(
-            request_id="dup", token_ids=[4] * 30, sampling=greedy(900, ignore_eos=True)
-        ),
+        router_pb2.GenerateRequest(request_id="dup", token_ids=first, sampling=greedy(60)),
         timeout=60,
     )
-    next(iter(call))
-    with pytest.raises(grpc.RpcError) as info:
-        client.generate(request_id="dup", token_ids=[4], sampling=greedy(2))
-    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-    call.cancel()
-    time.sleep(0.1)
+    messages = [next(iter(call))]
+    second = client.generate(request_id="dup", token_ids=[4, 5], sampling=greedy(2))
+    messages.extend(call)
+    assert [t for m in messages for t in m.token_ids] == want.token_ids
+    assert {m.request_id for m in (*messages, *second.messages)} == {"dup"}
+    want_second = offline.generate([[4, 5]], SamplingParams(temperature=0.0, max_tokens=2))[0]
+    assert second.token_ids == want_second.token_ids
     client.wait_idle()
 
 

@@ -98,3 +98,48 @@ def test_dead_workers_expire_and_come_back_with_a_heartbeat(run_with_index):
         assert await index.match(prompt) == {"long": 2}
 
     run_with_index(scenario)
+
+
+def test_dead_and_departed_workers_leave_no_entries(run_with_index):
+    async def scenario(index: PrefixIndex) -> None:
+        prompt = chain(seed=4, num_blocks=4)
+        await index.heartbeat("live", ttl_s=30)
+        await index.heartbeat("dead", ttl_s=0.05)
+        await index.heartbeat("leaving", ttl_s=30)
+        for worker_id in ("live", "dead", "leaving"):
+            await index.store(worker_id, prompt)
+        await index.forget("leaving")
+        await asyncio.sleep(0.1)
+        assert await index.reap() == ["dead"]
+        assert await index.entries("dead") == [] and await index.entries("leaving") == []
+        assert sorted(await index.entries("live")) == sorted(prompt)
+        assert await index.match(prompt) == {"live": 4}
+        assert await index.reap() == []
+
+    run_with_index(scenario)
+
+
+def test_retain_drops_predictions_the_worker_never_computed(run_with_index):
+    async def scenario(index: PrefixIndex) -> None:
+        computed, predicted = chain(seed=5, num_blocks=3), chain(seed=6, num_blocks=2)
+        await index.heartbeat("w", ttl_s=30)
+        await index.store("w", computed + predicted)
+        await index.retain("w", computed)
+        assert sorted(await index.entries("w")) == sorted(computed)
+        assert await index.match(predicted) == {}
+
+    run_with_index(scenario)
+
+
+def test_in_process_index_keeps_the_most_recent_blocks_only():
+    async def scenario() -> None:
+        index = InProcessPrefixIndex(max_blocks=8)
+        await index.heartbeat("w", ttl_s=30)
+        old, new = chain(seed=7, num_blocks=6), chain(seed=8, num_blocks=6)
+        await index.store("w", old)
+        await index.store("w", new)
+        assert len(await index.entries("w")) == 8
+        assert await index.match(new) == {"w": 6}
+        assert await index.match(old) == {}
+
+    asyncio.run(scenario())

@@ -14,8 +14,9 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import redis
 
+from engine import LLM, SamplingParams
 from splitserve.v1 import router_pb2
-from tests.services.conftest import Client, greedy
+from tests.services.conftest import NUM_KV_BLOCKS, Client, greedy
 
 SHARED_TOKENS = 64  # four full blocks
 LOAD_BOUND = 1.25
@@ -37,6 +38,28 @@ def cluster(start_cluster, redis_server):
     second = Client(local.workers("router")[1].address)
     yield local, (first, second)
     second.close()
+
+
+def test_two_routers_sending_one_request_id_serve_each_its_own_prompt(cluster, tiny_llama_dir):
+    local, routers = cluster
+    pids = [p.popen.pid for p in local.processes]
+    batch = prompts(seed=9, n=8)
+    want = LLM(str(tiny_llama_dir), dtype="float32", num_kv_blocks=NUM_KV_BLOCKS).generate(
+        batch, SamplingParams(temperature=0.0, max_tokens=24)
+    )
+    with ThreadPoolExecutor(max_workers=8) as pool:
+        futures = [
+            pool.submit(
+                routers[i % 2].generate, request_id="same", token_ids=p, sampling=greedy(24)
+            )
+            for i, p in enumerate(batch)
+        ]
+        got = [f.result(timeout=120) for f in futures]
+    assert [g.token_ids for g in got] == [w.token_ids for w in want]
+    assert {m.request_id for g in got for m in g.messages} == {"same"}
+    for router in routers:
+        router.wait_idle()
+    assert [p.popen.pid for p in local.processes] == pids and all(p.alive for p in local.processes)
 
 
 def prompts(seed: int, n: int) -> list[list[int]]:

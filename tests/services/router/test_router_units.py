@@ -9,7 +9,7 @@ import pytest
 
 from engine import LLM, SamplingParams
 from engine.tokenizer import Tokenizer
-from services.router.request_prep import ModelLimits, prepare_request
+from services.router.request_prep import ModelLimits, RequestBounds, prepare_request
 from services.router.response_stream import ResponseStream
 from splitserve.v1 import router_pb2
 
@@ -31,6 +31,9 @@ def test_router_modules_do_not_import_torch():
     assert subprocess.run([sys.executable, "-c", code], timeout=60).returncode == 0
 
 
+BOUNDS = RequestBounds(max_prompt_bytes=64, max_messages=2)
+
+
 def test_prepare_applies_defaults_and_generates_an_id(tokenizer):
     prepared = prepare_request(router_pb2.GenerateRequest(prompt="hello"), tokenizer, LIMITS)
     assert prepared.prompt_token_ids == tokenizer.encode("hello")
@@ -45,16 +48,18 @@ def test_prepare_applies_defaults_and_generates_an_id(tokenizer):
         (dict(token_ids=[1] * 60, sampling=_sp(max_tokens=5)), "sampling.max_tokens: 5 + 60"),
         (dict(token_ids=[1], sampling=_sp(stop_token_ids=[489])), "sampling.stop_token_ids"),
         (dict(request_id="x" * 300, prompt="a"), "request_id"),
+        (dict(prompt="é" * 40), "prompt: 80 bytes, more than 64"),
+        (dict(messages=[_chat(role="user", content="b")] * 3), "messages: 3 messages, more than 2"),
         (dict(prompt="a", messages=[_chat(role="user", content="b")]), "only one of"),
     ],
 )  # fmt: skip
 def test_prepare_rejects_with_the_field_name(tokenizer, fields, message):
     with pytest.raises(ValueError, match=message.replace("+", r"\+")):
-        prepare_request(router_pb2.GenerateRequest(**fields), tokenizer, LIMITS)
+        prepare_request(router_pb2.GenerateRequest(**fields), tokenizer, LIMITS, BOUNDS)
 
 
 def test_response_stream_text_equals_offline_detokenization(tiny_llama_dir, tokenizer):
-    llm = LLM(str(tiny_llama_dir), dtype="float32", num_kv_blocks=32)
+    llm = LLM(str(tiny_llama_dir), dtype="float32", num_kv_blocks=32, max_model_len=512)
     prompt = [5, 6, 7]
     params = SamplingParams(temperature=0.0, max_tokens=15)
     want = llm.generate([prompt], params)[0]

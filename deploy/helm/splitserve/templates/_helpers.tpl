@@ -55,11 +55,14 @@ redis://{{ include "splitserve.fullname" . }}-redis:6379/0
 {{/*
 One flag per key of a values map: camelCase key -> --kebab-case flag; booleans become
 --flag / --no-flag; null leaves the flag out. Output: one shell-quoted argument per flag.
+YAML numbers arrive as float64, which prints 4194304 as 4.194304e+06: whole ones print as
+integers.
 */}}
 {{- define "splitserve.flags" -}}
 {{- range $key, $value := . -}}
 {{- if kindIs "bool" $value -}}
 {{- if $value }} --{{ kebabcase $key }}{{ else }} --no-{{ kebabcase $key }}{{ end -}}
+{{- else if and (kindIs "float64" $value) (eq $value (floor $value)) }} --{{ kebabcase $key }}={{ include "splitserve.shellQuote" (int64 $value) }}
 {{- else if not (kindIs "invalid" $value) }} --{{ kebabcase $key }}={{ include "splitserve.shellQuote" $value }}
 {{- end -}}
 {{- end -}}
