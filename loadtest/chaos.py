@@ -41,7 +41,7 @@ from splitserve.v1 import router_pb2, router_pb2_grpc
 
 logger = logging.getLogger(__name__)
 
-_MAX_TOKENS = 48
+_MAX_TOKENS = 200
 _MAX_MODEL_LEN = 1024
 _DEADLINE_S = 120.0  # a request still open after this is hung
 _RECOVER_TIMEOUT_S = 180.0
@@ -192,6 +192,7 @@ def run_phase(cluster: ChaosCluster, load: Load, fault: Fault) -> PhaseResult:
         return ("finished" if finished else "lost"), tokens
 
     num = len(load.prompts)
+    start_s = time.monotonic()
     with ThreadPoolExecutor(max_workers=num + 1) as pool:
         futures = [pool.submit(send, i) for i in range(num)]
         side = pool.submit(fault.side_load, cluster) if fault.side_load else None
@@ -215,23 +216,25 @@ def run_phase(cluster: ChaosCluster, load: Load, fault: Fault) -> PhaseResult:
             result.failed[outcome] = result.failed.get(outcome, 0) + 1
     for status in side_statuses:
         result.side[status] = result.side.get(status, 0) + 1
+    result.load_s = time.monotonic() - start_s
     fault.recover(cluster)
     cluster.recover()
+    result.recover_s = time.monotonic() - start_s - result.load_s
     return result
 
 
 def report(results: list[PhaseResult], peak_rss_bytes: dict[str, int]) -> str:
     lines = [
         "| fault | sent | token-exact | wrong | failed (status) | lost | hung | fault's own "
-        "requests |",
-        "|---|---:|---:|---:|---|---:|---:|---|",
+        "requests | load s | recovery s |",
+        "|---|---:|---:|---:|---|---:|---:|---|---:|---:|",
     ]
     for r in results:
         failed = ", ".join(f"{n} {code}" for code, n in sorted(r.failed.items())) or "0"
         side = ", ".join(f"{n} {code}" for code, n in sorted(r.side.items())) or "-"
         lines.append(
             f"| {r.fault} | {r.sent} | {r.exact} | {r.wrong} | {failed} | {r.lost} | {r.hung} "
-            f"| {side} |"
+            f"| {side} | {r.load_s:.1f} | {r.recover_s:.1f} |"
         )
     lines += ["", "| process | peak RSS (MiB) |", "|---|---:|"]
     lines += [f"| {k} | {v / 2**20:.0f} |" for k, v in sorted(peak_rss_bytes.items())]

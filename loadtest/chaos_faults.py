@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 
 import grpc
 
-from splitserve.v1 import router_pb2
+from splitserve.v1 import router_pb2, router_pb2_grpc
 
 if TYPE_CHECKING:
     from loadtest.chaos import ChaosCluster
@@ -29,6 +29,7 @@ if TYPE_CHECKING:
 GENERATE_METHOD = "/splitserve.v1.Router/Generate"
 # How long a SIGSTOPped process stays stopped: longer than the router's fencing and keepalive.
 STOP_S = 20.0
+_SLOW_READER_OPTIONS = (("grpc.http2.lookahead_bytes", 1024), ("grpc.http2.bdp_probe", 0))
 
 
 class Target(enum.Enum):
@@ -106,11 +107,14 @@ def _fuzzed_requests(cluster: ChaosCluster) -> list[str]:
 
 
 def _slow_readers(cluster: ChaosCluster) -> list[str]:
-    """Clients that read one message and then nothing for twice the idle timeout."""
+    """Clients that read one message and then nothing for twice the workers' stream idle
+    timeout, over channels with a tiny receive window (so that flow control reaches back)."""
     statuses: list[str] = []
 
     def stall(i: int) -> None:
-        stub = cluster.stub(i % 2)
+        address = cluster.local.workers("router")[i % 2].address
+        channel = grpc.insecure_channel(address, options=_SLOW_READER_OPTIONS)
+        stub = router_pb2_grpc.RouterStub(channel)
         request = router_pb2.GenerateRequest(
             token_ids=[7 + i] * 12,
             sampling=router_pb2.SamplingParams(
@@ -128,6 +132,7 @@ def _slow_readers(cluster: ChaosCluster) -> list[str]:
             statuses.append(exc.code().name)
         finally:
             call.cancel()
+            channel.close()
 
     threads = [threading.Thread(target=stall, args=(i,)) for i in range(4)]
     for thread in threads:
@@ -179,3 +184,5 @@ class PhaseResult:
     hung: int = 0  # still open at the client's deadline
     side: dict[str, int] = field(default_factory=dict)  # the fault's own requests, by status
     notes: str = ""
+    load_s: float = 0.0  # from the first request sent to the last one ended
+    recover_s: float = 0.0  # from then until the cluster served again, every worker healthy

@@ -17,6 +17,7 @@ from engine import LLM, SamplingParams
 from services.cluster.config import ClusterConfig
 from services.cluster.driver import RayCluster, init_ray
 from services.cluster.planner import PlannerConfig
+from services.common.redis_config import RedisConfig
 from services.common.worker_config import WorkerConfig
 from services.router.config import RouterConfig
 from splitserve.v1 import router_pb2, worker_pb2
@@ -41,20 +42,25 @@ def ray_instance(tmp_path_factory) -> Iterator[None]:
 @pytest.fixture
 def start_ray_cluster(ray_instance, tiny_llama_dir) -> Iterator[Callable[..., RayCluster]]:
     """Factory: ``start_ray_cluster(num_prefill_workers=1, num_decode_workers=1, ...)``
-    returns a started cluster (stopped at the end of the test)."""
+    returns a started cluster (stopped at the end of the test); with ``redis_url`` its workers
+    and routers share that prefix index."""
     started: list[RayCluster] = []
 
     def start(
         controller_env: dict[str, str] | None = None,
         planner: PlannerConfig | None = None,
+        redis_url: str | None = None,
         **cluster_fields,
     ) -> RayCluster:
         engine = dataclasses.replace(tiny_engine_config(tiny_llama_dir), detokenize=False)
+        redis = RedisConfig(redis_url)
         cluster = RayCluster(
             ClusterConfig(**{"port": 0, "reconcile_interval_s": 0.5, **cluster_fields}),
-            WorkerConfig(engine=engine, port=0),
+            WorkerConfig(engine=engine, port=0, redis=redis, heartbeat_ttl_s=1.0),
             # Every prompt through a prefill worker, as in the process-cluster tests.
-            RouterConfig(model=str(tiny_llama_dir), port=0, local_prefill_max_tokens=0),
+            RouterConfig(
+                model=str(tiny_llama_dir), port=0, local_prefill_max_tokens=0, redis=redis
+            ),
             planner=planner or PlannerConfig(),
             log_level="INFO",
             controller_env=controller_env or {},

@@ -16,6 +16,7 @@ import time
 
 import grpc
 import pytest
+import redis
 
 from engine import SamplingParams
 from services.cluster.config import ClusterConfig
@@ -73,6 +74,40 @@ def test_scale_prefill_1_3_1_and_decode_1_2_1_under_load(start_ray_cluster, offl
     assert metrics[("splitserve_router_prefill_fallbacks_total", ())] == 0
     assert metrics[("splitserve_router_decode_failovers_total", ())] == 0
     assert len([m for m in cluster.members() if m.role != "router"]) == 2
+    client.close()
+
+
+def test_scaling_decode_up_and_down_leaves_no_index_entries_of_removed_workers(
+    start_ray_cluster, offline, redis_server
+):
+    cluster = start_ray_cluster(
+        num_prefill_workers=1, num_decode_workers=1, redis_url=redis_server.url
+    )
+    client = router_client(cluster)
+    load = Load(router_address(cluster), concurrency=3).start()
+    index = redis.Redis.from_url(redis_server.url)
+    try:
+        for _ in range(5):
+            scale(client, "decode", 2)
+            wait_for_pools(client, prefill=1, decode=2)
+            load.wait_for(4)
+            scale(client, "decode", 1)
+            wait_for_pools(client, prefill=1, decode=1)
+            load.wait_for(4)
+    finally:
+        load.stop()
+    load.check(offline)
+
+    def indexed() -> set[str]:
+        prefix = "splitserve:worker:"
+        return {k.decode()[len(prefix) :] for k in index.scan_iter(f"{prefix}*")}
+
+    live = {m.name for m in cluster.members() if m.role != "router"}
+    deadline_s = time.monotonic() + 30
+    while indexed() - live:
+        assert time.monotonic() < deadline_s, f"entries of removed workers: {indexed() - live}"
+        time.sleep(0.2)
+    index.close()
     client.close()
 
 
