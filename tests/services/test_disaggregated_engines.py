@@ -60,6 +60,15 @@ class Pair:
         assert final is not None and final.finished
         return final
 
+    def free_released_leases(self, timeout_s: float = 10.0) -> None:
+        """Step the prefill side's hooks until released leases' blocks are free (unpublishing
+        runs off the engine thread; a later ``before_step`` frees the blocks)."""
+        deadline_s = time.monotonic() + timeout_s
+        while self.prefill.stats().num_held_kv:
+            assert time.monotonic() < deadline_s, "released leases still hold blocks"
+            self.leases.before_step(self.prefill)
+            time.sleep(0.001)
+
     def kv_ref(self, req_id: str, num_tokens: int) -> KVRef:
         lease = self.leases.get(req_id)
         assert lease is not None
@@ -157,6 +166,7 @@ def test_unpulled_lease_expires_and_frees_the_blocks(tiny_llama_dir):
         time.sleep(0.1)
         pair.leases.before_step(pair.prefill)
         assert pair.leases.num_leases == 0 and pair.leases.num_leases_expired == 1
+        pair.free_released_leases()
         assert pair.prefill.stats().num_used_blocks == 0
         # A pull that comes too late fails and the decode side recomputes the prompt.
         assert pair.puller.expect("r0", KVRef(pair.peer.engine_id, "r0", (0, 1, 2), 40), pair.peer)
@@ -181,4 +191,5 @@ def test_releasing_a_finished_one_token_prefill_frees_its_blocks(pair):
     assert out.finish_reason == "length"
     # The prefill service releases at once when the client asked for one token.
     assert pair.leases.release(pair.prefill, "r0")
+    pair.free_released_leases()
     assert pair.prefill.stats().num_used_blocks == 0

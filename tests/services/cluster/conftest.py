@@ -93,7 +93,13 @@ def wait_for_pools(client: Client, timeout_s: float = 180.0, **sizes: int) -> No
     none starting or draining, and the router lists exactly those."""
     deadline_s = time.monotonic() + timeout_s
     while True:
-        status = client.status()
+        try:
+            status = client.status()
+        except grpc.RpcError as exc:
+            # Status has been seen to stall once while the controller replaces a hung actor.
+            assert exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED, exc
+            assert time.monotonic() < deadline_s, f"pools not at {sizes} after {timeout_s} s"
+            continue
         pools = {p.role: p for p in status.pools}
         ok = True
         for pool, size in sizes.items():

@@ -6,6 +6,7 @@ serving the tiny model, gRPC clients. Every output is checked against the offlin
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -181,6 +182,35 @@ def test_decode_actor_killed_mid_stream_requests_finish_elsewhere(start_ray_clus
     pools = {p.role: p for p in client.status().pools}
     assert pools[ROLES["decode"]].num_restarts == 1
     assert victim.address not in {w.address for w in client.status().workers}
+    client.close()
+
+
+def test_decode_actor_hung_mid_stream_is_fenced_then_replaced(start_ray_cluster, offline):
+    """SIGSTOP, not a crash: the routers fence it and its streams finish elsewhere; the
+    controller replaces it once it has missed 3 pings."""
+    cluster = start_ray_cluster(num_prefill_workers=1, num_decode_workers=2)
+    client = router_client(cluster)
+    prompts = [[(5 * i + 13 * j) % 470 + 3 for j in range(20 + 4 * i)] for i in range(4)]
+    streams = Streams(client, prompts, max_tokens=300)
+    streams.wait_until_each_has(3)
+    victim = max(
+        (w for w in client.status().workers if w.role == ROLES["decode"]),
+        key=lambda w: w.load.num_running,
+    )
+    pid = next(m.pid for m in cluster.members() if m.address == victim.address)
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        streams.check(offline)
+        deadline_s = time.monotonic() + 120
+        while victim.address in {m.address for m in cluster.members()}:
+            assert time.monotonic() < deadline_s, "the hung actor was not replaced"
+            time.sleep(0.5)
+        wait_for_pools(client, decode=2)
+    finally:
+        with contextlib.suppress(ProcessLookupError):  # Ray killed it
+            os.kill(pid, signal.SIGCONT)
+    pools = {p.role: p for p in client.status().pools}
+    assert pools[ROLES["decode"]].num_restarts == 1
     client.close()
 
 
