@@ -49,6 +49,9 @@ class EngineConfig:
     )
     num_kv_blocks: int | None = flag(None, "exact number of KV blocks (overrides the size)")
     enable_prefix_caching: bool = flag(True, "reuse KV blocks of shared prompt prefixes")
+    check_kv_integrity: bool = flag(
+        False, "check the KV block pool's invariants after every step (slow: tests, debugging)"
+    )
     seed: int = flag(0, "seed of the shared sampling generator")
     num_threads: int | None = flag(
         None, "torch CPU threads (default: one per --cpu-cores core, else all cores)"

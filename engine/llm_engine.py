@@ -326,6 +326,8 @@ class LLMEngine:
             if request.status.is_finished:
                 del self._states[request.req_id]
         outputs.extend(self._fail_requests(detokenize_errors))
+        if self.config.check_kv_integrity:
+            self.kv_cache_manager.check_integrity()
         return outputs
 
     def _fail_requests(self, errors: dict[str, str]) -> list[RequestOutput]:

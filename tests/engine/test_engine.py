@@ -217,3 +217,17 @@ def test_a_kv_cache_smaller_than_one_max_model_len_request_refuses_to_start(tiny
         )
     )
     assert engine.max_model_len == 1008
+
+
+def test_check_kv_integrity_catches_a_broken_block_pool_at_the_next_step(tiny_llama_dir):
+    engine = LLMEngine(
+        EngineConfig(
+            model=str(tiny_llama_dir), dtype="float32", num_kv_blocks=64, check_kv_integrity=True
+        )
+    )
+    engine.add_request("a", random_prompt(40, seed=5), GREEDY)
+    engine.step()
+    block_id = engine.kv_cache_manager.get_block_ids("a")[0]
+    engine.kv_cache_manager.block_pool.blocks[block_id].ref_cnt = 0  # a block freed under it
+    with pytest.raises(AssertionError, match="in use 2 != 64"):
+        engine.step()

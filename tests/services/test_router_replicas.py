@@ -28,7 +28,10 @@ def cluster(start_cluster, redis_server):
         num_prefill=2,
         num_decode=1,
         num_routers=2,
-        extra_worker_flags=("--redis-url", redis_server.url, "--heartbeat-ttl-s", "1"),
+        # Every step checks the block pools (a double free or a leaked block kills the engine).
+        extra_worker_flags=(
+            "--redis-url", redis_server.url, "--heartbeat-ttl-s", "1", "--check-kv-integrity",
+        ),
         extra_router_flags=(
             "--redis-url", redis_server.url, "--prefill-load-bound", str(LOAD_BOUND),
             "--prefill-load-bound-slack", "0",
@@ -59,6 +62,7 @@ def test_two_routers_sending_one_request_id_serve_each_its_own_prompt(cluster, t
     assert {m.request_id for g in got for m in g.messages} == {"same"}
     for router in routers:
         router.wait_idle()
+    # No engine died of a failed integrity check (--check-kv-integrity) or anything else.
     assert [p.popen.pid for p in local.processes] == pids and all(p.alive for p in local.processes)
 
 
