@@ -17,6 +17,7 @@ from kvtransfer.registry import make_backend
 from services.common.background import BackgroundTasks
 from services.common.convert import ROLE_NAMES, peer_info_to_proto
 from services.common.engine_loop import EngineHooks, EngineLoop
+from services.common.failures import FailureKind, abort_with
 from services.common.grpc_server import ServingServer, serve_until_signal, start_server
 from services.common.kv_events import KVEventPublisher
 from services.common.metrics import register_worker_metrics, start_metrics_server
@@ -49,6 +50,17 @@ class WorkerRuntime:
     kv_peer: PeerInfo
     # Set by ``RunningWorker.drain``: new calls are refused (UNAVAILABLE, retryable).
     shutting_down: bool = False
+
+    async def refuse_if_shutting_down(self, context: grpc.aio.ServicerContext) -> None:
+        """Abort a new call with UNAVAILABLE marked ``FailureKind.SHUTDOWN`` (routers retry it
+        elsewhere) once the worker drains; return otherwise."""
+        if self.shutting_down:
+            await abort_with(
+                context,
+                grpc.StatusCode.UNAVAILABLE,
+                FailureKind.SHUTDOWN,
+                "the worker is shutting down",
+            )
 
     def info(self) -> worker_pb2.WorkerInfo:
         kernels = self.engine.runner.kernels

@@ -55,13 +55,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         """Stream the request's tokens with ``context.write``; a write its reader leaves
         blocked for ``--stream-idle-timeout-s`` aborts the request (ABORTED, not retried)."""
         req_id = request.request_id
-        if self.runtime.shutting_down:
-            await abort_with(
-                context,
-                grpc.StatusCode.UNAVAILABLE,
-                FailureKind.SHUTDOWN,
-                "the worker is shutting down",
-            )
+        await self.runtime.refuse_if_shutting_down(context)
         try:
             params = sampling_params_from_worker(request.sampling)
         except ValueError as exc:

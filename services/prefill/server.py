@@ -54,13 +54,7 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
         self, request: worker_pb2.PrefillRequest, context: grpc.aio.ServicerContext
     ) -> worker_pb2.PrefillResponse:
         req_id = request.request_id
-        if self.runtime.shutting_down:
-            await abort_with(
-                context,
-                grpc.StatusCode.UNAVAILABLE,
-                FailureKind.SHUTDOWN,
-                "the worker is shutting down",
-            )
+        await self.runtime.refuse_if_shutting_down(context)
         prompt = list(request.prompt_token_ids)
         try:
             params = sampling_params_from_worker(request.sampling)

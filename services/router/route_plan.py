@@ -20,14 +20,19 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import random
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 from engine.block_hash import BlockHash, hash_block_tokens
+from services.common.prefix_index import InProcessPrefixIndex
 from services.router import metrics
+from services.router.config import RouterConfig
 from services.router.decode_choice import DecodeCandidate, DecodeChooser
-from services.router.prefill_choice import PrefillChoice, PrefillChooser
-from services.router.worker_pool import WorkerHandle
+from services.router.prefill_choice import PrefillChoice, PrefillChooser, PrefillPolicy
+from services.router.prefill_cost import PrefillWeights
+from services.router.prefill_ledger import LocalPrefillLedger, PrefillLedger, RedisPrefillLedger
+from services.router.worker_pool import WorkerHandle, WorkerPool
 
 
 class PrefillPlace(enum.Enum):
@@ -126,3 +131,52 @@ class RoutePlanner:
             self.prefill_chooser.cancel(choice)
             choice = dataclasses.replace(choice, reservation=None)
         return RoutePlan(choice, PrefillPlace.COLOCATED, candidates, decode)
+
+
+def build_planner(
+    config: RouterConfig, prefill_pool: WorkerPool, decode_pool: WorkerPool, rng: random.Random
+) -> RoutePlanner:
+    """The planner ``config`` describes: prefix index and ledger (Redis, or in process), the
+    prefill chooser over the prefill pool (colocated: the decode pool) and the decode chooser."""
+    router_id = config.resolved_router_id()
+    local_index: InProcessPrefixIndex | None = None
+    ledger: PrefillLedger
+    if config.redis.enabled:
+        ledger = RedisPrefillLedger(
+            config.redis.client(),
+            router_id,
+            config.router_heartbeat_ttl_s,
+            config.redis.redis_namespace,
+        )
+    else:
+        local_index = InProcessPrefixIndex()
+        ledger = LocalPrefillLedger(router_id, local_index)
+    weights = PrefillWeights(
+        cache_weight=config.prefill_cache_weight,
+        load_weight=config.prefill_load_weight,
+        load_bound=config.prefill_load_bound,
+        load_bound_slack=config.prefill_load_bound_slack,
+        saturation_blocks=config.prefill_saturation_blocks,
+    )
+    colocated = config.mode == "colocated"
+    prefill_chooser = PrefillChooser(
+        decode_pool if colocated else prefill_pool,
+        ledger,
+        local_index=local_index,
+        weights=weights,
+        router_id=router_id,
+        rng=rng,
+        policy=PrefillPolicy(config.prefill_policy),
+    )
+    decode_chooser = DecodeChooser(
+        decode_pool,
+        load_weight=config.decode_load_weight,
+        move_weight=config.decode_move_weight,
+        rng=rng,
+    )
+    return RoutePlanner(
+        prefill_chooser,
+        decode_chooser,
+        local_prefill_max_tokens=config.local_prefill_max_tokens,
+        colocated=colocated,
+    )

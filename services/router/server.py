@@ -33,19 +33,16 @@ from services.common.convert import FINISH_REASON_NAMES, sampling_params_to_work
 from services.common.grpc_server import ServingServer, serve_until_signal, start_server
 from services.common.logs import configure_logging
 from services.common.metrics import start_metrics_server
-from services.common.prefix_index import InProcessPrefixIndex, RedisPrefixIndex
+from services.common.prefix_index import RedisPrefixIndex
 from services.router import metrics
 from services.router.config import RouterConfig, parse_router_args
-from services.router.decode_choice import DecodeChooser
 from services.router.explain import explain_response
 from services.router.failure_policy import FailurePolicy
 from services.router.latency import LatencyWindow
-from services.router.prefill_choice import PrefillChoice, PrefillChooser, PrefillPolicy
-from services.router.prefill_cost import PrefillWeights
-from services.router.prefill_ledger import LocalPrefillLedger, PrefillLedger, RedisPrefillLedger
+from services.router.prefill_choice import PrefillChoice
 from services.router.request_prep import ModelLimits, PreparedRequest, prepare_request
 from services.router.response_stream import ResponseStream
-from services.router.route_plan import PrefillPlace, RoutePlan, RoutePlanner
+from services.router.route_plan import PrefillPlace, RoutePlan, build_planner
 from services.router.scaler import SCALABLE_ROLES, PoolScaler
 from services.router.worker_pool import InflightSlot, WorkerHandle, WorkerPool
 from splitserve.v1 import router_pb2, router_pb2_grpc, worker_pb2
@@ -77,7 +74,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         self.decode_pool = WorkerPool(
             worker_pb2.WORKER_ROLE_DECODE, config.decode_address_list, fence_after
         )
-        self.planner = _build_planner(config, self.prefill_pool, self.decode_pool, rng)
+        self.planner = build_planner(config, self.prefill_pool, self.decode_pool, rng)
         self._num_inflight = 0
         self.bounds = config.request_bounds()
         self.latency = LatencyWindow()
@@ -513,53 +510,6 @@ def _cancelling() -> bool:
     """Whether the running task itself is being cancelled (not just a call it awaited)."""
     task = asyncio.current_task()
     return task is not None and task.cancelling() > 0
-
-
-def _build_planner(
-    config: RouterConfig, prefill_pool: WorkerPool, decode_pool: WorkerPool, rng: random.Random
-) -> RoutePlanner:
-    router_id = config.resolved_router_id()
-    local_index: InProcessPrefixIndex | None = None
-    ledger: PrefillLedger
-    if config.redis.enabled:
-        ledger = RedisPrefillLedger(
-            config.redis.client(),
-            router_id,
-            config.router_heartbeat_ttl_s,
-            config.redis.redis_namespace,
-        )
-    else:
-        local_index = InProcessPrefixIndex()
-        ledger = LocalPrefillLedger(router_id, local_index)
-    weights = PrefillWeights(
-        cache_weight=config.prefill_cache_weight,
-        load_weight=config.prefill_load_weight,
-        load_bound=config.prefill_load_bound,
-        load_bound_slack=config.prefill_load_bound_slack,
-        saturation_blocks=config.prefill_saturation_blocks,
-    )
-    colocated = config.mode == "colocated"
-    prefill_chooser = PrefillChooser(
-        decode_pool if colocated else prefill_pool,
-        ledger,
-        local_index=local_index,
-        weights=weights,
-        router_id=router_id,
-        rng=rng,
-        policy=PrefillPolicy(config.prefill_policy),
-    )
-    decode_chooser = DecodeChooser(
-        decode_pool,
-        load_weight=config.decode_load_weight,
-        move_weight=config.decode_move_weight,
-        rng=rng,
-    )
-    return RoutePlanner(
-        prefill_chooser,
-        decode_chooser,
-        local_prefill_max_tokens=config.local_prefill_max_tokens,
-        colocated=colocated,
-    )
 
 
 @dataclass(slots=True)
