@@ -44,20 +44,22 @@ def wait_for(condition, timeout_s: float, what: str) -> None:
 def test_sigterm_on_a_decode_worker_with_open_streams_fails_none(cluster, offline):
     local, client = cluster
     batch = prompts(seed=1, n=NUM_STREAMS)
-    want = offline.generate(batch, SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True))
+    want = offline.generate(batch, SamplingParams(temperature=0.0, max_tokens=800, ignore_eos=True))
     with ThreadPoolExecutor(max_workers=NUM_STREAMS) as pool:
         futures = [
-            pool.submit(client.generate, token_ids=p, sampling=greedy(400, ignore_eos=True))
+            pool.submit(client.generate, token_ids=p, sampling=greedy(800, ignore_eos=True))
             for p in batch
         ]
 
-        def running_by_address() -> dict[str, int]:
-            return {w.address: w.load.num_running for w in client.status().workers if w.role == 2}
+        def open_by_address() -> dict[str, int]:
+            return {
+                w.address: w.load.num_running + w.load.num_waiting + w.load.num_waiting_for_kv
+                for w in client.status().workers
+                if w.role == 2
+            }
 
-        wait_for(
-            lambda: sum(running_by_address().values()) == NUM_STREAMS, 60, "streams not running"
-        )
-        busiest = max(running_by_address().items(), key=lambda item: item[1])[0]
+        wait_for(lambda: sum(open_by_address().values()) == NUM_STREAMS, 120, "streams not open")
+        busiest = max(open_by_address().items(), key=lambda item: item[1])[0]
         victim = next(p for p in local.workers("decode") if p.address == busiest)
         victim.signal(signal.SIGTERM)
         got = [f.result(timeout=180).token_ids for f in futures]
