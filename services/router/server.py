@@ -313,7 +313,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             await self._worker_failed(worker, exc, context, failures)
             error = exc.code().name
         except asyncio.CancelledError:
-            if not worker.close_call(call) or _cancelling():
+            if not _fenced(worker, call):
                 call.cancel()
                 # A prefill that completed as we were cancelled leaves a lease; drop it now.
                 self._background.spawn(self._release(worker, prepared.req_id))
@@ -378,7 +378,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                 await self._worker_failed(worker, exc, context, failures)
                 error = exc.code().name
             except asyncio.CancelledError:
-                if not worker.close_call(call) or _cancelling():
+                if not _fenced(worker, call):
                     raise
                 error = "fenced"
             finally:
@@ -506,10 +506,11 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         )
 
 
-def _cancelling() -> bool:
-    """Whether the running task itself is being cancelled (not just a call it awaited)."""
+def _fenced(worker: WorkerHandle, call: grpc.aio.Call) -> bool:
+    """Whether the ``CancelledError`` just raised by ``call`` is the worker's fencing (the
+    request moves on) rather than the cancellation of the request's own task."""
     task = asyncio.current_task()
-    return task is not None and task.cancelling() > 0
+    return worker.close_call(call) and not (task is not None and task.cancelling() > 0)
 
 
 @dataclass(slots=True)
