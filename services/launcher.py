@@ -280,8 +280,12 @@ class LocalCluster:
         process.start(self._env)
 
     def serving(self) -> bool:
-        """Every process answered SERVING (as last seen by ``supervise``)."""
-        return all(p.state is ProcessState.SERVING for p in self.processes)
+        """Every process answered SERVING (as last seen by ``supervise``) and every router
+        reports every worker healthy (its channel to a worker that came up after it may still
+        be backing off from the refusals while it started)."""
+        return all(p.state is ProcessState.SERVING for p in self.processes) and all(
+            _routes(router) for router in self.workers("router")
+        )
 
     def _router_process(self, port: int) -> ServiceProcess:
         metrics_port = free_port(self.host)
@@ -355,18 +359,24 @@ def wait_healthy(process: ServiceProcess, deadline_s: float) -> None:
 
 def _wait_routed(router: ServiceProcess, deadline_s: float) -> None:
     """Block until ``router`` reports every worker it was given as healthy."""
+    _wait(
+        lambda: _routes(router),
+        deadline_s,
+        lambda: f"router at {router.address} sees no healthy workers",
+        router,
+    )
 
-    def routed() -> bool:
-        with grpc.insecure_channel(router.address, options=CHANNEL_OPTIONS) as channel:
-            try:
-                status = router_pb2_grpc.RouterStub(channel).Status(
-                    router_pb2.StatusRequest(), timeout=_HEALTH_CHECK_TIMEOUT_S * 5
-                )
-            except grpc.RpcError:
-                return False
-        return all(w.healthy for w in status.workers)
 
-    _wait(routed, deadline_s, lambda: f"router at {router.address} sees no healthy workers", router)
+def _routes(router: ServiceProcess) -> bool:
+    """One ``Router.Status``: does ``router`` report every worker it was given as healthy?"""
+    with grpc.insecure_channel(router.address, options=CHANNEL_OPTIONS) as channel:
+        try:
+            status = router_pb2_grpc.RouterStub(channel).Status(
+                router_pb2.StatusRequest(), timeout=_HEALTH_CHECK_TIMEOUT_S * 5
+            )
+        except grpc.RpcError:
+            return False
+    return all(w.healthy for w in status.workers)
 
 
 def _wait(

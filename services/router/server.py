@@ -43,7 +43,7 @@ from services.router.prefill_choice import PrefillChoice
 from services.router.request_prep import ModelLimits, PreparedRequest, prepare_request
 from services.router.response_stream import ResponseStream
 from services.router.route_plan import PrefillPlace, RoutePlan, build_planner
-from services.router.scaler import SCALABLE_ROLES, PoolScaler
+from services.router.scaler import SCALABLE_ROLES, PoolScaler, PoolSize
 from services.router.worker_pool import InflightSlot, WorkerHandle, WorkerPool
 from splitserve.v1 import router_pb2, router_pb2_grpc, worker_pb2
 
@@ -52,6 +52,8 @@ logger = logging.getLogger(__name__)
 SERVICE_NAME = "splitserve.v1.Router"
 # How often a router drops dead workers' prefix index entries (any router may: idempotent).
 _REAP_INTERVAL_S = 10.0
+# Status answers without the pool sizes rather than wait on a busy orchestrator.
+_SCALER_TIMEOUT_S = 5.0
 
 
 class RouterServicer(router_pb2_grpc.RouterServicer):
@@ -494,7 +496,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             )
             for w in (*self.prefill_pool.workers, *self.decode_pool.workers)
         ]
-        pools = await self.scaler.pools() if self.scaler is not None else []
+        pools = await self._pool_sizes()
         return router_pb2.StatusResponse(
             mode=self.config.mode,
             model=self.config.served_name,
@@ -504,6 +506,19 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             prefix_hit_blocks_realized=self.planner.prefill_chooser.num_hit_blocks_realized,
             pools=[p.to_proto() for p in pools],
         )
+
+    async def _pool_sizes(self) -> list[PoolSize]:
+        """Each pool's size from the orchestrator; none without one, or when it does not answer
+        within ``_SCALER_TIMEOUT_S``."""
+        if self.scaler is None:
+            return []
+        try:
+            return await asyncio.wait_for(self.scaler.pools(), _SCALER_TIMEOUT_S)
+        except TimeoutError:
+            logger.warning(
+                "the orchestrator did not report pool sizes in %.0f s", _SCALER_TIMEOUT_S
+            )
+            return []
 
 
 def _fenced(worker: WorkerHandle, call: grpc.aio.Call) -> bool:

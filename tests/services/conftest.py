@@ -60,7 +60,8 @@ class Client:
         return out
 
     def status(self) -> router_pb2.StatusResponse:
-        return self.stub.Status(router_pb2.StatusRequest(), timeout=10)
+        # Generous: a fresh poll of every worker, on two cores shared with every engine.
+        return self.stub.Status(router_pb2.StatusRequest(), timeout=30)
 
     def wait_idle(self, timeout_s: float = 10.0) -> router_pb2.StatusResponse:
         """Poll Status until no worker holds a block, a lease or a request; return it."""

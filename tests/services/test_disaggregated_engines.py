@@ -137,8 +137,9 @@ def test_disaggregated_matches_offline(pair, offline, params):
 
 def test_leases_end_when_decode_releases(pair):
     pair.generate(make_prompts(), SamplingParams(temperature=0.0, max_tokens=4))
-    stats = pair.prefill.stats()
     assert pair.leases.num_leases == 0
+    pair.free_released_leases()
+    stats = pair.prefill.stats()
     assert stats.num_held_kv == 0 and stats.num_used_blocks == 0
     assert pair.decode.stats().num_used_blocks == 0
     pair.prefill.kv_cache_manager.check_integrity()
