@@ -43,13 +43,13 @@ import redis
 
 from engine.block_hash import hash_block_tokens
 from engine.config import EngineConfig
+from loadtest.redis_server import RedisServer
 from loadtest.tiny_model import make_tiny_llama
 from services.common.redis_config import RedisConfig
 from services.launcher import LocalCluster
 from services.router.prefill_cost import CandidateLoad, PrefillWeights
 from services.router.prefill_ledger import RedisPrefillLedger, Selection
 from splitserve.v1 import router_pb2, router_pb2_grpc, worker_pb2
-from tests.services.redis_server import RedisServer
 
 BLOCK_SIZE = 16
 POLICIES = ("cost", "round_robin", "random")

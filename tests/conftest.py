@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.fixtures.tiny_models import ARCHITECTURES, make_tiny_model
+from loadtest.tiny_model import ARCHITECTURES, make_tiny_model
 
 torch.set_num_threads(2)
 

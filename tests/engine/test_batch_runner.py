@@ -7,8 +7,8 @@ import pytest
 from engine import LLMEngine, SamplingParams
 from engine.batch_runner import NON_FINITE_LOGITS, EngineBrokenError
 from engine.config import EngineConfig
+from loadtest.tiny_model import make_poisoned_model
 from tests.engine.test_engine import random_prompt
-from tests.fixtures.tiny_models import make_poisoned_model
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12)
 SAMPLED = SamplingParams(temperature=1.0, top_p=0.9, max_tokens=12, seed=5)

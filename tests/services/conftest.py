@@ -15,9 +15,9 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from engine import EngineConfig
+from loadtest.redis_server import RedisServer
 from services.launcher import LocalCluster
 from splitserve.v1 import router_pb2, router_pb2_grpc, worker_pb2
-from tests.services.redis_server import RedisServer
 
 NUM_KV_BLOCKS = 256
 

@@ -16,11 +16,11 @@ import grpc
 import pytest
 
 from engine import LLM, SamplingParams
+from loadtest.tiny_model import make_poisoned_model
 from services.common.convert import sampling_params_to_worker
 from services.common.failures import FailureKind, failure_kind
 from services.launcher import LocalCluster, ProcessState
 from splitserve.v1 import router_pb2, worker_pb2, worker_pb2_grpc
-from tests.fixtures.tiny_models import make_poisoned_model
 from tests.services.conftest import NUM_KV_BLOCKS, Client, greedy, tiny_engine_config
 
 POISON = 7

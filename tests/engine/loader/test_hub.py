@@ -25,8 +25,8 @@ from transformers import AutoModelForCausalLM
 from engine import LLM, SamplingParams
 from engine.loader.hub import ModelFetchError, is_repo_id
 from engine.loader.models import resolve_model
+from loadtest.tiny_model import make_tiny_model
 from tests.engine.loader.hf_cache import add_snapshot, commit_hash, repo_dir
-from tests.fixtures.tiny_models import make_tiny_model
 
 REPO = "tiny-org/tiny-llama"
 CLOSED_ENDPOINT = "http://127.0.0.1:9"  # the discard port: nothing listens, connecting fails

@@ -21,7 +21,7 @@ from transformers import (
     Qwen2ForCausalLM,
 )
 
-from tests.fixtures.tiny_models import hf_config
+from loadtest.tiny_model import hf_config
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 USER_DEFINED_TOKEN = "<think>"

@@ -1,4 +1,5 @@
-"""A real ``redis-server`` on a free loopback port, for tests: started, stopped, restarted."""
+"""A real ``redis-server`` on a free loopback port, for tests and benchmarks: started, stopped,
+restarted."""
 
 from __future__ import annotations
 
