@@ -13,10 +13,8 @@ from engine.llm import LLM
 from engine.sampling_params import SamplingParams
 
 
-def add_parser(subparsers: argparse._SubParsersAction) -> None:
-    parser = subparsers.add_parser(
-        "generate", help="generate a completion offline with the engine in this process"
-    )
+def configure(parser: argparse.ArgumentParser) -> None:
+    """Declare ``generate``'s flags on its sub-parser."""
     add_flags(parser, EngineConfig, skip=("seed",))
     parser.add_argument("--prompt", required=True, help="prompt text")
     parser.add_argument("--chat", action="store_true", help="apply the chat template")

@@ -26,10 +26,8 @@ from services.startup import ClusterNotReady, WaitMessages, wait_for_cluster
 from splitserve.v1 import router_pb2_grpc
 
 
-def add_parser(subparsers: argparse._SubParsersAction) -> None:
-    parser = subparsers.add_parser(
-        "loadtest", help="open-loop load against a running router; JSON, Markdown and PNG reports"
-    )
+def configure(parser: argparse.ArgumentParser) -> None:
+    """Declare ``loadtest``'s flags on its sub-parser."""
     parser.add_argument("--target", default="127.0.0.1:50051", help="router host:port")
     parser.add_argument("--workload", choices=WORKLOADS, default="chat")
     load = parser.add_mutually_exclusive_group(required=True)

@@ -31,19 +31,18 @@ from splitserve.v1 import router_pb2, router_pb2_grpc, worker_pb2
 _ROLES = {"prefill": worker_pb2.WORKER_ROLE_PREFILL, "decode": worker_pb2.WORKER_ROLE_DECODE}
 
 
-def add_parsers(subparsers: argparse._SubParsersAction) -> None:
-    status = subparsers.add_parser(
-        "status", help="pools, workers, health, load and KV usage of a running cluster"
-    )
+def configure_status(status: argparse.ArgumentParser) -> None:
+    """Declare ``status``'s flags on its sub-parser."""
     status.add_argument("--target", default="127.0.0.1:50051", help="router host:port")
     status.add_argument("--json", action="store_true", help="print Router.Status as JSON")
     status.add_argument(
         "--timeout-s", type=float, default=10.0, help="how long to wait for a router to answer"
     )
     status.set_defaults(func=run_status)
-    scale = subparsers.add_parser(
-        "scale", help="set the number of prefill or decode workers of a running cluster"
-    )
+
+
+def configure_scale(scale: argparse.ArgumentParser) -> None:
+    """Declare ``scale``'s flags on its sub-parser."""
     scale.add_argument("pool", choices=tuple(_ROLES))
     scale.add_argument("num_workers", type=int)
     scale.add_argument("--target", default="127.0.0.1:50051", help="router host:port")

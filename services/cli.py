@@ -1,33 +1,95 @@
-"""The ``splitserve`` command: one sub-command per job."""
+"""The ``splitserve`` command: one sub-command per job.
+
+Sub-commands load lazily: only the module of the command being run is imported, so
+``splitserve status`` or ``client`` never import torch, Ray or the load generator.
+"""
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 
-from engine import cli as generate_cli
 from engine.flags import parse_flags
-from loadtest import cli as loadtest_cli
-from services import admin, client, up
 from services.common.logs import add_log_level_flag, configure_logging
 
 
-def build_parser() -> argparse.ArgumentParser:
+@dataclass(frozen=True, slots=True)
+class Command:
+    """A sub-command: ``module.configure`` declares its flags and sets ``func`` on the parser."""
+
+    name: str
+    module: str
+    configure: str
+    help: str
+
+
+COMMANDS = (
+    Command(
+        "generate",
+        "engine.cli",
+        "configure",
+        "generate a completion offline with the engine in this process",
+    ),
+    Command(
+        "up",
+        "services.up",
+        "configure",
+        "start a router plus prefill and decode pools (Ray actors; --no-ray: processes)",
+    ),
+    Command("client", "services.client", "configure", "stream a generation from a running router"),
+    Command(
+        "status",
+        "services.admin",
+        "configure_status",
+        "pools, workers, health, load and KV usage of a running cluster",
+    ),
+    Command(
+        "scale",
+        "services.admin",
+        "configure_scale",
+        "set the number of prefill or decode workers of a running cluster",
+    ),
+    Command(
+        "loadtest",
+        "loadtest.cli",
+        "configure",
+        "open-loop load against a running router; JSON, Markdown and PNG reports",
+    ),
+)
+
+
+def build_parser(commands: Iterable[str] | None = None) -> argparse.ArgumentParser:
+    """The whole command line; the flags of ``commands`` (default: all) are declared, the
+    other sub-commands are listed with their help only (and so import nothing)."""
+    loaded = {c.name for c in COMMANDS} if commands is None else set(commands)
     parser = argparse.ArgumentParser(
         prog="splitserve", description="Disaggregated prefill/decode LLM serving."
     )
     add_log_level_flag(parser, default="WARNING")
     subparsers = parser.add_subparsers(dest="command", required=True)
-    generate_cli.add_parser(subparsers)
-    up.add_parser(subparsers)
-    client.add_parser(subparsers)
-    admin.add_parsers(subparsers)
-    loadtest_cli.add_parser(subparsers)
+    for command in COMMANDS:
+        sub = subparsers.add_parser(command.name, help=command.help, description=command.help)
+        if command.name in loaded:
+            getattr(importlib.import_module(command.module), command.configure)(sub)
     return parser
 
 
+def chosen_command(argv: Sequence[str]) -> str | None:
+    """The sub-command named on ``argv`` (None when there is none, e.g. ``--help``)."""
+    prefix = argparse.ArgumentParser(add_help=False)
+    add_log_level_flag(prefix, default="WARNING")
+    prefix.add_argument("command", nargs="?")
+    known, _ = prefix.parse_known_args(argv)
+    return known.command
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = parse_flags(build_parser(), argv)
+    argv = sys.argv[1:] if argv is None else argv
+    command = chosen_command(argv)
+    args = parse_flags(build_parser([command] if command else []), argv)
     configure_logging(args.log_level)
     return args.func(args)
 

@@ -17,8 +17,8 @@ from splitserve.v1 import router_pb2, router_pb2_grpc
 _RETRY_INTERVAL_S = 0.5
 
 
-def add_parser(subparsers: argparse._SubParsersAction) -> None:
-    parser = subparsers.add_parser("client", help="stream a generation from a running router")
+def configure(parser: argparse.ArgumentParser) -> None:
+    """Declare ``client``'s flags on its sub-parser."""
     parser.add_argument("prompt", help="prompt text (the user message with --chat)")
     parser.add_argument("--target", default="127.0.0.1:50051", help="router host:port")
     parser.add_argument("--chat", action="store_true", help="send as a chat message")

@@ -41,11 +41,8 @@ _PER_ROUTER = (
 _SUPERVISE_S = 0.5
 
 
-def add_parser(subparsers: argparse._SubParsersAction) -> None:
-    parser = subparsers.add_parser(
-        "up",
-        help="start a router plus prefill and decode pools (Ray actors; --no-ray: processes)",
-    )
+def configure(parser: argparse.ArgumentParser) -> None:
+    """Declare ``up``'s flags on its sub-parser."""
     add_flags(parser, EngineConfig)
     add_flags(parser, ClusterConfig)
     add_flags(parser, WorkerConfig, skip=_PER_WORKER)
