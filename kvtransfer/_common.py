@@ -1,8 +1,8 @@
-"""Bookkeeping shared by the ``inproc`` and ``tcp`` backends (private to ``kvtransfer``).
+"""The bookkeeping tables of ``BackendSkeleton`` (private to ``kvtransfer``).
 
-Both backends keep the same source-side table of published blocks, the same destination-side
-table of read states, and the same rules for pairing with a peer and viewing the cache as
-``[num_blocks, block_bytes]`` rows of bytes.
+``PublishedBlocks`` is the source side (what each request exposes, reads in progress, releases)
+and ``ReadStates`` the destination side (the state of each read); both are shared with the
+backends' I/O threads. ``cache_rows`` and ``check_block_ids`` validate a cache and block ids.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from collections.abc import Iterable, Sequence
 import torch
 
 from engine.kv_cache_spec import KVCacheSpec
-from kvtransfer.base import KV_TRANSFER_VERSION, KVRef, KVTransferError, PeerInfo, TransferState
+from kvtransfer.base import TransferState
 
 _TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -38,86 +38,11 @@ def cache_rows(kv_cache: torch.Tensor, spec: KVCacheSpec) -> torch.Tensor:
     return kv_cache.view(torch.uint8).view(num_blocks, spec.block_bytes)
 
 
-def check_peer(backend: str, compat_hash: str, peer: PeerInfo) -> None:
-    """Raise ``KVTransferError`` naming both values when ``peer`` cannot pair with us."""
-    if peer.backend != backend:
-        raise KVTransferError(
-            f"peer {peer.engine_id!r} uses backend {peer.backend!r}, we use {backend!r}"
-        )
-    if peer.version != KV_TRANSFER_VERSION:
-        raise KVTransferError(
-            f"peer {peer.engine_id!r} speaks kv transfer version {peer.version}, "
-            f"we speak {KV_TRANSFER_VERSION}"
-        )
-    if peer.compat_hash != compat_hash:
-        raise KVTransferError(
-            f"peer {peer.engine_id!r} has KV cache compat_hash {peer.compat_hash!r}, "
-            f"ours is {compat_hash!r}: the KV cache layouts differ"
-        )
-
-
 def check_block_ids(block_ids: Iterable[int], num_blocks: int, what: str) -> None:
     """Raise ``ValueError`` unless every id is in ``[0, num_blocks)``."""
     bad = [b for b in block_ids if not 0 <= b < num_blocks]
     if bad:
         raise ValueError(f"{what} block ids {bad[:8]} out of range [0, {num_blocks})")
-
-
-def check_read_request(
-    req_id: str,
-    src: KVRef,
-    dst_block_ids: Sequence[int],
-    num_blocks: int,
-    *,
-    usable: bool,
-    known_peer: bool,
-) -> None:
-    """What every ``start_read`` refuses: ``KVTransferError`` when the backend is not
-    ``usable`` (unregistered or closed) or the peer is not ``known_peer``; ``ValueError`` for
-    mismatched lengths or destination ids out of ``[0, num_blocks)``."""
-    if not usable:
-        raise KVTransferError("start_read needs a registered, open backend")
-    if len(src.block_ids) != len(dst_block_ids):
-        raise ValueError(
-            f"req_id={req_id}: {len(src.block_ids)} source blocks "
-            f"but {len(dst_block_ids)} destination blocks"
-        )
-    check_block_ids(dst_block_ids, num_blocks, "destination")
-    if not known_peer:
-        raise KVTransferError(f"peer {src.engine_id!r} was not added")
-
-
-def contiguous_runs(block_ids: Sequence[int]) -> list[tuple[int, int]]:
-    """Split ``block_ids`` (in order) into ``(first_id, count)`` runs of consecutive ids.
-
-    ``[4, 5, 6, 9, 2, 3]`` -> ``[(4, 3), (9, 1), (2, 2)]``: each run is one contiguous region.
-    """
-    runs: list[tuple[int, int]] = []
-    for block_id in block_ids:
-        if runs and runs[-1][0] + runs[-1][1] == block_id:
-            runs[-1] = (runs[-1][0], runs[-1][1] + 1)
-        else:
-            runs.append((block_id, 1))
-    return runs
-
-
-def joint_runs(src_block_ids: Sequence[int], dst_block_ids: Sequence[int]) -> list[int]:
-    """Lengths of the runs over which both id lists advance by one at each step.
-
-    ``[4, 5, 6, 9]`` into ``[0, 1, 7, 8]`` -> ``[2, 1, 1]``: each run is one contiguous region
-    on both sides, so it can move as one message straight between the two caches.
-    """
-    lengths: list[int] = []
-    for i in range(len(src_block_ids)):
-        if (
-            i
-            and src_block_ids[i] == src_block_ids[i - 1] + 1
-            and dst_block_ids[i] == dst_block_ids[i - 1] + 1
-        ):
-            lengths[-1] += 1
-        else:
-            lengths.append(1)
-    return lengths
 
 
 class PublishedBlocks:
@@ -136,6 +61,7 @@ class PublishedBlocks:
         self._released: list[str] = []
 
     def publish(self, req_id: str, block_ids: Sequence[int]) -> None:
+        """Allow reads of ``block_ids`` under ``req_id``, replacing what it exposed before."""
         with self._cond:
             self._blocks[req_id] = frozenset(block_ids)
 
@@ -171,6 +97,7 @@ class PublishedBlocks:
             return error
 
     def end_read(self, req_id: str) -> None:
+        """End a read counted by ``begin_read``; the last one lets ``unpublish`` return."""
         with self._cond:
             remaining = self._num_readers.pop(req_id) - 1
             if remaining:
@@ -178,15 +105,18 @@ class PublishedBlocks:
             else:
                 self._cond.notify_all()
 
-    def release(self, req_id: str) -> bool:
-        """Unpublish ``req_id`` and queue it for ``take_released``; False if not published."""
+    def release(self, req_id: str) -> None:
+        """Unpublish ``req_id`` and queue it for ``take_released``; ignored (logged at debug)
+        when it is not published, e.g. a second release or one after ``unpublish``."""
         with self._cond:
-            if self._blocks.pop(req_id, None) is None:
-                return False
-            self._released.append(req_id)
-            return True
+            published = self._blocks.pop(req_id, None) is not None
+            if published:
+                self._released.append(req_id)
+        if not published:
+            logger.debug("release of unpublished req_id=%s ignored", req_id)
 
     def take_released(self) -> list[str]:
+        """The ids released since the last call, in release order; each is reported once."""
         with self._cond:
             released, self._released = self._released, []
         return released
@@ -216,6 +146,7 @@ class ReadStates:
                 self._states[req_id] = state
 
     def fail_pending(self) -> None:
+        """Set every PENDING read to FAILED (the next ``poll`` reports them)."""
         with self._lock:
             for req_id, state in self._states.items():
                 if state is TransferState.PENDING:

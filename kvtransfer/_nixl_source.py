@@ -64,6 +64,8 @@ class NixlSource:
         self._readers: set[str] = set()  # reader agents whose connection info is loaded
 
     def on_notif(self, agent_name: str, notif: pb.NixlNotif) -> None:
+        """Answer a reader's ``read_begin``, end a read at ``read_end``, apply a ``release``;
+        anything else is logged and ignored."""
         kind = notif.WhichOneof("body")
         if kind == "read_begin":
             self._on_read_begin(agent_name, notif.read_begin, notif.reader_metadata)
@@ -72,12 +74,12 @@ class NixlSource:
             if grant is not None:
                 self._published.end_read(grant.req_id)
         elif kind == "release":
-            if not self._published.release(notif.release.req_id):
-                logger.debug("release of unpublished req_id=%s", notif.release.req_id)
+            self._published.release(notif.release.req_id)
         else:
             logger.warning("unexpected nixl notification %s from %s", kind, agent_name)
 
     def expire_grants(self) -> None:
+        """End the granted reads whose reader never sent ``read_end`` in time."""
         now_s = time.monotonic()
         for key, grant in list(self._grants.items()):
             if now_s > grant.expires_s:

@@ -1,9 +1,9 @@
 """Framing and client connections of the ``tcp`` KV transfer backend (private to ``kvtransfer``).
 
-A frame is a 4-byte big-endian length then a serialized ``KVFrame``
-(``proto/splitserve/v1/kv_transfer.proto``); frames over ``MAX_FRAME_BYTES`` or that do not
-decode raise ``ProtocolError`` and the connection must be closed. ``decode_frame`` and
-``check_hello`` also serve the ``ucx`` backend, which sends the same frames over UCX.
+A frame is a 4-byte big-endian length then a serialized ``KVFrame`` of the pull protocol
+(``_pull_protocol``); frames over ``MAX_FRAME_BYTES`` or that do not decode raise
+``ProtocolError`` and the connection must be closed. Block bytes follow a read's response raw,
+one ``contiguous_runs`` region at a time.
 """
 
 from __future__ import annotations
@@ -13,14 +13,18 @@ import socket
 import struct
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
-from google.protobuf.message import DecodeError
-
-from kvtransfer.base import KV_TRANSFER_VERSION, KVTransferError
+from kvtransfer._pull_protocol import (
+    MAX_FRAME_BYTES,
+    ProtocolError,
+    check_hello_ack,
+    decode_frame,
+    split_address,
+)
+from kvtransfer.base import KVTransferError
 from splitserve.v1 import kv_transfer_pb2 as pb
 
-MAX_FRAME_BYTES = 16 * 1024 * 1024
 # A hello is a few hundred bytes: a peer that has not said it yet gets no bigger buffer.
 MAX_HELLO_BYTES = 4096
 # A pooled connection unused this long is closed rather than reused (the server drops
@@ -28,10 +32,6 @@ MAX_HELLO_BYTES = 4096
 CLIENT_IDLE_S = 60.0
 SERVER_IDLE_TIMEOUT_S = 2 * CLIENT_IDLE_S
 _LENGTH = struct.Struct(">I")
-
-
-class ProtocolError(Exception):
-    """The other end broke the wire format; the connection cannot be trusted any more."""
 
 
 def recv_exact_into(sock: socket.socket, view: memoryview) -> None:
@@ -70,36 +70,18 @@ def recv_frame(
     return decode_frame(bytes(body))
 
 
-def decode_frame(body: bytes) -> pb.KVFrame:
-    """A frame's body as a ``KVFrame``; ``ProtocolError`` if it is not one with a body."""
-    try:
-        frame = pb.KVFrame.FromString(body)
-    except DecodeError as exc:
-        raise ProtocolError(f"undecodable frame: {exc}") from exc
-    if frame.WhichOneof("body") is None:
-        raise ProtocolError("frame without a body")
-    return frame
+def contiguous_runs(block_ids: Sequence[int]) -> list[tuple[int, int]]:
+    """Split ``block_ids`` (in order) into ``(first_id, count)`` runs of consecutive ids.
 
-
-def check_hello(frame: pb.KVFrame, compat_hash: str) -> tuple[pb.KVHello, str]:
-    """The peer's hello and why we refuse it ("" when we accept it). ``ProtocolError`` when
-    the frame is not a hello."""
-    if frame.WhichOneof("body") != "hello":
-        raise ProtocolError(f"expected hello, got {frame.WhichOneof('body')}")
-    hello = frame.hello
-    if hello.version != KV_TRANSFER_VERSION:
-        return hello, f"kv transfer version {hello.version} != ours {KV_TRANSFER_VERSION}"
-    if hello.compat_hash != compat_hash:
-        return hello, f"compat_hash {hello.compat_hash!r} != ours {compat_hash!r}"
-    return hello, ""
-
-
-def split_address(address: str) -> tuple[str, int]:
-    """``"host:port"`` or ``"[v6]:port"`` -> ``(host, port)``; ``KVTransferError`` if malformed."""
-    host, _, port = address.rpartition(":")
-    if not host or not port.isdigit():
-        raise KVTransferError(f"bad tcp peer address {address!r}, expected host:port")
-    return host.strip("[]"), int(port)
+    ``[4, 5, 6, 9, 2, 3]`` -> ``[(4, 3), (9, 1), (2, 2)]``: each run is one contiguous region.
+    """
+    runs: list[tuple[int, int]] = []
+    for block_id in block_ids:
+        if runs and runs[-1][0] + runs[-1][1] == block_id:
+            runs[-1] = (runs[-1][0], runs[-1][1] + 1)
+        else:
+            runs.append((block_id, 1))
+    return runs
 
 
 class PeerConnections:
@@ -202,9 +184,5 @@ class PeerConnections:
     def _handshake(self, sock: socket.socket) -> None:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         send_frame(sock, self._hello)
-        frame = recv_frame(sock, self._connect_timeout_s, self._connect_timeout_s)
-        if frame.WhichOneof("body") != "hello_ack":
-            raise ProtocolError(f"expected hello_ack, got {frame.WhichOneof('body')}")
-        if not frame.hello_ack.ok:
-            raise KVTransferError(f"peer rejected our hello: {frame.hello_ack.error}")
+        check_hello_ack(recv_frame(sock, self._connect_timeout_s, self._connect_timeout_s))
         sock.settimeout(self._io_timeout_s)

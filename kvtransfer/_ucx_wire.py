@@ -1,8 +1,11 @@
 """Plumbing of the ``ucx`` backend (private to ``kvtransfer.ucx``): the process's ucxx event
-loop, control frames over UCX tagged messages, bounded waits.
+loop, frames of the pull protocol (``_pull_protocol``) as UCX tagged messages, the runs that
+block bytes move in, bounded waits.
 
 A frame is two messages on one endpoint (which arrive in order): its length (8 bytes,
-little-endian), then the serialized ``KVFrame``.
+little-endian), then the serialized ``KVFrame``. A granted read's blocks follow as one message
+per run that the reader asked for in ``run_lengths`` (``joint_runs``): ids consecutive on both
+sides, so each run moves straight from the source's cache into the destination's.
 """
 
 from __future__ import annotations
@@ -10,12 +13,12 @@ from __future__ import annotations
 import asyncio
 import os
 import threading
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Sequence
 from typing import TypeVar
 
 import numpy as np
 
-from kvtransfer._tcp_wire import MAX_FRAME_BYTES, ProtocolError, decode_frame
+from kvtransfer._pull_protocol import MAX_FRAME_BYTES, ProtocolError, decode_frame
 from kvtransfer.base import KVTransferError
 from splitserve.v1 import kv_transfer_pb2 as pb
 
@@ -35,7 +38,9 @@ __all__ = [
     "Listener",
     "UCXError",
     "abort",
+    "joint_runs",
     "recv_frame",
+    "requested_runs",
     "send_frame",
     "ucx_loop",
     "ucxx",
@@ -74,6 +79,7 @@ async def within(awaitable: Awaitable[_T], timeout_s: float | None, what: str) -
 
 
 async def send_frame(ep: Endpoint, frame: pb.KVFrame, timeout_s: float) -> None:
+    """Send ``frame`` as its two messages, each within ``timeout_s``."""
     body = frame.SerializeToString()
     await within(ep.send(np.array([len(body)], dtype=_LENGTH)), timeout_s, "sending a frame")
     await within(ep.send(np.frombuffer(body, dtype=np.uint8)), timeout_s, "sending a frame")
@@ -97,3 +103,39 @@ def abort(ep: Endpoint | None) -> None:
     buffers are free for reuse when this returns. Idempotent."""
     if ep is not None:
         ep.abort(period=_ABORT_PERIOD_NS)
+
+
+def joint_runs(src_block_ids: Sequence[int], dst_block_ids: Sequence[int]) -> list[int]:
+    """Lengths of the runs over which both id lists advance by one at each step.
+
+    ``[4, 5, 6, 9]`` into ``[0, 1, 7, 8]`` -> ``[2, 1, 1]``: each run is one contiguous region
+    on both sides, so it can move as one message straight between the two caches.
+    """
+    lengths: list[int] = []
+    for i in range(len(src_block_ids)):
+        if (
+            i
+            and src_block_ids[i] == src_block_ids[i - 1] + 1
+            and dst_block_ids[i] == dst_block_ids[i - 1] + 1
+        ):
+            lengths[-1] += 1
+        else:
+            lengths.append(1)
+    return lengths
+
+
+def requested_runs(read: pb.KVReadRequest) -> list[tuple[int, int]]:
+    """The ``(first_id, count)`` runs, one message each, that ``read.run_lengths`` asks for.
+    ``ProtocolError`` unless they split ``read.block_ids`` into runs of consecutive ids."""
+    block_ids = list(read.block_ids)
+    if sum(read.run_lengths) != len(block_ids) or 0 in read.run_lengths:
+        raise ProtocolError(f"run lengths {list(read.run_lengths)[:8]} do not split the read")
+    runs: list[tuple[int, int]] = []
+    start = 0
+    for count in read.run_lengths:
+        first = block_ids[start]
+        if block_ids[start : start + count] != list(range(first, first + count)):
+            raise ProtocolError(f"run of {count} blocks from {first} is not consecutive")
+        runs.append((first, count))
+        start += count
+    return runs

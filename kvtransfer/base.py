@@ -62,9 +62,17 @@ class KVRef:
 
 
 class KVTransferBackend(abc.ABC):
-    """One engine's endpoint: serves its published blocks and reads blocks from peers."""
+    """One engine's endpoint: serves its published blocks and reads blocks from peers.
+
+    ``connection_setup_s`` maps a peer's ``engine_id`` to how long, in seconds, first reaching
+    that peer took: connect and handshake for ``tcp`` / ``ucx``; loading its metadata,
+    preparing descriptors and connecting for ``nixl``. It is written once per peer, by the
+    backend's I/O threads when that first setup completes (later reconnections leave it as it
+    is), and stays empty for ``inproc``, which never connects.
+    """
 
     name: str
+    connection_setup_s: dict[str, float]
 
     @abc.abstractmethod
     def register_kv_cache(self, kv_cache: torch.Tensor, spec: KVCacheSpec) -> PeerInfo:

@@ -34,24 +34,16 @@ import queue
 import threading
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
 
-from engine.kv_cache_spec import KVCacheSpec
-from kvtransfer._common import (
-    PublishedBlocks,
-    ReadStates,
-    cache_rows,
-    check_block_ids,
-    check_peer,
-    check_read_request,
-)
 from kvtransfer._nixl_source import NixlSource, notif_bytes, remove_agent, send_notif
-from kvtransfer.base import KVRef, KVTransferBackend, KVTransferError, PeerInfo, TransferState
+from kvtransfer.base import KVRef, KVTransferError, PeerInfo, TransferState
+from kvtransfer.skeleton import BackendSkeleton
 from splitserve.v1 import kv_transfer_pb2 as pb
 
 logger = logging.getLogger(__name__)
@@ -95,55 +87,44 @@ class _Read:
     refusal: str = ""
 
 
-class NixlBackend(KVTransferBackend):
+class NixlBackend(BackendSkeleton):
     """KV transfer through a NIXL agent (UCX backend), CPU or CUDA caches.
 
     Public methods are called from one engine thread and never block on the network, except
     ``unpublish``, which waits (at most ``io_timeout_s``) for granted reads of that request to
-    end. ``connection_setup_s[engine_id]`` is how long pairing with that peer took (loading its
-    metadata, preparing descriptors, connecting), in seconds.
+    end. ``close`` drops the agent: afterwards ``publish`` and ``add_peer`` refuse as before
+    registration.
     """
 
     name = "nixl"
 
     def __init__(self, engine_id: str, io_timeout_s: float = 10.0) -> None:
-        self.engine_id = engine_id
-        self.connection_setup_s: dict[str, float] = {}
-        self._io_timeout_s = io_timeout_s
+        super().__init__(engine_id, io_timeout_s)
         # Unique per incarnation: a restarted worker must not reuse its predecessor's name.
         self._agent_name = f"{engine_id}-{uuid.uuid4().hex[:8]}"
         self._agent: Any = None
         self._kv_cache: torch.Tensor | None = None
         self._connection_metadata = b""
         self._local_blocks: Any = None
-        self._num_blocks = 0
-        self._compat_hash = ""
-        self._published = PublishedBlocks()
-        self._reads = ReadStates()
-        self._read_sources: dict[str, tuple[str, str]] = {}  # req_id -> (engine_id, src req_id)
-        self._peers: dict[str, PeerInfo] = {}
         self._seq = itertools.count(1)
         self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self._io_thread: threading.Thread | None = None
-        self._closed = False
         # Owned by the I/O thread.
         self._remotes: dict[str, _Remote] = {}
         self._pending: dict[int, _Read] = {}  # seq -> read, granted or awaiting the grant
-        self._source: NixlSource  # created with the agent, in register_kv_cache
+        self._source: NixlSource  # created with the agent, in _expose
 
-    def register_kv_cache(self, kv_cache: torch.Tensor, spec: KVCacheSpec) -> PeerInfo:
-        """Register the cache with a new NIXL agent, start the I/O thread, return our info."""
-        mem_type = _MEM_TYPES.get(kv_cache.device.type)
-        if mem_type is None:
+    def _check_cache(self, kv_cache: torch.Tensor) -> None:
+        if kv_cache.device.type not in _MEM_TYPES:
             raise ValueError(f"the nixl backend needs a CPU or CUDA cache, got {kv_cache.device}")
-        if self._agent is not None or self._closed:
-            raise KVTransferError("register_kv_cache must be called once, before close")
-        rows = cache_rows(kv_cache, spec)
+
+    def _expose(self, kv_cache: torch.Tensor, rows: torch.Tensor) -> tuple[str, bytes]:
+        """Register the cache with a new NIXL agent and start the I/O thread; our address is
+        the agent's name, our metadata a ``NixlPeerMetadata``."""
         self._kv_cache = kv_cache  # registered memory must outlive the agent's use of it
         from nixl._api import nixl_agent, nixl_agent_config, nixlBind
 
-        self._num_blocks, block_bytes = rows.shape
-        self._compat_hash = spec.compat_hash()
+        mem_type = _MEM_TYPES[kv_cache.device.type]
         device_id = max(kv_cache.get_device(), 0)
         # No NIXL progress thread: it spins a whole core per process. The I/O thread drives UCX
         # instead (every NIXL call progresses it), polling fast only while there is work.
@@ -157,7 +138,7 @@ class NixlBackend(KVTransferBackend):
         base_addr = kv_cache.data_ptr()
         self._local_blocks = self._agent.prep_xfer_dlist(
             "NIXL_INIT_AGENT",
-            _block_descs(base_addr, self._num_blocks, block_bytes, device_id),
+            _block_descs(base_addr, self._num_blocks, self._block_bytes, device_id),
             mem_type,
         )
         metadata = pb.NixlPeerMetadata(
@@ -165,7 +146,7 @@ class NixlBackend(KVTransferBackend):
             agent_name=self._agent_name,
             base_addr=base_addr,
             num_blocks=self._num_blocks,
-            block_bytes=block_bytes,
+            block_bytes=self._block_bytes,
             device_id=device_id,
             mem_type=mem_type,
         )
@@ -180,91 +161,31 @@ class NixlBackend(KVTransferBackend):
             self._num_blocks,
             mem_type,
         )
-        return PeerInfo(
-            engine_id=self.engine_id,
-            backend=self.name,
-            address=self._agent_name,
-            compat_hash=self._compat_hash,
-            metadata=metadata.SerializeToString(),
-        )
+        return self._agent_name, metadata.SerializeToString()
 
-    def add_peer(self, peer: PeerInfo) -> None:
-        """Check compatibility and remember ``peer``; pairing happens at its first read.
-        Idempotent; new info for a known engine replaces the old pairing."""
-        if self._agent is None:
-            raise KVTransferError("register_kv_cache must be called before add_peer")
-        check_peer(self.name, self._compat_hash, peer)
+    def _check_peer_info(self, peer: PeerInfo) -> None:
         metadata = pb.NixlPeerMetadata.FromString(peer.metadata)
         if not metadata.agent_metadata or metadata.mem_type not in _MEM_TYPES.values():
             raise KVTransferError(f"peer {peer.engine_id!r} sent no usable NIXL metadata")
-        if self._peers.get(peer.engine_id) == peer:
-            return
-        replaced = peer.engine_id in self._peers
-        self._peers[peer.engine_id] = peer
-        if replaced:
-            self._commands.put(lambda: self._forget_remote(peer.engine_id))
 
-    # ------------------------------------------------------------------ source side
-    def publish(self, req_id: str, block_ids: Sequence[int]) -> None:
-        """Expose ``block_ids`` under ``req_id`` (replacing an earlier publication of it)."""
-        if self._agent is None:
-            raise KVTransferError("register_kv_cache must be called before publish")
-        check_block_ids(block_ids, self._num_blocks, "published")
-        self._published.publish(req_id, block_ids)
+    def _forget_peer(self, engine_id: str) -> None:
+        self._commands.put(lambda: self._forget_remote(engine_id))
 
-    def unpublish(self, req_id: str) -> None:
-        """Refuse new reads of ``req_id``; wait (at most the io timeout) for granted ones to
-        end, so the blocks may be reused after. Unknown ids are ignored."""
-        self._published.unpublish(req_id, wait_s=self._io_timeout_s)
-
-    def take_released(self) -> list[str]:
-        """Published ids released by a peer since the last call (each already unpublished)."""
-        return self._published.take_released()
-
-    # ------------------------------------------------------------------ destination side
-    def start_read(self, req_id: str, src: KVRef, dst_block_ids: Sequence[int]) -> None:
-        """Queue the read for the I/O thread and return at once; ``poll`` reports it.
-
-        Raises ``ValueError`` for mismatched lengths, out-of-range destination ids or a
-        ``req_id`` still being tracked, ``KVTransferError`` for an unknown peer or after close.
-        """
-        check_read_request(
-            req_id,
-            src,
-            dst_block_ids,
-            self._num_blocks,
-            usable=self._agent is not None and not self._closed,
-            known_peer=src.engine_id in self._peers,
-        )
-        self._reads.start(req_id)
-        self._read_sources[req_id] = (src.engine_id, src.req_id)
-        read = _Read(req_id, src, tuple(dst_block_ids), time.monotonic() + self._io_timeout_s)
+    def _start_transfer(self, req_id: str, src: KVRef, dst_block_ids: tuple[int, ...]) -> None:
+        """Queue the read for the I/O thread, which finishes it."""
+        read = _Read(req_id, src, dst_block_ids, time.monotonic() + self._io_timeout_s)
         self._commands.put(lambda: self._begin_read(next(self._seq), read))
 
-    def poll(self) -> dict[str, TransferState]:
-        """State of every read not yet reported terminal; DONE / FAILED reported once."""
-        return self._reads.poll()
-
-    def release(self, req_id: str) -> None:
-        """Tell the source of read ``req_id`` it may free the blocks (background, best effort).
-        Unknown ids are ignored."""
-        source = self._read_sources.pop(req_id, None)
-        if source is None or self._closed:
-            return
-        engine_id, src_req_id = source
+    def _forward_release(self, req_id: str, engine_id: str, src_req_id: str) -> None:
         release = pb.KVReleaseRequest(req_id=src_req_id)
         self._commands.put(lambda: self._notify_engine(engine_id, notif_bytes(release=release)))
 
-    def close(self) -> None:
-        """Stop the I/O thread (reads in flight end FAILED) and drop the agent. Idempotent."""
-        if self._closed:
-            return
-        self._closed = True
+    def _stop_transport(self) -> None:
+        """Stop the I/O thread (it fails the reads it owns) and drop the agent."""
         if self._io_thread is not None:
             self._io_thread.join(timeout=self._io_timeout_s)
-        self._reads.fail_pending()
-        self._read_sources.clear()
         self._agent = None
+        self._registered = False  # the registration went with the agent
 
     # ------------------------------------------------------------------ I/O thread
     def _io_loop(self) -> None:
@@ -304,7 +225,8 @@ class NixlBackend(KVTransferBackend):
         remote = self._remotes.get(engine_id)
         if remote is not None:
             return remote
-        peer = self._peers[engine_id]
+        with self._lock:
+            peer = self._peers[engine_id]
         metadata = pb.NixlPeerMetadata.FromString(peer.metadata)
         start_s = time.perf_counter()
         agent_name = self._agent.add_remote_agent(metadata.agent_metadata)
@@ -318,7 +240,7 @@ class NixlBackend(KVTransferBackend):
         )
         self._agent.make_connection(agent_name)
         setup_s = time.perf_counter() - start_s
-        self.connection_setup_s.setdefault(engine_id, setup_s)
+        self._record_setup(engine_id, setup_s)
         logger.info("kv nixl paired with %s in %.1f ms", engine_id, setup_s * 1e3)
         remote = _Remote(agent_name, blocks)
         self._remotes[engine_id] = remote

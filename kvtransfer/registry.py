@@ -60,18 +60,17 @@ def make_backend(
         from kvtransfer.nixl import NixlBackend
 
         return NixlBackend(engine_id, io_timeout_s=io_timeout_s)
-    if name == "ucx":
-        from kvtransfer.ucx import UcxBackend
+    if name in ("ucx", "tcp"):
+        from kvtransfer._pull_protocol import PullEndpoint
 
-        return UcxBackend(
-            engine_id, host=host, advertise_host=advertise_host, io_timeout_s=io_timeout_s
-        )
-    if name == "tcp":
+        endpoint = PullEndpoint(host=host, advertise_host=advertise_host, io_timeout_s=io_timeout_s)
+        if name == "ucx":
+            from kvtransfer.ucx import UcxBackend
+
+            return UcxBackend(engine_id, endpoint)
         from kvtransfer.tcp import TcpBackend
 
-        return TcpBackend(
-            engine_id, host=host, advertise_host=advertise_host, io_timeout_s=io_timeout_s
-        )
+        return TcpBackend(engine_id, endpoint)
     from kvtransfer.inproc import InprocBackend
 
     return InprocBackend(engine_id)

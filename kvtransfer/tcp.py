@@ -1,14 +1,8 @@
 """``tcp``: KV transfer over plain TCP sockets; pure Python, always available, CPU caches only.
 
-Wire format (``proto/splitserve/v1/kv_transfer.proto``): every frame is a 4-byte big-endian
-length then a serialized ``KVFrame``. A connection opens with ``hello`` -> ``hello_ack``; then
-the destination sends ``read`` and ``release`` frames, one at a time per connection::
-
-    dst                                    src
-    read(seq, req_id, block_ids)   ---->
-                                   <----   read_response(seq, ok, num_bytes)
-                                   <----   num_bytes raw bytes: the blocks in request order
-    release(req_id)                ---->   (no answer)
+It speaks the pull protocol of ``_pull_protocol`` in the framing of ``_tcp_wire``: every frame
+is a 4-byte big-endian length then a serialized ``KVFrame``, and a granted read's blocks follow
+its response as raw bytes, in request order.
 
 Raw block bytes go straight from the source cache's memory to the socket and from the socket
 into the destination blocks (``sendall`` / ``recv_into`` on memoryviews of cache rows; runs
@@ -23,46 +17,34 @@ closed (clients stop reusing pooled connections well before).
 from __future__ import annotations
 
 import contextlib
-import itertools
 import logging
 import socket
 import threading
 import time
-from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 
 import torch
 
-from engine.kv_cache_spec import KVCacheSpec
-from kvtransfer._common import (
-    PublishedBlocks,
-    ReadStates,
-    cache_rows,
-    check_block_ids,
-    check_peer,
-    check_read_request,
-    contiguous_runs,
+from kvtransfer._pull_protocol import (
+    LOOPBACK_ENDPOINT,
+    ProtocolError,
+    PullBackend,
+    PullEndpoint,
+    check_read_response,
+    read_frame,
+    release_frame,
 )
 from kvtransfer._tcp_wire import (
     MAX_HELLO_BYTES,
     SERVER_IDLE_TIMEOUT_S,
     PeerConnections,
-    ProtocolError,
-    check_hello,
+    contiguous_runs,
     recv_exact_into,
     recv_frame,
     send_frame,
-    split_address,
 )
-from kvtransfer.base import (
-    KV_TRANSFER_VERSION,
-    KVRef,
-    KVTransferBackend,
-    KVTransferError,
-    PeerInfo,
-    TransferState,
-)
+from kvtransfer.base import KVRef, KVTransferError, TransferState
 from splitserve.v1 import kv_transfer_pb2 as pb
 
 logger = logging.getLogger(__name__)
@@ -91,7 +73,7 @@ class _ReadParts:
             return TransferState.DONE if self._ok else TransferState.FAILED
 
 
-class TcpBackend(KVTransferBackend):
+class TcpBackend(PullBackend):
     """KV transfer over TCP between engines with CPU caches.
 
     Source side: ``register_kv_cache`` starts a listener thread on ``host:port`` (0: ephemeral)
@@ -100,9 +82,8 @@ class TcpBackend(KVTransferBackend):
     connections per peer; a dead or silent peer fails a read within ``io_timeout_s`` (per
     socket operation) or ``connect_timeout_s`` (connect + handshake). A read of more than
     ``part_bytes`` is split into parts that stream in parallel, one per connection.
-
-    ``connection_setup_s[engine_id]`` is how long the first connection to that peer took
-    (connect + handshake), in seconds. Public methods are called from one engine thread.
+    New info for a known peer drops its connections. Public methods are called from one
+    engine thread.
     """
 
     name = "tcp"
@@ -110,57 +91,28 @@ class TcpBackend(KVTransferBackend):
     def __init__(
         self,
         engine_id: str,
-        host: str = "127.0.0.1",
-        port: int = 0,
-        advertise_host: str | None = None,
-        io_timeout_s: float = 10.0,
-        connect_timeout_s: float = 5.0,
+        endpoint: PullEndpoint = LOOPBACK_ENDPOINT,
         max_connections_per_peer: int = 2,
         part_bytes: int = 4 << 20,
     ) -> None:
         if max_connections_per_peer < 1:
             raise ValueError("max_connections_per_peer must be at least 1")
-        self.engine_id = engine_id
-        self.connection_setup_s: dict[str, float] = {}
-        self._host = host
-        self._port = port
-        self._advertise_host = advertise_host
-        self._io_timeout_s = io_timeout_s
-        self._connect_timeout_s = connect_timeout_s
+        super().__init__(engine_id, endpoint)
         self._max_connections_per_peer = max_connections_per_peer
         self._part_bytes = part_bytes
-        self._kv_cache: torch.Tensor | None = None
         self._flat = memoryview(bytearray())  # the whole cache as bytes, once registered
-        self._num_blocks = 0
-        self._block_bytes = 0
-        self._compat_hash = ""
-        self._published = PublishedBlocks()
-        self._reads = ReadStates()
-        self._read_sources: dict[str, tuple[str, str]] = {}  # req_id -> (engine_id, src req_id)
-        self._seq = itertools.count(1)
         self._executor = ThreadPoolExecutor(
             max_workers=max(4, 2 * max_connections_per_peer), thread_name_prefix="kv-tcp-io"
         )
-        # Guards everything below, shared with the accept, connection and I/O threads.
-        self._lock = threading.Lock()
-        self._peers: dict[str, PeerInfo] = {}
+        self._accept_thread: threading.Thread | None = None
+        # Guarded by _lock, shared with the accept, connection and I/O threads.
         self._pools: dict[str, PeerConnections] = {}
         self._listener: socket.socket | None = None
-        self._accept_thread: threading.Thread | None = None
         self._server_conns: set[socket.socket] = set()
-        self._closed = False
 
-    def register_kv_cache(self, kv_cache: torch.Tensor, spec: KVCacheSpec) -> PeerInfo:
-        """Validate the CPU cache, start listening and return our ``PeerInfo``."""
-        if kv_cache.device.type != "cpu":
-            raise ValueError(f"the tcp backend needs a CPU KV cache, got one on {kv_cache.device}")
-        if self._kv_cache is not None or self._closed:
-            raise KVTransferError("register_kv_cache must be called once, before close")
-        rows = cache_rows(kv_cache, spec)
-        self._kv_cache = kv_cache
+    # ------------------------------------------------------------------ source side
+    def _listen(self, rows: torch.Tensor) -> int:
         self._flat = memoryview(rows.numpy().reshape(-1))
-        self._num_blocks, self._block_bytes = rows.shape
-        self._compat_hash = spec.compat_hash()
         listener = socket.create_server((self._host, self._port), backlog=128)
         port = listener.getsockname()[1]
         with self._lock:
@@ -170,44 +122,7 @@ class TcpBackend(KVTransferBackend):
         )
         self._accept_thread.start()
         logger.info("kv tcp engine %s listening on %s:%d", self.engine_id, self._host, port)
-        return PeerInfo(
-            engine_id=self.engine_id,
-            backend=self.name,
-            address=f"{self._advertise_host or self._host}:{port}",
-            compat_hash=self._compat_hash,
-        )
-
-    def add_peer(self, peer: PeerInfo) -> None:
-        """Check compatibility and remember ``peer``; no connection is opened yet. Idempotent;
-        new info for a known engine replaces the old one and drops its connections."""
-        if self._kv_cache is None:
-            raise KVTransferError("register_kv_cache must be called before add_peer")
-        check_peer(self.name, self._compat_hash, peer)
-        split_address(peer.address)
-        with self._lock:
-            if self._peers.get(peer.engine_id) == peer:
-                return
-            self._peers[peer.engine_id] = peer
-            stale = self._pools.pop(peer.engine_id, None)
-        if stale is not None:
-            stale.close()
-
-    # ------------------------------------------------------------------ source side
-    def publish(self, req_id: str, block_ids: Sequence[int]) -> None:
-        """Expose ``block_ids`` under ``req_id`` (replacing an earlier publication of it)."""
-        if self._kv_cache is None:
-            raise KVTransferError("register_kv_cache must be called before publish")
-        check_block_ids(block_ids, self._num_blocks, "published")
-        self._published.publish(req_id, block_ids)
-
-    def unpublish(self, req_id: str) -> None:
-        """Stop serving ``req_id``; unknown ids are ignored. Blocks until reads of it that are
-        already sending finish (at most the io timeout), so the blocks may be reused after."""
-        self._published.unpublish(req_id, wait_s=self._io_timeout_s)
-
-    def take_released(self) -> list[str]:
-        """Published ids released by a peer since the last call (each already unpublished)."""
-        return self._published.take_released()
+        return port
 
     def _accept_loop(self, listener: socket.socket) -> None:
         while True:
@@ -245,22 +160,17 @@ class TcpBackend(KVTransferBackend):
         try:
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             hello = recv_frame(conn, self._io_timeout_s, self._io_timeout_s, MAX_HELLO_BYTES)
-            if not self._accept_hello(conn, hello):
-                return
-            while True:
+            ack, accepted = self._source.answer_hello(hello)
+            send_frame(conn, ack)
+            while accepted:
                 try:
                     frame = recv_frame(conn, self._io_timeout_s, wait_s=SERVER_IDLE_TIMEOUT_S)
                 except TimeoutError:
                     logger.debug("kv tcp connection from %s idle: closed", address)
                     return
-                kind = frame.WhichOneof("body")
-                if kind == "read":
-                    self._serve_read(conn, frame.read)
-                elif kind == "release":
-                    if not self._published.release(frame.release.req_id):
-                        logger.debug("release of unpublished req_id=%s", frame.release.req_id)
-                else:
-                    raise ProtocolError(f"unexpected {kind} frame")
+                read = self._source.dispatch(frame)
+                if read is not None:
+                    self._serve_read(conn, read)
         except ConnectionError as exc:
             logger.debug("kv tcp connection from %s ended: %s", address, exc)
         except (OSError, ProtocolError) as exc:
@@ -273,54 +183,25 @@ class TcpBackend(KVTransferBackend):
                 self._server_conns.discard(conn)
             conn.close()
 
-    def _accept_hello(self, conn: socket.socket, frame: pb.KVFrame) -> bool:
-        hello, error = check_hello(frame, self._compat_hash)
-        send_frame(conn, pb.KVFrame(hello_ack=pb.KVHelloAck(ok=not error, error=error)))
-        if error:
-            logger.warning("rejected kv peer %r: %s", hello.engine_id, error)
-        return not error
-
     def _serve_read(self, conn: socket.socket, read: pb.KVReadRequest) -> None:
-        block_ids = list(read.block_ids)
-        error = self._published.begin_read(read.req_id, block_ids)
-        num_bytes = 0 if error else len(block_ids) * self._block_bytes
-        response = pb.KVReadResponse(
-            seq=read.seq, ok=error is None, error=error or "", num_bytes=num_bytes
-        )
-        if error:
-            send_frame(conn, pb.KVFrame(read_response=response))
-            logger.info("refused kv read req_id=%s: %s", read.req_id, error)
-            return
-        try:
-            send_frame(conn, pb.KVFrame(read_response=response))
-            for first, count in contiguous_runs(block_ids):
-                conn.sendall(
-                    self._flat[first * self._block_bytes : (first + count) * self._block_bytes]
-                )
-        finally:
-            self._published.end_read(read.req_id)
+        with self._source.serving(read) as response:
+            send_frame(conn, response)
+            if response.read_response.ok:
+                for first, count in contiguous_runs(read.block_ids):
+                    conn.sendall(
+                        self._flat[first * self._block_bytes : (first + count) * self._block_bytes]
+                    )
 
     # ------------------------------------------------------------------ destination side
-    def start_read(self, req_id: str, src: KVRef, dst_block_ids: Sequence[int]) -> None:
-        """Queue the read on the I/O pool and return at once; ``poll`` reports the outcome.
+    def _forget_peer(self, engine_id: str) -> None:
+        stale = self._pools.pop(engine_id, None)
+        if stale is not None:
+            stale.close()
 
-        Raises ``ValueError`` for mismatched lengths, out-of-range destination ids or a
-        ``req_id`` still being tracked, ``KVTransferError`` for an unknown peer or after close.
-        """
-        with self._lock:
-            known_peer = src.engine_id in self._peers
-        check_read_request(
-            req_id,
-            src,
-            dst_block_ids,
-            self._num_blocks,
-            usable=self._kv_cache is not None and not self._closed,
-            known_peer=known_peer,
-        )
-        self._reads.start(req_id)
-        self._read_sources[req_id] = (src.engine_id, src.req_id)
+    def _start_transfer(self, req_id: str, src: KVRef, dst_block_ids: tuple[int, ...]) -> None:
+        """Queue the read's parts on the I/O pool; the last part to end finishes the read."""
         # A big read goes as parts over parallel connections: one loopback stream is bound by
-        # one core's copy. The read ends when its last part does.
+        # one core's copy.
         num_bytes = len(dst_block_ids) * self._block_bytes
         num_parts = min(-(-num_bytes // self._part_bytes), self._max_connections_per_peer)
         parts = _ReadParts(max(num_parts, 1))
@@ -328,28 +209,15 @@ class TcpBackend(KVTransferBackend):
         # An empty read still asks the source, which checks the request is published.
         for begin in range(0, max(len(dst_block_ids), 1), step):
             part = replace(src, block_ids=tuple(src.block_ids[begin : begin + step]))
-            dst_part = tuple(dst_block_ids[begin : begin + step])
+            dst_part = dst_block_ids[begin : begin + step]
             self._executor.submit(self._do_read, req_id, part, dst_part, next(self._seq), parts)
 
-    def poll(self) -> dict[str, TransferState]:
-        """State of every read not yet reported terminal; DONE / FAILED reported once."""
-        return self._reads.poll()
+    def _forward_release(self, req_id: str, engine_id: str, src_req_id: str) -> None:
+        self._executor.submit(self._send_release, req_id, engine_id, src_req_id)
 
-    def release(self, req_id: str) -> None:
-        """Send ``release`` for read ``req_id`` to its source in the background; errors are
-        only logged. Unknown ids are ignored."""
-        source = self._read_sources.pop(req_id, None)
-        if source is None or self._closed:
-            return
-        self._executor.submit(self._send_release, req_id, *source)
-
-    def close(self) -> None:
-        """Stop the listener, drop every connection, wait for the I/O threads; reads still in
-        flight end FAILED. Idempotent."""
+    def _stop_transport(self) -> None:
+        """Stop the listener, drop every connection and wait for the I/O threads."""
         with self._lock:
-            if self._closed:
-                return
-            self._closed = True
             listener, self._listener = self._listener, None
             server_conns = list(self._server_conns)
             pools = list(self._pools.values())
@@ -364,8 +232,6 @@ class TcpBackend(KVTransferBackend):
         for pool in pools:
             pool.close()
         self._executor.shutdown(wait=True, cancel_futures=True)
-        self._reads.fail_pending()
-        self._read_sources.clear()
         if self._accept_thread is not None:
             self._accept_thread.join(timeout=self._io_timeout_s)
 
@@ -375,14 +241,9 @@ class TcpBackend(KVTransferBackend):
                 raise KVTransferError("backend closed")
             pool = self._pools.get(engine_id)
             if pool is None:
-                hello = pb.KVHello(
-                    version=KV_TRANSFER_VERSION,
-                    compat_hash=self._compat_hash,
-                    engine_id=self.engine_id,
-                )
                 pool = PeerConnections(
                     self._peers[engine_id].address,
-                    pb.KVFrame(hello=hello),
+                    self._hello(),
                     self._connect_timeout_s,
                     self._io_timeout_s,
                     self._max_connections_per_peer,
@@ -390,10 +251,6 @@ class TcpBackend(KVTransferBackend):
                 )
                 self._pools[engine_id] = pool
             return pool
-
-    def _record_setup(self, engine_id: str, seconds: float) -> None:
-        with self._lock:
-            self.connection_setup_s.setdefault(engine_id, seconds)
 
     def _do_read(
         self,
@@ -421,19 +278,12 @@ class TcpBackend(KVTransferBackend):
         sock = pool.acquire()
         reusable = False
         try:
-            request = pb.KVReadRequest(seq=seq, req_id=src.req_id, block_ids=src.block_ids)
-            send_frame(sock, pb.KVFrame(read=request))
+            send_frame(sock, read_frame(seq, src))
             frame = recv_frame(sock, self._io_timeout_s, self._io_timeout_s)
-            if frame.WhichOneof("body") != "read_response" or frame.read_response.seq != seq:
-                got = f"{frame.WhichOneof('body')} seq {frame.read_response.seq}"
-                raise ProtocolError(f"expected read_response seq {seq}, got {got}")
-            response = frame.read_response
-            if not response.ok:
+            refusal = check_read_response(frame, seq, len(dst_block_ids) * self._block_bytes)
+            if refusal is not None:
                 reusable = True  # a clean refusal leaves the stream in sync
-                raise KVTransferError(f"source refused the read: {response.error}")
-            expected_bytes = len(dst_block_ids) * self._block_bytes
-            if response.num_bytes != expected_bytes:
-                raise ProtocolError(f"{response.num_bytes} bytes announced, {expected_bytes} due")
+                raise refusal
             for first, count in contiguous_runs(dst_block_ids):
                 begin = first * self._block_bytes
                 recv_exact_into(sock, self._flat[begin : begin + count * self._block_bytes])
@@ -447,7 +297,7 @@ class TcpBackend(KVTransferBackend):
             sock = pool.acquire()
             reusable = False
             try:
-                send_frame(sock, pb.KVFrame(release=pb.KVReleaseRequest(req_id=src_req_id)))
+                send_frame(sock, release_frame(src_req_id))
                 reusable = True
             finally:
                 pool.give_back(sock, reusable)

@@ -1,20 +1,10 @@
 """``ucx``: KV transfer over UCX through the ``ucxx`` asyncio API; CPU caches only.
 
-Wire protocol: the ``KVFrame`` control frames of ``tcp`` (``proto/splitserve/v1/kv_transfer.proto``)
-as UCX tagged messages on one endpoint pair, which arrive in order. A frame is two messages: its
-length (8 bytes, little-endian), then the serialized ``KVFrame``. An endpoint opens with
-``hello`` -> ``hello_ack``; then the destination sends ``read`` and ``release`` frames, one at
-a time per endpoint::
-
-    dst                                    src
-    read(seq, req_id, block_ids)   ---->
-                                   <----   read_response(seq, ok, num_bytes)
-                                   <----   one message per run (run_lengths: the reader's
-                                           runs of ids consecutive on both sides)
-    release(req_id)                ---->   (no answer)
-
-Each run moves as one message straight from a numpy view of the source's cache rows into one of
-the destination's: no copy on either side.
+It speaks the pull protocol of ``_pull_protocol`` in the framing of ``_ucx_wire``: each frame is
+UCX tagged messages on one endpoint pair, which arrive in order, and a granted read's blocks
+follow as one message per run the reader asked for (ids consecutive on both sides). Each run
+moves as one message straight from a numpy view of the source's cache rows into one of the
+destination's: no copy on either side.
 
 Threading: ``ucxx`` has one context per process, and completes requests through futures of the
 event loop that ran ``ucxx.init``. So all ``UcxBackend`` objects of a process share one asyncio
@@ -29,9 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import itertools
 import logging
-import threading
 import time
 from collections.abc import AsyncIterator, Coroutine, Sequence
 from dataclasses import dataclass, field
@@ -41,36 +29,31 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
-from engine.kv_cache_spec import KVCacheSpec
-from kvtransfer._common import (
-    PublishedBlocks,
-    ReadStates,
-    cache_rows,
-    check_block_ids,
-    check_peer,
-    check_read_request,
-    joint_runs,
+from kvtransfer._pull_protocol import (
+    LOOPBACK_ENDPOINT,
+    ProtocolError,
+    PullBackend,
+    PullEndpoint,
+    check_hello_ack,
+    check_read_response,
+    read_frame,
+    release_frame,
+    split_address,
 )
-from kvtransfer._tcp_wire import ProtocolError, check_hello, split_address
 from kvtransfer._ucx_wire import (
     Endpoint,
     Listener,
     UCXError,
     abort,
+    joint_runs,
     recv_frame,
+    requested_runs,
     send_frame,
     ucx_loop,
     ucxx,
     within,
 )
-from kvtransfer.base import (
-    KV_TRANSFER_VERSION,
-    KVRef,
-    KVTransferBackend,
-    KVTransferError,
-    PeerInfo,
-    TransferState,
-)
+from kvtransfer.base import KVRef, KVTransferError, TransferState
 from splitserve.v1 import kv_transfer_pb2 as pb
 
 logger = logging.getLogger(__name__)
@@ -87,7 +70,7 @@ class _PeerLink:
     address: str = ""
 
 
-class UcxBackend(KVTransferBackend):
+class UcxBackend(PullBackend):
     """KV transfer over UCX between engines with CPU caches.
 
     Source side: ``register_kv_cache`` starts a UCX listener on ``port`` (0: ephemeral; UCX
@@ -98,9 +81,8 @@ class UcxBackend(KVTransferBackend):
     handshake); a failed read's endpoint is aborted before the read is reported FAILED. A dead
     peer fails reads on a warm endpoint at once, but connecting to one may take the whole
     ``connect_timeout_s``: ucxx 0.52's handshake sometimes misses the refused connection.
-
-    ``connection_setup_s[engine_id]`` is how long the first connection to that peer took
-    (connect + handshake), in seconds. Public methods are called from one engine thread.
+    New info for a known peer replaces its endpoint at the next use. Public methods are called
+    from one engine thread.
     """
 
     name = "ucx"
@@ -108,86 +90,27 @@ class UcxBackend(KVTransferBackend):
     def __init__(
         self,
         engine_id: str,
-        host: str = "127.0.0.1",
-        port: int = 0,
-        advertise_host: str | None = None,
-        io_timeout_s: float = 10.0,
-        connect_timeout_s: float = 5.0,
+        endpoint: PullEndpoint = LOOPBACK_ENDPOINT,
     ) -> None:
-        self.engine_id = engine_id
-        self.connection_setup_s: dict[str, float] = {}
-        self._host = host
-        self._port = port
-        self._advertise_host = advertise_host
-        self._io_timeout_s = io_timeout_s
-        self._connect_timeout_s = connect_timeout_s
+        super().__init__(engine_id, endpoint)
         self._rows: npt.NDArray[np.uint8] | None = None  # [num_blocks, block_bytes]
-        self._num_blocks = 0
-        self._block_bytes = 0
-        self._compat_hash = ""
-        self._published = PublishedBlocks()
-        self._reads = ReadStates()
-        self._read_sources: dict[str, tuple[str, str]] = {}  # req_id -> (engine_id, src req_id)
-        self._seq = itertools.count(1)
         self._loop: asyncio.AbstractEventLoop | None = None
-        # Guards _peers, _closed and connection_setup_s, shared with the loop thread.
-        self._lock = threading.Lock()
-        self._peers: dict[str, PeerInfo] = {}
-        self._closed = False
         # Loop thread only.
         self._listener: Listener | None = None
         self._links: dict[str, _PeerLink] = {}
         self._server_endpoints: set[Endpoint] = set()
         self._tasks: set[asyncio.Task[Any]] = set()
 
-    def register_kv_cache(self, kv_cache: torch.Tensor, spec: KVCacheSpec) -> PeerInfo:
-        """Validate the CPU cache, start the shared loop if needed, listen, return our info."""
-        if kv_cache.device.type != "cpu":
-            raise ValueError(f"the ucx backend needs a CPU KV cache, got one on {kv_cache.device}")
-        if self._rows is not None or self._closed:
-            raise KVTransferError("register_kv_cache must be called once, before close")
-        rows = cache_rows(kv_cache, spec)
-        self._num_blocks, self._block_bytes = rows.shape
-        self._compat_hash = spec.compat_hash()
+    # ------------------------------------------------------------------ source side
+    def _listen(self, rows: torch.Tensor) -> int:
+        """Start the shared loop if needed and listen on it."""
         self._rows = rows.numpy()
         self._loop = ucx_loop()
-        port = asyncio.run_coroutine_threadsafe(self._listen(), self._loop).result()
+        port = asyncio.run_coroutine_threadsafe(self._create_listener(), self._loop).result()
         logger.info("kv ucx engine %s listening on port %d", self.engine_id, port)
-        return PeerInfo(
-            engine_id=self.engine_id,
-            backend=self.name,
-            address=f"{self._advertise_host or self._host}:{port}",
-            compat_hash=self._compat_hash,
-        )
+        return port
 
-    def add_peer(self, peer: PeerInfo) -> None:
-        """Check compatibility and remember ``peer``; no connection is opened yet. Idempotent;
-        new info for a known engine replaces the old one (and its endpoint, at the next use)."""
-        if self._rows is None:
-            raise KVTransferError("register_kv_cache must be called before add_peer")
-        check_peer(self.name, self._compat_hash, peer)
-        split_address(peer.address)
-        with self._lock:
-            self._peers[peer.engine_id] = peer
-
-    # ------------------------------------------------------------------ source side
-    def publish(self, req_id: str, block_ids: Sequence[int]) -> None:
-        """Expose ``block_ids`` under ``req_id`` (replacing an earlier publication of it)."""
-        if self._rows is None:
-            raise KVTransferError("register_kv_cache must be called before publish")
-        check_block_ids(block_ids, self._num_blocks, "published")
-        self._published.publish(req_id, block_ids)
-
-    def unpublish(self, req_id: str) -> None:
-        """Stop serving ``req_id``; unknown ids are ignored. Blocks until reads of it that are
-        already sending finish (at most the io timeout), so the blocks may be reused after."""
-        self._published.unpublish(req_id, wait_s=self._io_timeout_s)
-
-    def take_released(self) -> list[str]:
-        """Published ids released by a peer since the last call (each already unpublished)."""
-        return self._published.take_released()
-
-    async def _listen(self) -> int:
+    async def _create_listener(self) -> int:
         self._listener = ucxx.create_listener(
             self._serve, port=self._port, connect_timeout=self._connect_timeout_s
         )
@@ -203,18 +126,12 @@ class UcxBackend(KVTransferBackend):
             if self._closed:  # the endpoint was being set up while we closed
                 return
             hello = await recv_frame(ep, self._io_timeout_s, self._io_timeout_s)
-            if not await self._accept_hello(ep, hello):
-                return
-            while True:
-                frame = await recv_frame(ep, None, self._io_timeout_s)
-                kind = frame.WhichOneof("body")
-                if kind == "read":
-                    await self._serve_read(ep, frame.read)
-                elif kind == "release":
-                    if not self._published.release(frame.release.req_id):
-                        logger.debug("release of unpublished req_id=%s", frame.release.req_id)
-                else:
-                    raise ProtocolError(f"unexpected {kind} frame")
+            ack, accepted = self._source.answer_hello(hello)
+            await send_frame(ep, ack, self._io_timeout_s)
+            while accepted:
+                read = self._source.dispatch(await recv_frame(ep, None, self._io_timeout_s))
+                if read is not None:
+                    await self._serve_read(ep, read)
         except UCXError as exc:
             logger.debug("kv ucx connection ended: %r", exc)
         except (ProtocolError, KVTransferError) as exc:
@@ -224,94 +141,35 @@ class UcxBackend(KVTransferBackend):
             abort(ep)
             self._tasks.discard(task)
 
-    async def _accept_hello(self, ep: Endpoint, frame: pb.KVFrame) -> bool:
-        hello, error = check_hello(frame, self._compat_hash)
-        ack = pb.KVHelloAck(ok=not error, error=error)
-        await send_frame(ep, pb.KVFrame(hello_ack=ack), self._io_timeout_s)
-        if error:
-            logger.warning("rejected kv peer %r: %s", hello.engine_id, error)
-        return not error
-
     async def _serve_read(self, ep: Endpoint, read: pb.KVReadRequest) -> None:
         assert self._rows is not None
-        block_ids = list(read.block_ids)
-        if sum(read.run_lengths) != len(block_ids) or 0 in read.run_lengths:
-            raise ProtocolError(f"run lengths {list(read.run_lengths)[:8]} do not split the read")
-        error = self._published.begin_read(read.req_id, block_ids)
-        response = pb.KVReadResponse(
-            seq=read.seq,
-            ok=error is None,
-            error=error or "",
-            num_bytes=0 if error else len(block_ids) * self._block_bytes,
-        )
-        try:
-            await send_frame(ep, pb.KVFrame(read_response=response), self._io_timeout_s)
-            if error:
-                logger.info("refused kv read req_id=%s: %s", read.req_id, error)
-                return
-            views = []
-            start = 0
-            for count in read.run_lengths:
-                first = block_ids[start]
-                if block_ids[start : start + count] != list(range(first, first + count)):
-                    raise ProtocolError(f"run of {count} blocks from {first} is not consecutive")
-                start += count
-                views.append(self._rows[first : first + count])
-            # All posted at once: UCX keeps their order, and they pipeline on the wire.
-            sends = asyncio.gather(*(ep.send(view) for view in views))
-            await within(sends, self._io_timeout_s, "sending blocks")
-        finally:
-            if error is None:
-                self._published.end_read(read.req_id)
+        runs = requested_runs(read)
+        with self._source.serving(read) as response:
+            await send_frame(ep, response, self._io_timeout_s)
+            if response.read_response.ok:
+                # All posted at once: UCX keeps their order, and they pipeline on the wire.
+                views = [self._rows[first : first + count] for first, count in runs]
+                sends = asyncio.gather(*(ep.send(view) for view in views))
+                await within(sends, self._io_timeout_s, "sending blocks")
 
     # ------------------------------------------------------------------ destination side
-    def start_read(self, req_id: str, src: KVRef, dst_block_ids: Sequence[int]) -> None:
-        """Queue the read on the loop and return at once; ``poll`` reports the outcome.
+    def _start_transfer(self, req_id: str, src: KVRef, dst_block_ids: tuple[int, ...]) -> None:
+        """Queue the read on the loop; it finishes the read."""
+        self._submit(self._read(req_id, src, dst_block_ids, next(self._seq)))
 
-        Raises ``ValueError`` for mismatched lengths, out-of-range destination ids or a
-        ``req_id`` still being tracked, ``KVTransferError`` for an unknown peer or after close.
-        """
-        with self._lock:
-            known_peer = src.engine_id in self._peers
-        check_read_request(
-            req_id,
-            src,
-            dst_block_ids,
-            self._num_blocks,
-            usable=self._rows is not None and not self._closed,
-            known_peer=known_peer,
-        )
-        self._reads.start(req_id)
-        self._read_sources[req_id] = (src.engine_id, src.req_id)
-        self._submit(self._read(req_id, src, tuple(dst_block_ids), next(self._seq)))
+    def _forward_release(self, req_id: str, engine_id: str, src_req_id: str) -> None:
+        self._submit(self._send_release(req_id, engine_id, src_req_id))
 
-    def poll(self) -> dict[str, TransferState]:
-        """State of every read not yet reported terminal; DONE / FAILED reported once."""
-        return self._reads.poll()
-
-    def release(self, req_id: str) -> None:
-        """Send ``release`` for read ``req_id`` to its source in the background; errors are
-        only logged. Unknown ids are ignored."""
-        source = self._read_sources.pop(req_id, None)
-        if source is None or self._closed:
+    def _stop_transport(self) -> None:
+        """Stop listening, cancel this backend's I/O and abort its endpoints, in under a
+        second. The shared loop keeps running."""
+        if self._loop is None:
             return
-        self._submit(self._send_release(req_id, *source))
-
-    def close(self) -> None:
-        """Stop listening, cancel this backend's I/O and abort its endpoints (in under a
-        second); reads still in flight end FAILED. Idempotent. The shared loop keeps running."""
-        with self._lock:
-            if self._closed:
-                return
-            self._closed = True
-        if self._loop is not None:
-            future = asyncio.run_coroutine_threadsafe(self._shutdown(), self._loop)
-            try:
-                future.result(timeout=_CLOSE_TIMEOUT_S)
-            except TimeoutError:
-                logger.warning("kv ucx engine %s: close did not finish in time", self.engine_id)
-        self._reads.fail_pending()
-        self._read_sources.clear()
+        future = asyncio.run_coroutine_threadsafe(self._shutdown(), self._loop)
+        try:
+            future.result(timeout=_CLOSE_TIMEOUT_S)
+        except TimeoutError:
+            logger.warning("kv ucx engine %s: close did not finish in time", self.engine_id)
 
     def _submit(self, coro: Coroutine[Any, Any, None]) -> None:
         """Run ``coro`` on the loop as one of this backend's tasks, which ``close`` cancels."""
@@ -358,23 +216,14 @@ class UcxBackend(KVTransferBackend):
 
     async def _read_blocks(self, src: KVRef, dst_block_ids: tuple[int, ...], seq: int) -> None:
         run_lengths = joint_runs(src.block_ids, dst_block_ids)
-        request = pb.KVReadRequest(
-            seq=seq, req_id=src.req_id, block_ids=src.block_ids, run_lengths=run_lengths
-        )
         async with self._endpoint(src.engine_id) as ep:
-            await send_frame(ep, pb.KVFrame(read=request), self._io_timeout_s)
+            await send_frame(ep, read_frame(seq, src, run_lengths), self._io_timeout_s)
             frame = await recv_frame(ep, self._io_timeout_s, self._io_timeout_s)
-            if frame.WhichOneof("body") != "read_response" or frame.read_response.seq != seq:
-                got = f"{frame.WhichOneof('body')} seq {frame.read_response.seq}"
-                raise ProtocolError(f"expected read_response seq {seq}, got {got}")
-            response = frame.read_response
-            expected_bytes = len(dst_block_ids) * self._block_bytes
-            if response.ok and response.num_bytes != expected_bytes:
-                raise ProtocolError(f"{response.num_bytes} bytes announced, {expected_bytes} due")
-            if response.ok:
+            refusal = check_read_response(frame, seq, len(dst_block_ids) * self._block_bytes)
+            if refusal is None:
                 await self._recv_blocks(ep, run_lengths, dst_block_ids)
-        if not response.ok:  # raised out here: a clean refusal leaves the endpoint warm
-            raise KVTransferError(f"source refused the read: {response.error}")
+        if refusal is not None:  # raised out here: a clean refusal leaves the endpoint warm
+            raise refusal
 
     async def _recv_blocks(
         self, ep: Endpoint, run_lengths: Sequence[int], dst_block_ids: Sequence[int]
@@ -392,10 +241,9 @@ class UcxBackend(KVTransferBackend):
         await within(recvs, self._io_timeout_s, "receiving blocks")
 
     async def _send_release(self, req_id: str, engine_id: str, src_req_id: str) -> None:
-        frame = pb.KVFrame(release=pb.KVReleaseRequest(req_id=src_req_id))
         try:
             async with self._endpoint(engine_id) as ep:
-                await send_frame(ep, frame, self._io_timeout_s)
+                await send_frame(ep, release_frame(src_req_id), self._io_timeout_s)
         except (UCXError, KVTransferError, ProtocolError) as exc:
             logger.warning("kv release failed req_id=%s to %s: %r", req_id, engine_id, exc)
 
@@ -429,19 +277,11 @@ class UcxBackend(KVTransferBackend):
             timeout_s,
             f"connecting to {engine_id!r} at {address}",
         )
-        hello = pb.KVHello(
-            version=KV_TRANSFER_VERSION, compat_hash=self._compat_hash, engine_id=self.engine_id
-        )
         try:
-            await send_frame(ep, pb.KVFrame(hello=hello), timeout_s)
-            frame = await recv_frame(ep, timeout_s, timeout_s)
-            if frame.WhichOneof("body") != "hello_ack":
-                raise ProtocolError(f"expected hello_ack, got {frame.WhichOneof('body')}")
-            if not frame.hello_ack.ok:
-                raise KVTransferError(f"peer rejected our hello: {frame.hello_ack.error}")
+            await send_frame(ep, self._hello(), timeout_s)
+            check_hello_ack(await recv_frame(ep, timeout_s, timeout_s))
         except BaseException:
             abort(ep)
             raise
-        with self._lock:
-            self.connection_setup_s.setdefault(engine_id, time.monotonic() - start_s)
+        self._record_setup(engine_id, time.monotonic() - start_s)
         return ep
