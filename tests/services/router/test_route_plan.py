@@ -1,0 +1,395 @@
+"""``RoutePlanner`` as ``build_planner`` wires it without Redis (in-process prefix index and
+ledger), over fake workers: one table row per placement the planner can return, checked the way
+``Router.Explain`` reports it and then as a real request (reservation, metric) would get it.
+
+The processes-and-Redis versions of these behaviours are ``tests/services/test_route_plan.py``,
+``test_prefix_routing.py`` and ``test_colocated_routing.py``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from dataclasses import dataclass, field
+
+import pytest
+from prometheus_client import REGISTRY
+
+from engine.block_hash import hash_block_tokens
+from services.common.prefix_index import InProcessPrefixIndex
+from services.router.config import RouterConfig
+from services.router.explain import explain_response
+from services.router.prefill_cost import CandidateLoad, PrefillWeights
+from services.router.prefill_ledger import PrefillLedger, Reservation, Selection
+from services.router.route_plan import PrefillPlace, RoutePlan, RoutePlanner, build_planner
+from splitserve.v1 import worker_pb2
+from tests.services.router.fakes import BLOCK_SIZE, DECODE, PREFILL, W, make_pool
+
+LOCAL_MAX_TOKENS = 32  # --local-prefill-max-tokens (the default)
+SATURATION_BLOCKS = 8  # --prefill-saturation-blocks
+LONG = 100  # 6 full blocks: more than LOCAL_MAX_TOKENS
+SHORT = 30  # 1 full block
+LIVE_S = 3600.0
+
+# p0 is the cheaper prefill worker (p1 has 2 blocks queued); d0 the cheaper decode worker.
+PREFILL2 = (W("p0"), W("p1", queued_prefill_tokens=2 * BLOCK_SIZE))
+DECODE2 = (W("d0"), W("d1", running=1))
+SAME = "same as want_prefill"
+
+
+@dataclass(frozen=True, slots=True)
+class PlanCase:
+    prefill: tuple[W, ...]
+    decode: tuple[W, ...]
+    prompt_len: int
+    want_place: PrefillPlace
+    want_prefill: str | None  # RoutePlan.prefill_worker: where the prompt is prefilled
+    want_decode: str | None
+    # Leading prompt blocks each worker holds in the prefix index (it is live in it).
+    hits: dict[str, int] = field(default_factory=dict)
+    # Blocks reserved per worker once a real request is planned (the prefill worker's lease).
+    want_reserved: dict[str, int] = field(default_factory=dict)
+    want_chosen: str | None = SAME  # the prefill chooser's pick, used or not
+    colocated: bool = False
+    local_prefill_max_tokens: int = LOCAL_MAX_TOKENS
+
+
+def prompt_tokens(n: int, seed: int = 0) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(3, 480) for _ in range(n)]
+
+
+def make_planner(
+    prefill: tuple[W, ...],
+    decode: tuple[W, ...],
+    *,
+    colocated: bool = False,
+    local_prefill_max_tokens: int = LOCAL_MAX_TOKENS,
+) -> RoutePlanner:
+    config = RouterConfig(
+        model="unused",
+        mode="colocated" if colocated else "disaggregated",
+        router_id="router-test",
+        local_prefill_max_tokens=local_prefill_max_tokens,
+        prefill_saturation_blocks=SATURATION_BLOCKS,
+    )
+    # As the router does: colocated mode has no prefill pool.
+    prefill_pool = make_pool(PREFILL, () if colocated else prefill)
+    return build_planner(config, prefill_pool, make_pool(DECODE, decode), random.Random(0))
+
+
+def index_of(planner: RoutePlanner) -> InProcessPrefixIndex:
+    """The in-process index ``build_planner`` made (it exposes none: a private attribute)."""
+    index = planner.prefill_chooser._local_index
+    assert isinstance(index, InProcessPrefixIndex)
+    return index
+
+
+async def seed_hits(planner: RoutePlanner, prompt: list[int], hits: dict[str, int]) -> None:
+    """Workers publishing their caches: ``hits`` = worker id -> leading blocks it holds."""
+    index = index_of(planner)
+    hashes = hash_block_tokens(prompt, BLOCK_SIZE)
+    for worker_id, num_blocks in hits.items():
+        await index.store(worker_id, hashes[:num_blocks])
+        await index.heartbeat(worker_id, LIVE_S)
+
+
+async def reserved(planner: RoutePlanner) -> dict[str, int]:
+    """Blocks reserved in the planner's ledger, per worker with a reservation."""
+    await asyncio.sleep(0)  # let the releases that ``cancel`` spawned run (no time passes)
+    pools = (planner.prefill_chooser.pool, planner.decode_chooser.pool)
+    loads = [CandidateLoad(w.address, 0.0) for pool in pools for w in pool.workers]
+    selection = await planner.prefill_chooser.ledger.select(None, (), loads, PrefillWeights(), 0)
+    return {s.worker_id: s.reserved_blocks for s in selection.scores if s.reserved_requests}
+
+
+def local_prefills(place: PrefillPlace) -> float:
+    value = REGISTRY.get_sample_value(
+        "splitserve_router_local_prefills_total", {"reason": place.value}
+    )
+    return value or 0.0
+
+
+def address(worker: object) -> str | None:
+    return None if worker is None else worker.address  # type: ignore[attr-defined]
+
+
+def check_plan(plan: RoutePlan, case: PlanCase, prompt_len: int) -> None:
+    want_chosen = case.want_prefill if case.want_chosen == SAME else case.want_chosen
+    assert plan.place is case.want_place
+    assert address(plan.prefill_worker) == case.want_prefill
+    assert address(plan.prefill.worker) == want_chosen
+    assert address(plan.decode.worker if plan.decode else None) == case.want_decode
+    assert len(plan.prefill.block_hashes) == prompt_len // BLOCK_SIZE
+    routable = [w.address for w in case.decode if w.healthy and not (w.draining or w.shutting_down)]
+    assert sorted(c.worker.address for c in plan.decode_candidates) == sorted(routable)
+
+
+@pytest.mark.parametrize(
+    "case",
+    [
+        pytest.param(
+            PlanCase(PREFILL2, DECODE2, LONG, PrefillPlace.PREFILL_WORKER, "p0", "d0",
+                     want_reserved={"p0": 6}),
+            id="a-long-prompt-goes-to-the-cheapest-prefill-worker",
+        ),
+        pytest.param(
+            # p1: 0 uncached + 0.5 * 2 queued = 1 < p0: 6 uncached. Nothing left to reserve.
+            PlanCase(PREFILL2, DECODE2, LONG, PrefillPlace.PREFILL_WORKER, "p1", "d0",
+                     hits={"p1": 6}, want_reserved={"p1": 0}),
+            id="the-prefill-worker-caching-the-prefix",
+        ),
+        pytest.param(
+            # p1: 5 uncached + 0.5 * 20 queued = 15 > p0: 6.
+            PlanCase((W("p0"), W("p1", queued_prefill_tokens=20 * BLOCK_SIZE)), DECODE2, LONG,
+                     PrefillPlace.PREFILL_WORKER, "p0", "d0", hits={"p1": 1},
+                     want_reserved={"p0": 6}),
+            id="queued-work-outweighs-a-short-prefix-hit",
+        ),
+        pytest.param(
+            PlanCase(PREFILL2, DECODE2, SHORT, PrefillPlace.SHORT_UNCACHED, None, "d0"),
+            id="a-short-prompt-is-prefilled-on-the-decode-worker",
+        ),
+        pytest.param(
+            PlanCase(PREFILL2, DECODE2, LOCAL_MAX_TOKENS, PrefillPlace.SHORT_UNCACHED, None, "d0"),
+            id="local-prefill-max-tokens-exactly-is-short",
+        ),
+        pytest.param(
+            PlanCase(PREFILL2, DECODE2, LOCAL_MAX_TOKENS + 1, PrefillPlace.PREFILL_WORKER, "p0",
+                     "d0", want_reserved={"p0": 2}),
+            id="one-token-more-goes-to-the-prefill-pool",
+        ),
+        pytest.param(
+            # d0 caches 96 of the 100 tokens: the chosen prefill worker's reservation is dropped.
+            PlanCase(PREFILL2, DECODE2, LONG, PrefillPlace.SHORT_UNCACHED, None, "d0",
+                     hits={"d0": 6}, want_chosen="p0"),
+            id="a-decode-worker-caching-the-prefix-computes-the-rest",
+        ),
+        pytest.param(
+            PlanCase(PREFILL2, DECODE2, LONG, PrefillPlace.PREFILL_WORKER, "p0", "d0",
+                     hits={"d0": 2}, want_reserved={"p0": 6}),
+            id="a-decode-worker-caching-part-of-the-prefix-still-pulls-it",
+        ),
+        pytest.param(
+            # d1 caches it all but is busier: d0 is chosen, and it caches nothing.
+            PlanCase(PREFILL2, DECODE2, LONG, PrefillPlace.PREFILL_WORKER, "p0", "d0",
+                     hits={"d1": 6}, want_reserved={"p0": 6}),
+            id="only-the-chosen-decode-workers-cache-counts",
+        ),
+        pytest.param(
+            PlanCase((W("p0", queued_prefill_tokens=10 * BLOCK_SIZE),
+                      W("p1", queued_prefill_tokens=SATURATION_BLOCKS * BLOCK_SIZE)),
+                     DECODE2, LONG, PrefillPlace.SATURATED, None, "d0"),
+            id="every-prefill-worker-saturated",
+        ),
+        pytest.param(
+            PlanCase((W("p0", queued_prefill_tokens=10 * BLOCK_SIZE),
+                      W("p1", queued_prefill_tokens=(SATURATION_BLOCKS - 1) * BLOCK_SIZE)),
+                     DECODE2, LONG, PrefillPlace.PREFILL_WORKER, "p1", "d0",
+                     want_reserved={"p1": 6}),
+            id="one-prefill-worker-below-saturation-takes-it",
+        ),
+        pytest.param(
+            PlanCase((), DECODE2, LONG, PrefillPlace.NO_PREFILL_WORKER, None, "d0"),
+            id="no-prefill-pool",
+        ),
+        pytest.param(
+            PlanCase((), DECODE2, SHORT, PrefillPlace.NO_PREFILL_WORKER, None, "d0"),
+            id="no-prefill-pool-short-prompt",
+        ),
+        pytest.param(
+            PlanCase((W("p0", healthy=False), W("p1", healthy=False)), DECODE2, LONG,
+                     PrefillPlace.NO_PREFILL_WORKER, None, "d0"),
+            id="every-prefill-worker-unhealthy",
+        ),
+        pytest.param(
+            PlanCase((W("p0", draining=True), W("p1", shutting_down=True)), DECODE2, LONG,
+                     PrefillPlace.NO_PREFILL_WORKER, None, "d0"),
+            id="prefill-workers-draining-or-shutting-down",
+        ),
+        pytest.param(
+            PlanCase((W("p0", healthy=False),), DECODE2, SHORT, PrefillPlace.SHORT_UNCACHED,
+                     None, "d0"),
+            id="a-short-prompt-with-no-healthy-prefill-worker",
+        ),
+        pytest.param(
+            PlanCase((W("p0", healthy=False), W("p1", queued_prefill_tokens=64)), DECODE2, LONG,
+                     PrefillPlace.PREFILL_WORKER, "p1", "d0", want_reserved={"p1": 6}),
+            id="the-only-healthy-prefill-worker",
+        ),
+        pytest.param(
+            PlanCase(PREFILL2, DECODE2, 5, PrefillPlace.PREFILL_WORKER, "p0", "d0",
+                     want_reserved={"p0": 0}, local_prefill_max_tokens=0),
+            id="local-prefill-max-tokens-0-always-uses-the-pool",
+        ),
+        pytest.param(
+            # The prefill is still planned (and reserved) with no decode worker to take it.
+            PlanCase(PREFILL2, (W("d0", healthy=False),), LONG, PrefillPlace.PREFILL_WORKER,
+                     "p0", None, want_reserved={"p0": 6}),
+            id="no-routable-decode-worker",
+        ),
+        pytest.param(
+            # The replica is chosen by the prefill cost (d1: 6 < d0: 6 + 0.5 * 4), not by the
+            # decode cost (which would prefer the idle d0).
+            PlanCase((), (W("d0", queued_prefill_tokens=4 * BLOCK_SIZE), W("d1", running=1)),
+                     LONG, PrefillPlace.COLOCATED, None, "d1", want_chosen="d1",
+                     colocated=True, want_reserved={"d1": 6}),
+            id="colocated-the-replica-with-the-least-prefill-cost",
+        ),
+        pytest.param(
+            PlanCase((), (W("d0", running=2), W("d1")), LONG, PrefillPlace.COLOCATED, None, "d0",
+                     hits={"d0": 6}, want_chosen="d0", colocated=True,
+                     want_reserved={"d0": 0}),
+            id="colocated-the-replica-caching-the-prefix",
+        ),
+        pytest.param(
+            PlanCase((), (W("d0", queued_prefill_tokens=64), W("d1", running=1)), SHORT,
+                     PrefillPlace.COLOCATED, None, "d1", want_chosen="d1", colocated=True,
+                     want_reserved={"d1": 1}),
+            id="colocated-short-prompts-too",
+        ),
+        pytest.param(
+            # Nothing chosen by the prefill cost: the least busy replica, with no reservation.
+            PlanCase((), (W("d0", running=2, queued_prefill_tokens=10 * BLOCK_SIZE),
+                          W("d1", running=1, queued_prefill_tokens=10 * BLOCK_SIZE)),
+                     LONG, PrefillPlace.COLOCATED, None, "d1", want_chosen=None, colocated=True),
+            id="colocated-every-replica-saturated",
+        ),
+        pytest.param(
+            PlanCase((), (W("d0", healthy=False),), LONG, PrefillPlace.COLOCATED, None, None,
+                     want_chosen=None, colocated=True),
+            id="colocated-no-routable-replica",
+        ),
+    ],
+)  # fmt: skip
+def test_route_plan_placements(case: PlanCase) -> None:
+    async def main() -> None:
+        planner = make_planner(
+            case.prefill,
+            case.decode,
+            colocated=case.colocated,
+            local_prefill_max_tokens=case.local_prefill_max_tokens,
+        )
+        prompt = prompt_tokens(case.prompt_len)
+        await seed_hits(planner, prompt, case.hits)
+
+        # Router.Explain: the same decision, reserving and recording nothing.
+        explained = await planner.plan(None, prompt)
+        check_plan(explained, case, len(prompt))
+        assert explained.prefill.reservation is None
+        assert await reserved(planner) == {}
+        again = await planner.plan(None, prompt)
+        assert again.prefill.candidates == explained.prefill.candidates
+        response = explain_response(explained, len(prompt))
+        assert response.prefill_place == case.want_place.value
+        assert response.chosen_prefill == (case.want_prefill or "")
+        assert response.chosen_decode == (case.want_decode or "")
+
+        # Router.Generate: reserves the prefill worker it uses, counts a local prefill.
+        before = local_prefills(case.want_place)
+        plan = await planner.plan("req-1", prompt)
+        check_plan(plan, case, len(prompt))
+        assert await reserved(planner) == case.want_reserved
+        counted = bool(case.prefill) and case.want_place is not PrefillPlace.PREFILL_WORKER
+        assert local_prefills(case.want_place) == before + counted
+        await planner.prefill_chooser.close()
+
+    asyncio.run(main())
+
+
+def test_a_routed_prompt_follows_its_prefill_worker_until_it_is_forgotten() -> None:
+    """Without Redis the index holds the router's own choices: the chosen prefill worker is
+    assumed to cache the prompt from the moment it is chosen, until it fails."""
+
+    async def main() -> None:
+        planner = make_planner(PREFILL2, DECODE2)
+        chooser = planner.prefill_chooser
+        p0 = chooser.pool.workers[0]
+        prompt = prompt_tokens(LONG)
+        first = await planner.plan("a", prompt)
+        assert address(first.prefill_worker) == "p0" and first.prefill.matched_blocks == 0
+        chooser.done(first.prefill, None)
+        # p0 is busier now (4 blocks queued) but caches the prompt: 1 + 2 < p1's 7 + 1.
+        p0.load.num_queued_prefill_tokens = 4 * BLOCK_SIZE
+        longer = prompt + prompt_tokens(20, seed=1)
+        second = await planner.plan("b", longer)
+        assert address(second.prefill_worker) == "p0" and second.prefill.matched_blocks == 6
+        chooser.done(second.prefill, worker_pb2.PrefillResponse(num_cached_tokens=96))
+        assert (chooser.num_hit_blocks_predicted, chooser.num_hit_blocks_realized) == (6, 6)
+        # Its prefill failed: the hint is dropped and the load decides (p1: 6 + 1 < 6 + 2).
+        await chooser.forget(p0)
+        third = await planner.plan("c", prompt)
+        assert address(third.prefill_worker) == "p1" and third.prefill.matched_blocks == 0
+        chooser.done(third.prefill, None)
+        assert await reserved(planner) == {}
+
+    asyncio.run(main())
+
+
+def test_colocated_records_the_prompt_as_the_chosen_replicas_at_once() -> None:
+    async def main() -> None:
+        planner = make_planner((), (W("d0", queued_prefill_tokens=64), W("d1")), colocated=True)
+        d0, d1 = planner.decode_chooser.pool.workers
+        prompt = prompt_tokens(LONG)
+        assert (await planner.plan(None, prompt)).prefill.matched == {}
+        first = await planner.plan("a", prompt)
+        assert address(first.decode.worker if first.decode else None) == "d1"
+        assert first.decode is not None and first.decode.matched_blocks == 0
+        # d1 has more queued than d0 now, yet the prefix it was given keeps the prompt there.
+        d1.load.num_queued_prefill_tokens = 8 * BLOCK_SIZE
+        second = await planner.plan("b", prompt)
+        assert second.decode is not None and second.decode.worker is d1
+        assert second.prefill.matched == {"d1": 6} and second.decode.matched_blocks == 6
+        assert await reserved(planner) == {"d1": 6}  # the first's 6 blocks, the second's 0
+        assert d0.num_inflight == d1.num_inflight == 0  # planning moves no in-flight count
+
+    asyncio.run(main())
+
+
+class HealthFlipLedger(PrefillLedger):
+    """The planner's own ledger, except that the chosen worker's health poll fails while the
+    decision is made (as it may during a Redis round trip)."""
+
+    def __init__(self, inner: PrefillLedger, planner: RoutePlanner) -> None:
+        self.inner = inner
+        self.planner = planner
+
+    async def select(self, req_id, block_hashes, candidates, weights, tie_value) -> Selection:  # type: ignore[no-untyped-def]
+        selection = await self.inner.select(req_id, block_hashes, candidates, weights, tie_value)
+        if selection.chosen is not None:
+            chosen_id = candidates[selection.chosen].worker_id
+            for worker in self.planner.decode_chooser.pool.workers:
+                if worker.address == chosen_id:
+                    worker.mark_failed("UNAVAILABLE: poll failed")
+        return selection
+
+    async def release(self, reservation: Reservation) -> None:
+        await self.inner.release(reservation)
+
+    def start(self) -> None:
+        self.inner.start()
+
+    async def close(self) -> None:
+        await self.inner.close()
+
+
+def test_colocated_replica_lost_while_choosing_goes_to_the_least_busy_other() -> None:
+    async def main() -> None:
+        # d0 is the cheapest by the prefill cost; of the others d2 has fewer requests.
+        busy = 2 * BLOCK_SIZE
+        replicas = (
+            W("d0"),
+            W("d1", running=2, queued_prefill_tokens=busy),
+            W("d2", running=1, queued_prefill_tokens=busy),
+        )
+        planner = make_planner((), replicas, colocated=True)
+        chooser = planner.prefill_chooser
+        chooser.ledger = HealthFlipLedger(chooser.ledger, planner)
+        plan = await planner.plan("a", prompt_tokens(LONG))
+        assert address(plan.prefill.worker) == "d0"  # chosen, then marked unhealthy
+        assert plan.place is PrefillPlace.COLOCATED
+        assert address(plan.decode.worker if plan.decode else None) == "d2"
+        assert plan.prefill.reservation is None
+        assert await reserved(planner) == {}  # the reservation made on d0 was released
+
+    asyncio.run(main())
