@@ -31,6 +31,11 @@ class KVCacheManager:
     def get_block_ids(self, req_id: str) -> list[int]:
         return [b.block_id for b in self.req_to_blocks.get(req_id, ())]
 
+    def has_blocks(self, req_id: str) -> bool:
+        """Whether ``req_id`` holds blocks now; a waiting request may (one back from a KV load).
+        No side effects."""
+        return req_id in self.req_to_blocks
+
     def get_computed_blocks(self, request: Request) -> list[KVCacheBlock]:
         """Longest run of the request's full blocks already cached here. No side effects.
 

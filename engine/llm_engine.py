@@ -15,12 +15,16 @@ from dataclasses import dataclass
 import torch
 
 from engine.batch_runner import BatchRunner
+from engine.block_hash import BlockHash
+from engine.block_pool import KVCacheEvent
 from engine.config import EngineConfig
 from engine.cpu_isa import CpuIsa, cpu_auto_dtype, host_isa, resolve_isa
 from engine.cpu_tuning import keep_freed_memory_in_heap, parse_cpu_list, pin_process_to_cpus
 from engine.detokenizer import IncrementalDetokenizer
 from engine.kv_cache_manager import KVCacheManager
+from engine.kv_cache_spec import KVCacheSpec
 from engine.loader.models import resolve_model
+from engine.model.kernel_plan import KernelPlan
 from engine.model_runner import ModelRunner
 from engine.outputs import RequestOutput
 from engine.request import Request, RequestStatus
@@ -28,6 +32,7 @@ from engine.request_limits import check_request_limits
 from engine.sampler import Sampler, TokenLogprobs
 from engine.sampling_params import SamplingParams
 from engine.scheduler import KVLoad, Scheduler, SchedulerConfig, SchedulerOutput
+from engine.stats import EngineStats, make_stats
 from engine.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -61,25 +66,6 @@ def _check_kv_capacity(num_kv_blocks: int, block_size: int, max_model_len: int) 
         )
 
 
-@dataclass(frozen=True, slots=True)
-class EngineStats:
-    """A snapshot of the engine's load, for routing and the Status RPC."""
-
-    num_running: int
-    num_waiting: int
-    num_waiting_for_kv: int
-    num_held_kv: int
-    num_total_blocks: int
-    num_used_blocks: int
-    num_cached_blocks: int
-    num_queued_prefill_tokens: int
-    num_preemptions: int
-
-    @property
-    def kv_usage(self) -> float:
-        return self.num_used_blocks / self.num_total_blocks
-
-
 @dataclass(slots=True)
 class _RequestState:
     """Engine-side bookkeeping the scheduler does not need."""
@@ -92,7 +78,11 @@ class _RequestState:
 
 
 class LLMEngine:
-    """A paged-KV, continuous-batching engine for one model on one device."""
+    """A paged-KV, continuous-batching engine for one model on one device.
+
+    Not thread-safe: call it from one thread only (a worker's engine thread), except for what
+    is fixed at load (``kv_cache``, ``kv_cache_spec``, ``kernels`` and the plain attributes).
+    """
 
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
@@ -237,6 +227,12 @@ class LLMEngine:
         finished = self.scheduler.finish_requests(req_ids, RequestStatus.FINISHED_ABORTED)
         return [self._make_output(self._states.pop(r.req_id), []) for r in finished]
 
+    def set_paused(self, req_id: str, paused: bool) -> None:
+        """Stop (or resume) scheduling running request ``req_id``, whose reader fell behind: it
+        keeps its blocks and gets no new tokens, but may still be preempted. Unknown or finished
+        ids are ignored; a request's pause ends when it finishes."""
+        self.scheduler.set_paused(req_id, paused)
+
     def take_kv_loads(self) -> list[KVLoad]:
         """KV transfers the scheduler started since the last call (each reported once)."""
         loads, self._kv_loads = self._kv_loads, []
@@ -250,9 +246,14 @@ class LLMEngine:
         """Free the blocks kept by a finished ``hold_kv`` request; False if it held none."""
         return self.scheduler.release_held_kv(req_id)
 
+    def holds_kv(self, req_id: str) -> bool:
+        """Whether finished ``hold_kv`` request ``req_id`` still keeps its blocks (until
+        ``release_held_kv``). No side effects."""
+        return req_id in self.scheduler.held_kv
+
     def held_kv_block_ids(self, req_id: str) -> list[int]:
         """Blocks a finished ``hold_kv`` request keeps, in token order ([] if none)."""
-        if req_id not in self.scheduler.held_kv:
+        if not self.holds_kv(req_id):
             return []
         return self.kv_cache_manager.get_block_ids(req_id)
 
@@ -260,19 +261,34 @@ class LLMEngine:
         return self.scheduler.num_unfinished_requests > 0
 
     def stats(self) -> EngineStats:
-        pool = self.kv_cache_manager.block_pool
-        scheduler = self.scheduler
-        return EngineStats(
-            num_running=len(scheduler.running),
-            num_waiting=len(scheduler.waiting),
-            num_waiting_for_kv=len(scheduler.waiting_for_remote_kv),
-            num_held_kv=len(scheduler.held_kv),
-            num_total_blocks=pool.num_blocks,
-            num_used_blocks=pool.num_blocks - pool.num_free_blocks,
-            num_cached_blocks=pool.num_cached_blocks,
-            num_queued_prefill_tokens=scheduler.num_queued_prefill_tokens,
-            num_preemptions=scheduler.num_preemptions,
-        )
+        return make_stats(self.scheduler)
+
+    # ----------------------------------------------------------------------------- KV cache
+    @property
+    def kv_cache(self) -> torch.Tensor:
+        """The paged KV cache, one tensor laid out as ``kv_cache_spec`` says: what a KV transfer
+        backend registers. Allocated once at load, so its storage never moves."""
+        return self.runner.kv_cache
+
+    @property
+    def kv_cache_spec(self) -> KVCacheSpec:
+        """The layout of ``kv_cache`` (block shape, dtype, bytes per block)."""
+        return self.runner.kv_cache_spec
+
+    @property
+    def kernels(self) -> KernelPlan:
+        """Which implementation runs each part of the model on this host."""
+        return self.runner.kernels
+
+    def take_kv_cache_events(self) -> list[KVCacheEvent]:
+        """Prefix-cache changes (blocks stored, removed, all cleared) since the last call, in
+        order, each returned once: the engine keeps them until taken, so drain them every step."""
+        return self.kv_cache_manager.take_events()
+
+    def prefix_cache_block_hashes(self) -> list[BlockHash]:
+        """Hashes of every block a prefix hit can use now: the state whose changes
+        ``take_kv_cache_events`` reports. No side effects."""
+        return self.kv_cache_manager.block_pool.block_hashes()
 
     # ----------------------------------------------------------------------------- step
     def step(self) -> list[RequestOutput]:

@@ -216,7 +216,7 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
             hits = []
-            if request.req_id not in self.kv_cache_manager.req_to_blocks:
+            if not self.kv_cache_manager.has_blocks(request.req_id):
                 hits = self.kv_cache_manager.get_computed_blocks(request)
             num_hit_tokens = len(hits) * self.block_size
             if request.num_external_tokens > 0:

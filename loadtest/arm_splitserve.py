@@ -54,7 +54,7 @@ def run(job: ArmJob) -> ArmResult:
         settings={
             "torch_threads": torch.get_num_threads(),
             "torch": torch.__version__,
-            "kernels": llm.engine.runner.kernels.describe(),
+            "kernels": llm.engine.kernels.describe(),
         },
     )
 

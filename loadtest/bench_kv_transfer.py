@@ -125,7 +125,7 @@ def held_prefill(
     publish it as ``real``: (info, cache address, spec, block ids, prefill seconds, the blocks'
     bytes)."""
     engine = LLMEngine(EngineConfig(model=model, dtype="bfloat16", num_threads=1))
-    info = backend.register_kv_cache(engine.runner.kv_cache, engine.runner.kv_cache_spec)
+    info = backend.register_kv_cache(engine.kv_cache, engine.kv_cache_spec)
     prompt = torch.randint(100, engine.vocab_size, (prompt_tokens,)).tolist()
     start_s = time.perf_counter()
     engine.add_request("real", prompt, SamplingParams(max_tokens=1), hold_kv=True)
@@ -134,9 +134,8 @@ def held_prefill(
     prefill_s = time.perf_counter() - start_s
     block_ids = engine.held_kv_block_ids("real")
     backend.publish("real", block_ids)
-    expected = rows(engine.runner.kv_cache)[block_ids].clone()
-    kv_cache = engine.runner.kv_cache
-    return info, kv_cache.data_ptr(), engine.runner.kv_cache_spec, block_ids, prefill_s, expected
+    expected = rows(engine.kv_cache)[block_ids].clone()
+    return info, engine.kv_cache.data_ptr(), engine.kv_cache_spec, block_ids, prefill_s, expected
 
 
 # ----------------------------------------------------------------------------- destination

@@ -16,8 +16,8 @@ from collections.abc import Sequence
 import grpc
 from google.protobuf import json_format
 
-from services.common.convert import ROLE_NAMES
 from services.common.grpc_server import CHANNEL_OPTIONS
+from services.common.roles import POOL_ROLES, Role
 from services.startup import (
     ClusterNotReady,
     WaitMessages,
@@ -26,9 +26,7 @@ from services.startup import (
     why_not_serving,
     why_pool_not_at_size,
 )
-from splitserve.v1 import router_pb2, router_pb2_grpc, worker_pb2
-
-_ROLES = {"prefill": worker_pb2.WORKER_ROLE_PREFILL, "decode": worker_pb2.WORKER_ROLE_DECODE}
+from splitserve.v1 import router_pb2, router_pb2_grpc
 
 
 def configure_status(status: argparse.ArgumentParser) -> None:
@@ -43,7 +41,7 @@ def configure_status(status: argparse.ArgumentParser) -> None:
 
 def configure_scale(scale: argparse.ArgumentParser) -> None:
     """Declare ``scale``'s flags on its sub-parser."""
-    scale.add_argument("pool", choices=tuple(_ROLES))
+    scale.add_argument("pool", choices=[role.value for role in POOL_ROLES])
     scale.add_argument("num_workers", type=int)
     scale.add_argument("--target", default="127.0.0.1:50051", help="router host:port")
     scale.add_argument(
@@ -83,7 +81,7 @@ def run_scale(args: argparse.Namespace) -> int:
     if args.num_workers < 0:
         print("error: num_workers must be >= 0", file=sys.stderr)
         return 2
-    request = router_pb2.ScaleRequest(role=_ROLES[args.pool], num_workers=args.num_workers)
+    request = router_pb2.ScaleRequest(role=Role(args.pool).to_proto(), num_workers=args.num_workers)
     deadline_s = time.monotonic() + args.timeout_s
     messages = WaitMessages(sys.stderr)
     with grpc.insecure_channel(args.target, options=CHANNEL_OPTIONS) as channel:
@@ -108,7 +106,7 @@ def format_pools(pools: Sequence[router_pb2.PoolStatus]) -> str:
     rows = [("POOL", "DESIRED", "READY", "STARTING", "DRAINING", "RESTARTS", "FAILED_STARTS")]
     rows += [
         (
-            ROLE_NAMES[p.role],
+            Role.from_proto(p.role),
             str(p.desired_workers),
             str(p.num_ready),
             str(p.num_starting),
@@ -142,7 +140,7 @@ def format_status(status: router_pb2.StatusResponse) -> str:
         state = "draining" if w.draining else "ready" if w.healthy else "unhealthy"
         rows.append(
             (
-                ROLE_NAMES[w.role],
+                Role.from_proto(w.role),
                 w.address,
                 w.info.worker_id or "-",
                 state,
@@ -164,7 +162,7 @@ def format_status(status: router_pb2.StatusResponse) -> str:
             f"kernels of {w.address}: {w.info.kernels}" for w in status.workers if w.info.kernels
         ]
     errors = [
-        f"  {ROLE_NAMES[p.role]} pool, last failed start: {p.last_error}"
+        f"  {Role.from_proto(p.role)} pool, last failed start: {p.last_error}"
         for p in status.pools
         if p.last_error
     ]

@@ -40,6 +40,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from engine.config import EngineConfig
 from engine.flags import to_argv
 from services.common.grpc_server import CHANNEL_OPTIONS
+from services.common.roles import Role
 from services.startup import WorkerFailure, last_line
 from splitserve.v1 import router_pb2, router_pb2_grpc
 
@@ -69,7 +70,7 @@ class ServiceProcess:
     """One child process and the gRPC address it serves. Its stderr passes through to ours
     (file descriptor 2); the last lines are kept to tell why it exited (``exit_reason``)."""
 
-    role: str
+    role: Role
     address: str
     metrics_port: int
     argv: list[str]
@@ -180,8 +181,8 @@ class LocalCluster:
     port: int = 0
     extra_worker_flags: Sequence[str] = ()
     extra_router_flags: Sequence[str] = ()
-    # Flags for the workers of one role only ("prefill" / "decode"), after the shared ones.
-    extra_role_flags: Mapping[str, Sequence[str]] = field(default_factory=dict)
+    # Flags for the workers of one role only, after the shared ones.
+    extra_role_flags: Mapping[Role, Sequence[str]] = field(default_factory=dict)
     # --cpu-cores of each worker in start order (prefill ones first); empty: no pinning.
     worker_cpu_cores: Sequence[str] = ()
     log_level: str = "WARNING"
@@ -190,9 +191,9 @@ class LocalCluster:
 
     @property
     def router_address(self) -> str:
-        return self.workers("router")[0].address
+        return self.workers(Role.ROUTER)[0].address
 
-    def workers(self, role: str) -> list[ServiceProcess]:
+    def workers(self, role: Role) -> list[ServiceProcess]:
         return [p for p in self.processes if p.role == role]
 
     def start(self, timeout_s: float = 300.0) -> str:
@@ -204,7 +205,7 @@ class LocalCluster:
         deadline_s = time.monotonic() + timeout_s
         for process in self.processes:
             wait_healthy(process, deadline_s)
-        for router in self.workers("router"):
+        for router in self.workers(Role.ROUTER):
             _wait_routed(router, deadline_s)
         return self.router_address
 
@@ -220,7 +221,7 @@ class LocalCluster:
         if self.worker_cpu_cores and len(self.worker_cpu_cores) != num_workers:
             raise ValueError(f"worker_cpu_cores needs one entry per worker ({num_workers})")
         cpu_cores = iter(self.worker_cpu_cores)
-        for role, count in (("prefill", self.num_prefill), ("decode", self.num_decode)):
+        for role, count in ((Role.PREFILL, self.num_prefill), (Role.DECODE, self.num_decode)):
             for _ in range(count):
                 port, metrics_port = free_port(self.host), free_port(self.host)
                 argv = [
@@ -248,7 +249,7 @@ class LocalCluster:
         for process in self.processes:
             if process.state is ProcessState.EXITED:
                 continue
-            restart = process.role != "router" and process.state is ProcessState.SERVING
+            restart = process.role.is_pool and process.state is ProcessState.SERVING
             if not process.alive and restart:
                 process.num_restarts += 1
                 reason = process.exit_reason()
@@ -265,7 +266,7 @@ class LocalCluster:
                 during = " during startup" if process.state is ProcessState.STARTING else ""
                 process.state = ProcessState.EXITED
                 reason = process.exit_reason()
-                if process.role != "router":
+                if process.role.is_pool:
                     process.answer_in_place(f"exited{during} ({reason}); not restarted")
                 failures.append(WorkerFailure(process.role, process.address, reason, 1, None))
             elif process.state is ProcessState.STARTING and _serves(process.address):
@@ -284,13 +285,13 @@ class LocalCluster:
         reports every worker healthy (its channel to a worker that came up after it may still
         be backing off from the refusals while it started)."""
         return all(p.state is ProcessState.SERVING for p in self.processes) and all(
-            _routes(router) for router in self.workers("router")
+            _routes(router) for router in self.workers(Role.ROUTER)
         )
 
     def _router_process(self, port: int) -> ServiceProcess:
         metrics_port = free_port(self.host)
         return ServiceProcess(
-            "router",
+            Role.ROUTER,
             f"{self.host}:{port}",
             metrics_port,
             [
@@ -301,8 +302,8 @@ class LocalCluster:
                 "--port", str(port),
                 "--mode", self.mode,
                 "--metrics-port", str(metrics_port),
-                "--prefill-workers", ",".join(p.address for p in self.workers("prefill")),
-                "--decode-workers", ",".join(p.address for p in self.workers("decode")),
+                "--prefill-workers", ",".join(p.address for p in self.workers(Role.PREFILL)),
+                "--decode-workers", ",".join(p.address for p in self.workers(Role.DECODE)),
                 *self.extra_router_flags,
             ],
         )  # fmt: skip

@@ -18,13 +18,13 @@ from typing import TextIO
 
 import grpc
 
-from services.common.convert import ROLE_NAMES
+from services.common.roles import Role
 from splitserve.v1 import router_pb2, router_pb2_grpc, worker_pb2
 
 _POLL_S = 0.5
 _STATUS_TIMEOUT_S = 10.0
 # Decode first: without a decode worker nothing is served (prefill is optional).
-_ROLE_ORDER = (worker_pb2.WORKER_ROLE_DECODE, worker_pb2.WORKER_ROLE_PREFILL)
+_ROLE_ORDER = (Role.DECODE.to_proto(), Role.PREFILL.to_proto())
 
 # Why a Status reply is not what a command waits for (None: it is).
 WhyNot = Callable[[router_pb2.StatusResponse], str | None]
@@ -34,7 +34,7 @@ WhyNot = Callable[[router_pb2.StatusResponse], str | None]
 class WorkerFailure:
     """A worker (or router) that failed to start, or exited, as its orchestrator reports it."""
 
-    role: str  # prefill | decode | router
+    role: Role
     worker: str  # the actor's name (Ray) or the process's address (--no-ray)
     error: str  # the error's last line
     attempt: int  # failed starts of this pool in a row (1: the first since one served)
@@ -56,7 +56,7 @@ def last_line(text: str) -> str:
 def describe_pool(pool: router_pb2.PoolStatus) -> str | None:
     """What keeps an orchestrated pool from its size, or None when it is at its size. Stable
     while nothing changes: no counter that ticks with every retry."""
-    parts = [f"{ROLE_NAMES[pool.role]} pool: {pool.num_ready}/{pool.desired_workers} ready"]
+    parts = [f"{Role.from_proto(pool.role)} pool: {pool.num_ready}/{pool.desired_workers} ready"]
     if pool.num_draining:
         parts.append(f"{pool.num_draining} draining")
     if pool.last_error:
@@ -74,7 +74,7 @@ def cluster_problems(status: router_pb2.StatusResponse) -> list[str]:
         return [text for p in pools if (text := describe_pool(p)) is not None]
     workers = sorted(status.workers, key=lambda w: _ROLE_ORDER.index(w.role))
     return [
-        f"{ROLE_NAMES[w.role]} worker {w.address}: {w.last_error or 'not answering yet'}"
+        f"{Role.from_proto(w.role)} worker {w.address}: {w.last_error or 'not answering yet'}"
         for w in workers
         if not w.healthy
     ]
@@ -83,8 +83,7 @@ def cluster_problems(status: router_pb2.StatusResponse) -> list[str]:
 def why_not_serving(status: router_pb2.StatusResponse) -> str | None:
     """Why the router cannot take a request yet (None: a decode worker serves)."""
     if any(
-        w.role == worker_pb2.WORKER_ROLE_DECODE and w.healthy and not w.draining
-        for w in status.workers
+        w.role == Role.DECODE.to_proto() and w.healthy and not w.draining for w in status.workers
     ):
         return None
     return "; ".join(["no decode worker is ready yet", *cluster_problems(status)])
@@ -97,7 +96,7 @@ def why_pool_not_at_size(role: worker_pb2.WorkerRole.ValueType) -> WhyNot:
     def why_not(status: router_pb2.StatusResponse) -> str | None:
         pool = next((p for p in status.pools if p.role == role), None)
         if pool is None:
-            return f"the router reports no {ROLE_NAMES[role]} pool"
+            return f"the router reports no {Role.from_proto(role)} pool"
         return describe_pool(pool)
 
     return why_not

@@ -27,6 +27,7 @@ from engine.flags import add_flags, from_args, to_argv
 from services.cluster.config import ClusterConfig
 from services.cluster.planner import PlannerConfig
 from services.common.redis_config import RedisConfig
+from services.common.roles import Role
 from services.common.worker_config import WorkerConfig
 from services.launcher import LocalCluster, split_threads
 from services.router.config import RouterConfig
@@ -106,7 +107,7 @@ def run(args: argparse.Namespace) -> int:
 
         def report(ray_cluster: RayCluster, addresses: list[str], elapsed_s: float) -> None:
             members = ray_cluster.members()
-            workers = ", ".join(f"{m.role}@{m.address}" for m in members if m.role != "router")
+            workers = ", ".join(f"{m.role}@{m.address}" for m in members if m.role.is_pool)
             _print_banner(cluster, addresses, workers, elapsed_s, on_ray=True)
             metrics = ", ".join(f"{m.name}:{m.metrics_port}" for m in members)
             print(f"Prometheus /metrics: {metrics}", flush=True)
@@ -132,7 +133,7 @@ class _FailureConsole:
         if failure.attempt > 1 and self._last_error.get(failure.role) == failure.error:
             return
         self._last_error[failure.role] = failure.error
-        who = "router" if failure.role == "router" else f"{failure.role} worker"
+        who = f"{failure.role} worker" if failure.role.is_pool else str(failure.role)
         if failure.restarting:
             what = f"exited ({failure.error}); restarting it (restart {failure.attempt})"
         elif failure.retry_in_s is None:
@@ -183,7 +184,7 @@ def _serve_local(
             exited = local.supervise()
             for failure in exited:
                 on_failure(failure)
-            if any(f.role == "router" for f in exited):
+            if any(f.role is Role.ROUTER for f in exited):
                 print("splitserve up: a router exited; stopping", file=sys.stderr, flush=True)
                 return 1
             if not announced and local.serving():
@@ -195,8 +196,8 @@ def _serve_local(
 
 
 def _announce_local(cluster: ClusterConfig, local: LocalCluster, elapsed_s: float) -> None:
-    routers = [r.address for r in local.workers("router")]
-    workers = ", ".join(f"{p.role}@{p.address}" for p in local.processes if p.role != "router")
+    routers = [r.address for r in local.workers(Role.ROUTER)]
+    workers = ", ".join(f"{p.role}@{p.address}" for p in local.processes if p.role.is_pool)
     _print_banner(cluster, routers, workers, elapsed_s, on_ray=False)
     metrics = ", ".join(f"{p.role}:{p.metrics_port}" for p in local.processes)
     print(f"Prometheus /metrics on {cluster.host}: {metrics}", flush=True)

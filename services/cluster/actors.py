@@ -18,6 +18,7 @@ from typing import Any, ClassVar
 import ray
 
 from services.common.logs import configure_logging
+from services.common.roles import Role
 from services.common.worker_config import WorkerConfig
 from services.common.worker_runtime import RunningWorker
 from services.launcher import free_port
@@ -47,7 +48,7 @@ def _advertised_host(host: str) -> str:
 class _WorkerActor:
     """A prefill or decode worker; ``start`` loads the model and returns once it serves."""
 
-    role: ClassVar[str]
+    role: ClassVar[Role]
 
     def __init__(self, config: WorkerConfig, log_level: str) -> None:
         configure_logging(log_level)
@@ -93,7 +94,7 @@ class _WorkerActor:
 
 
 class PrefillActor(_WorkerActor):
-    role = "prefill"
+    role = Role.PREFILL
 
     async def _start_worker(self, config: WorkerConfig) -> RunningWorker:
         from services.prefill.server import start_prefill_worker
@@ -102,7 +103,7 @@ class PrefillActor(_WorkerActor):
 
 
 class DecodeActor(_WorkerActor):
-    role = "decode"
+    role = Role.DECODE
 
     async def _start_worker(self, config: WorkerConfig) -> RunningWorker:
         from services.decode.server import start_decode_worker
@@ -116,7 +117,7 @@ class ControllerScaler:
     def __init__(self, controller: Any) -> None:
         self._controller = controller
 
-    async def scale(self, role: str, num_workers: int) -> list[PoolSize]:
+    async def scale(self, role: Role, num_workers: int) -> list[PoolSize]:
         try:
             return await self._controller.scale.remote(role, num_workers)
         except ray.exceptions.RayTaskError as exc:
@@ -131,7 +132,7 @@ class ControllerScaler:
 class RouterActor:
     """A router; pool membership comes from the controller through ``set_pool``."""
 
-    role: ClassVar[str] = "router"
+    role: ClassVar[Role] = Role.ROUTER
 
     def __init__(self, config: RouterConfig, controller: Any, log_level: str) -> None:
         configure_logging(log_level)
@@ -151,7 +152,7 @@ class RouterActor:
             socket.gethostname(),
         )
 
-    async def set_pool(self, role: str, members: dict[str, bool]) -> None:
+    async def set_pool(self, role: Role, members: dict[str, bool]) -> None:
         """See ``RouterServicer.set_pool``."""
         assert self._router is not None, "set_pool before start"
         await self._router.servicer.set_pool(role, members)
@@ -176,8 +177,8 @@ class RouterActor:
         return os.getpid()
 
 
-ACTOR_CLASSES: dict[str, type] = {
-    "prefill": PrefillActor,
-    "decode": DecodeActor,
-    "router": RouterActor,
+ACTOR_CLASSES: dict[Role, type] = {
+    Role.PREFILL: PrefillActor,
+    Role.DECODE: DecodeActor,
+    Role.ROUTER: RouterActor,
 }

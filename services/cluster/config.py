@@ -5,9 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from engine.flags import flag
+from services.common.roles import POOL_ROLES, Role
 from services.router.config import MODES
-
-POOL_ROLES = ("prefill", "decode")
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,27 +65,27 @@ class ClusterConfig:
             raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
         if self.num_routers < 1:
             raise ValueError(f"num_routers must be >= 1, got {self.num_routers}")
-        self.check_pool_size("prefill", self.num_prefill_workers)
-        self.check_pool_size("decode", self.num_decode_workers)
+        self.check_pool_size(Role.PREFILL, self.num_prefill_workers)
+        self.check_pool_size(Role.DECODE, self.num_decode_workers)
         for name in ("worker_start_timeout_s", "drain_timeout_s", "reconcile_interval_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         if self.prefill_num_gpus < 0 or self.decode_num_gpus < 0:
             raise ValueError("prefill_num_gpus and decode_num_gpus must be >= 0")
 
-    def check_pool_size(self, role: str, num_workers: int) -> None:
+    def check_pool_size(self, role: Role, num_workers: int) -> None:
         """Raise ``ValueError`` naming the problem if ``role``'s pool cannot have that size."""
         if role not in POOL_ROLES:
-            raise ValueError(f"role must be one of {POOL_ROLES}, got {role!r}")
+            raise ValueError(f"role must be one of {[r.value for r in POOL_ROLES]}, got {role!r}")
         if not 0 <= num_workers <= self.max_workers_per_pool:
             raise ValueError(
                 f"num_workers: {role} pool size must be in [0, {self.max_workers_per_pool}] "
                 f"(max_workers_per_pool), got {num_workers}"
             )
-        if role == "decode" and num_workers < 1:
+        if role == Role.DECODE and num_workers < 1:
             raise ValueError("num_workers: the decode pool needs at least 1 worker")
-        if role == "prefill" and num_workers > 0 and self.mode == "colocated":
+        if role == Role.PREFILL and num_workers > 0 and self.mode == "colocated":
             raise ValueError("num_workers: a colocated cluster has no prefill pool")
 
-    def num_gpus(self, role: str) -> float:
-        return self.prefill_num_gpus if role == "prefill" else self.decode_num_gpus
+    def num_gpus(self, role: Role) -> float:
+        return self.prefill_num_gpus if role == Role.PREFILL else self.decode_num_gpus

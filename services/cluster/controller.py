@@ -32,12 +32,13 @@ from typing import TYPE_CHECKING, Any
 import ray
 
 from services.cluster.actors import ACTOR_CLASSES, Endpoint
-from services.cluster.config import POOL_ROLES, ClusterConfig
-from services.cluster.members import Member, MemberState, pick_victims, pool_size
+from services.cluster.config import ClusterConfig
+from services.cluster.members import Member, MemberState, Pool, pick_victims
 from services.cluster.planner import PlannerConfig, PoolPlanner, PoolSignals
 from services.cluster.probes import ClusterProbes
 from services.common.background import BackgroundTasks
 from services.common.logs import configure_logging
+from services.common.roles import POOL_ROLES, Role
 from services.common.worker_config import WorkerConfig
 from services.router.config import RouterConfig
 from services.router.scaler import PoolSize
@@ -48,7 +49,6 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-ROLES = ("router", *POOL_ROLES)
 # Ray's resource of the head node: routers and the controller live there (the chart's Service
 # targets the head pod).
 HEAD_RESOURCE = "node:__internal_head__"
@@ -72,7 +72,7 @@ class MemberView:
     """One actor as ``members`` reports it."""
 
     name: str
-    role: str
+    role: Role
     state: str
     address: str
     metrics_port: int
@@ -109,15 +109,12 @@ class ClusterController:
         self._worker_config = worker
         self._router_config = router
         self._log_level = log_level
-        self._desired = {
-            "prefill": cluster.num_prefill_workers if cluster.mode == "disaggregated" else 0,
-            "decode": cluster.num_decode_workers,
+        num_prefill = cluster.num_prefill_workers if cluster.mode == "disaggregated" else 0
+        self._pools = {
+            Role.ROUTER: Pool(Role.ROUTER, cluster.num_routers),
+            Role.PREFILL: Pool(Role.PREFILL, num_prefill),
+            Role.DECODE: Pool(Role.DECODE, cluster.num_decode_workers),
         }
-        self._members: dict[str, list[Member]] = {role: [] for role in ROLES}
-        self._num_restarts = dict.fromkeys(ROLES, 0)
-        self._start_failures = dict.fromkeys(ROLES, 0)
-        self._retry_at_s = dict.fromkeys(ROLES, 0.0)
-        self._last_error = dict.fromkeys(ROLES, "")
         self._failures: deque[WorkerFailure] = deque(maxlen=_FAILURES_KEPT)
         self._num_failures = 0
         self._actor_classes = {role: ray.remote(cls) for role, cls in ACTOR_CLASSES.items()}
@@ -147,28 +144,34 @@ class ClusterController:
         deadline_s = loop.time() + timeout_s
         while not self._converged():
             if loop.time() > deadline_s:
-                errors = "; ".join(f"{r}: {e}" for r, e in self._last_error.items() if e)
+                errors = "; ".join(
+                    f"{pool.role}: {pool.last_error}"
+                    for pool in self._pools.values()
+                    if pool.last_error
+                )
                 raise TimeoutError(
                     f"cluster not ready after {timeout_s:.0f} s: {self._sizes()}"
                     + (f"; last errors: {errors}" if errors else "")
                 )
             await asyncio.sleep(0.1)
-        return [m.address for m in sorted(self._members["router"], key=lambda m: m.slot)]
+        routers = self._pools[Role.ROUTER].members
+        return [m.address for m in sorted(routers, key=lambda m: m.slot)]
 
-    async def scale(self, role: str, num_workers: int) -> list[PoolSize]:
+    async def scale(self, role: Role, num_workers: int) -> list[PoolSize]:
         """Set a pool's desired size (``ValueError`` if it cannot have it); reconciles at once
         and returns every pool's size."""
         self._cluster.check_pool_size(role, num_workers)
+        pool = self._pools[role]
         if self._groups is not None:
             # The pods first: new actors wait for them; a smaller group shrinks pod by pod as
             # its workers are drained (``_drain``).
-            if num_workers > self._desired[role]:
+            if num_workers > pool.desired:
                 await asyncio.to_thread(self._groups.set_replicas, role, num_workers)
             else:
                 await asyncio.to_thread(self._groups.check_replicas, role, num_workers)
-        if self._desired[role] != num_workers:
-            logger.info("%s pool: %d -> %d workers", role, self._desired[role], num_workers)
-        self._desired[role] = num_workers
+        if pool.desired != num_workers:
+            logger.info("%s pool: %d -> %d workers", role, pool.desired, num_workers)
+        pool.desired = num_workers
         self._wakeup.set()
         return self._sizes()
 
@@ -184,8 +187,8 @@ class ClusterController:
     async def members(self) -> list[MemberView]:
         return [
             MemberView(m.name, m.role, m.state.value, m.address, m.metrics_port, m.pid, m.hostname)
-            for role in ROLES
-            for m in self._members[role]
+            for pool in self._pools.values()
+            for m in pool.members
         ]
 
     async def shutdown(self) -> None:
@@ -194,34 +197,23 @@ class ClusterController:
         for task in (self._loop_task, self._planner_task):
             if task is not None:
                 task.cancel()
-        for role in ROLES:
-            for member in self._members[role]:
+        for pool in self._pools.values():
+            for member in pool.members:
                 if member.task is not None:
                     member.task.cancel()
-        routers, self._members["router"] = self._members["router"], []
+        routers, self._pools[Role.ROUTER].members = self._pools[Role.ROUTER].members, []
         await asyncio.gather(*(self._stop(m) for m in routers))
-        workers = [m for role in POOL_ROLES for m in self._members[role]]
+        workers = [m for role in POOL_ROLES for m in self._pools[role].members]
         for role in POOL_ROLES:
-            self._members[role] = []
+            self._pools[role].members = []
         await asyncio.gather(*(self._stop(m) for m in workers))
 
     # ----------------------------------------------------------------------------- loop
     def _sizes(self) -> list[PoolSize]:
-        return [
-            pool_size(
-                role,
-                self._desired[role],
-                self._members[role],
-                self._num_restarts[role],
-                self._last_error[role],
-                self._start_failures[role],
-            )
-            for role in POOL_ROLES
-        ]
+        return [self._pools[role].size() for role in POOL_ROLES]
 
     def _converged(self) -> bool:
-        routers = self._members["router"]
-        if sum(m.state is MemberState.READY for m in routers) != self._cluster.num_routers:
+        if len(self._pools[Role.ROUTER].ready()) != self._cluster.num_routers:
             return False
         return all(
             s.num_ready == s.desired_workers and not s.num_starting and not s.num_draining
@@ -242,12 +234,12 @@ class ClusterController:
         await self._reap_dead()
         draining: list[Member] = []
         for role in POOL_ROLES:
-            if len(self._ready(role)) >= self._desired[role]:
+            pool = self._pools[role]
+            if len(pool.ready()) >= pool.desired:
                 # At its size (e.g. scaled down past a failing start): nothing is failing.
-                self._start_failures[role] = 0
-                self._last_error[role] = ""
-            live = [m for m in self._members[role] if m.live]
-            missing = self._desired[role] - len(live)
+                pool.start_succeeded()
+            live = pool.live()
+            missing = pool.desired - len(live)
             if missing > 0:
                 for _ in range(missing):
                     self._launch(role)
@@ -260,10 +252,10 @@ class ClusterController:
                     else:
                         victim.state = MemberState.DRAINING
                         draining.append(victim)
-        used_slots = {m.slot for m in self._members["router"]}
+        used_slots = {m.slot for m in self._pools[Role.ROUTER].members}
         for slot in range(self._cluster.num_routers):
             if slot not in used_slots:
-                self._launch("router", slot)
+                self._launch(Role.ROUTER, slot)
         # Every round, changed or not: a router that missed an update (a timeout) catches up.
         await self._push_pools()
         # Only once every router stopped choosing them (the push above).
@@ -272,18 +264,19 @@ class ClusterController:
             member.task = asyncio.get_running_loop().create_task(self._drain(member))
 
     # ----------------------------------------------------------------------------- start
-    def _launch(self, role: str, slot: int = 0) -> None:
+    def _launch(self, role: Role, slot: int = 0) -> None:
         loop = asyncio.get_running_loop()
-        if loop.time() < self._retry_at_s[role]:
+        pool = self._pools[role]
+        if loop.time() < pool.retry_at_s:
             return
         name = f"{role}-{next(self._names)}-{self._token}"
         member = Member(name, role, self._create_actor(role, name, slot), slot)
-        self._members[role].append(member)
+        pool.members.append(member)
         member.task = loop.create_task(self._start(member))
 
-    def _create_actor(self, role: str, name: str, slot: int) -> Any:
+    def _create_actor(self, role: Role, name: str, slot: int) -> Any:
         actor_class = self._actor_classes[role]
-        if role == "router":
+        if role is Role.ROUTER:
             pools = {r: self._addresses(r) for r in POOL_ROLES}
             port = self._cluster.port + slot if self._cluster.port else 0
             metrics_port = self._cluster.router_metrics_port
@@ -292,8 +285,8 @@ class ClusterController:
                 port=port,
                 metrics_port=metrics_port + slot if metrics_port else 0,
                 router_id=f"{self._router_config.router_id or 'router'}-{slot}-{self._token}",
-                prefill_workers=",".join(pools["prefill"]),
-                decode_workers=",".join(pools["decode"]),
+                prefill_workers=",".join(pools[Role.PREFILL]),
+                decode_workers=",".join(pools[Role.DECODE]),
             )
             handle = ray.get_runtime_context().current_actor
             return actor_class.options(num_cpus=0, resources={HEAD_RESOURCE: 0.001}).remote(
@@ -303,21 +296,23 @@ class ClusterController:
             self._worker_config, worker_id=name, metrics_port=self._cluster.worker_metrics_port
         )
         return actor_class.options(
-            num_cpus=0, num_gpus=self._cluster.num_gpus(role), resources={role: 1}
+            num_cpus=0, num_gpus=self._cluster.num_gpus(role), resources={role.value: 1}
         ).remote(config, self._log_level)
 
     async def _start(self, member: Member) -> None:
         role = member.role
+        pool = self._pools[role]
         try:
             endpoint: Endpoint = await asyncio.wait_for(
                 member.actor.start.remote(), self._cluster.worker_start_timeout_s
             )
         except Exception as exc:
-            failures = self._start_failures[role] = self._start_failures[role] + 1
+            pool.num_failed_starts += 1
+            failures = pool.num_failed_starts
             backoff_s = min(2.0 ** (failures - 1), _MAX_START_BACKOFF_S)
-            self._retry_at_s[role] = asyncio.get_running_loop().time() + backoff_s
+            pool.retry_at_s = asyncio.get_running_loop().time() + backoff_s
             error = _error_line(exc, self._cluster.worker_start_timeout_s)
-            self._last_error[role] = error
+            pool.last_error = error
             self._failures.append(WorkerFailure(role, member.name, error, failures, backoff_s))
             self._num_failures += 1
             # `splitserve up` prints each failure on its console (without repeating an error):
@@ -340,8 +335,7 @@ class ClusterController:
         member.hostname = endpoint.hostname
         member.state = MemberState.READY
         member.task = None
-        self._start_failures[role] = 0
-        self._last_error[role] = ""
+        pool.start_succeeded()
         logger.info("%s %s ready at %s (pid %d)", role, member.name, member.address, member.pid)
         await self._push_pools()
 
@@ -349,11 +343,14 @@ class ClusterController:
     async def _reap_dead(self) -> None:
         """Forget every actor that no longer answers (the caller then updates the routers)."""
         watched = [
-            m for role in ROLES for m in self._members[role] if m.state is not MemberState.STARTING
+            m
+            for pool in self._pools.values()
+            for m in pool.members
+            if m.state is not MemberState.STARTING
         ]
         alive = await asyncio.gather(*(self._alive(m) for m in watched))
         for member, ok in zip(watched, alive, strict=True):
-            if ok or member not in self._members[member.role]:
+            if ok or member not in self._pools[member.role].members:
                 continue
             logger.warning(
                 "%s %s (%s, pid %d) died or hangs; replacing it",
@@ -363,7 +360,7 @@ class ClusterController:
                 member.pid,
             )
             if member.state is MemberState.READY:
-                self._num_restarts[member.role] += 1
+                self._pools[member.role].num_restarts += 1
             if member.task is not None:
                 member.task.cancel()
             self._forget(member)
@@ -415,18 +412,18 @@ class ClusterController:
                 await asyncio.to_thread(
                     self._groups.set_replicas,
                     member.role,
-                    len(self._members[member.role]),
+                    len(self._pools[member.role].members),
                     [member.hostname],
                 )
             except Exception:
                 logger.exception("could not shrink the %s worker group", member.role)
 
     async def _busy(self, members: list[Member]) -> dict[str, int]:
-        return await self._probes.busy(members, self._ready("router"))
+        return await self._probes.busy(members, self._ready(Role.ROUTER))
 
     # ----------------------------------------------------------------------------- planner
-    def _planned_roles(self) -> tuple[str, ...]:
-        return POOL_ROLES if self._cluster.mode == "disaggregated" else ("decode",)
+    def _planned_roles(self) -> tuple[Role, ...]:
+        return POOL_ROLES if self._cluster.mode == "disaggregated" else (Role.DECODE,)
 
     async def _plan_forever(self) -> None:
         loop = asyncio.get_running_loop()
@@ -436,26 +433,27 @@ class ClusterController:
                 signals = await self._signals()
                 for role, planner in self._pool_planners.items():
                     size = planner.decide(signals[role], loop.time())
-                    if size != self._desired[role]:
+                    if size != self._pools[role].desired:
                         logger.info("planner: %s pool %s", role, signals[role])
                         await self.scale(role, size)
             except Exception:
                 logger.exception("planner evaluation failed; retrying")
 
-    async def _signals(self) -> dict[str, PoolSignals]:
-        pools = {role: (self._desired[role], self._ready(role)) for role in self._planned_roles()}
-        return await self._probes.signals(self._ready("router"), pools)
+    async def _signals(self) -> dict[Role, PoolSignals]:
+        pools = {
+            role: (self._pools[role].desired, self._ready(role)) for role in self._planned_roles()
+        }
+        return await self._probes.signals(self._ready(Role.ROUTER), pools)
 
     # ----------------------------------------------------------------------------- membership
-    def _ready(self, role: str) -> list[Member]:
-        return [m for m in self._members[role] if m.state is MemberState.READY]
+    def _ready(self, role: Role) -> list[Member]:
+        return self._pools[role].ready()
 
-    def _addresses(self, role: str) -> list[str]:
+    def _addresses(self, role: Role) -> list[str]:
         return [m.address for m in self._ready(role)]
 
     def _forget(self, member: Member) -> None:
-        if member in self._members[member.role]:
-            self._members[member.role].remove(member)
+        self._pools[member.role].forget(member)
         self._probes.forget(member.address)
         self._wakeup.set()
 
@@ -465,16 +463,16 @@ class ClusterController:
             pools = {
                 role: {
                     m.address: m.state is MemberState.DRAINING
-                    for m in self._members[role]
+                    for m in self._pools[role].members
                     if m.state is not MemberState.STARTING
                 }
                 for role in POOL_ROLES
             }
-            routers = self._ready("router")
+            routers = self._ready(Role.ROUTER)
             await asyncio.gather(*(self._push_to(r, pools) for r in routers))
 
     @staticmethod
-    async def _push_to(router: Member, pools: dict[str, dict[str, bool]]) -> None:
+    async def _push_to(router: Member, pools: dict[Role, dict[str, bool]]) -> None:
         try:
             for role, members in pools.items():
                 await asyncio.wait_for(router.actor.set_pool.remote(role, members), _CALL_TIMEOUT_S)

@@ -21,9 +21,10 @@ from typing import Any
 
 import ray
 
-from services.cluster.config import POOL_ROLES, ClusterConfig
+from services.cluster.config import ClusterConfig
 from services.cluster.controller import HEAD_RESOURCE, ClusterController, MemberView
 from services.cluster.planner import PlannerConfig
+from services.common.roles import POOL_ROLES
 from services.common.worker_config import WorkerConfig
 from services.router.config import RouterConfig
 from services.startup import WorkerFailure
@@ -47,7 +48,7 @@ def init_ray(cluster: ClusterConfig, **local_options: Any) -> None:
     slots = float(cluster.max_workers_per_pool)
     options: dict[str, Any] = {
         "num_cpus": os.cpu_count() or 1,
-        "resources": dict.fromkeys(POOL_ROLES, slots),
+        "resources": {role.value: slots for role in POOL_ROLES},
         "include_dashboard": False,
         "object_store_memory": _LOCAL_OBJECT_STORE_BYTES,
         "log_to_driver": True,

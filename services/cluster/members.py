@@ -1,4 +1,5 @@
-"""The controller's bookkeeping of one actor and the choice of workers to remove.
+"""The controller's bookkeeping of its actors (one ``Member`` each, one ``Pool`` per role) and
+the choice of workers to remove.
 
 Torch- and Ray-free so that the rules are plain functions: a member moves
 ``STARTING -> READY -> DRAINING -> (removed)``; a dead one is removed from any state.
@@ -12,6 +13,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from services.common.roles import Role
 from services.router.scaler import PoolSize
 from splitserve.v1 import worker_pb2
 
@@ -27,7 +29,7 @@ class Member:
     """One actor of a pool (or a router) as the controller tracks it."""
 
     name: str
-    role: str
+    role: Role
     actor: Any  # ray.actor.ActorHandle
     slot: int = 0  # routers: which port (--port + slot) it serves on
     state: MemberState = MemberState.STARTING
@@ -68,22 +70,46 @@ def pick_victims(members: Sequence[Member], busy: dict[str, int], count: int) ->
     return (starting + ready)[:count]
 
 
-def pool_size(
-    role: str,
-    desired: int,
-    members: Sequence[Member],
-    num_restarts: int,
-    last_error: str = "",
-    num_failed_starts: int = 0,
-) -> PoolSize:
-    states = [m.state for m in members]
-    return PoolSize(
-        role=role,
-        desired_workers=desired,
-        num_ready=states.count(MemberState.READY),
-        num_starting=states.count(MemberState.STARTING),
-        num_draining=states.count(MemberState.DRAINING),
-        num_restarts=num_restarts,
-        last_error=last_error,
-        num_failed_starts=num_failed_starts,
-    )
+@dataclass(slots=True, eq=False)
+class Pool:
+    """One role's actors (a worker pool, or the router replicas) and what the controller
+    knows of them: its desired size, restarts, and the failed starts since one succeeded.
+
+    Invariant: ``members`` are in the order they were launched; a removed member is in none.
+    """
+
+    role: Role
+    desired: int
+    members: list[Member] = field(default_factory=list)
+    num_restarts: int = 0  # ready members that died or hung and were replaced
+    num_failed_starts: int = 0  # in a row; 0 once a start succeeds or the pool is at its size
+    retry_at_s: float = 0.0  # no new start before (the event loop's clock): backoff
+    last_error: str = ""  # of the last failed start; "" once one succeeds
+
+    def ready(self) -> list[Member]:
+        return [m for m in self.members if m.state is MemberState.READY]
+
+    def live(self) -> list[Member]:
+        return [m for m in self.members if m.live]
+
+    def forget(self, member: Member) -> None:
+        """Drop ``member`` (if still here)."""
+        if member in self.members:
+            self.members.remove(member)
+
+    def start_succeeded(self) -> None:
+        self.num_failed_starts = 0
+        self.last_error = ""
+
+    def size(self) -> PoolSize:
+        states = [m.state for m in self.members]
+        return PoolSize(
+            role=self.role,
+            desired_workers=self.desired,
+            num_ready=states.count(MemberState.READY),
+            num_starting=states.count(MemberState.STARTING),
+            num_draining=states.count(MemberState.DRAINING),
+            num_restarts=self.num_restarts,
+            last_error=self.last_error,
+            num_failed_starts=self.num_failed_starts,
+        )

@@ -20,6 +20,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from engine.flags import flag
+from services.common.roles import POOL_ROLES, Role
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,13 +54,13 @@ class PlannerConfig:
             raise ValueError("breach_evaluations and idle_evaluations must be >= 1")
         if self.min_decode_workers < 1:
             raise ValueError("min_decode_workers must be >= 1")
-        for role in ("prefill", "decode"):
+        for role in POOL_ROLES:
             low, high = self.bounds(role)
             if not 0 <= low <= high:
                 raise ValueError(f"{role}: need 0 <= min_{role}_workers <= max_{role}_workers")
 
-    def bounds(self, role: str) -> tuple[int, int]:
-        if role == "prefill":
+    def bounds(self, role: Role) -> tuple[int, int]:
+        if role == Role.PREFILL:
             return self.min_prefill_workers, self.max_prefill_workers
         return self.min_decode_workers, self.max_decode_workers
 
@@ -93,7 +94,7 @@ def percentile(values: Sequence[float], q: float) -> float | None:
 class PoolPlanner:
     """The state of one pool's decisions: streaks of breaches and idle windows, last change."""
 
-    role: str
+    role: Role
     config: PlannerConfig
     breach_streak: int = 0
     idle_streak: int = 0
@@ -101,11 +102,11 @@ class PoolPlanner:
 
     def judge(self, signals: PoolSignals) -> Verdict:
         config = self.config
-        target_ms = config.target_ttft_ms if self.role == "prefill" else config.target_itl_ms
+        target_ms = config.target_ttft_ms if self.role == Role.PREFILL else config.target_itl_ms
         limits = [(signals.queue_per_worker, config.target_queue_per_worker)]
         if signals.latency_ms is not None:
             limits.append((signals.latency_ms, target_ms))
-        if self.role == "decode":
+        if self.role == Role.DECODE:
             limits.append((signals.kv_usage, config.target_kv_usage))
         if any(value > limit for value, limit in limits):
             return Verdict.BREACH

@@ -19,6 +19,7 @@ from services.cluster.members import Member, busy_units
 from services.cluster.planner import PoolSignals, percentile
 from services.common.background import BackgroundTasks
 from services.common.grpc_server import CHANNEL_OPTIONS
+from services.common.roles import Role
 from services.router.latency import LatencySamples
 from splitserve.v1 import worker_pb2, worker_pb2_grpc
 
@@ -40,7 +41,7 @@ class ClusterProbes:
             channel = grpc.aio.insecure_channel(worker.address, options=CHANNEL_OPTIONS)
             stub_class = (
                 worker_pb2_grpc.PrefillWorkerStub
-                if worker.role == "prefill"
+                if worker.role is Role.PREFILL
                 else worker_pb2_grpc.DecodeWorkerStub
             )
             self._stubs[worker.address] = (channel, stub_class(channel))
@@ -65,16 +66,16 @@ class ClusterProbes:
         }
 
     async def signals(
-        self, routers: Sequence[Member], pools: dict[str, tuple[int, Sequence[Member]]]
-    ) -> dict[str, PoolSignals]:
+        self, routers: Sequence[Member], pools: dict[Role, tuple[int, Sequence[Member]]]
+    ) -> dict[Role, PoolSignals]:
         """This window's ``PoolSignals`` per pool (``pools``: role -> (desired size, ready
         workers)). Drains the routers' latency windows."""
         samples: list[LatencySamples] = await asyncio.gather(
             *(self._latency_samples(r) for r in routers)
         )
         latencies_s = {
-            "prefill": [t for s in samples for t in s.ttft_s],
-            "decode": [t for s in samples for t in s.itl_s],
+            Role.PREFILL: [t for s in samples for t in s.ttft_s],
+            Role.DECODE: [t for s in samples for t in s.itl_s],
         }
         signals = {}
         for role, (desired, ready) in pools.items():
@@ -82,7 +83,7 @@ class ClusterProbes:
             num = max(len(ready), 1)
             latency_s = percentile(latencies_s[role], 0.9)
             queued = sum(
-                load.num_waiting + (load.num_waiting_for_kv if role == "decode" else 0)
+                load.num_waiting + (load.num_waiting_for_kv if role is Role.DECODE else 0)
                 for load in loads
             )
             signals[role] = PoolSignals(

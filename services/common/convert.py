@@ -22,7 +22,6 @@ FINISH_REASONS = {
     "length": router_pb2.FINISH_REASON_LENGTH,
     "abort": router_pb2.FINISH_REASON_ABORT,
 }
-ROLE_NAMES = {worker_pb2.WORKER_ROLE_PREFILL: "prefill", worker_pb2.WORKER_ROLE_DECODE: "decode"}
 FINISH_REASON_NAMES = {v: k for k, v in FINISH_REASONS.items() if k}
 
 

@@ -22,8 +22,9 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any, Protocol, TypeVar
 
 from engine.block_pool import KVCacheEvent
-from engine.llm_engine import EngineStats, LLMEngine
+from engine.llm_engine import LLMEngine
 from engine.outputs import RequestOutput
+from engine.stats import EngineStats
 from services.common.output_stream import OutputStream
 
 logger = logging.getLogger(__name__)
@@ -157,7 +158,7 @@ class EngineLoop:
         if req_id in self._streams:
             raise ValueError(f"request_id {req_id!r} is already in flight")
         stream = OutputStream(
-            lambda paused: self._command(lambda: self.engine.scheduler.set_paused(req_id, paused))
+            lambda paused: self._command(lambda: self.engine.set_paused(req_id, paused))
         )
         self._streams[req_id] = stream
         finished = False
@@ -239,7 +240,7 @@ class EngineLoop:
                         self._post(outputs)
                 self._stats = engine.stats()
                 # Always drained, so a worker without a prefix index keeps no event backlog.
-                events = engine.kv_cache_manager.take_events()
+                events = engine.take_kv_cache_events()
                 if events and self.on_kv_events is not None:
                     assert self._loop is not None
                     self._loop.call_soon_threadsafe(self.on_kv_events, events)

@@ -11,6 +11,7 @@ from engine.flags import add_flags, flag, from_args, parse_flags
 from kvtransfer.registry import default_backend, is_available
 from services.common.logs import add_log_level_flag, configure_logging
 from services.common.redis_config import RedisConfig
+from services.common.roles import Role
 
 KV_TRANSFER_BACKENDS = ("nixl", "ucx", "tcp")
 
@@ -69,7 +70,7 @@ class WorkerConfig:
         return self.worker_id or f"{role}-{socket.gethostname()}-{port}"
 
 
-def parse_worker_args(role: str, argv: list[str] | None) -> WorkerConfig:
+def parse_worker_args(role: Role, argv: list[str] | None) -> WorkerConfig:
     """``python -m services.<role>`` flags: every engine flag plus the worker's own."""
     parser = argparse.ArgumentParser(
         prog=f"python -m services.{role}", description=f"splitserve {role} worker"

@@ -15,13 +15,14 @@ from engine.llm_engine import LLMEngine
 from kvtransfer.base import KVTransferBackend, PeerInfo
 from kvtransfer.registry import make_backend
 from services.common.background import BackgroundTasks
-from services.common.convert import ROLE_NAMES, peer_info_to_proto
+from services.common.convert import peer_info_to_proto
 from services.common.engine_loop import EngineHooks, EngineLoop
 from services.common.failures import FailureKind, abort_with
 from services.common.grpc_server import ServingServer, serve_until_signal, start_server
 from services.common.kv_events import KVEventPublisher
 from services.common.metrics import register_worker_metrics, start_metrics_server
 from services.common.prefix_index import RedisPrefixIndex
+from services.common.roles import Role
 from services.common.worker_config import WorkerConfig
 from splitserve.v1 import worker_pb2
 
@@ -42,7 +43,7 @@ class WorkerRuntime:
     """Everything a worker's gRPC servicer needs. ``loop`` owns the engine once started."""
 
     config: WorkerConfig
-    role: worker_pb2.WorkerRole.ValueType
+    role: Role
     worker_id: str
     engine: LLMEngine
     loop: EngineLoop
@@ -63,10 +64,10 @@ class WorkerRuntime:
             )
 
     def info(self) -> worker_pb2.WorkerInfo:
-        kernels = self.engine.runner.kernels
+        kernels = self.engine.kernels
         return worker_pb2.WorkerInfo(
             worker_id=self.worker_id,
-            role=self.role,
+            role=self.role.to_proto(),
             model=self.config.engine.model,
             served_model_name=self.engine.served_model_name,
             vocab_size=self.engine.vocab_size,
@@ -82,12 +83,12 @@ class WorkerRuntime:
 
 def build_runtime(
     config: WorkerConfig,
-    role: worker_pb2.WorkerRole.ValueType,
+    role: Role,
     port: int,
     make_hooks: Callable[[KVTransferBackend], EngineHooks],
 ) -> WorkerRuntime:
     """Load the model and register its KV cache with the transfer backend (blocking)."""
-    worker_id = config.resolved_worker_id(ROLE_NAMES[role], port)
+    worker_id = config.resolved_worker_id(role, port)
     engine = LLMEngine(config.engine)
     backend = make_backend(
         config.kv_transfer,
@@ -96,8 +97,7 @@ def build_runtime(
         advertise_host=config.kv_advertise_host,
         io_timeout_s=config.kv_io_timeout_s,
     )
-    runner = engine.runner
-    kv_peer = backend.register_kv_cache(runner.kv_cache, runner.kv_cache_spec)
+    kv_peer = backend.register_kv_cache(engine.kv_cache, engine.kv_cache_spec)
     loop = EngineLoop(engine, make_hooks(backend))
     return WorkerRuntime(config, role, worker_id, engine, loop, backend, kv_peer)
 
@@ -160,7 +160,7 @@ class RunningWorker:
 
 async def start_worker(
     config: WorkerConfig,
-    role: worker_pb2.WorkerRole.ValueType,
+    role: Role,
     service_name: str,
     make_hooks: Callable[[KVTransferBackend], EngineHooks],
     make_servicer: Callable[[WorkerRuntime], WorkerServicer],
@@ -175,7 +175,7 @@ async def start_worker(
     serving = await start_server(
         config.host, config.port, lambda server: add_to_server(servicer, server), (service_name,)
     )
-    register_worker_metrics(ROLE_NAMES[role], runtime.worker_id, servicer.load)
+    register_worker_metrics(role, runtime.worker_id, servicer.load)
     start_metrics_server(config.host, config.metrics_port)
     publisher = make_kv_event_publisher(config, runtime)
     engine_died = asyncio.Event()
@@ -197,7 +197,7 @@ async def start_worker(
     await serving.set_serving((service_name,))
     logger.info(
         "%s worker %s serving on %s:%d (KV over %s at %s)",
-        ROLE_NAMES[role],
+        role,
         runtime.worker_id,
         config.host,
         serving.port,
@@ -235,11 +235,10 @@ def make_kv_event_publisher(
     loop (call ``start()`` once the loop runs). None without a Redis."""
     if not config.redis.enabled:
         return None
-    block_pool = runtime.engine.kv_cache_manager.block_pool
     publisher = KVEventPublisher(
         RedisPrefixIndex.from_config(config.redis),
         runtime.worker_id,
-        snapshot=lambda: runtime.loop.call(lambda _engine: block_pool.block_hashes()),
+        snapshot=lambda: runtime.loop.call(LLMEngine.prefix_cache_block_hashes),
         ttl_s=config.heartbeat_ttl_s,
     )
     runtime.loop.on_kv_events = publisher.submit

@@ -82,7 +82,7 @@ class KVPullHooks:
             KV_PULL_SECONDS.labels(backend, "done" if ok else "failed").observe(elapsed_s)
             if ok:
                 KV_PULLED_BLOCKS.labels(backend).inc(num_blocks)
-                block_bytes = engine.runner.kv_cache_spec.block_bytes
+                block_bytes = engine.kv_cache_spec.block_bytes
                 KV_PULLED_BYTES.labels(backend).inc(num_blocks * block_bytes)
                 logger.debug(
                     "req_id=%s pulled %d blocks in %.2f ms", req_id, num_blocks, elapsed_s * 1e3

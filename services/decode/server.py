@@ -26,6 +26,7 @@ from services.common.convert import (
 )
 from services.common.engine_loop import EngineDeadError, StreamEndedError
 from services.common.failures import FailureKind, abort_with
+from services.common.roles import Role
 from services.common.worker_config import WorkerConfig, parse_worker_args
 from services.common.worker_runtime import (
     RunningWorker,
@@ -186,7 +187,7 @@ async def start_decode_worker(config: WorkerConfig) -> RunningWorker:
 
     return await start_worker(
         config,
-        worker_pb2.WORKER_ROLE_DECODE,
+        Role.DECODE,
         SERVICE_NAME,
         make_hooks,
         DecodeServicer,
@@ -195,7 +196,7 @@ async def start_decode_worker(config: WorkerConfig) -> RunningWorker:
 
 
 def main(argv: list[str] | None = None) -> int:
-    config = parse_worker_args("decode", argv)
+    config = parse_worker_args(Role.DECODE, argv)
     return asyncio.run(serve_worker(start_decode_worker(config)))
 
 

@@ -90,7 +90,7 @@ class LeaseHooks:
         """Unpublish a finished prefill's blocks, off this thread, and free them once that is
         done (a later ``before_step``). False if it holds none."""
         self._leases.pop(req_id, None)
-        held = req_id in engine.scheduler.held_kv
+        held = engine.holds_kv(req_id)
         if held and req_id not in self._unpublishing:
             self._unpublishing[req_id] = self._executor.submit(self.backend.unpublish, req_id)
         return held

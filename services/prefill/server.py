@@ -27,6 +27,7 @@ from services.common.convert import (
 )
 from services.common.engine_loop import EngineDeadError, StreamEndedError
 from services.common.failures import FailureKind, abort_with
+from services.common.roles import Role
 from services.common.worker_config import WorkerConfig, parse_worker_args
 from services.common.worker_runtime import (
     RunningWorker,
@@ -155,7 +156,7 @@ async def start_prefill_worker(config: WorkerConfig) -> RunningWorker:
 
     return await start_worker(
         config,
-        worker_pb2.WORKER_ROLE_PREFILL,
+        Role.PREFILL,
         SERVICE_NAME,
         make_hooks,
         PrefillServicer,
@@ -164,7 +165,7 @@ async def start_prefill_worker(config: WorkerConfig) -> RunningWorker:
 
 
 def main(argv: list[str] | None = None) -> int:
-    config = parse_worker_args("prefill", argv)
+    config = parse_worker_args(Role.PREFILL, argv)
     return asyncio.run(serve_worker(start_prefill_worker(config)))
 
 

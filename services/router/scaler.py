@@ -11,20 +11,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol
 
-from splitserve.v1 import router_pb2, worker_pb2
-
-SCALABLE_ROLES = {
-    worker_pb2.WORKER_ROLE_PREFILL: "prefill",
-    worker_pb2.WORKER_ROLE_DECODE: "decode",
-}
-_ROLE_VALUES = {name: value for value, name in SCALABLE_ROLES.items()}
+from services.common.roles import Role
+from splitserve.v1 import router_pb2
 
 
 @dataclass(frozen=True, slots=True)
 class PoolSize:
-    """Desired and actual size of one worker pool (``role`` is ``prefill`` or ``decode``)."""
+    """Desired and actual size of one worker pool."""
 
-    role: str
+    role: Role
     desired_workers: int
     num_ready: int
     num_starting: int
@@ -36,7 +31,7 @@ class PoolSize:
 
     def to_proto(self) -> router_pb2.PoolStatus:
         return router_pb2.PoolStatus(
-            role=_ROLE_VALUES[self.role],
+            role=self.role.to_proto(),
             desired_workers=self.desired_workers,
             num_ready=self.num_ready,
             num_starting=self.num_starting,
@@ -50,7 +45,7 @@ class PoolSize:
 class PoolScaler(Protocol):
     """An orchestrator that sizes the worker pools."""
 
-    async def scale(self, role: str, num_workers: int) -> list[PoolSize]:
+    async def scale(self, role: Role, num_workers: int) -> list[PoolSize]:
         """Set the desired size of ``role``'s pool; return every pool's size. Raises
         ``ValueError`` for a size the cluster cannot have."""
         ...

@@ -34,6 +34,7 @@ from services.common.grpc_server import ServingServer, serve_until_signal, start
 from services.common.logs import configure_logging
 from services.common.metrics import start_metrics_server
 from services.common.prefix_index import RedisPrefixIndex
+from services.common.roles import Role
 from services.router import metrics
 from services.router.config import RouterConfig, parse_router_args
 from services.router.explain import explain_response
@@ -43,7 +44,7 @@ from services.router.prefill_choice import PrefillChoice
 from services.router.request_prep import ModelLimits, PreparedRequest, prepare_request
 from services.router.response_stream import ResponseStream
 from services.router.route_plan import PrefillPlace, RoutePlan, build_planner
-from services.router.scaler import SCALABLE_ROLES, PoolScaler, PoolSize
+from services.router.scaler import PoolScaler, PoolSize
 from services.router.worker_pool import InflightSlot, WorkerHandle, WorkerPool
 from splitserve.v1 import router_pb2, router_pb2_grpc, worker_pb2
 
@@ -72,9 +73,9 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         rng = random.Random(config.seed)
         prefill = config.prefill_address_list if config.mode == "disaggregated" else ()
         fence_after = config.worker_fence_after_failed_polls
-        self.prefill_pool = WorkerPool(worker_pb2.WORKER_ROLE_PREFILL, prefill, fence_after)
+        self.prefill_pool = WorkerPool(Role.PREFILL, prefill, fence_after)
         self.decode_pool = WorkerPool(
-            worker_pb2.WORKER_ROLE_DECODE, config.decode_address_list, fence_after
+            Role.DECODE, config.decode_address_list, fence_after
         )
         self.planner = build_planner(config, self.prefill_pool, self.decode_pool, rng)
         self._num_inflight = 0
@@ -106,10 +107,10 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
     async def _poll_once(self) -> None:
         await asyncio.gather(self.prefill_pool.poll_all(), self.decode_pool.poll_all())
 
-    async def set_pool(self, role: str, members: dict[str, bool]) -> None:
+    async def set_pool(self, role: Role, members: dict[str, bool]) -> None:
         """Make the ``prefill`` or ``decode`` pool exactly ``members`` (address -> draining).
         Added workers are routable once healthy; draining ones get nothing new."""
-        pool = self.prefill_pool if role == "prefill" else self.decode_pool
+        pool = self.prefill_pool if role is Role.PREFILL else self.decode_pool
         await pool.set_members(members)
 
     def num_inflight_by_worker(self) -> dict[str, int]:
@@ -424,7 +425,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         unhealthy (until a poll succeeds) so that the caller moves on to another path."""
         remaining_s = context.time_remaining()
         deadline_was_ours = remaining_s is None or remaining_s > 0
-        failure = failures.judge(exc, worker.role_name, deadline_was_ours)
+        failure = failures.judge(exc, worker.role, deadline_was_ours)
         if failure is not None:
             await context.abort(failure.code, failure.details)
         worker.mark_failed(f"{exc.code().name}: {exc.details()}")
@@ -459,12 +460,10 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         self, request: router_pb2.ScaleRequest, context: grpc.aio.ServicerContext
     ) -> router_pb2.ScaleResponse:
         """Hand the pool's new size to the orchestrator (which starts or drains workers)."""
-        role = SCALABLE_ROLES.get(request.role)
-        if role is None:
-            await context.abort(
-                grpc.StatusCode.INVALID_ARGUMENT,
-                "role: must be WORKER_ROLE_PREFILL or WORKER_ROLE_DECODE",
-            )
+        try:
+            role = Role.from_proto(request.role)
+        except ValueError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         if self.scaler is None:
             await context.abort(
                 grpc.StatusCode.FAILED_PRECONDITION,
@@ -487,7 +486,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         workers = [
             router_pb2.WorkerStatus(
                 address=w.address,
-                role=w.role,
+                role=w.role.to_proto(),
                 healthy=w.healthy,
                 info=w.info,
                 load=w.load,

@@ -23,8 +23,8 @@ from dataclasses import dataclass, field
 import grpc
 
 from services.common.background import BackgroundTasks
-from services.common.convert import ROLE_NAMES
 from services.common.grpc_server import CHANNEL_OPTIONS
+from services.common.roles import Role
 from splitserve.v1 import worker_pb2, worker_pb2_grpc
 
 logger = logging.getLogger(__name__)
@@ -39,7 +39,7 @@ class WorkerHandle:
     """One worker as the router sees it. ``num_inflight`` counts the router's own requests."""
 
     address: str
-    role: worker_pb2.WorkerRole.ValueType
+    role: Role
     channel: grpc.aio.Channel
     stub: worker_pb2_grpc.PrefillWorkerStub | worker_pb2_grpc.DecodeWorkerStub
     healthy: bool = False
@@ -60,13 +60,9 @@ class WorkerHandle:
 
     def mark_failed(self, error: str) -> None:
         if self.healthy:
-            logger.warning("%s worker %s marked unhealthy: %s", self.role_name, self.address, error)
+            logger.warning("%s worker %s marked unhealthy: %s", self.role, self.address, error)
         self.healthy = False
         self.last_error = error
-
-    @property
-    def role_name(self) -> str:
-        return ROLE_NAMES[self.role]
 
     def open_call(self, call: grpc.aio.Call) -> None:
         """Track ``call`` until ``close_call``, so that ``fence`` can cancel it."""
@@ -86,7 +82,7 @@ class WorkerHandle:
         if self._open_calls:
             logger.warning(
                 "%s worker %s fenced: cancelling %d open calls (%s)",
-                self.role_name,
+                self.role,
                 self.address,
                 len(self._open_calls),
                 reason,
@@ -113,7 +109,7 @@ class WorkerHandle:
             return
         self.num_failed_polls = 0
         if not self.healthy:
-            logger.info("%s worker %s is healthy", self.role_name, self.address)
+            logger.info("%s worker %s is healthy", self.role, self.address)
         self.healthy = True
         self.last_error = ""
 
@@ -138,7 +134,7 @@ class WorkerPool:
 
     def __init__(
         self,
-        role: worker_pb2.WorkerRole.ValueType,
+        role: Role,
         addresses: tuple[str, ...],
         fence_after_failed_polls: int = 2,
     ) -> None:
@@ -146,7 +142,7 @@ class WorkerPool:
         self.fence_after_failed_polls = fence_after_failed_polls
         self._stub_cls = (
             worker_pb2_grpc.PrefillWorkerStub
-            if role == worker_pb2.WORKER_ROLE_PREFILL
+            if role is Role.PREFILL
             else worker_pb2_grpc.DecodeWorkerStub
         )
         self.workers: list[WorkerHandle] = [self._connect(address) for address in addresses]
@@ -185,14 +181,14 @@ class WorkerPool:
             if worker.draining != draining:
                 logger.info(
                     "%s worker %s %s",
-                    worker.role_name,
+                    worker.role,
                     address,
                     "draining" if draining else "routable again",
                 )
             worker.draining = draining
         self.workers = [w for w in self.workers if w.address in members]
         for worker in removed:
-            logger.info("%s worker %s removed from the pool", worker.role_name, worker.address)
+            logger.info("%s worker %s removed from the pool", worker.role, worker.address)
             self._retired.add(worker)
             self._background.spawn(self._close_when_idle(worker))
         await asyncio.gather(*(w.poll() for w in added))

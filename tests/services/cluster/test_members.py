@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-from services.cluster.members import Member, MemberState, busy_units, pick_victims, pool_size
+from services.cluster.members import Member, MemberState, Pool, busy_units, pick_victims
+from services.common.roles import Role
 from splitserve.v1 import worker_pb2
 
 
 def members(*states: MemberState) -> list[Member]:
-    return [Member(f"w{i}", "decode", actor=None, state=s) for i, s in enumerate(states)]
+    return [Member(f"w{i}", Role.DECODE, actor=None, state=s) for i, s in enumerate(states)]
 
 
 def test_starting_workers_go_first_newest_first():
@@ -32,7 +33,7 @@ def test_busy_units_count_requests_kv_and_router_calls():
 
 def test_pool_size_counts_states():
     pool = members(MemberState.READY, MemberState.STARTING, MemberState.DRAINING)
-    size = pool_size("decode", 2, pool, num_restarts=3)
+    size = Pool(Role.DECODE, 2, pool, num_restarts=3).size()
     assert (size.num_ready, size.num_starting, size.num_draining) == (1, 1, 1)
     assert (size.desired_workers, size.num_restarts) == (2, 3)
     assert [m.live for m in pool] == [True, True, False]

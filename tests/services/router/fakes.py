@@ -11,11 +11,12 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any, cast
 
+from services.common.roles import Role
 from services.router.worker_pool import WorkerHandle, WorkerPool
 from splitserve.v1 import worker_pb2
 
-PREFILL = worker_pb2.WORKER_ROLE_PREFILL
-DECODE = worker_pb2.WORKER_ROLE_DECODE
+PREFILL = Role.PREFILL
+DECODE = Role.DECODE
 BLOCK_SIZE = 16
 
 
@@ -35,7 +36,7 @@ class W:
     shutting_down: bool = False
     block_size: int = BLOCK_SIZE
 
-    def build(self, role: worker_pb2.WorkerRole.ValueType) -> WorkerHandle:
+    def build(self, role: Role) -> WorkerHandle:
         return WorkerHandle(
             address=self.address,
             role=role,
@@ -43,7 +44,7 @@ class W:
             stub=cast(Any, None),
             healthy=self.healthy,
             info=worker_pb2.WorkerInfo(
-                worker_id=self.address, role=role, block_size=self.block_size
+                worker_id=self.address, role=role.to_proto(), block_size=self.block_size
             ),
             load=worker_pb2.WorkerLoad(
                 num_running=self.running,
@@ -58,7 +59,7 @@ class W:
         )
 
 
-def make_pool(role: worker_pb2.WorkerRole.ValueType, workers: Iterable[W]) -> WorkerPool:
+def make_pool(role: Role, workers: Iterable[W]) -> WorkerPool:
     """A pool holding ``workers`` (built with no channel: the pool opens none for them)."""
     pool = WorkerPool(role, ())
     pool.workers = [w.build(role) for w in workers]

@@ -1,0 +1,42 @@
+"""``EngineStats``: a snapshot of one engine's load, for routing and the Status RPC."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from engine.scheduler import Scheduler
+
+
+@dataclass(frozen=True, slots=True)
+class EngineStats:
+    """A snapshot of the engine's load, for routing and the Status RPC."""
+
+    num_running: int
+    num_waiting: int
+    num_waiting_for_kv: int
+    num_held_kv: int
+    num_total_blocks: int
+    num_used_blocks: int
+    num_cached_blocks: int
+    num_queued_prefill_tokens: int
+    num_preemptions: int
+
+    @property
+    def kv_usage(self) -> float:
+        return self.num_used_blocks / self.num_total_blocks
+
+
+def make_stats(scheduler: Scheduler) -> EngineStats:
+    """Snapshot ``scheduler`` and the block pool behind it. No side effects."""
+    pool = scheduler.kv_cache_manager.block_pool
+    return EngineStats(
+        num_running=len(scheduler.running),
+        num_waiting=len(scheduler.waiting),
+        num_waiting_for_kv=len(scheduler.waiting_for_remote_kv),
+        num_held_kv=len(scheduler.held_kv),
+        num_total_blocks=pool.num_blocks,
+        num_used_blocks=pool.num_blocks - pool.num_free_blocks,
+        num_cached_blocks=pool.num_cached_blocks,
+        num_queued_prefill_tokens=scheduler.num_queued_prefill_tokens,
+        num_preemptions=scheduler.num_preemptions,
+    )

@@ -1,0 +1,43 @@
+"""The roles a splitserve process plays, and their names on the wire."""
+
+from __future__ import annotations
+
+import enum
+
+from splitserve.v1 import worker_pb2
+
+_TO_PROTO = {
+    "prefill": worker_pb2.WORKER_ROLE_PREFILL,
+    "decode": worker_pb2.WORKER_ROLE_DECODE,
+}
+
+
+class Role(enum.StrEnum):
+    """A process's role. Its value is the name used in flags, logs, metrics labels, actor
+    names and Kubernetes (a ``str``, so it formats and serializes as that name)."""
+
+    PREFILL = "prefill"
+    DECODE = "decode"
+    ROUTER = "router"
+
+    @property
+    def is_pool(self) -> bool:
+        """A worker pool's role (the router is not a pool: it is replicated, not scaled)."""
+        return self is not Role.ROUTER
+
+    def to_proto(self) -> worker_pb2.WorkerRole.ValueType:
+        """The ``WorkerRole`` of a pool role; ``ValueError`` for the router."""
+        if not self.is_pool:
+            raise ValueError(f"{self} has no WorkerRole")
+        return _TO_PROTO[self.value]
+
+    @classmethod
+    def from_proto(cls, value: int) -> Role:
+        """The pool role of a ``WorkerRole``; ``ValueError`` for UNSPECIFIED or unknown values."""
+        for name, proto in _TO_PROTO.items():
+            if proto == value:
+                return cls(name)
+        raise ValueError(f"role: must be WORKER_ROLE_PREFILL or WORKER_ROLE_DECODE, got {value}")
+
+
+POOL_ROLES = (Role.PREFILL, Role.DECODE)
