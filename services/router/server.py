@@ -21,7 +21,7 @@ import logging
 import random
 import sys
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 import grpc
@@ -29,7 +29,7 @@ import grpc
 from engine.loader.models import resolve_model
 from engine.tokenizer import Tokenizer
 from services.common.background import BackgroundTasks
-from services.common.convert import FINISH_REASON_NAMES, sampling_params_to_worker
+from services.common.convert import FINISH_REASON_NAMES
 from services.common.grpc_server import ServingServer, serve_until_signal, start_server
 from services.common.logs import configure_logging
 from services.common.metrics import start_metrics_server
@@ -40,12 +40,11 @@ from services.router.config import RouterConfig, parse_router_args
 from services.router.explain import explain_response
 from services.router.failure_policy import FailurePolicy
 from services.router.latency import LatencyWindow
-from services.router.prefill_choice import PrefillChoice
 from services.router.request_prep import ModelLimits, PreparedRequest, prepare_request
-from services.router.response_stream import ResponseStream
-from services.router.route_plan import PrefillPlace, RoutePlan, build_planner
+from services.router.route_plan import PrefillPlace, build_planner
+from services.router.routed_request import RoutedRequest, release_lease
 from services.router.scaler import PoolScaler, PoolSize
-from services.router.worker_pool import InflightSlot, WorkerHandle, WorkerPool
+from services.router.worker_pool import WorkerHandle, WorkerPool
 from splitserve.v1 import router_pb2, router_pb2_grpc, worker_pb2
 
 logger = logging.getLogger(__name__)
@@ -74,9 +73,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         prefill = config.prefill_address_list if config.mode == "disaggregated" else ()
         fence_after = config.worker_fence_after_failed_polls
         self.prefill_pool = WorkerPool(Role.PREFILL, prefill, fence_after)
-        self.decode_pool = WorkerPool(
-            Role.DECODE, config.decode_address_list, fence_after
-        )
+        self.decode_pool = WorkerPool(Role.DECODE, config.decode_address_list, fence_after)
         self.planner = build_planner(config, self.prefill_pool, self.decode_pool, rng)
         self._num_inflight = 0
         self.bounds = config.request_bounds()
@@ -159,16 +156,11 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         # Counted from here: a burst of expensive prompts is bounded while it is tokenized.
         self._num_inflight += 1
         metrics.INFLIGHT.inc()
-        outcome = "error"
+        outcome = "invalid"
         last_token_s: float | None = None
         try:
-            try:
-                prepared = await asyncio.to_thread(
-                    prepare_request, request, self.tokenizer, limits, self.bounds
-                )
-            except ValueError as exc:
-                outcome = "invalid"
-                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            prepared = await self._prepare(request, limits, context)
+            outcome = "error"
             async for message in self._generate(prepared, context):
                 if message.token_ids:
                     now_s = time.perf_counter()
@@ -199,10 +191,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
     async def _admit(self, context: grpc.aio.ServicerContext) -> ModelLimits:
         """The model's limits if a request may start now; else abort the call (UNAVAILABLE
         before any decode worker answered, RESOURCE_EXHAUSTED at --max-inflight-requests)."""
-        limits = self.limits()
-        if limits is None:
-            metrics.REQUESTS.labels("rejected").inc()
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "no decode worker has answered yet")
+        limits = await self._limits(context)
         if self._num_inflight >= self.config.max_inflight_requests:
             metrics.REQUESTS.labels("rejected").inc()
             await context.abort(
@@ -211,142 +200,117 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             )
         return limits
 
+    async def _limits(self, context: grpc.aio.ServicerContext) -> ModelLimits:
+        """The model's limits; the call is aborted (UNAVAILABLE) before any decode worker
+        answered."""
+        limits = self.limits()
+        if limits is None:
+            metrics.REQUESTS.labels("rejected").inc()
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "no decode worker has answered yet")
+        return limits
+
+    async def _prepare(
+        self,
+        request: router_pb2.GenerateRequest,
+        limits: ModelLimits,
+        context: grpc.aio.ServicerContext,
+    ) -> PreparedRequest:
+        """Validate and tokenize ``request`` (off the event loop); INVALID_ARGUMENT naming the
+        field otherwise."""
+        try:
+            return await asyncio.to_thread(
+                prepare_request, request, self.tokenizer, limits, self.bounds
+            )
+        except ValueError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+
     async def _generate(
         self, prepared: PreparedRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[router_pb2.GenerateResponse]:
-        req_id = prepared.req_id
-        if prepared.client_request_id != req_id:
+        if prepared.client_request_id != prepared.req_id:
             logger.info(
-                "req_id=%s is the client's request_id %r", req_id, prepared.client_request_id
+                "req_id=%s is the client's request_id %r",
+                prepared.req_id,
+                prepared.client_request_id,
             )
-        stream = ResponseStream(
-            prepared.client_request_id, self.tokenizer, prepared.prompt_token_ids, prepared.params
+        routed = RoutedRequest(
+            prepared, self.tokenizer, self.planner.prefill_chooser, self._background
         )
-        worker_params = sampling_params_to_worker(prepared.params)
-        decode_request = worker_pb2.DecodeRequest(
-            request_id=req_id, prompt_token_ids=prepared.prompt_token_ids, sampling=worker_params
-        )
-        lease_holder: WorkerHandle | None = None
-        failures = FailurePolicy()
-        chooser = self.planner.prefill_chooser
-        slot = InflightSlot()
-        # Colocated: the decode worker's reservation, held until its first token.
-        colocated: PrefillChoice | None = None
         try:
-            plan = await self.planner.plan(req_id, prepared.prompt_token_ids)
-            if plan.place is PrefillPlace.COLOCATED and plan.prefill.reservation is not None:
-                colocated = plan.prefill
-            # The decode worker counts the request from now on, so that a burst spreads.
-            slot.move_to(plan.decode.worker if plan.decode is not None else None)
-            prefill = plan.prefill_worker
+            routed.planned(await self.planner.plan(prepared.req_id, prepared.prompt_token_ids))
+            assert routed.plan is not None
+            prefill = routed.plan.prefill_worker
             if prefill is not None:
-                response = None
-                try:
-                    response = await self._prefill(
-                        prefill, prepared, worker_params, context, failures
-                    )
-                    if response is None:  # the worker failed (a cancelled call raises)
-                        await chooser.forget(prefill)
-                finally:
-                    chooser.done(plan.prefill, response)
+                response = await self._prefill(prefill, routed, context)
                 if response is not None:
-                    stream.num_cached_tokens = response.num_cached_tokens
-                    logprobs = [response.logprob] if response.HasField("logprob") else []
-                    yield stream.push(
+                    yield routed.stream.push(
                         [response.token_id],
-                        logprobs,
+                        [response.logprob] if response.HasField("logprob") else [],
                         finish_reason=response.finish_reason if response.finished else "",
                         stop_reason=str(response.token_id)
                         if response.finish_reason == "stop"
                         else "",
                     )
-                    decode_request.output_token_ids.extend(stream.output_token_ids)
-                    if response.HasField("kv_ref"):
-                        lease_holder = prefill
-                        decode_request.kv_ref.CopyFrom(response.kv_ref)
-                        decode_request.kv_peer.CopyFrom(response.kv_peer)
-                    if stream.finished:
+                    routed.decode_request.output_token_ids.extend(routed.stream.output_token_ids)
+                    if routed.stream.finished:
                         return
-
-            def drop_lease() -> None:  # the prompt is recomputed instead of pulled
-                nonlocal lease_holder
-                if lease_holder is not None:
-                    self._background.spawn(self._release(lease_holder, req_id))
-                    lease_holder = None
-
-            decoding = self._decode(
-                decode_request, stream, plan, slot, context, drop_lease, failures
-            )
-            async for message in decoding:
-                lease_holder = None  # the decode worker owns the pull and its release now
-                if colocated is not None:
-                    chooser.cancel(colocated)
-                    colocated = None
+            async for message in self._decode(routed, context):
+                routed.decode_started()
                 yield message
-            if plan.place is PrefillPlace.COLOCATED:
-                chooser.record_hits(plan.prefill, stream.num_cached_tokens)
+            routed.finished()
         finally:
-            slot.move_to(None)
-            if colocated is not None:
-                chooser.cancel(colocated)
-            if lease_holder is not None:
-                await self._release(lease_holder, req_id)
+            await routed.close()
 
     async def _prefill(
-        self,
-        worker: WorkerHandle,
-        prepared: PreparedRequest,
-        worker_params: worker_pb2.WorkerSamplingParams,
-        context: grpc.aio.ServicerContext,
-        failures: FailurePolicy,
+        self, worker: WorkerHandle, routed: RoutedRequest, context: grpc.aio.ServicerContext
     ) -> worker_pb2.PrefillResponse | None:
         """Run the prefill; None when the worker failed (the decode worker prefills instead)."""
         request = worker_pb2.PrefillRequest(
-            request_id=prepared.req_id,
-            prompt_token_ids=prepared.prompt_token_ids,
-            sampling=worker_params,
+            request_id=routed.req_id,
+            prompt_token_ids=routed.prepared.prompt_token_ids,
+            sampling=routed.worker_params,
         )
         worker.num_inflight += 1
         call = worker.stub.Prefill(request, timeout=self._call_timeout_s(context))
         worker.open_call(call)
+        response: worker_pb2.PrefillResponse | None = None
         error = ""
         try:
-            return await call
+            response = await call
         except grpc.aio.AioRpcError as exc:
-            await self._worker_failed(worker, exc, context, failures)
+            await self._worker_failed(worker, exc, context, routed.failures)
             error = exc.code().name
         except asyncio.CancelledError:
             if not _fenced(worker, call):
                 call.cancel()
                 # A prefill that completed as we were cancelled leaves a lease; drop it now.
-                self._background.spawn(self._release(worker, prepared.req_id))
+                self._background.spawn(release_lease(worker, routed.req_id))
                 raise
             error = "fenced"
         finally:
             worker.close_call(call)
             worker.num_inflight -= 1
+        await routed.prefill_done(worker, response)
+        if response is not None:
+            routed.stream.num_cached_tokens = response.num_cached_tokens
+            return response
         metrics.PREFILL_FALLBACKS.inc()
         logger.warning(
             "req_id=%s prefill on %s failed (%s); the decode worker prefills locally",
-            prepared.req_id,
+            routed.req_id,
             worker.address,
             error,
         )
         return None
 
     async def _decode(
-        self,
-        request: worker_pb2.DecodeRequest,
-        stream: ResponseStream,
-        plan: RoutePlan,
-        slot: InflightSlot,
-        context: grpc.aio.ServicerContext,
-        drop_lease: Callable[[], None],
-        failures: FailurePolicy,
+        self, routed: RoutedRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[router_pb2.GenerateResponse]:
-        """Stream the decode on the planned worker (``slot``'s); on a failure continue on
-        another one, moving ``slot`` along, from the prompt and the tokens sent so far (the
-        prefill worker's lease is released: the next decode worker computes the prompt)."""
+        """Stream the decode on the planned worker (``routed.slot``'s); on a failure continue
+        on another one, moving the slot along, from the prompt and the tokens sent so far (the
+        next decode worker computes the prompt: the prefill worker's lease is released)."""
+        assert routed.plan is not None
+        plan, slot, stream, request = routed.plan, routed.slot, routed.stream, routed.decode_request
         tried: set[str] = set()
         prompt_blocks = len(plan.prefill.block_hashes)
         for _ in range(self.config.max_decode_retries + 1):
@@ -378,7 +342,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                     if stream.finished:
                         return
             except grpc.aio.AioRpcError as exc:
-                await self._worker_failed(worker, exc, context, failures)
+                await self._worker_failed(worker, exc, context, routed.failures)
                 error = exc.code().name
             except asyncio.CancelledError:
                 if not _fenced(worker, call):
@@ -395,7 +359,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             metrics.DECODE_FAILOVERS.inc()
             logger.warning(
                 "req_id=%s decode on %s failed after %d tokens (%s); moving on",
-                request.request_id,
+                routed.req_id,
                 worker.address,
                 len(stream.output_token_ids),
                 error,
@@ -403,9 +367,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             # Continue from what the client already has, prefilling it locally.
             del request.output_token_ids[:]
             request.output_token_ids.extend(stream.output_token_ids)
-            request.ClearField("kv_ref")
-            request.ClearField("kv_peer")
-            drop_lease()
+            routed.recompute_prompt()
         await context.abort(grpc.StatusCode.UNAVAILABLE, "no healthy decode worker")
 
     def _call_timeout_s(self, context: grpc.aio.ServicerContext) -> float:
@@ -430,28 +392,13 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             await context.abort(failure.code, failure.details)
         worker.mark_failed(f"{exc.code().name}: {exc.details()}")
 
-    async def _release(self, worker: WorkerHandle, req_id: str) -> None:
-        try:
-            await worker.stub.Release(worker_pb2.ReleaseRequest(request_id=req_id), timeout=5.0)
-        except grpc.aio.AioRpcError as exc:
-            logger.warning(
-                "req_id=%s release on %s failed: %s", req_id, worker.address, exc.code().name
-            )
-
     # ----------------------------------------------------------------------------- Explain
     async def Explain(
         self, request: router_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> router_pb2.ExplainResponse:
         """Score the prefill candidates for ``request`` as ``Generate`` would, reserving none."""
-        limits = self.limits()
-        if limits is None:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "no decode worker has answered yet")
-        try:
-            prepared = await asyncio.to_thread(
-                prepare_request, request, self.tokenizer, limits, self.bounds
-            )
-        except ValueError as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        limits = await self._limits(context)
+        prepared = await self._prepare(request, limits, context)
         plan = await self.planner.plan(None, prepared.prompt_token_ids)
         return explain_response(plan, len(prepared.prompt_token_ids))
 
