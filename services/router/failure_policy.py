@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import grpc
 
 from services.common.failures import FailureKind, failure_kind
+from services.common.roles import Role
 
 _RETRYABLE = frozenset(
     {
@@ -42,11 +43,11 @@ class FailurePolicy:
     num_engine_deaths: int = 0
 
     def judge(
-        self, error: grpc.aio.AioRpcError, role_name: str, deadline_was_ours: bool = False
+        self, error: grpc.aio.AioRpcError, role: Role, deadline_was_ours: bool = False
     ) -> Failure | None:
         """None: retry on another worker. Else the status to fail the request with."""
         code = error.code()
-        details = error.details() or f"{role_name} worker failed"
+        details = error.details() or f"{role} worker failed"
         kind = failure_kind(error)
         if kind is FailureKind.REQUEST:
             return Failure(code, details)
