@@ -1,6 +1,6 @@
 """Which decode worker runs a request: the least busy, counting the KV blocks it must pull.
 
-For each healthy decode worker (DESIGN §3)::
+For each healthy decode worker (docs/architecture.md#decode-choice)::
 
     cost = load_weight * active_requests + move_weight * (prompt_blocks - matched_blocks)
 

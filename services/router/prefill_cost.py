@@ -1,6 +1,6 @@
 """The prefill cost and the bounded-load pick: the reference that the Redis script mirrors.
 
-For each candidate prefill worker (Dynamo-style cost in blocks, DESIGN §3)::
+For each candidate prefill worker (Dynamo-style cost in blocks; docs/architecture.md#prefill-cost)::
 
     queued_blocks = max(reported_queued_blocks, reserved_blocks)
     cost = cache_weight * (prompt_blocks - matched_blocks) + load_weight * queued_blocks
