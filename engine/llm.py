@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Iterator, Sequence
-from typing import Any
+from typing import Any, cast
 
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
@@ -69,7 +69,8 @@ class LLM:
         params: SamplingParams | Sequence[SamplingParams] | None,
     ) -> list[str]:
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]  # type: ignore[list-item]
+            prompts = [cast(Prompt, prompts)]
+        prompts = cast(Sequence[Prompt], prompts)
         if params is None or isinstance(params, SamplingParams):
             params = [params or SamplingParams()] * len(prompts)
         if len(params) != len(prompts):

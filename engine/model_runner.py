@@ -80,7 +80,7 @@ class ModelRunner:
         self.decode_kernel = self._select_decode_kernel()
         self.prefill_kernel = self._select_prefill_kernel()
         fused_ops = self.cpu_kernels is not None and self.dtype in FUSED_OPS_DTYPES
-        if fused_ops:
+        if self.cpu_kernels is not None and fused_ops:
             self.model.use_ops(FusedCpuOps(self.cpu_kernels))
         self.kernels = KernelPlan(
             cpu_isa=self.cpu_isa,

@@ -99,7 +99,9 @@ def _column(values: list[float], device: torch.device) -> torch.Tensor:
     return torch.tensor(values, dtype=torch.float32, device=device).unsqueeze(1)
 
 
-def _flat_positions(token_ids_by_row: list[tuple[int, Sequence[int]]], vocab: int) -> torch.Tensor:
+def _flat_positions(
+    token_ids_by_row: Sequence[tuple[int, Sequence[int]]], vocab: int
+) -> torch.Tensor:
     """``row * vocab + token_id`` for every (row, token ids) pair, as one int64 tensor."""
     flat = itertools.chain.from_iterable(ids for _, ids in token_ids_by_row)
     token_ids = torch.tensor(list(flat), dtype=torch.long)

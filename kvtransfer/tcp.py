@@ -112,7 +112,7 @@ class TcpBackend(PullBackend):
 
     # ------------------------------------------------------------------ source side
     def _listen(self, rows: torch.Tensor) -> int:
-        self._flat = memoryview(rows.numpy().reshape(-1))
+        self._flat = rows.numpy().reshape(-1).data
         listener = socket.create_server((self._host, self._port), backlog=128)
         port = listener.getsockname()[1]
         with self._lock:

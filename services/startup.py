@@ -89,7 +89,7 @@ def why_not_serving(status: router_pb2.StatusResponse) -> str | None:
     return "; ".join(["no decode worker is ready yet", *cluster_problems(status)])
 
 
-def why_pool_not_at_size(role: worker_pb2.WorkerRole.ValueType) -> WhyNot:
+def why_pool_not_at_size(role: worker_pb2.WorkerRole) -> WhyNot:
     """For ``splitserve scale --wait``: why ``role``'s pool is not at its size with every worker
     ready and none draining."""
 
@@ -147,9 +147,10 @@ def wait_for_cluster(
                 raise
             reason = f"no router answers at {target} yet"
         else:
-            reason = why_not(status)
-            if reason is None:
+            why = why_not(status)
+            if why is None:
                 return status
+            reason = why
         if time.monotonic() + _POLL_S > deadline_s:
             raise ClusterNotReady(reason)
         messages.show(reason)

@@ -150,7 +150,7 @@ def _post_processor(vocab: GGUFVocab) -> processors.PostProcessor:
     template = processors.TemplateProcessing(
         single=single,
         pair=pair,
-        special_tokens=[(token, special_ids[token]) for token in dict.fromkeys(prefix + suffix)],
+        special_tokens=[(token, token_id) for token, token_id in special_ids.items()],
     )
     return processors.Sequence([byte_level, template])
 
@@ -163,7 +163,7 @@ def build_tokenizer(vocab: GGUFVocab) -> Tokenizer:
     """
     bpe = models.BPE(
         vocab={token: token_id for token_id, token in enumerate(vocab.tokens)},
-        merges=[tuple(merge.split(" ", 1)) for merge in vocab.merges],
+        merges=[(left, right) for left, right in (m.split(" ", 1) for m in vocab.merges)],
         fuse_unk=False,
         byte_fallback=False,
     )

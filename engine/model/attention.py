@@ -209,6 +209,7 @@ def _decode(
             inputs.sliding_window or -1,
         )
     group = num_heads // cache.num_kv_heads
+    assert inputs.tile_rows is not None and inputs.bias is not None  # built for the torch path
     keys, values = cache.gather(layer, inputs.tile_rows)  # [B, KVH, L, D]
     qg = q.view(num_seqs, cache.num_kv_heads, group, head_dim)  # [B, KVH, G, D]
     scores = torch.matmul(qg, keys.transpose(-1, -2)).mul_(head_dim**-0.5)

@@ -100,6 +100,7 @@ class LlamaForCausalLM(nn.Module):
         self.config = config
         self.ops = TorchOps()
         self.model = LlamaModel(config)
+        self.lm_head: nn.Embedding | nn.Linear
         if config.tie_word_embeddings:
             self.lm_head = self.model.embed_tokens
         else:

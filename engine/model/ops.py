@@ -19,8 +19,7 @@ from engine.model.rotary import apply_rotary
 class TorchOps:
     """Reference ops, any dtype and device."""
 
-    @staticmethod
-    def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         """Hugging Face's RMSNorm bit for bit: normalize in float32, round, then scale.
 
         (``F.rms_norm`` straight on bfloat16 is both slower on CPU and rounds differently.)
@@ -33,14 +32,14 @@ class TorchOps:
         """``residual += x`` in place (the decoder's residual add), then its RMSNorm."""
         return self.rms_norm(residual.add_(x), weight, eps)
 
-    @staticmethod
-    def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         """``silu(gate) * up`` for rows ``[gate | up]``."""
         gate, up = gate_up.chunk(2, dim=-1)
         return F.silu(gate) * up
 
-    @staticmethod
-    def rotary_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_heads: int) -> None:
+    def rotary_(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_heads: int
+    ) -> None:
         """Rotate heads ``[0, num_heads)`` of ``x`` [T, heads, D] in place (see ``cos_sin``)."""
         x[:, :num_heads] = apply_rotary(x[:, :num_heads], cos, sin)
 

@@ -117,7 +117,9 @@ class ClusterController:
         }
         self._failures: deque[WorkerFailure] = deque(maxlen=_FAILURES_KEPT)
         self._num_failures = 0
-        self._actor_classes = {role: ray.remote(cls) for role, cls in ACTOR_CLASSES.items()}
+        self._actor_classes: dict[Role, Any] = {
+            role: ray.remote(cls) for role, cls in ACTOR_CLASSES.items()
+        }
         self._names = itertools.count()
         self._token = secrets.token_hex(2)
         self._probes = ClusterProbes()
@@ -280,7 +282,7 @@ class ClusterController:
             pools = {r: self._addresses(r) for r in POOL_ROLES}
             port = self._cluster.port + slot if self._cluster.port else 0
             metrics_port = self._cluster.router_metrics_port
-            config = dataclasses.replace(
+            router_config = dataclasses.replace(
                 self._router_config,
                 port=port,
                 metrics_port=metrics_port + slot if metrics_port else 0,
@@ -290,7 +292,7 @@ class ClusterController:
             )
             handle = ray.get_runtime_context().current_actor
             return actor_class.options(num_cpus=0, resources={HEAD_RESOURCE: 0.001}).remote(
-                config, handle, self._log_level
+                router_config, handle, self._log_level
             )
         config = dataclasses.replace(
             self._worker_config, worker_id=name, metrics_port=self._cluster.worker_metrics_port

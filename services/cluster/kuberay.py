@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 from kubernetes import client, config
 
@@ -44,8 +44,11 @@ class KubeRayGroups:
         self._api = client.CustomObjectsApi(api_client)
 
     def _get(self) -> dict[str, Any]:
-        return self._api.get_namespaced_custom_object(
-            GROUP, VERSION, self.namespace, PLURAL, self.cluster_name
+        return cast(
+            dict[str, Any],
+            self._api.get_namespaced_custom_object(
+                GROUP, VERSION, self.namespace, PLURAL, self.cluster_name
+            ),
         )
 
     def _group(self, group: str) -> tuple[int, dict[str, Any]]:

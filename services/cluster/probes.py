@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import grpc
@@ -66,7 +66,7 @@ class ClusterProbes:
         }
 
     async def signals(
-        self, routers: Sequence[Member], pools: dict[Role, tuple[int, Sequence[Member]]]
+        self, routers: Sequence[Member], pools: Mapping[Role, tuple[int, Sequence[Member]]]
     ) -> dict[Role, PoolSignals]:
         """This window's ``PoolSignals`` per pool (``pools``: role -> (desired size, ready
         workers)). Drains the routers' latency windows."""

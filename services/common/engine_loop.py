@@ -18,7 +18,7 @@ import concurrent.futures
 import logging
 import queue
 import threading
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, Callable
 from typing import Any, Protocol, TypeVar
 
 from engine.block_pool import KVCacheEvent
@@ -99,7 +99,7 @@ class EngineLoop:
         # Called once on the asyncio loop after the engine thread crashed, once every open
         # stream has been handed its EngineDeadError.
         self.on_dead: Callable[[BaseException], None] | None = None
-        self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+        self._commands: queue.SimpleQueue[Callable[[], object]] = queue.SimpleQueue()
         self._wakeup = threading.Event()
         self._streams: dict[str, OutputStream] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -152,7 +152,7 @@ class EngineLoop:
 
     async def generate(
         self, req_id: str, add: Callable[[LLMEngine], Any]
-    ) -> AsyncIterator[RequestOutput]:
+    ) -> AsyncGenerator[RequestOutput, None]:
         """Add a request with ``add(engine)`` (which may raise ``ValueError``) and yield its
         outputs until the finished one. Closing or cancelling the iterator early aborts it."""
         if req_id in self._streams:

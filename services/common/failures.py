@@ -28,6 +28,12 @@ class FailureKind(enum.Enum):
     SHUTDOWN = "shutdown"
 
 
+async def abort(context: grpc.aio.ServicerContext, code: grpc.StatusCode, details: str) -> NoReturn:
+    """End the call with ``code`` and ``details`` (``context.abort``, typed: it always raises)."""
+    await context.abort(code, details)
+    raise AssertionError("unreachable: abort raises")
+
+
 async def abort_with(
     context: grpc.aio.ServicerContext, code: grpc.StatusCode, kind: FailureKind, details: str
 ) -> NoReturn:

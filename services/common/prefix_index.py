@@ -17,6 +17,7 @@ import abc
 import time
 from collections import OrderedDict
 from collections.abc import Sequence
+from typing import cast
 
 import redis.asyncio as aioredis
 
@@ -247,9 +248,7 @@ class RedisPrefixIndex(PrefixIndex):
         await self._remove(worker_id, block_hashes)
 
     async def clear(self, worker_id: str) -> None:
-        await self._remove(
-            worker_id, list(await self._redis.smembers(f"{self._ns}worker:{worker_id}"))
-        )
+        await self._remove(worker_id, await self.entries(worker_id))
 
     async def forget(self, worker_id: str) -> None:
         await self.clear(worker_id)
@@ -268,7 +267,9 @@ class RedisPrefixIndex(PrefixIndex):
         return dead
 
     async def entries(self, worker_id: str) -> list[BlockHash]:
-        return list(await self._redis.smembers(f"{self._ns}worker:{worker_id}"))
+        # The client returns bytes (no decode_responses): block hashes are raw digests.
+        members = cast(set[BlockHash], await self._redis.smembers(f"{self._ns}worker:{worker_id}"))
+        return list(members)
 
     async def heartbeat(self, worker_id: str, ttl_s: float) -> bool:
         key = f"{self._ns}alive:{worker_id}"

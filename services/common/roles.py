@@ -6,7 +6,7 @@ import enum
 
 from splitserve.v1 import worker_pb2
 
-_TO_PROTO = {
+_TO_PROTO: dict[str, worker_pb2.WorkerRole] = {
     "prefill": worker_pb2.WORKER_ROLE_PREFILL,
     "decode": worker_pb2.WORKER_ROLE_DECODE,
 }
@@ -25,7 +25,7 @@ class Role(enum.StrEnum):
         """A worker pool's role (the router is not a pool: it is replicated, not scaled)."""
         return self is not Role.ROUTER
 
-    def to_proto(self) -> worker_pb2.WorkerRole.ValueType:
+    def to_proto(self) -> worker_pb2.WorkerRole:
         """The ``WorkerRole`` of a pool role; ``ValueError`` for the router."""
         if not self.is_pool:
             raise ValueError(f"{self} has no WorkerRole")

@@ -146,9 +146,9 @@ class PrefillChooser:
             selection = await ledger.select(req_id, block_hashes, loads, self._weights, tie_value)
         scored = zip(workers, selection.scores, strict=True)
         candidates = tuple(PrefillCandidate(w, s) for w, s in scored)
-        worker = workers[selection.chosen] if selection.chosen is not None else None
+        chosen = workers[selection.chosen] if selection.chosen is not None else None
         return PrefillChoice(
-            worker, block_hashes, candidates, selection.matched, selection.reservation, ledger
+            chosen, block_hashes, candidates, selection.matched, selection.reservation, ledger
         )
 
     def _tie_value(self, num_candidates: int) -> float:

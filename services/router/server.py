@@ -30,6 +30,7 @@ from engine.loader.models import resolve_model
 from engine.tokenizer import Tokenizer
 from services.common.background import BackgroundTasks
 from services.common.convert import FINISH_REASON_NAMES
+from services.common.failures import abort
 from services.common.grpc_server import ServingServer, serve_until_signal, start_server
 from services.common.logs import configure_logging
 from services.common.metrics import start_metrics_server
@@ -194,7 +195,8 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         limits = await self._limits(context)
         if self._num_inflight >= self.config.max_inflight_requests:
             metrics.REQUESTS.labels("rejected").inc()
-            await context.abort(
+            await abort(
+                context,
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
                 f"{self._num_inflight} requests in flight (max_inflight_requests)",
             )
@@ -206,7 +208,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         limits = self.limits()
         if limits is None:
             metrics.REQUESTS.labels("rejected").inc()
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "no decode worker has answered yet")
+            await abort(context, grpc.StatusCode.UNAVAILABLE, "no decode worker has answered yet")
         return limits
 
     async def _prepare(
@@ -222,7 +224,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                 prepare_request, request, self.tokenizer, limits, self.bounds
             )
         except ValueError as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            await abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(exc))
 
     async def _generate(
         self, prepared: PreparedRequest, context: grpc.aio.ServicerContext
@@ -368,7 +370,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             del request.output_token_ids[:]
             request.output_token_ids.extend(stream.output_token_ids)
             routed.recompute_prompt()
-        await context.abort(grpc.StatusCode.UNAVAILABLE, "no healthy decode worker")
+        await abort(context, grpc.StatusCode.UNAVAILABLE, "no healthy decode worker")
 
     def _call_timeout_s(self, context: grpc.aio.ServicerContext) -> float:
         """A worker call's deadline: the client's, capped by ``--worker-call-timeout-s``."""
@@ -389,7 +391,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         deadline_was_ours = remaining_s is None or remaining_s > 0
         failure = failures.judge(exc, worker.role, deadline_was_ours)
         if failure is not None:
-            await context.abort(failure.code, failure.details)
+            await abort(context, failure.code, failure.details)
         worker.mark_failed(f"{exc.code().name}: {exc.details()}")
 
     # ----------------------------------------------------------------------------- Explain
@@ -410,9 +412,10 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         try:
             role = Role.from_proto(request.role)
         except ValueError as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            await abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         if self.scaler is None:
-            await context.abort(
+            await abort(
+                context,
                 grpc.StatusCode.FAILED_PRECONDITION,
                 "this cluster has no orchestrator to scale it (it runs as plain processes; "
                 "start it with Ray: splitserve up without --no-ray)",
@@ -420,7 +423,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         try:
             pools = await self.scaler.scale(role, request.num_workers)
         except ValueError as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            await abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         logger.info("scale: %s pool to %d workers", role, request.num_workers)
         return router_pb2.ScaleResponse(pools=[p.to_proto() for p in pools])
 

@@ -19,6 +19,7 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import grpc
 
@@ -41,7 +42,7 @@ class WorkerHandle:
     address: str
     role: Role
     channel: grpc.aio.Channel
-    stub: worker_pb2_grpc.PrefillWorkerStub | worker_pb2_grpc.DecodeWorkerStub
+    stub: Any  # its role's generated stub: PrefillWorkerStub or DecodeWorkerStub
     healthy: bool = False
     info: worker_pb2.WorkerInfo | None = None
     load: worker_pb2.WorkerLoad = field(default_factory=worker_pb2.WorkerLoad)
