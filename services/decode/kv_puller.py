@@ -62,6 +62,8 @@ class KVPullHooks:
         return True
 
     def take_result(self, req_id: str) -> PullResult | None:
+        """How ``req_id``'s KV arrived (None if it pulled none); forgotten once taken. The
+        handler takes it when the request ends, however it ends, so that none is kept."""
         return self._results.pop(req_id, None)
 
     @property
@@ -90,12 +92,12 @@ class KVPullHooks:
             else:
                 self.num_transfers_failed += 1
                 logger.warning("req_id=%s KV pull failed; recomputing the prompt", req_id)
-            self._results[req_id] = PullResult(num_blocks if ok else 0, failed=not ok)
             self.backend.release(req_id)
-            if req_id in self._abort_when_done:
+            if req_id in self._abort_when_done:  # no one will take its result
                 self._abort_when_done.discard(req_id)
                 engine.abort_requests([req_id])
                 continue
+            self._results[req_id] = PullResult(num_blocks if ok else 0, failed=not ok)
             engine.finish_kv_load(req_id, ok)
 
     def after_step(self, engine: LLMEngine, outputs: list[RequestOutput]) -> None:

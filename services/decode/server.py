@@ -110,6 +110,9 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         except asyncio.CancelledError:
             logger.info("req_id=%s cancelled by the caller", req_id)
             raise
+        finally:
+            # Taken by the final response; a request that ended otherwise leaves it here.
+            self.puller.take_result(req_id)
         if stalled:
             idle_s = self.runtime.config.stream_idle_timeout_s
             logger.warning("req_id=%s aborted: its reader took no output for %g s", req_id, idle_s)
