@@ -6,7 +6,6 @@ from __future__ import annotations
 import multiprocessing
 import os
 import signal
-import time
 from collections.abc import Sequence
 from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
@@ -16,6 +15,7 @@ import torch
 from engine.kv_cache_spec import KVCacheSpec
 from kvtransfer.base import KVRef, KVTransferBackend, PeerInfo, TransferState
 from kvtransfer.registry import make_backend
+from tests.waiting import wait_until
 
 SMALL_SPEC = KVCacheSpec(num_layers=2, num_kv_heads=2, head_dim=32, block_size=8, dtype="bfloat16")
 BIG_SPEC = KVCacheSpec(num_layers=4, num_kv_heads=4, head_dim=64, block_size=16, dtype="bfloat16")
@@ -102,13 +102,10 @@ class SourceProcess:
         return self.conn.recv()
 
     def wait_released(self, engine_id: str, timeout_s: float = 5.0) -> list[str]:
-        """Poll ``take_released`` until something was released or ``timeout_s`` passed."""
-        deadline_s = time.monotonic() + timeout_s
-        while True:
-            released = self.take_released(engine_id)
-            if released or time.monotonic() > deadline_s:
-                return released
-            time.sleep(0.01)
+        """Poll ``take_released`` until something was released; return that."""
+        return wait_until(
+            lambda: self.take_released(engine_id), timeout_s, f"a release on {engine_id}", 0.01
+        )
 
     def signal(self, signum: int) -> None:
         assert self.process.pid is not None
@@ -140,14 +137,20 @@ def wait_terminal(
 ) -> dict[str, TransferState]:
     """Poll until every read in ``req_ids`` is terminal, checking each is reported once."""
     terminal: dict[str, TransferState] = {}
-    deadline_s = time.monotonic() + timeout_s
-    while len(terminal) < len(req_ids):
+
+    def all_terminal() -> bool:
         for req_id, state in backend.poll().items():
             if state is not PENDING:
                 assert req_id not in terminal, f"{req_id} reported terminal twice"
                 terminal[req_id] = state
-        assert time.monotonic() < deadline_s, f"reads still pending: {backend.poll()}"
-        time.sleep(0.002)
+        return len(terminal) == len(req_ids)
+
+    wait_until(
+        all_terminal,
+        timeout_s,
+        lambda: f"the end of the reads {sorted(set(req_ids) - terminal.keys())}",
+        0.002,
+    )
     return terminal
 
 

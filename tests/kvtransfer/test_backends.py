@@ -168,8 +168,8 @@ def test_source_killed_mid_read_or_before_read_fails_in_bounded_time(backend_nam
         assert read(dst, "warm", src, [1, 2]) is DONE
         source.signal(signal.SIGSTOP)
         dst.start_read("in-flight", src, [3, 4])
-        time.sleep(0.2)
-        assert dst.poll() == {"in-flight": PENDING}  # the source cannot answer
+        time.sleep(0.2)  # 0.2 s in which nothing may happen: the stopped source cannot answer
+        assert dst.poll() == {"in-flight": PENDING}
         start_s = time.monotonic()
         source.stop()
         assert wait_terminal(dst, ["in-flight"]) == {"in-flight": FAILED}
@@ -197,7 +197,7 @@ def test_hung_source_fails_within_io_timeout_and_close_fails_reads_in_flight(bac
     assert read(dst, "timed-out", src, [0]) is FAILED
     assert 0.4 < time.monotonic() - start_s < 2.0
     dst.start_read("cut-by-close", src, [1])
-    time.sleep(0.05)
+    time.sleep(0.05)  # pacing: the read gets on its way to the hung source before close cuts it
     start_s = time.monotonic()
     dst.close()
     assert time.monotonic() - start_s < 1.0

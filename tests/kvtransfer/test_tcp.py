@@ -6,7 +6,6 @@ from __future__ import annotations
 import contextlib
 import socket
 import struct
-import time
 
 import torch
 
@@ -33,6 +32,7 @@ from tests.kvtransfer.harness import (
     read,
     rows,
 )
+from tests.waiting import wait_until
 
 
 def assert_closed_by_peer(sock: socket.socket) -> None:
@@ -117,10 +117,9 @@ def test_connections_beyond_the_cap_are_refused_and_the_server_keeps_serving(mon
             assert_closed_by_peer(extra)
         for sock in silent:
             sock.close()
-        deadline_s = time.monotonic() + 10
-        while src_backend._server_conns:  # their threads see the close
-            assert time.monotonic() < deadline_s
-            time.sleep(0.01)
+        wait_until(  # their threads see the close
+            lambda: not src_backend._server_conns, 10, "the server closing its side", 0.01
+        )
         dst.add_peer(info)
         src_backend.publish("r", [2])
         assert read(dst, "r", KVRef("cap-src", "r", (2,), 8), [1]) is DONE
@@ -146,7 +145,12 @@ def test_idle_connections_are_closed_and_pooled_ones_are_not_reused_stale(monkey
         src_backend.publish("a", [3])
         src_backend.publish("b", [4])
         assert read(dst, "a", KVRef("idle-src", "a", (3,), 8), [5]) is DONE
-        time.sleep(1.0)  # the server dropped the pooled connection meanwhile
+        wait_until(  # idle for SERVER_IDLE_TIMEOUT_S, hence for more than CLIENT_IDLE_S
+            lambda: not src_backend._server_conns,
+            10,
+            "the server dropping the idle pooled connection",
+            0.01,
+        )
         assert read(dst, "b", KVRef("idle-src", "b", (4,), 8), [6]) is DONE
         assert torch.equal(rows(dst_cache)[6], rows(make_cache(spec, seed=7))[4])
     finally:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import signal
 import subprocess
-import time
 import urllib.request
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -18,6 +17,7 @@ from engine import EngineConfig
 from loadtest.redis_server import RedisServer
 from services.launcher import LocalCluster
 from splitserve.v1 import router_pb2, router_pb2_grpc, worker_pb2
+from tests.waiting import wait_until
 
 NUM_KV_BLOCKS = 256
 
@@ -65,8 +65,8 @@ class Client:
 
     def wait_idle(self, timeout_s: float = 10.0) -> router_pb2.StatusResponse:
         """Poll Status until no worker holds a block, a lease or a request; return it."""
-        deadline_s = time.monotonic() + timeout_s
-        while True:
+
+        def idle() -> router_pb2.StatusResponse | None:
             status = self.status()
             busy = [
                 w.address
@@ -74,11 +74,9 @@ class Client:
                 if w.healthy
                 and (w.load.num_used_blocks or w.load.num_kv_leases or w.load.num_running)
             ]
-            if not busy and status.num_inflight_requests == 0:
-                return status
-            if time.monotonic() > deadline_s:
-                raise AssertionError(f"workers still busy after {timeout_s} s: {status}")
-            time.sleep(0.05)
+            return status if not busy and status.num_inflight_requests == 0 else None
+
+        return wait_until(idle, timeout_s, lambda: f"idle workers (status now: {self.status()})")
 
     def close(self) -> None:
         self.channel.close()

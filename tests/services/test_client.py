@@ -12,9 +12,10 @@ import time
 
 from engine import LLM, SamplingParams
 from services.launcher import ServiceProcess, free_port, wait_healthy
+from tests.waiting import wait_until
 
 
-def test_client_waits_for_workers_that_are_still_starting(tiny_llama_dir):
+def test_client_waits_for_workers_that_are_still_starting(tiny_llama_dir, tmp_path):
     host = "127.0.0.1"
     prefill, decode, router = (f"{host}:{free_port()}" for _ in range(3))
     common = ["--host", host, "--metrics-port", "0"]
@@ -34,28 +35,37 @@ def test_client_waits_for_workers_that_are_still_starting(tiny_llama_dir):
         service("decode", decode, *worker_flags),
     ]  # fmt: skip
     env = dict(os.environ)
+    stderr_path = tmp_path / "client.stderr"
+    waiting = "waiting for the cluster: no decode worker is ready yet; "
     try:
         processes[0].start(env)
         wait_healthy(processes[0], time.monotonic() + 120)
-        client = subprocess.Popen(
-            [
-                sys.executable, "-m", "services.cli", "client", "--target", router,
-                "--max-tokens", "8", "--json", "--timeout-s", "120", "hello world",
-            ],
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        )  # fmt: skip
-        time.sleep(2.0)  # the router answers, but no worker does yet
-        assert client.poll() is None, client.communicate()
+        with stderr_path.open("w") as stderr_file:
+            client = subprocess.Popen(
+                [
+                    sys.executable, "-m", "services.cli", "client", "--target", router,
+                    "--max-tokens", "8", "--json", "--timeout-s", "120", "hello world",
+                ],
+                stdout=subprocess.PIPE, stderr=stderr_file, text=True,
+            )  # fmt: skip
+
+        def says_it_waits() -> bool:  # (or exited: the assertion below shows why)
+            return waiting in stderr_path.read_text() or client.poll() is not None
+
+        # The router answers, but no worker does yet: the client says it waits, and waits on.
+        wait_until(says_it_waits, 60, f"the client's {waiting!r} line")
+        assert client.poll() is None, (client.communicate(), stderr_path.read_text())
         for process in processes[1:]:
             process.start(env)
-        stdout, stderr = client.communicate(timeout=180)
+        stdout, _ = client.communicate(timeout=180)
+        stderr = stderr_path.read_text()
     finally:
         for process in processes:
             if process.popen is not None:
                 process.signal(signal.SIGKILL)
                 process.popen.wait()
     assert client.returncode == 0, stderr
-    assert "waiting for the cluster: no decode worker is ready yet; " in stderr
+    assert waiting in stderr
     assert f"decode worker {decode}: " in stderr  # which one, and why (not listening yet)
     got = json.loads(stdout)
     llm = LLM(str(tiny_llama_dir), dtype="float32", num_kv_blocks=64)

@@ -15,6 +15,7 @@ from engine import LLM, SamplingParams
 from services.common.convert import sampling_params_to_worker
 from splitserve.v1 import router_pb2, worker_pb2, worker_pb2_grpc
 from tests.services.conftest import NUM_KV_BLOCKS, greedy
+from tests.waiting import wait_until
 
 LEASE_TTL_S = 1.0
 
@@ -52,8 +53,12 @@ def test_lease_expires_when_no_decode_worker_pulls(cluster):
         assert not response.finished and len(response.kv_ref.block_ids) == 3
         load = stub.GetLoad(worker_pb2.GetLoadRequest(), timeout=5)
         assert load.num_kv_leases == 1 and load.num_used_blocks == 3
-        time.sleep(LEASE_TTL_S + 0.5)
-        load = stub.GetLoad(worker_pb2.GetLoadRequest(), timeout=5)
+
+        def expired_and_freed() -> worker_pb2.WorkerLoad | None:
+            load = stub.GetLoad(worker_pb2.GetLoadRequest(), timeout=5)
+            return None if load.num_kv_leases or load.num_used_blocks else load
+
+        load = wait_until(expired_and_freed, LEASE_TTL_S + 0.5, "the lease's expiry")
         assert load.num_kv_leases == 0 and load.num_used_blocks == 0
         assert load.num_leases_expired == 1
         # Release after expiry is a harmless no-op.
@@ -94,10 +99,12 @@ def test_decode_worker_hung_mid_stream_continues_elsewhere_without_client_deadli
     finally:
         victim.signal(signal.SIGCONT)
     assert token_ids == want[0].token_ids
-    deadline_s = time.monotonic() + 30
-    while not all(w.healthy for w in client.status().workers):
-        assert time.monotonic() < deadline_s, "the resumed worker is not healthy again"
-        time.sleep(0.2)
+    wait_until(
+        lambda: all(w.healthy for w in client.status().workers),
+        30,
+        "the resumed worker healthy again",
+        0.2,
+    )
     client.wait_idle()
 
 
@@ -133,6 +140,8 @@ def test_prefill_worker_death_does_not_fail_requests(cluster, offline):
     want = offline.generate(batch, SamplingParams(temperature=0.0, max_tokens=40))
     with ThreadPoolExecutor(max_workers=8) as pool:
         futures = [pool.submit(client.generate, token_ids=p, sampling=greedy(40)) for p in batch]
+        # Pacing, not waiting: the kill lands 50 ms into the burst, while its prefills are under
+        # way (they take a few ms each: too short a moment to poll for).
         time.sleep(0.05)
         local.workers("prefill")[0].signal(signal.SIGKILL)
         got = [f.result(timeout=120) for f in futures]

@@ -19,6 +19,7 @@ from kvtransfer.base import KVRef
 from kvtransfer.inproc import InprocBackend
 from services.decode.kv_puller import KVPullHooks
 from services.prefill.leases import LeaseHooks
+from tests.waiting import wait_until
 
 MAX_TOKENS = 10
 _ENGINE_IDS = itertools.count()
@@ -63,11 +64,14 @@ class Pair:
     def free_released_leases(self, timeout_s: float = 10.0) -> None:
         """Step the prefill side's hooks until released leases' blocks are free (unpublishing
         runs off the engine thread; a later ``before_step`` frees the blocks)."""
-        deadline_s = time.monotonic() + timeout_s
-        while self.prefill.stats().num_held_kv:
-            assert time.monotonic() < deadline_s, "released leases still hold blocks"
+
+        def freed() -> bool:
+            if not self.prefill.stats().num_held_kv:
+                return True
             self.leases.before_step(self.prefill)
-            time.sleep(0.001)
+            return False
+
+        wait_until(freed, timeout_s, "the released leases' blocks freed", 0.001)
 
     def kv_ref(self, req_id: str, num_tokens: int) -> KVRef:
         lease = self.leases.get(req_id)
@@ -164,7 +168,7 @@ def test_unpulled_lease_expires_and_frees_the_blocks(tiny_llama_dir):
         pair.run_prefill("r0", prompt, SamplingParams(temperature=0.0, max_tokens=5))
         assert pair.leases.num_leases == 1
         assert pair.prefill.stats().num_used_blocks == 3
-        time.sleep(0.1)
+        time.sleep(0.1)  # the 0.05 s TTL lapses (nothing else to wait for: the clock does it)
         pair.leases.before_step(pair.prefill)
         assert pair.leases.num_leases == 0 and pair.leases.num_leases_expired == 1
         pair.free_released_leases()

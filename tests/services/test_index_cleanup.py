@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import random
 import signal
-import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -13,6 +12,7 @@ import redis
 
 from engine import LLM, SamplingParams
 from tests.services.conftest import NUM_KV_BLOCKS, greedy
+from tests.waiting import wait_until
 
 HEARTBEAT_TTL_S = 1.0
 
@@ -56,7 +56,9 @@ def test_workers_that_shut_down_or_die_leave_no_index_entries(
         rest = [pool.submit(client.generate, token_ids=p, sampling=greedy(30)) for p in batch[6:]]
         assert [f.result(timeout=120).token_ids for f in rest] == [w.token_ids for w in want[6:]]
     survivor = ids[local.workers("decode")[1].address]
-    deadline_s = time.monotonic() + 30
-    while indexed_workers(redis_server.url) != {survivor}:
-        assert time.monotonic() < deadline_s, indexed_workers(redis_server.url)
-        time.sleep(0.2)
+    wait_until(
+        lambda: indexed_workers(redis_server.url) == {survivor},
+        30,
+        lambda: f"an index of the survivor only (now {indexed_workers(redis_server.url)})",
+        0.2,
+    )

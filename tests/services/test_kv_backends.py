@@ -7,7 +7,6 @@ from __future__ import annotations
 import random
 import signal
 import threading
-import time
 
 import grpc
 import pytest
@@ -17,6 +16,7 @@ from kvtransfer.registry import available_backends
 from services.common.convert import sampling_params_to_worker
 from splitserve.v1 import worker_pb2, worker_pb2_grpc
 from tests.services.conftest import NUM_KV_BLOCKS, greedy, scrape
+from tests.waiting import wait_until
 
 LEASE_TTL_S = 1.0
 KV_IO_TIMEOUT_S = 2.0
@@ -153,10 +153,12 @@ def test_unpulled_lease_expires_and_frees_the_prefill_blocks(workers):
     assert len(response.kv_ref.block_ids) == 3
     load = workers.prefill.GetLoad(worker_pb2.GetLoadRequest(), timeout=5)
     assert load.num_kv_leases == 1
-    deadline_s = time.monotonic() + LEASE_TTL_S + 5
-    while load.num_kv_leases and time.monotonic() < deadline_s:
-        time.sleep(0.1)
+
+    def lease_gone() -> worker_pb2.WorkerLoad | None:
         load = workers.prefill.GetLoad(worker_pb2.GetLoadRequest(), timeout=5)
+        return None if load.num_kv_leases else load
+
+    load = wait_until(lease_gone, LEASE_TTL_S + 5, "the unpulled lease's expiry", 0.1)
     assert load.num_kv_leases == 0 and load.num_leases_expired >= 1
     assert load.num_used_blocks == 0
 
@@ -177,10 +179,11 @@ def test_prefill_killed_during_the_transfer_is_recomputed_on_the_decode_side(wor
         killer.join()
     assert last.kv_transfer_failed and last.num_transferred_blocks == 0
     assert token_ids == want.token_ids
-    # The last message leaves before the engine retires the request: give it a moment.
-    deadline_s = time.monotonic() + 5
-    load = workers.decode.GetLoad(worker_pb2.GetLoadRequest(), timeout=5)
-    while load.num_running and time.monotonic() < deadline_s:
-        time.sleep(0.05)
+
+    def retired() -> worker_pb2.WorkerLoad | None:
         load = workers.decode.GetLoad(worker_pb2.GetLoadRequest(), timeout=5)
+        return None if load.num_running else load
+
+    # The last message leaves before the engine retires the request: give it a moment.
+    load = wait_until(retired, 5, "the decode engine retiring the request")
     assert load.num_transfers_failed == 1 and load.num_running == 0

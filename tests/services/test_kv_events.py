@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import random
-import time
 
 import pytest
 
@@ -13,6 +12,7 @@ from engine.block_hash import hash_block_tokens
 from services.common.prefix_index import RedisPrefixIndex
 from services.common.redis_config import RedisConfig
 from tests.services.conftest import greedy
+from tests.waiting import wait_until
 
 BLOCK_SIZE = 16
 HEARTBEAT_TTL_S = 1.0
@@ -36,12 +36,11 @@ def match(url: str, block_hashes: list[bytes]) -> dict[str, int]:
 
 
 def wait_for_match(url: str, block_hashes: list[bytes], want: dict[str, int]) -> None:
-    deadline_s = time.monotonic() + 10
-    got = match(url, block_hashes)
-    while got != want and time.monotonic() < deadline_s:
-        time.sleep(0.05)
-        got = match(url, block_hashes)
-    assert got == want
+    wait_until(
+        lambda: match(url, block_hashes) == want,
+        10,
+        lambda: f"the index matching {want} (now {match(url, block_hashes)})",
+    )
 
 
 def worker_ids(client) -> dict[int, str]:

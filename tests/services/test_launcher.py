@@ -7,7 +7,6 @@ import json
 import signal
 import subprocess
 import sys
-import time
 
 import psutil
 import pytest
@@ -16,6 +15,7 @@ from engine import LLM, EngineConfig, SamplingParams
 from engine.flags import add_flags, from_args, to_argv
 from services.launcher import free_port
 from tests.services.conftest import stop_like_ctrl_c
+from tests.waiting import wait_until
 
 
 def test_engine_flags_round_trip():
@@ -77,10 +77,12 @@ def test_up_serves_the_client_and_shuts_down_on_ctrl_c(up_process, tiny_llama_di
 
     proc.send_signal(signal.SIGINT)
     assert proc.wait(timeout=60) == 0
-    deadline_s = time.monotonic() + 30
-    while any(c.is_running() and c.status() != psutil.STATUS_ZOMBIE for c in children):
-        assert time.monotonic() < deadline_s, "a service process outlived `splitserve up`"
-        time.sleep(0.1)
+    wait_until(
+        lambda: not any(c.is_running() and c.status() != psutil.STATUS_ZOMBIE for c in children),
+        30,
+        "the exit of every service process of `splitserve up`",
+        0.1,
+    )
 
 
 def test_client_reports_bad_input_clearly(up_process):

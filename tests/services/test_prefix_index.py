@@ -90,7 +90,7 @@ def test_dead_workers_expire_and_come_back_with_a_heartbeat(run_with_index):
         assert not await index.heartbeat("long", ttl_s=30)
         assert await index.heartbeat("long", ttl_s=30)
         assert await index.match(prompt) == {"short": 2, "long": 2}
-        await asyncio.sleep(0.3)
+        await asyncio.sleep(0.3)  # the 0.2 s TTL lapses: the clock is all there is to wait for
         assert await index.match(prompt) == {"long": 2}
         assert not await index.heartbeat("short", ttl_s=30)  # lapsed: publish everything again
         assert await index.match(prompt) == {"short": 2, "long": 2}
@@ -109,7 +109,7 @@ def test_dead_and_departed_workers_leave_no_entries(run_with_index):
         for worker_id in ("live", "dead", "leaving"):
             await index.store(worker_id, prompt)
         await index.forget("leaving")
-        await asyncio.sleep(0.1)
+        await asyncio.sleep(0.1)  # the 0.05 s TTL lapses: the clock is all there is to wait for
         assert await index.reap() == ["dead"]
         assert await index.entries("dead") == [] and await index.entries("leaving") == []
         assert sorted(await index.entries("live")) == sorted(prompt)

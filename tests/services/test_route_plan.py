@@ -5,12 +5,12 @@ decode worker that caches a prompt's prefix is preferred and computes only the r
 from __future__ import annotations
 
 import random
-import time
 
 import pytest
 
 from splitserve.v1 import router_pb2
 from tests.services.conftest import Client, greedy, scrape
+from tests.waiting import wait_until
 
 LOCAL_MAX_TOKENS = 48
 
@@ -64,14 +64,18 @@ def test_a_decode_worker_caching_the_prefix_is_chosen_and_computes_only_the_rest
     # prompt plus 20 tokens is cheapest there, and only 24 tokens are left to compute there.
     # (Both idle again, too: the load the router polls lags the end of a request.)
     longer = prompt + [rng.randrange(3, 480) for _ in range(20)]
-    deadline_s = time.monotonic() + 10
-    plan = explain(client, longer)
-    while max(d.matched_blocks for d in plan.decode) < 6 or any(
-        d.active_requests for d in plan.decode
-    ):
-        assert time.monotonic() < deadline_s, plan
-        time.sleep(0.1)
+
+    def published_and_idle() -> router_pb2.ExplainResponse | None:
         plan = explain(client, longer)
+        held = max(d.matched_blocks for d in plan.decode) >= 6
+        return plan if held and not any(d.active_requests for d in plan.decode) else None
+
+    plan = wait_until(
+        published_and_idle,
+        10,
+        lambda: f"a plan with the 6 blocks published, both idle (now {explain(client, longer)})",
+        0.1,
+    )
     holder, other = plan.decode
     assert (holder.matched_blocks, other.matched_blocks) == (6, 0)
     assert holder.cost < other.cost and plan.chosen_decode == holder.address

@@ -17,6 +17,7 @@ import redis
 from engine import LLM, SamplingParams
 from splitserve.v1 import router_pb2
 from tests.services.conftest import NUM_KV_BLOCKS, Client, greedy
+from tests.waiting import wait_until
 
 SHARED_TOKENS = 64  # four full blocks
 LOAD_BOUND = 1.25
@@ -89,19 +90,15 @@ def best_match(router: Client, prompt: list[int]) -> int:
     return max((c.matched_blocks for c in explained.prefill), default=0)
 
 
-def wait_until(predicate, timeout_s: float = 10.0) -> None:
-    deadline_s = time.monotonic() + timeout_s
-    while not predicate():
-        if time.monotonic() > deadline_s:
-            raise AssertionError("condition not met in time")
-        time.sleep(0.05)
-
-
 def test_two_routers_spread_a_burst_of_one_prefix_within_the_bound(cluster, redis_server):
     local, routers = cluster
     warm, *burst = prompts(seed=0, n=9)
     routers[0].generate(token_ids=warm, sampling=greedy(2))
-    wait_until(lambda: best_match(routers[1], burst[0]) >= SHARED_TOKENS // 16)
+    wait_until(
+        lambda: best_match(routers[1], burst[0]) >= SHARED_TOKENS // 16,
+        10,
+        "the second router seeing the warmed prefix in the index",
+    )
     prefill = local.workers("prefill")
     for process in prefill:  # hold every prefill so that the whole burst is in flight at once
         process.signal(signal.SIGSTOP)
@@ -111,7 +108,11 @@ def test_two_routers_spread_a_burst_of_one_prefix_within_the_bound(cluster, redi
                 pool.submit(routers[i % 2].generate, token_ids=p, sampling=greedy(3))
                 for i, p in enumerate(burst)
             ]
-            wait_until(lambda: sum(map(len, reservations(redis_server.url).values())) == 8)
+            wait_until(
+                lambda: sum(map(len, reservations(redis_server.url).values())) == 8,
+                10,
+                "8 reservations in Redis",
+            )
             held = reservations(redis_server.url)
             for process in prefill:
                 process.signal(signal.SIGCONT)
@@ -123,16 +124,19 @@ def test_two_routers_spread_a_burst_of_one_prefix_within_the_bound(cluster, redi
     assert counts[0] <= math.ceil(LOAD_BOUND * 8 / 2), held
     assert len({m.split("|")[0] for ms in held.values() for m in ms}) == 2  # both routers
     assert all(r.last.finish_reason and len(r.token_ids) == 3 for r in results)
-    wait_until(lambda: not any(reservations(redis_server.url).values()))  # all released
+    wait_until(
+        lambda: not any(reservations(redis_server.url).values()), 10, "every reservation released"
+    )
 
 
 def test_redis_restart_mid_traffic_fails_no_request_and_the_index_is_rebuilt(cluster, redis_server):
     routers = cluster[1]
     stop = threading.Event()
     outcomes: list[str] = []
+    num_ended = [0, 0]  # requests ended (either way), by router
 
-    def traffic(router: Client, seed: int) -> None:
-        rng = random.Random(seed)
+    def traffic(router: Client, i: int) -> None:
+        rng = random.Random(i)
         while not stop.is_set():
             prompt = rng.choice(prompts(seed=1, n=4))
             try:
@@ -140,16 +144,26 @@ def test_redis_restart_mid_traffic_fails_no_request_and_the_index_is_rebuilt(clu
                 outcomes.append(str(result.last.finish_reason))
             except Exception as exc:
                 outcomes.append(f"error: {exc!r}")
+            num_ended[i] += 1
+
+    def each_router_ends(num_requests: int) -> None:
+        """Wait until each router has ended ``num_requests`` more requests than now."""
+        targets = [n + num_requests for n in num_ended]
+        wait_until(
+            lambda: all(n >= t for n, t in zip(num_ended, targets, strict=True)),
+            60,
+            f"{num_requests} more requests through each router",
+        )
 
     threads = [threading.Thread(target=traffic, args=(r, i)) for i, r in enumerate(routers)]
     for thread in threads:
         thread.start()
     try:
-        time.sleep(1.5)
+        each_router_ends(3)  # traffic flows
         redis_server.stop()
-        time.sleep(1.0)
+        time.sleep(1.0)  # Redis stays down for 1 s of traffic: no request may fail meanwhile
         redis_server.start()  # empty: nothing persisted
-        time.sleep(2.0)
+        each_router_ends(3)  # traffic flows on through the restarted Redis
     finally:
         stop.set()
         for thread in threads:
@@ -157,6 +171,10 @@ def test_redis_restart_mid_traffic_fails_no_request_and_the_index_is_rebuilt(clu
     assert outcomes and not [o for o in outcomes if o.startswith("error")], outcomes
     # The workers published what they cache again, and the prefix routes to its worker.
     prompt = prompts(seed=1, n=5)[-1]
-    wait_until(lambda: best_match(routers[1], prompt) >= SHARED_TOKENS // 16)
+    wait_until(
+        lambda: best_match(routers[1], prompt) >= SHARED_TOKENS // 16,
+        10,
+        "the rebuilt index matching the shared prefix",
+    )
     cached = routers[0].generate(token_ids=prompt, sampling=greedy(2)).last.usage.cached_tokens
     assert cached >= SHARED_TOKENS

@@ -12,6 +12,7 @@ import pytest
 
 from engine import LLM, SamplingParams
 from tests.services.conftest import NUM_KV_BLOCKS, greedy
+from tests.waiting import wait_until
 
 GRACE_S = 1.0
 NUM_STREAMS = 8
@@ -34,13 +35,6 @@ def prompts(seed: int, n: int) -> list[list[int]]:
     return [[rng.randrange(3, 480) for _ in range(rng.randrange(5, 80))] for _ in range(n)]
 
 
-def wait_for(condition, timeout_s: float, what: str) -> None:
-    deadline_s = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline_s, what
-        time.sleep(0.05)
-
-
 def test_sigterm_on_a_decode_worker_with_open_streams_fails_none(cluster, offline):
     local, client = cluster
     batch = prompts(seed=1, n=NUM_STREAMS)
@@ -58,7 +52,11 @@ def test_sigterm_on_a_decode_worker_with_open_streams_fails_none(cluster, offlin
                 if w.role == 2
             }
 
-        wait_for(lambda: sum(open_by_address().values()) == NUM_STREAMS, 120, "streams not open")
+        wait_until(
+            lambda: sum(open_by_address().values()) == NUM_STREAMS,
+            120,
+            f"{NUM_STREAMS} streams open on the decode workers",
+        )
         busiest = max(open_by_address().items(), key=lambda item: item[1])[0]
         victim = next(p for p in local.workers("decode") if p.address == busiest)
         victim.signal(signal.SIGTERM)
@@ -74,6 +72,8 @@ def test_sigterm_on_the_prefill_worker_mid_traffic_fails_none(cluster, offline):
     want = offline.generate(batch, SamplingParams(temperature=0.0, max_tokens=40))
     with ThreadPoolExecutor(max_workers=NUM_STREAMS) as pool:
         futures = [pool.submit(client.generate, token_ids=p, sampling=greedy(40)) for p in batch]
+        # Pacing, not waiting: SIGTERM 50 ms into the burst, while its prefills are under way
+        # (they take a few ms each: too short a moment to poll for).
         time.sleep(0.05)
         prefill = local.workers("prefill")[0]
         prefill.signal(signal.SIGTERM)

@@ -13,6 +13,7 @@ from engine import SamplingParams
 from services.common.convert import sampling_params_to_worker
 from splitserve.v1 import worker_pb2, worker_pb2_grpc
 from tests.services.conftest import greedy
+from tests.waiting import wait_until
 
 IDLE_TIMEOUT_S = 3.0
 # A tiny receive window, so that gRPC flow control stops the worker's writes soon after the
@@ -50,13 +51,16 @@ def test_a_stalled_reader_pauses_its_request_then_gets_it_aborted(cluster):
             return stub.GetLoad(worker_pb2.GetLoadRequest(), timeout=5)
 
         # Unread, 1000 tokens take the tiny model well under a second; the request is paused
-        # instead, holding its blocks, until the idle timeout aborts it.
+        # instead, holding its blocks, until the idle timeout aborts it. The second is the
+        # point: the request must still be there after it.
         time.sleep(1.0)
         assert load().num_running == 1
-        deadline_s = time.monotonic() + IDLE_TIMEOUT_S + 30
-        while load().num_running or load().num_used_blocks:
-            assert time.monotonic() < deadline_s, "the stalled stream was not aborted"
-            time.sleep(0.1)
+        wait_until(
+            lambda: not load().num_running and not load().num_used_blocks,
+            IDLE_TIMEOUT_S + 30,
+            "the abort of the stalled stream",
+            0.1,
+        )
         received = [first]
         with pytest.raises(grpc.RpcError) as info:
             received.extend(call)

@@ -20,6 +20,7 @@ import pytest
 
 from services.launcher import free_port
 from splitserve.v1 import router_pb2, router_pb2_grpc, worker_pb2
+from tests.waiting import wait_until
 
 # What every worker raises on the corrupt weights (its last line).
 ERROR = "SafetensorError: Error while deserializing header"
@@ -121,18 +122,19 @@ def wait_for_status(
     target: str, done: Callable[[router_pb2.StatusResponse], bool], timeout_s: float = 120
 ) -> router_pb2.StatusResponse:
     """Poll the router's Status until ``done`` accepts it."""
-    deadline_s = time.monotonic() + timeout_s
+    seen: list[router_pb2.StatusResponse | None] = [None]  # the last answer, if any
+
     with grpc.insecure_channel(target) as channel:
         stub = router_pb2_grpc.RouterStub(channel)
-        while True:
+
+        def accepted() -> router_pb2.StatusResponse | None:
             try:
-                status = stub.Status(router_pb2.StatusRequest(), timeout=10)
-                if done(status):
-                    return status
+                seen[0] = stub.Status(router_pb2.StatusRequest(), timeout=10)
             except grpc.RpcError:
-                status = None
-            assert time.monotonic() < deadline_s, status
-            time.sleep(0.2)
+                seen[0] = None
+            return seen[0] if seen[0] is not None and done(seen[0]) else None
+
+        return wait_until(accepted, timeout_s, lambda: f"an accepted status (last: {seen[0]})", 0.2)
 
 
 def waiting_lines(stderr: str) -> list[str]:

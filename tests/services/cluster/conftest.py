@@ -5,7 +5,6 @@ from __future__ import annotations
 import dataclasses
 import random
 import threading
-import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
@@ -22,6 +21,7 @@ from services.common.worker_config import WorkerConfig
 from services.router.config import RouterConfig
 from splitserve.v1 import router_pb2, worker_pb2
 from tests.services.conftest import NUM_KV_BLOCKS, Client, greedy, tiny_engine_config
+from tests.waiting import wait_until
 
 ROLES = {"prefill": worker_pb2.WORKER_ROLE_PREFILL, "decode": worker_pb2.WORKER_ROLE_DECODE}
 
@@ -91,15 +91,16 @@ def scale(client: Client, pool: str, num_workers: int) -> router_pb2.ScaleRespon
 def wait_for_pools(client: Client, timeout_s: float = 180.0, **sizes: int) -> None:
     """Poll Status until each named pool (prefill=N, decode=N) has exactly N ready workers,
     none starting or draining, and the router lists exactly those."""
-    deadline_s = time.monotonic() + timeout_s
-    while True:
+    seen: list[router_pb2.StatusResponse | None] = [None]  # the last answer, for a failure
+
+    def at_sizes() -> bool:
         try:
             status = client.status()
         except grpc.RpcError as exc:
             # Status has been seen to stall once while the controller replaces a hung actor.
             assert exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED, exc
-            assert time.monotonic() < deadline_s, f"pools not at {sizes} after {timeout_s} s"
-            continue
+            return False
+        seen[0] = status
         pools = {p.role: p for p in status.pools}
         ok = True
         for pool, size in sizes.items():
@@ -108,11 +109,9 @@ def wait_for_pools(client: Client, timeout_s: float = 180.0, **sizes: int) -> No
             ok &= p.desired_workers == size and p.num_ready == size
             ok &= not p.num_starting and not p.num_draining
             ok &= len(listed) == size and all(w.healthy and not w.draining for w in listed)
-        if ok:
-            return
-        if time.monotonic() > deadline_s:
-            raise AssertionError(f"pools not at {sizes} after {timeout_s} s: {status}")
-        time.sleep(0.2)
+        return ok
+
+    wait_until(at_sizes, timeout_s, lambda: f"pools at {sizes} (last status: {seen[0]})", 0.2)
 
 
 @dataclass(slots=True)
@@ -168,11 +167,14 @@ class Load:
     def wait_for(self, num_results: int, timeout_s: float = 120.0) -> None:
         """Block until ``num_results`` more requests than now have completed."""
         target = len(self.results) + num_results
-        deadline_s = time.monotonic() + timeout_s
-        while len(self.results) < target:
-            assert time.monotonic() < deadline_s, f"load stalled: {self.errors[-3:]}"
+
+        def reached() -> bool:
             assert all(t.is_alive() for t in self._threads)
-            time.sleep(0.05)
+            return len(self.results) >= target
+
+        wait_until(
+            reached, timeout_s, lambda: f"{num_results} more results (errors: {self.errors[-3:]})"
+        )
 
     def stop(self) -> None:
         self._stop.set()

@@ -3,8 +3,6 @@ endpoint that checks each call (no Kubernetes cluster exists on these machines).
 
 from __future__ import annotations
 
-import time
-
 import grpc
 import pytest
 from kubernetes import client
@@ -12,6 +10,7 @@ from kubernetes import client
 from services.cluster.kuberay import KubeRayGroups
 from tests.services.cluster.conftest import ROLES, router_client, scale, wait_for_pools
 from tests.services.cluster.kube_api import JSON_PATCH, KubeAPI, ray_cluster
+from tests.waiting import wait_until
 
 PATH = "/apis/ray.io/v1/namespaces/serving/rayclusters/splitserve"
 
@@ -90,10 +89,12 @@ def test_splitserve_scale_patches_the_worker_group_end_to_end(start_ray_cluster,
         wait_for_pools(client_, prefill=2, decode=1)
         scale(client_, "prefill", 1)
         wait_for_pools(client_, prefill=1, decode=1)
-        deadline_s = time.monotonic() + 30
-        while len(api.patches()) < 2:
-            assert time.monotonic() < deadline_s, api.requests
-            time.sleep(0.1)
+        wait_until(
+            lambda: len(api.patches()) >= 2,
+            30,
+            lambda: f"the shrink's patch (requests: {api.requests})",
+            0.1,
+        )
         shrink = api.patches()[1]
         assert shrink.body[1] == {
             "op": "replace",

@@ -13,7 +13,6 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 
 import grpc
 import pytest
@@ -33,6 +32,7 @@ from tests.services.cluster.conftest import (
     wait_for_pools,
 )
 from tests.services.conftest import Client, greedy, scrape
+from tests.waiting import wait_until
 
 
 def test_scale_prefill_1_3_1_and_decode_1_2_1_under_load(start_ray_cluster, offline):
@@ -104,10 +104,12 @@ def test_scaling_decode_up_and_down_leaves_no_index_entries_of_removed_workers(
         return {k.decode()[len(prefix) :] for k in index.scan_iter(f"{prefix}*")}
 
     live = {m.name for m in cluster.members() if m.role != "router"}
-    deadline_s = time.monotonic() + 30
-    while indexed() - live:
-        assert time.monotonic() < deadline_s, f"entries of removed workers: {indexed() - live}"
-        time.sleep(0.2)
+    wait_until(
+        lambda: not indexed() - live,
+        30,
+        lambda: f"no index entries of removed workers (left: {indexed() - live})",
+        0.2,
+    )
     index.close()
     client.close()
 
@@ -139,13 +141,15 @@ class Streams:
             self.progress[i] = exc
 
     def wait_until_each_has(self, num_tokens: int) -> None:
-        deadline_s = time.monotonic() + 60
-        while not all(
-            isinstance(self.progress.get(i), list) and len(self.progress[i]) >= num_tokens
-            for i in range(len(self.prompts))
-        ):
-            assert time.monotonic() < deadline_s, self.progress
-            time.sleep(0.005)
+        wait_until(
+            lambda: all(
+                isinstance(self.progress.get(i), list) and len(self.progress[i]) >= num_tokens
+                for i in range(len(self.prompts))
+            ),
+            60,
+            lambda: f"{num_tokens} tokens on each stream (progress: {self.progress})",
+            0.005,
+        )
 
     @property
     def running(self) -> bool:
@@ -201,10 +205,12 @@ def test_decode_actor_hung_mid_stream_is_fenced_then_replaced(start_ray_cluster,
     os.kill(pid, signal.SIGSTOP)
     try:
         streams.check(offline)
-        deadline_s = time.monotonic() + 120
-        while victim.address in {m.address for m in cluster.members()}:
-            assert time.monotonic() < deadline_s, "the hung actor was not replaced"
-            time.sleep(0.5)
+        wait_until(
+            lambda: victim.address not in {m.address for m in cluster.members()},
+            120,
+            "the replacement of the hung actor",
+            0.5,
+        )
         wait_for_pools(client, decode=2)
     finally:
         with contextlib.suppress(ProcessLookupError):  # Ray killed it
@@ -263,13 +269,13 @@ def test_scale_down_drains_a_busy_worker_before_removing_it(start_ray_cluster, o
     decode = [w for w in client.status().workers if w.role == ROLES["decode"]]
     assert all(w.load.num_running for w in decode), decode
     scale(client, "decode", 1)
+
+    def seen_draining_busy() -> bool:
+        assert streams.running, "the streams ended before a draining worker was seen streaming"
+        return any(w.draining and w.load.num_running > 0 for w in client.status().workers)
+
     # The worker picked to go keeps streaming while draining: listed, draining, still running.
-    seen_draining_busy = False
-    while streams.running:
-        for w in client.status().workers:
-            seen_draining_busy |= w.draining and w.load.num_running > 0
-        time.sleep(0.02)
-    assert seen_draining_busy
+    wait_until(seen_draining_busy, 120, "a draining worker still streaming", 0.02)
     streams.check(offline)
     wait_for_pools(client, decode=1)
     router = next(m for m in cluster.members() if m.role == "router")
@@ -327,13 +333,14 @@ def test_router_actor_killed_is_replaced_on_its_port(start_ray_cluster, offline)
     router = next(m for m in cluster.members() if m.role == "router")
     assert router.address == f"127.0.0.1:{port}"
     os.kill(router.pid, signal.SIGKILL)
-    deadline_s = time.monotonic() + 120
-    while True:
+
+    def replaced() -> list:
         routers = [m for m in cluster.members() if m.role == "router" and m.state == "ready"]
-        if routers and routers[0].pid != router.pid:
-            break
-        assert time.monotonic() < deadline_s, cluster.members()
-        time.sleep(0.2)
+        return routers if routers and routers[0].pid != router.pid else []
+
+    routers = wait_until(
+        replaced, 120, lambda: f"a new router ready (members: {cluster.members()})", 0.2
+    )
     assert routers[0].address == router.address
     # The new router knows the pools at once and serves on the same address.
     client = Client(router.address)

@@ -11,7 +11,6 @@ import multiprocessing
 import os
 import random
 import signal
-import time
 
 import pytest
 
@@ -29,6 +28,7 @@ from services.router.prefill_ledger import (
     RedisPrefillLedger,
     Selection,
 )
+from tests.waiting import wait_until
 
 _namespaces = itertools.count()
 WORKERS = ("w0", "w1", "w2", "w3")
@@ -171,14 +171,15 @@ def test_every_worker_saturated_chooses_none(ledger_kind, redis_server):
     asyncio.run(main())
 
 
-def _router_process(url: str, namespace: str, router_id: str, num_requests: int, start_s: float):
-    """One router: a burst of concurrent selections of one hot prefix, reservations held."""
+def _router_process(url: str, namespace: str, router_id: str, num_requests: int, start):
+    """One router: a burst of concurrent selections of one hot prefix, reservations held; the
+    burst starts once every router is ready (``start``: a barrier shared by them)."""
 
     async def main() -> None:
         _, ledger = await make_pair(url, router_id, namespace)
         prompt = chain(seed=4, num_blocks=16)
         weights = PrefillWeights(load_bound=1.25)
-        time.sleep(max(start_s - time.time(), 0))
+        start.wait(timeout=60)
         await asyncio.gather(
             *(
                 ledger.select(f"req-{i}", prompt, idle(), weights, random.random())
@@ -204,10 +205,10 @@ def test_two_router_processes_spread_a_burst_within_the_bound(redis_server):
         await index.close()
 
     asyncio.run(setup())
-    start_s = time.time() + 1.0
     ctx = multiprocessing.get_context("spawn")
+    start = ctx.Barrier(2)
     routers = [
-        ctx.Process(target=_router_process, args=(redis_server.url, namespace, rid, 24, start_s))
+        ctx.Process(target=_router_process, args=(redis_server.url, namespace, rid, 24, start))
         for rid in ("ra", "rb")
     ]
     for process in routers:
@@ -251,9 +252,9 @@ def test_a_crashed_routers_reservations_stop_counting_after_its_ttl(redis_server
     assert asyncio.run(reserved()) == 3
     os.kill(process.pid, signal.SIGKILL)
     process.join()
-    deadline_s = time.monotonic() + 10
-    while asyncio.run(reserved()) and time.monotonic() < deadline_s:
-        time.sleep(0.2)
+    wait_until(
+        lambda: asyncio.run(reserved()) == 0, 10, "the crashed router's reservations ending", 0.2
+    )
     assert asyncio.run(reserved()) == 0
 
 
@@ -269,6 +270,6 @@ def _crashing_router_with_ttl(url: str, namespace: str, conn) -> None:
                 f"req-{i}", chain(seed=5, num_blocks=4), idle(), PrefillWeights(), 0
             )
         conn.send("reserved")
-        await asyncio.sleep(3600)
+        await asyncio.sleep(3600)  # hang, holding the reservations, until the test kills it
 
     asyncio.run(main())
