@@ -168,6 +168,12 @@ class RouterActor:
             return {}
         return self._router.servicer.num_inflight_by_worker()
 
+    async def routable_addresses(self) -> set[str]:
+        """See ``RouterServicer.routable_addresses`` (empty before ``start``)."""
+        if self._router is None:
+            return set()
+        return self._router.servicer.routable_addresses()
+
     async def stop(self, grace_s: float) -> None:
         if self._router is not None:
             await self._router.stop(grace_s)

@@ -140,11 +140,12 @@ class ClusterController:
                 self._planner_task = loop.create_task(self._plan_forever())
 
     async def wait_ready(self, timeout_s: float) -> list[str]:
-        """Wait until every pool and router is at its size with nothing starting or draining;
-        return the routers' addresses. ``TimeoutError`` names what is missing."""
+        """Wait until every pool and router is at its size with nothing starting or draining,
+        and every router routes to every worker; return the routers' addresses.
+        ``TimeoutError`` names what is missing."""
         loop = asyncio.get_running_loop()
         deadline_s = loop.time() + timeout_s
-        while not self._converged():
+        while not (self._converged() and await self._routers_route_all()):
             if loop.time() > deadline_s:
                 errors = "; ".join(
                     f"{pool.role}: {pool.last_error}"
@@ -221,6 +222,22 @@ class ClusterController:
             s.num_ready == s.desired_workers and not s.num_starting and not s.num_draining
             for s in self._sizes()
         )
+
+    async def _routers_route_all(self) -> bool:
+        """Whether every ready router would choose among all ready workers (a router's first
+        health poll can miss a worker that answers slowly; its next one catches up)."""
+        workers = {m.address for role in POOL_ROLES for m in self._ready(role)}
+        try:
+            views = await asyncio.gather(
+                *(
+                    asyncio.wait_for(r.actor.routable_addresses.remote(), _CALL_TIMEOUT_S)
+                    for r in self._ready(Role.ROUTER)
+                )
+            )
+        except Exception as exc:  # a router that does not answer is not routing yet
+            logger.debug("router view unavailable (%r)", exc)
+            return False
+        return all(workers <= view for view in views)
 
     async def _run(self) -> None:
         while not self._closed:

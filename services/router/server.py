@@ -77,6 +77,9 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         self.decode_pool = WorkerPool(Role.DECODE, config.decode_address_list, fence_after)
         self.planner = build_planner(config, self.prefill_pool, self.decode_pool, rng)
         self._num_inflight = 0
+        # The last limits the decode workers reported: the model does not change when a pool
+        # briefly has no worker that answered (a scale-down's survivor not yet polled).
+        self._limits_seen: ModelLimits | None = None
         self.bounds = config.request_bounds()
         self.latency = LatencyWindow()
         self._background = BackgroundTasks()
@@ -139,14 +142,23 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             logger.info("prefix index: removed the entries of dead workers %s", dead)
 
     def limits(self) -> ModelLimits | None:
-        """The model's limits as the workers report them (None until one has answered)."""
+        """The model's limits as the decode workers report them: the tightest over those that
+        answered, else the last seen (None until one has ever answered)."""
         infos = [w.info for w in self.decode_pool.workers if w.info is not None]
-        if not infos:
-            return None
-        return ModelLimits(
-            vocab_size=min(i.vocab_size for i in infos),
-            max_model_len=min(i.max_model_len for i in infos),
-        )
+        if infos:
+            self._limits_seen = ModelLimits(
+                vocab_size=min(i.vocab_size for i in infos),
+                max_model_len=min(i.max_model_len for i in infos),
+            )
+        return self._limits_seen
+
+    def routable_addresses(self) -> set[str]:
+        """The workers of both pools this router would choose for a new request now."""
+        return {
+            w.address
+            for pool in (self.prefill_pool, self.decode_pool)
+            for w in pool.routable_workers()
+        }
 
     # ----------------------------------------------------------------------------- Generate
     async def Generate(

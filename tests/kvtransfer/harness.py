@@ -108,8 +108,13 @@ class SourceProcess:
         )
 
     def signal(self, signum: int) -> None:
-        assert self.process.pid is not None
-        os.kill(self.process.pid, signum)
+        """Send ``signum``; for SIGSTOP, return only once every thread of the source is stopped
+        (``kill`` returns before a busy process has actually stopped)."""
+        pid = self.process.pid
+        assert pid is not None
+        os.kill(pid, signum)
+        if signum == signal.SIGSTOP:
+            wait_until(lambda: _all_threads_stopped(pid), 10.0, f"source {pid} stopped")
 
     def stop(self) -> None:
         if self.process.is_alive():
@@ -159,3 +164,15 @@ def read(
 ) -> TransferState:
     backend.start_read(req_id, src, dst_block_ids)
     return wait_terminal(backend, [req_id])[req_id]
+
+
+def _all_threads_stopped(pid: int) -> bool:
+    """Whether every thread of ``pid`` is in the stopped state ("T" in /proc/<pid>/task/*/stat)."""
+    task_dir = f"/proc/{pid}/task"
+    for tid in os.listdir(task_dir):
+        with open(f"{task_dir}/{tid}/stat") as stat:
+            # The state follows the parenthesised command name, which may itself hold spaces.
+            state = stat.read().rsplit(")", 1)[1].split()[0]
+        if state not in ("T", "t"):
+            return False
+    return True
