@@ -52,9 +52,18 @@ class EnvDefault:
         return value
 
 
-def flag(default: Any = _MISSING, help: str = "", *, choices: tuple[str, ...] | None = None) -> Any:
-    """A dataclass field that is also a CLI flag (no default: the flag is required)."""
-    return dataclasses.field(default=default, metadata={"help": help, "choices": choices})
+def flag(
+    default: Any = _MISSING,
+    help: str = "",
+    *,
+    choices: tuple[str, ...] | None = None,
+    secret: bool = False,
+) -> Any:
+    """A dataclass field that is also a CLI flag (no default: the flag is required); a
+    ``secret`` one is left out of the config's repr (and so of logs)."""
+    return dataclasses.field(
+        default=default, repr=not secret, metadata={"help": help, "choices": choices}
+    )
 
 
 def flag_name(field_name: str) -> str:
@@ -147,12 +156,12 @@ def from_args(
 
 
 def to_argv(config: Any, skip: tuple[str, ...] = ()) -> list[str]:
-    """The flags that ``add_flags`` + ``from_args`` turn back into ``config`` (None and the
-    fields in ``skip``: omitted)."""
+    """The flags that ``add_flags`` + ``from_args`` turn back into ``config`` (None, secrets
+    and the fields in ``skip``: omitted; pass secrets with ``secret_env``)."""
     argv: list[str] = []
     for f in dataclasses.fields(config):
         value = getattr(config, f.name)
-        if "help" not in f.metadata or value is None or f.name in skip:
+        if "help" not in f.metadata or value is None or f.name in skip or not f.repr:
             continue
         name = flag_name(f.name)
         if isinstance(value, bool):
@@ -160,3 +169,13 @@ def to_argv(config: Any, skip: tuple[str, ...] = ()) -> list[str]:
         else:
             argv += [name, str(value)]
     return argv
+
+
+def secret_env(config: Any) -> dict[str, str]:
+    """The env vars that carry ``config``'s secret flags (those set), for a child process:
+    argv is readable by every user of the machine, a process's environment is not."""
+    return {
+        env_name(f.name): str(getattr(config, f.name))
+        for f in dataclasses.fields(config)
+        if "help" in f.metadata and not f.repr and getattr(config, f.name)
+    }

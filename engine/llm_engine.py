@@ -28,7 +28,7 @@ from engine.model.kernel_plan import KernelPlan
 from engine.model_runner import ModelRunner
 from engine.outputs import RequestOutput
 from engine.request import Request, RequestStatus
-from engine.request_limits import check_request_limits
+from engine.request_limits import check_cache_salt, check_request_limits
 from engine.sampler import Sampler, TokenLogprobs
 from engine.sampling_params import SamplingParams
 from engine.scheduler import KVLoad, Scheduler, SchedulerConfig, SchedulerOutput
@@ -185,6 +185,7 @@ class LLMEngine:
         num_external_tokens: int = 0,
         hold_kv: bool = False,
         arrival_time_s: float | None = None,
+        cache_salt: str = "",
     ) -> None:
         """Queue a request.
 
@@ -192,8 +193,11 @@ class LLMEngine:
         towards ``max_tokens`` and are not reported again. With ``num_external_tokens`` the
         first tokens' KV must be loaded (see ``take_kv_loads`` / ``finish_kv_load``) instead of
         computed. With ``hold_kv`` the blocks outlive the request until ``release_held_kv``.
+        Requests share prefix-cache blocks only when their ``cache_salt`` is the same (it goes
+        into every block hash).
         """
         self.validate_request(prompt_token_ids, params, output_token_ids)
+        check_cache_salt(cache_salt)
         request = Request(
             req_id=req_id,
             prompt_token_ids=list(prompt_token_ids),
@@ -204,6 +208,7 @@ class LLMEngine:
             num_external_tokens=num_external_tokens,
             hold_kv=hold_kv,
             output_token_ids=list(output_token_ids),
+            extra_key=cache_salt,
         )
         self.scheduler.add_request(request)
         detokenizer = None

@@ -10,6 +10,15 @@ from collections.abc import Sequence
 
 from engine.sampling_params import SamplingParams
 
+# A salt names a tenant; anything longer is a mistake, and it is hashed into every block.
+MAX_CACHE_SALT_BYTES = 256
+
+
+def check_cache_salt(cache_salt: str) -> None:
+    """Raise ``ValueError`` (naming ``cache_salt``) if the salt is longer than allowed."""
+    if len(cache_salt.encode()) > MAX_CACHE_SALT_BYTES:
+        raise ValueError(f"cache_salt: longer than {MAX_CACHE_SALT_BYTES} bytes")
+
 
 def check_request_limits(
     prompt_token_ids: Sequence[int],

@@ -21,7 +21,11 @@ from loadtest.metrics import DEFAULT_SLO_ITL_PERCENTILE
 from loadtest.report import write_reports
 from loadtest.sweep import LoadSpec, run_sweep, served_model_of
 from loadtest.synthetic import WORKLOADS
-from services.common.grpc_server import CHANNEL_OPTIONS
+from services.common.router_channel import (
+    add_router_credential_flags,
+    open_router_channel,
+    router_credentials,
+)
 from services.startup import ClusterNotReady, WaitMessages, wait_for_cluster
 from splitserve.v1 import router_pb2_grpc
 
@@ -60,6 +64,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--out", type=Path, required=True, help="directory for the reports")
     parser.add_argument("--no-progress", action="store_true")
+    add_router_credential_flags(parser)
     parser.set_defaults(func=main)
 
 
@@ -81,7 +86,7 @@ def main(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"splitserve loadtest: {exc}", file=sys.stderr)
         return 2
-    with grpc.insecure_channel(args.target, options=CHANNEL_OPTIONS) as channel:
+    with open_router_channel(args.target, **router_credentials(args)) as channel:
         stub = router_pb2_grpc.RouterStub(channel)
         deadline_s = time.monotonic() + args.timeout_s
         try:
@@ -96,7 +101,9 @@ def main(args: argparse.Namespace) -> int:
             print(f"splitserve loadtest: {exc.code().name}: {exc.details()}", file=sys.stderr)
             return 2
     served = served_model_of(status, args.model)
-    runs = run_sweep(args.target, spec, served, show_progress=not args.no_progress)
+    runs = run_sweep(
+        args.target, spec, served, show_progress=not args.no_progress, **router_credentials(args)
+    )
     for result in runs:
         summary = result.summary
         print(

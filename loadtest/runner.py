@@ -18,7 +18,7 @@ import grpc
 
 from loadtest.metrics import RequestRecord
 from loadtest.synthetic import SyntheticRequest
-from services.common.grpc_server import CHANNEL_OPTIONS
+from services.common.router_channel import open_router_aio_channel
 from splitserve.v1 import router_pb2, router_pb2_grpc
 
 
@@ -93,10 +93,13 @@ async def run(
     plan: RunPlan,
     make_request: Callable[[], SyntheticRequest],
     show_progress: bool = True,
+    api_key: str = "",
+    ca_file: str = "",
 ) -> list[RequestRecord]:
-    """Run ``plan`` against the router at ``target``; one record per request sent."""
+    """Run ``plan`` against the router at ``target``, presenting ``api_key`` (TLS verified
+    against ``ca_file`` when given); one record per request sent."""
     progress = Progress(plan.num_requests, show_progress)
-    async with grpc.aio.insecure_channel(target, options=CHANNEL_OPTIONS) as channel:
+    async with open_router_aio_channel(target, api_key, ca_file) as channel:
         stub = router_pb2_grpc.RouterStub(channel)
         await channel.channel_ready()
         start_s = time.perf_counter()

@@ -7,15 +7,13 @@ import asyncio
 import logging
 from dataclasses import dataclass
 
-import grpc
-
 from engine.loader.models import resolve_model
 from engine.tokenizer import Tokenizer
 from loadtest.metrics import DEFAULT_SLO_ITL_PERCENTILE, summarize
 from loadtest.report import RunResult
 from loadtest.runner import RunPlan, run
 from loadtest.synthetic import WorkloadGenerator, arrival_times_s, regular_token_ids
-from services.common.grpc_server import CHANNEL_OPTIONS
+from services.common.router_channel import open_router_channel
 from splitserve.v1 import router_pb2, router_pb2_grpc
 
 logger = logging.getLogger(__name__)
@@ -63,10 +61,11 @@ class ServedModel:
     max_model_len: int
 
 
-def served_model(target: str, tokenizer_model: str | None = None) -> ServedModel:
-    """Ask the router at ``target`` (once) what it serves; prompts are built from
-    ``tokenizer_model``'s tokenizer (default: the model its workers loaded)."""
-    with grpc.insecure_channel(target, options=CHANNEL_OPTIONS) as channel:
+def served_model(target: str, tokenizer_model: str | None = None, api_key: str = "") -> ServedModel:
+    """Ask the router at ``target`` (once; ``Status`` needs an admin key when keys are on)
+    what it serves; prompts are built from ``tokenizer_model``'s tokenizer (default: the model
+    its workers loaded)."""
+    with open_router_channel(target, api_key) as channel:
         stub = router_pb2_grpc.RouterStub(channel)
         status = stub.Status(router_pb2.StatusRequest(), timeout=30, wait_for_ready=True)
     return served_model_of(status, tokenizer_model)
@@ -91,9 +90,15 @@ def served_model_of(
 
 
 def run_sweep(
-    target: str, spec: LoadSpec, served: ServedModel, show_progress: bool = True
+    target: str,
+    spec: LoadSpec,
+    served: ServedModel,
+    show_progress: bool = True,
+    api_key: str = "",
+    ca_file: str = "",
 ) -> list[RunResult]:
-    """Run ``spec`` against the router at ``target``, which serves ``served``."""
+    """Run ``spec`` against the router at ``target``, which serves ``served``, presenting
+    ``api_key`` (TLS verified against ``ca_file`` when given)."""
     vocab, max_model_len = list(served.vocab), served.max_model_len
     results = []
     for i, rate in enumerate(spec.rates or (None,)):
@@ -111,7 +116,9 @@ def run_sweep(
             concurrency=spec.concurrency,
             timeout_s=spec.timeout_s,
         )
-        records = asyncio.run(run(target, plan, generator.next, show_progress=show_progress))
+        records = asyncio.run(
+            run(target, plan, generator.next, show_progress, api_key=api_key, ca_file=ca_file)
+        )
         summary = summarize(records, spec.slo_ttft_ms, spec.slo_itl_ms, spec.slo_itl_percentile)
         label = f"rate {rate:g}/s" if rate is not None else f"concurrency {spec.concurrency}"
         results.append(RunResult(label, rate, spec.concurrency, summary, records))

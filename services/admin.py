@@ -16,8 +16,12 @@ from collections.abc import Sequence
 import grpc
 from google.protobuf import json_format
 
-from services.common.grpc_server import CHANNEL_OPTIONS
 from services.common.roles import POOL_ROLES, Role
+from services.common.router_channel import (
+    add_router_credential_flags,
+    open_router_channel,
+    router_credentials,
+)
 from services.startup import (
     ClusterNotReady,
     WaitMessages,
@@ -36,6 +40,7 @@ def configure_status(status: argparse.ArgumentParser) -> None:
     status.add_argument(
         "--timeout-s", type=float, default=10.0, help="how long to wait for a router to answer"
     )
+    add_router_credential_flags(status)
     status.set_defaults(func=run_status)
 
 
@@ -53,12 +58,13 @@ def configure_scale(scale: argparse.ArgumentParser) -> None:
         default=600.0,
         help="deadline of the command: waiting for a router still starting, then --wait",
     )
+    add_router_credential_flags(scale)
     scale.set_defaults(func=run_scale)
 
 
 def run_status(args: argparse.Namespace) -> int:
     deadline_s = time.monotonic() + args.timeout_s
-    with grpc.insecure_channel(args.target, options=CHANNEL_OPTIONS) as channel:
+    with open_router_channel(args.target, **router_credentials(args)) as channel:
         stub = router_pb2_grpc.RouterStub(channel)
         try:
             status = wait_for_cluster(
@@ -84,7 +90,7 @@ def run_scale(args: argparse.Namespace) -> int:
     request = router_pb2.ScaleRequest(role=Role(args.pool).to_proto(), num_workers=args.num_workers)
     deadline_s = time.monotonic() + args.timeout_s
     messages = WaitMessages(sys.stderr)
-    with grpc.insecure_channel(args.target, options=CHANNEL_OPTIONS) as channel:
+    with open_router_channel(args.target, **router_credentials(args)) as channel:
         stub = router_pb2_grpc.RouterStub(channel)
         try:
             wait_for_cluster(stub, args.target, deadline_s, messages, router_answers)

@@ -53,6 +53,12 @@ COMMANDS = (
         "set the number of prefill or decode workers of a running cluster",
     ),
     Command(
+        "certs",
+        "services.certs",
+        "configure",
+        "write a cluster CA and per-identity TLS certificates (for --tls-dir)",
+    ),
+    Command(
         "loadtest",
         "loadtest.cli",
         "configure",

@@ -32,15 +32,17 @@ from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import IO
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from engine.config import EngineConfig
-from engine.flags import to_argv
-from services.common.grpc_server import CHANNEL_OPTIONS
+from engine.flags import env_name, to_argv
 from services.common.roles import Role
+from services.common.router_channel import api_key_metadata
+from services.common.tls import Identity, TlsMaterial, member_channel_blocking, read_tls_dir
 from services.startup import WorkerFailure, last_line
 from splitserve.v1 import router_pb2, router_pb2_grpc
 
@@ -115,9 +117,9 @@ class ServiceProcess:
         line = last_line("".join(self.stderr_tail))
         return f"{status}: {line}" if line else status
 
-    def answer_in_place(self, details: str) -> None:
-        """Serve on the (exited) process's address: every call gets UNAVAILABLE with
-        ``details``. Logs and does nothing if the address cannot be bound."""
+    def answer_in_place(self, details: str, tls: TlsMaterial | None = None) -> None:
+        """Serve on the (exited) process's address (TLS with its own ``tls``): every call gets
+        UNAVAILABLE with ``details``. Logs and does nothing if the address cannot be bound."""
         server = grpc.server(
             ThreadPoolExecutor(max_workers=1),
             handlers=(_Unavailable(details),),
@@ -125,7 +127,11 @@ class ServiceProcess:
             options=(("grpc.so_reuseport", 0),),
         )
         try:
-            bound = server.add_insecure_port(self.address)
+            if tls is None:
+                bound = server.add_insecure_port(self.address)
+            else:
+                credentials = tls.server_credentials(require_client_auth=False)
+                bound = server.add_secure_port(self.address, credentials)
         except RuntimeError:
             bound = 0
         if not bound:
@@ -186,8 +192,15 @@ class LocalCluster:
     # --cpu-cores of each worker in start order (prefill ones first); empty: no pinning.
     worker_cpu_cores: Sequence[str] = ()
     log_level: str = "WARNING"
+    # The key of the launcher's own Status calls when the routers take API keys (the routers
+    # get it through their environment, SPLITSERVE_ADMIN_API_KEY).
+    admin_api_key: str = field(default="", repr=False)
+    # The root of `splitserve certs`' output: every process serves (mutual) TLS with its
+    # role's directory, and the launcher calls them as the controller (empty: plaintext).
+    tls_dir: str = ""
     processes: list[ServiceProcess] = field(default_factory=list)
     _env: dict[str, str] = field(default_factory=dict, init=False, repr=False)
+    _tls: TlsMaterial | None = field(default=None, init=False, repr=False)
 
     @property
     def router_address(self) -> str:
@@ -204,9 +217,9 @@ class LocalCluster:
         self.launch()
         deadline_s = time.monotonic() + timeout_s
         for process in self.processes:
-            wait_healthy(process, deadline_s)
+            wait_healthy(process, deadline_s, self._tls)
         for router in self.workers(Role.ROUTER):
-            _wait_routed(router, deadline_s)
+            _wait_routed(router, deadline_s, self.admin_api_key, self._tls)
         return self.router_address
 
     def launch(self) -> None:
@@ -214,7 +227,10 @@ class LocalCluster:
         address and routes to a worker once it serves); returns without waiting."""
         if self.mode == "colocated":
             self.num_prefill = 0
+        self._tls = read_tls_dir(self._role_tls_dir(Identity.CONTROLLER))
         env = self._env = dict(os.environ, SPLITSERVE_LOG_LEVEL=self.log_level)
+        if self.admin_api_key:
+            env[env_name("admin_api_key")] = self.admin_api_key
         python = sys.executable
         worker_argv = [*to_argv(self._engine_for_workers()), *self.extra_worker_flags]
         num_workers = self.num_prefill + self.num_decode
@@ -228,7 +244,8 @@ class LocalCluster:
                     python, "-m", f"services.{role}", "--host", self.host, "--port", str(port),
                     "--metrics-port", str(metrics_port),
                 ]  # fmt: skip
-                argv += [*worker_argv, *self.extra_role_flags.get(role, ())]
+                argv += [*worker_argv, *self._tls_flags(Identity(role))]
+                argv += self.extra_role_flags.get(role, ())
                 if self.worker_cpu_cores:
                     argv += ["--cpu-cores", next(cpu_cores)]
                 address = f"{self.host}:{port}"
@@ -267,9 +284,12 @@ class LocalCluster:
                 process.state = ProcessState.EXITED
                 reason = process.exit_reason()
                 if process.role.is_pool:
-                    process.answer_in_place(f"exited{during} ({reason}); not restarted")
+                    process.answer_in_place(
+                        f"exited{during} ({reason}); not restarted",
+                        read_tls_dir(self._role_tls_dir(Identity(process.role))),
+                    )
                 failures.append(WorkerFailure(process.role, process.address, reason, 1, None))
-            elif process.state is ProcessState.STARTING and _serves(process.address):
+            elif process.state is ProcessState.STARTING and _serves(process, self._tls):
                 process.state = ProcessState.SERVING
         return failures
 
@@ -285,8 +305,14 @@ class LocalCluster:
         reports every worker healthy (its channel to a worker that came up after it may still
         be backing off from the refusals while it started)."""
         return all(p.state is ProcessState.SERVING for p in self.processes) and all(
-            _routes(router) for router in self.workers(Role.ROUTER)
+            _routes(router, self.admin_api_key, self._tls) for router in self.workers(Role.ROUTER)
         )
+
+    def _role_tls_dir(self, identity: Identity) -> str:
+        return str(Path(self.tls_dir) / identity.value) if self.tls_dir else ""
+
+    def _tls_flags(self, identity: Identity) -> list[str]:
+        return ["--tls-dir", self._role_tls_dir(identity)] if self.tls_dir else []
 
     def _router_process(self, port: int) -> ServiceProcess:
         metrics_port = free_port(self.host)
@@ -298,6 +324,7 @@ class LocalCluster:
                 sys.executable, "-m", "services.router",
                 "--model", self.engine.model,
                 *_router_model_flags(self.engine),
+                *self._tls_flags(Identity.ROUTER),
                 "--host", self.host,
                 "--port", str(port),
                 "--mode", self.mode,
@@ -347,10 +374,13 @@ def split_threads(engine: EngineConfig, num_engines: int) -> EngineConfig:
     return dataclasses.replace(engine, num_threads=threads)
 
 
-def wait_healthy(process: ServiceProcess, deadline_s: float) -> None:
-    """Block until ``process`` answers SERVING on gRPC health; raise if it dies or times out."""
+def wait_healthy(
+    process: ServiceProcess, deadline_s: float, tls: TlsMaterial | None = None
+) -> None:
+    """Block until ``process`` answers SERVING on gRPC health (calling with ``tls``, if it
+    serves TLS); raise if it dies or times out."""
     _wait(
-        lambda: _serves(process.address),
+        lambda: _serves(process, tls),
         deadline_s,
         lambda: f"{process.role} at {process.address} is not healthy in time",
         process,
@@ -358,22 +388,27 @@ def wait_healthy(process: ServiceProcess, deadline_s: float) -> None:
     process.state = ProcessState.SERVING
 
 
-def _wait_routed(router: ServiceProcess, deadline_s: float) -> None:
+def _wait_routed(
+    router: ServiceProcess, deadline_s: float, api_key: str, tls: TlsMaterial | None
+) -> None:
     """Block until ``router`` reports every worker it was given as healthy."""
     _wait(
-        lambda: _routes(router),
+        lambda: _routes(router, api_key, tls),
         deadline_s,
         lambda: f"router at {router.address} sees no healthy workers",
         router,
     )
 
 
-def _routes(router: ServiceProcess) -> bool:
-    """One ``Router.Status``: does ``router`` report every worker it was given as healthy?"""
-    with grpc.insecure_channel(router.address, options=CHANNEL_OPTIONS) as channel:
+def _routes(router: ServiceProcess, api_key: str, tls: TlsMaterial | None) -> bool:
+    """One ``Router.Status`` (presenting ``api_key``): does ``router`` report every worker it
+    was given as healthy?"""
+    with member_channel_blocking(router.address, Identity.ROUTER, tls) as channel:
         try:
             status = router_pb2_grpc.RouterStub(channel).Status(
-                router_pb2.StatusRequest(), timeout=_HEALTH_CHECK_TIMEOUT_S * 5
+                router_pb2.StatusRequest(),
+                timeout=_HEALTH_CHECK_TIMEOUT_S * 5,
+                metadata=api_key_metadata(api_key),
             )
         except grpc.RpcError:
             return False
@@ -397,9 +432,10 @@ def _wait(
         time.sleep(_HEALTH_POLL_S)
 
 
-def _serves(address: str) -> bool:
-    """One gRPC health check: does ``address`` answer SERVING?"""
-    with grpc.insecure_channel(address, options=CHANNEL_OPTIONS) as channel:
+def _serves(process: ServiceProcess, tls: TlsMaterial | None) -> bool:
+    """One gRPC health check: does ``process`` answer SERVING?"""
+    identity = Identity(process.role)
+    with member_channel_blocking(process.address, identity, tls) as channel:
         try:
             reply = health_pb2_grpc.HealthStub(channel).Check(
                 health_pb2.HealthCheckRequest(), timeout=_HEALTH_CHECK_TIMEOUT_S

@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import secrets
 import signal
 import sys
 import threading
@@ -23,7 +24,7 @@ from collections.abc import Callable
 
 from engine.config import EngineConfig
 from engine.cpu_isa import AUTO, library_env, resolve_isa
-from engine.flags import add_flags, from_args, to_argv
+from engine.flags import add_flags, from_args, secret_env, to_argv
 from services.cluster.config import ClusterConfig
 from services.cluster.planner import PlannerConfig
 from services.common.redis_config import RedisConfig
@@ -34,10 +35,10 @@ from services.router.config import RouterConfig
 from services.startup import WorkerFailure
 
 # Set per replica by the launcher or the controller, not by `up`'s flags.
-_PER_WORKER = ("host", "port", "worker_id", "metrics_port")
+_PER_WORKER = ("host", "port", "worker_id", "metrics_port", "tls_dir")
 _PER_ROUTER = (
     "model", "revision", "served_model_name", "host", "port", "mode", "prefill_workers",
-    "decode_workers", "metrics_port", "seed", "router_id",
+    "decode_workers", "metrics_port", "seed", "router_id", "tls_dir",
 )  # fmt: skip
 _SUPERVISE_S = 0.5
 
@@ -80,6 +81,7 @@ def configs_from_args(
         port=cluster.port,
         mode=cluster.mode,
         redis=redis,
+        tls_dir=cluster.identity_tls_dir("router"),
     )
     return cluster, worker, router, from_args(PlannerConfig, args)
 
@@ -160,10 +162,13 @@ def _serve_local(
 
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)
-    # Every replica of a role gets the same flags; a password travels in the environment.
-    redis_argv = to_argv(router.redis, skip=("redis_password",))
-    if router.redis.redis_password is not None:
-        os.environ["SPLITSERVE_REDIS_PASSWORD"] = router.redis.redis_password
+    if router.api_key_file and not router.admin_api_key:
+        # The launcher's own Status calls need an admin key; this one lives as long as `up`.
+        router = dataclasses.replace(router, admin_api_key=secrets.token_urlsafe(32))
+    # Every replica of a role gets the same flags; secrets travel in the environment.
+    redis_argv = to_argv(router.redis)
+    os.environ.update(secret_env(router.redis))
+    os.environ.update(secret_env(router))
     local = LocalCluster(
         engine=worker.engine,
         num_prefill=cluster.num_prefill_workers,
@@ -173,6 +178,8 @@ def _serve_local(
         host=cluster.host,
         port=cluster.port,
         log_level=log_level,
+        admin_api_key=router.admin_api_key,
+        tls_dir=cluster.tls_dir,
         extra_worker_flags=(*to_argv(worker, skip=_PER_WORKER), *redis_argv),
         extra_router_flags=(*to_argv(router, skip=_PER_ROUTER), *redis_argv),
     )

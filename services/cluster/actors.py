@@ -22,10 +22,10 @@ from services.common.roles import Role
 from services.common.worker_config import WorkerConfig
 from services.common.worker_runtime import RunningWorker
 from services.launcher import free_port
+from services.router.app import RunningRouter, start_router
 from services.router.config import RouterConfig
 from services.router.latency import LatencySamples
 from services.router.scaler import PoolSize
-from services.router.server import RunningRouter, start_router
 
 _ANY_ADDRESS = ("0.0.0.0", "::", "")
 

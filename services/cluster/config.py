@@ -56,6 +56,11 @@ class ClusterConfig:
         "seconds a draining worker gets to finish its requests and have its KV leases "
         "released before it is stopped anyway (its requests then move to other workers)",
     )
+    tls_dir: str = flag(
+        "",
+        "directory written by splitserve certs (one subdirectory per identity): every gRPC "
+        "hop is mutual TLS, the routers' client ports serve TLS (empty: plaintext)",
+    )
     reconcile_interval_s: float = flag(
         1.0, "seconds between the controller's liveness checks of every actor"
     )
@@ -89,3 +94,8 @@ class ClusterConfig:
 
     def num_gpus(self, role: Role) -> float:
         return self.prefill_num_gpus if role == Role.PREFILL else self.decode_num_gpus
+
+    def identity_tls_dir(self, identity: str) -> str:
+        """The TLS directory of one identity (router, prefill, decode, controller) under
+        ``tls_dir``; empty when TLS is off."""
+        return f"{self.tls_dir.rstrip('/')}/{identity}" if self.tls_dir else ""

@@ -39,6 +39,7 @@ from services.cluster.probes import ClusterProbes
 from services.common.background import BackgroundTasks
 from services.common.logs import configure_logging
 from services.common.roles import POOL_ROLES, Role
+from services.common.tls import read_tls_dir
 from services.common.worker_config import WorkerConfig
 from services.router.config import RouterConfig
 from services.router.scaler import PoolSize
@@ -122,7 +123,7 @@ class ClusterController:
         }
         self._names = itertools.count()
         self._token = secrets.token_hex(2)
-        self._probes = ClusterProbes()
+        self._probes = ClusterProbes(read_tls_dir(cluster.identity_tls_dir("controller")))
         self._wakeup = asyncio.Event()
         self._push_lock = asyncio.Lock()
         self._background = BackgroundTasks()
@@ -312,7 +313,10 @@ class ClusterController:
                 router_config, handle, self._log_level
             )
         config = dataclasses.replace(
-            self._worker_config, worker_id=name, metrics_port=self._cluster.worker_metrics_port
+            self._worker_config,
+            worker_id=name,
+            metrics_port=self._cluster.worker_metrics_port,
+            tls_dir=self._cluster.identity_tls_dir(role.value),
         )
         return actor_class.options(
             num_cpus=0, num_gpus=self._cluster.num_gpus(role), resources={role.value: 1}

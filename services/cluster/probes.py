@@ -18,8 +18,8 @@ import grpc
 from services.cluster.members import Member, busy_units
 from services.cluster.planner import PoolSignals, percentile
 from services.common.background import BackgroundTasks
-from services.common.grpc_server import CHANNEL_OPTIONS
 from services.common.roles import Role
+from services.common.tls import Identity, TlsMaterial, member_channel
 from services.router.latency import LatencySamples
 from splitserve.v1 import worker_pb2, worker_pb2_grpc
 
@@ -29,16 +29,18 @@ CALL_TIMEOUT_S = 5.0
 
 
 class ClusterProbes:
-    """Reads loads, in-flight counts and latency samples; ``forget`` a removed worker."""
+    """Reads loads, in-flight counts and latency samples (calling workers as the controller,
+    over mutual TLS with ``tls``); ``forget`` a removed worker."""
 
-    def __init__(self) -> None:
+    def __init__(self, tls: TlsMaterial | None = None) -> None:
+        self._tls = tls
         self._stubs: dict[str, tuple[grpc.aio.Channel, Any]] = {}
         self._background = BackgroundTasks()
 
     async def load(self, worker: Member) -> worker_pb2.WorkerLoad:
         """The worker's ``GetLoad`` (empty if it does not answer)."""
         if worker.address not in self._stubs:
-            channel = grpc.aio.insecure_channel(worker.address, options=CHANNEL_OPTIONS)
+            channel = member_channel(worker.address, Identity(worker.role.value), self._tls)
             stub_class = (
                 worker_pb2_grpc.PrefillWorkerStub
                 if worker.role is Role.PREFILL

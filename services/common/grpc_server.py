@@ -84,12 +84,18 @@ async def start_server(
     port: int,
     register: Callable[[grpc.aio.Server], None],
     service_names: Sequence[str],
+    interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
+    credentials: grpc.ServerCredentials | None = None,
 ) -> ServingServer:
-    """Create, bind and start a server; ``register`` adds the servicers.
+    """Create, bind and start a server (TLS with ``credentials``, else plaintext); ``register``
+    adds the servicers, ``interceptors`` run before the servicer (and before undecodable
+    requests are refused), in order.
 
     Health reports NOT_SERVING until ``ServingServer.set_serving`` is called.
     """
-    server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=(RejectUndecodableRequests(),))
+    server = grpc.aio.server(
+        options=SERVER_OPTIONS, interceptors=(*interceptors, RejectUndecodableRequests())
+    )
     register(server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -98,7 +104,11 @@ async def start_server(
     reflection.enable_server_reflection(
         (*service_names, health.SERVICE_NAME, reflection.SERVICE_NAME), server
     )
-    bound_port = server.add_insecure_port(f"{host}:{port}")
+    address = f"{host}:{port}"
+    if credentials is None:
+        bound_port = server.add_insecure_port(address)
+    else:
+        bound_port = server.add_secure_port(address, credentials)
     if bound_port == 0:
         raise OSError(f"cannot bind gRPC server to {host}:{port}")
     await server.start()

@@ -20,7 +20,7 @@ class RedisConfig:
         "(redis://[user:password@]host:port/db, rediss:// for TLS)",
     )
     redis_password: str | None = flag(
-        None, "Redis password (overrides one in the URL; set it through the env var)"
+        None, "Redis password (overrides one in the URL; set it through the env var)", secret=True
     )
     redis_tls_ca_file: str | None = flag(None, "CA bundle that verifies a rediss:// server")
     redis_tls_cert_file: str | None = flag(None, "client certificate for mutual TLS")

@@ -11,13 +11,14 @@ that are not wrapped are left as they are).
 
 from __future__ import annotations
 
-import inspect
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
 import grpc
 from google.protobuf.message import DecodeError
+
+from services.common.grpc_guard import guarded
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,32 +38,11 @@ def _tolerant(deserializer: Callable[[bytes], Any]) -> Callable[[bytes], Any]:
     return deserialize
 
 
-async def _reject(request: Undecodable, context: grpc.aio.ServicerContext) -> None:
-    await context.abort(
-        grpc.StatusCode.INVALID_ARGUMENT, f"request does not parse: {request.error}"
-    )
-
-
-def _guard_unary_stream(behavior: Callable[..., Any]) -> Callable[..., Any]:
-    if inspect.isasyncgenfunction(behavior):
-
-        async def stream(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
-            if isinstance(request, Undecodable):
-                await _reject(request, context)
-            async for response in behavior(request, context):
-                yield response
-
-        return stream
-    return _guard_unary(behavior)
-
-
-def _guard_unary(behavior: Callable[..., Awaitable[Any]]) -> Callable[..., Awaitable[Any]]:
-    async def call(request: Any, context: grpc.aio.ServicerContext) -> Any:
-        if isinstance(request, Undecodable):
-            await _reject(request, context)
-        return await behavior(request, context)
-
-    return call
+async def _reject_undecodable(request: Any, context: grpc.aio.ServicerContext) -> None:
+    if isinstance(request, Undecodable):
+        await context.abort(
+            grpc.StatusCode.INVALID_ARGUMENT, f"request does not parse: {request.error}"
+        )
 
 
 class RejectUndecodableRequests(grpc.aio.ServerInterceptor):
@@ -77,15 +57,4 @@ class RejectUndecodableRequests(grpc.aio.ServerInterceptor):
         handler = await continuation(handler_call_details)
         if handler is None or handler.request_streaming or handler.request_deserializer is None:
             return handler
-        deserializer = _tolerant(handler.request_deserializer)
-        if handler.response_streaming:
-            return grpc.unary_stream_rpc_method_handler(
-                _guard_unary_stream(handler.unary_stream),
-                request_deserializer=deserializer,
-                response_serializer=handler.response_serializer,
-            )
-        return grpc.unary_unary_rpc_method_handler(
-            _guard_unary(handler.unary_unary),
-            request_deserializer=deserializer,
-            response_serializer=handler.response_serializer,
-        )
+        return guarded(handler, _reject_undecodable, _tolerant(handler.request_deserializer))

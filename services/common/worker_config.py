@@ -54,6 +54,12 @@ class WorkerConfig:
     lease_ttl_s: float = flag(
         30.0, "prefill: seconds a finished prefill's blocks wait for the decode side's pull"
     )
+    tls_dir: str = flag(
+        "",
+        "directory of this worker's TLS material (tls.crt, tls.key, ca.crt; see splitserve "
+        "certs): serve mutual TLS, admitting only the cluster's router and controller "
+        "certificates (empty: plaintext)",
+    )
 
     def __post_init__(self) -> None:
         if self.lease_ttl_s <= 0:

@@ -23,6 +23,7 @@ from services.common.kv_events import KVEventPublisher
 from services.common.metrics import register_worker_metrics, start_metrics_server
 from services.common.prefix_index import RedisPrefixIndex
 from services.common.roles import Role
+from services.common.tls import Identity, RequirePeerIdentity, read_tls_dir
 from services.common.worker_config import WorkerConfig
 from splitserve.v1 import worker_pb2
 
@@ -31,6 +32,8 @@ logger = logging.getLogger(__name__)
 _DRAIN_POLL_S = 0.05
 # What a drained server still gives its calls (ending streams only takes a loop turn).
 _STOP_GRACE_S = 1.0
+# Who may call a worker over mutual TLS: the router routes, the controller probes loads.
+_CALLERS = (Identity.ROUTER, Identity.CONTROLLER)
 
 
 class WorkerServicer(Protocol):
@@ -170,10 +173,16 @@ async def start_worker(
 
     ``add_to_server`` is the generated ``add_<Service>Servicer_to_server``.
     """
+    tls = read_tls_dir(config.tls_dir)  # before the model loads: a bad path fails at once
     runtime = await asyncio.to_thread(build_runtime, config, role, config.port, make_hooks)
     servicer = make_servicer(runtime)
     serving = await start_server(
-        config.host, config.port, lambda server: add_to_server(servicer, server), (service_name,)
+        config.host,
+        config.port,
+        lambda server: add_to_server(servicer, server),
+        (service_name,),
+        (RequirePeerIdentity(_CALLERS),) if tls else (),
+        tls.server_credentials(require_client_auth=True) if tls else None,
     )
     register_worker_metrics(role, runtime.worker_id, servicer.load)
     start_metrics_server(config.host, config.metrics_port)

@@ -71,9 +71,13 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, error)
         peer = peer_info_from_proto(request.kv_peer)
 
+        salt = request.cache_salt
+
         def add(engine: LLMEngine) -> None:
             if src is None or not self.puller.expect(req_id, src, peer):
-                engine.add_request(req_id, prompt, params, output_token_ids=output_token_ids)
+                engine.add_request(
+                    req_id, prompt, params, output_token_ids=output_token_ids, cache_salt=salt
+                )
                 return
             try:
                 engine.add_request(
@@ -82,6 +86,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
                     params,
                     output_token_ids=output_token_ids,
                     num_external_tokens=src.num_tokens,
+                    cache_salt=salt,
                 )
             except ValueError:
                 self.puller.abort(engine, req_id)

@@ -62,10 +62,11 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"sampling.{exc}")
         hold_kv = params.max_tokens > 1
+        salt = request.cache_salt
         first_token_params = dataclasses.replace(params, max_tokens=1)
 
         def add(engine: LLMEngine) -> None:
-            engine.add_request(req_id, prompt, first_token_params, hold_kv=hold_kv)
+            engine.add_request(req_id, prompt, first_token_params, hold_kv=hold_kv, cache_salt=salt)
 
         loop = self.runtime.loop
         final: RequestOutput | None = None

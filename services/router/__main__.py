@@ -4,6 +4,6 @@ from __future__ import annotations
 
 import sys
 
-from services.router.server import main
+from services.router.app import main
 
 sys.exit(main())

@@ -118,6 +118,23 @@ class RouterConfig:
     router_heartbeat_ttl_s: float = flag(
         3.0, "seconds a crashed router's prefill reservations keep counting in Redis"
     )
+    api_key_file: str = flag(
+        "",
+        "file of the API keys clients must send ('authorization: Bearer KEY'): one per line, "
+        "optionally followed by its role, data (Generate) or admin (also Scale, Status, "
+        "Explain); re-read on SIGHUP. Without it and --admin-api-key, calls need no key",
+    )
+    admin_api_key: str = flag(
+        "",
+        "one admin API key, besides those of --api-key-file (set it through the env var)",
+        secret=True,
+    )
+    tls_dir: str = flag(
+        "",
+        "directory of the router's TLS material (tls.crt, tls.key, ca.crt; see splitserve "
+        "certs): the client port serves TLS, and calls to workers are mutual TLS (empty: "
+        "plaintext)",
+    )
     metrics_port: int = flag(0, "port of the Prometheus /metrics endpoint (0: off)")
     seed: int = flag(0, "seed of the router's tie-breaking")
     # The prefix index the workers publish to and the routers' reservations; without a URL, an

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import jinja2
 
-from engine.request_limits import check_request_limits
+from engine.request_limits import check_cache_salt, check_request_limits
 from engine.sampling_params import SamplingParams
 from engine.tokenizer import Tokenizer
 from services.common.convert import sampling_params_from_client
@@ -60,6 +60,7 @@ class PreparedRequest:
     client_request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
+    cache_salt: str = ""
 
 
 def prepare_request(
@@ -75,13 +76,14 @@ def prepare_request(
     client_request_id = request.request_id or req_id
     if len(client_request_id) > MAX_REQUEST_ID_CHARS:
         raise ValueError(f"request_id: longer than {MAX_REQUEST_ID_CHARS} characters")
+    check_cache_salt(request.cache_salt)
     try:
         params = sampling_params_from_client(request.sampling)
     except ValueError as exc:
         raise ValueError(f"sampling.{exc}") from None
     prompt_token_ids = _prompt_token_ids(request, tokenizer)
     _check_limits(prompt_token_ids, params, limits)
-    return PreparedRequest(req_id, client_request_id, prompt_token_ids, params)
+    return PreparedRequest(req_id, client_request_id, prompt_token_ids, params, request.cache_salt)
 
 
 def _prompt_token_ids(request: router_pb2.GenerateRequest, tokenizer: Tokenizer) -> list[int]:

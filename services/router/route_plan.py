@@ -86,11 +86,16 @@ class RoutePlanner:
                 return worker.info.block_size
         return 0
 
-    async def plan(self, req_id: str | None, prompt_token_ids: Sequence[int]) -> RoutePlan:
+    async def plan(
+        self, req_id: str | None, prompt_token_ids: Sequence[int], cache_salt: str = ""
+    ) -> RoutePlan:
         """Decide for a prompt. With a ``req_id`` the prefill worker is reserved (when one is
-        used); without, nothing is (``Router.Explain``)."""
+        used); without, nothing is (``Router.Explain``). Only blocks cached under the same
+        ``cache_salt`` count as hits (the workers hash with it too)."""
         block_size = self.block_size()
-        block_hashes = hash_block_tokens(prompt_token_ids, block_size) if block_size else []
+        block_hashes = (
+            hash_block_tokens(prompt_token_ids, block_size, cache_salt) if block_size else []
+        )
         if self._colocated:
             return await self._plan_colocated(req_id, block_hashes)
         short = len(prompt_token_ids) <= self._local_prefill_max_tokens

@@ -63,6 +63,7 @@ class RoutedRequest:
             request_id=self.req_id,
             prompt_token_ids=prepared.prompt_token_ids,
             sampling=self.worker_params,
+            cache_salt=prepared.cache_salt,
         )
         self.failures = FailurePolicy()
         self.slot = InflightSlot()

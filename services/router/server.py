@@ -16,28 +16,23 @@ lease that no decode worker has consumed yet.
 from __future__ import annotations
 
 import asyncio
-import gc
 import logging
 import random
-import sys
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
 
 import grpc
 
-from engine.loader.models import resolve_model
 from engine.tokenizer import Tokenizer
 from services.common.background import BackgroundTasks
 from services.common.convert import FINISH_REASON_NAMES
 from services.common.failures import abort
-from services.common.grpc_server import ServingServer, serve_until_signal, start_server
-from services.common.logs import configure_logging
-from services.common.metrics import start_metrics_server
 from services.common.prefix_index import RedisPrefixIndex
 from services.common.roles import Role
+from services.common.tls import TlsMaterial
 from services.router import metrics
-from services.router.config import RouterConfig, parse_router_args
+from services.router.auth import caller_name
+from services.router.config import RouterConfig
 from services.router.explain import explain_response
 from services.router.failure_policy import FailurePolicy
 from services.router.latency import LatencyWindow
@@ -61,11 +56,16 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
     """Stateless per request except for the in-flight table used for admission.
 
     Pools start as the config's worker lists; an orchestrator changes them with ``set_pool``
-    and serves ``Scale`` through ``scaler`` (None: a fixed cluster).
+    and serves ``Scale`` through ``scaler`` (None: a fixed cluster). With ``tls`` the calls to
+    workers are mutual TLS.
     """
 
     def __init__(
-        self, config: RouterConfig, tokenizer: Tokenizer, scaler: PoolScaler | None = None
+        self,
+        config: RouterConfig,
+        tokenizer: Tokenizer,
+        scaler: PoolScaler | None = None,
+        tls: TlsMaterial | None = None,
     ) -> None:
         self.config = config
         self.tokenizer = tokenizer
@@ -73,8 +73,8 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         rng = random.Random(config.seed)
         prefill = config.prefill_address_list if config.mode == "disaggregated" else ()
         fence_after = config.worker_fence_after_failed_polls
-        self.prefill_pool = WorkerPool(Role.PREFILL, prefill, fence_after)
-        self.decode_pool = WorkerPool(Role.DECODE, config.decode_address_list, fence_after)
+        self.prefill_pool = WorkerPool(Role.PREFILL, prefill, fence_after, tls)
+        self.decode_pool = WorkerPool(Role.DECODE, config.decode_address_list, fence_after, tls)
         self.planner = build_planner(config, self.prefill_pool, self.decode_pool, rng)
         self._num_inflight = 0
         # The last limits the decode workers reported: the model does not change when a pool
@@ -251,7 +251,11 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             prepared, self.tokenizer, self.planner.prefill_chooser, self._background
         )
         try:
-            routed.planned(await self.planner.plan(prepared.req_id, prepared.prompt_token_ids))
+            routed.planned(
+                await self.planner.plan(
+                    prepared.req_id, prepared.prompt_token_ids, prepared.cache_salt
+                )
+            )
             assert routed.plan is not None
             prefill = routed.plan.prefill_worker
             if prefill is not None:
@@ -283,6 +287,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             request_id=routed.req_id,
             prompt_token_ids=routed.prepared.prompt_token_ids,
             sampling=routed.worker_params,
+            cache_salt=routed.prepared.cache_salt,
         )
         worker.num_inflight += 1
         call = worker.stub.Prefill(request, timeout=self._call_timeout_s(context))
@@ -413,7 +418,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         """Score the prefill candidates for ``request`` as ``Generate`` would, reserving none."""
         limits = await self._limits(context)
         prepared = await self._prepare(request, limits, context)
-        plan = await self.planner.plan(None, prepared.prompt_token_ids)
+        plan = await self.planner.plan(None, prepared.prompt_token_ids, prepared.cache_salt)
         return explain_response(plan, len(prepared.prompt_token_ids))
 
     # ----------------------------------------------------------------------------- Scale
@@ -432,11 +437,13 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                 "this cluster has no orchestrator to scale it (it runs as plain processes; "
                 "start it with Ray: splitserve up without --no-ray)",
             )
+        who = caller_name(context)
         try:
             pools = await self.scaler.scale(role, request.num_workers)
         except ValueError as exc:
+            logger.info("scale by %s refused: %s", who, exc)
             await abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        logger.info("scale: %s pool to %d workers", role, request.num_workers)
+        logger.info("scale by %s: %s pool to %d workers", who, role, request.num_workers)
         return router_pb2.ScaleResponse(pools=[p.to_proto() for p in pools])
 
     # ----------------------------------------------------------------------------- Status
@@ -487,68 +494,3 @@ def _fenced(worker: WorkerHandle, call: grpc.aio.Call) -> bool:
     request moves on) rather than the cancellation of the request's own task."""
     task = asyncio.current_task()
     return worker.close_call(call) and not (task is not None and task.cancelling() > 0)
-
-
-@dataclass(slots=True)
-class RunningRouter:
-    """A started router: its servicer and the port it serves on."""
-
-    servicer: RouterServicer
-    serving: ServingServer
-
-    @property
-    def port(self) -> int:
-        return self.serving.port
-
-    async def stop(self, grace_s: float = 5.0) -> None:
-        """Stop serving (in-flight calls get ``grace_s``), then close the worker channels."""
-        await self.serving.stop(grace_s)
-        await self.servicer.stop()
-
-
-async def start_router(config: RouterConfig, scaler: PoolScaler | None = None) -> RunningRouter:
-    """Load the tokenizer, start serving and polling the workers; health is SERVING on return."""
-    tokenizer = await asyncio.to_thread(
-        lambda: Tokenizer(
-            resolve_model(config.model, revision=config.revision, tokenizer_only=True)
-        )
-    )
-    servicer = RouterServicer(config, tokenizer, scaler)
-    serving = await start_server(
-        config.host,
-        config.port,
-        lambda server: router_pb2_grpc.add_RouterServicer_to_server(servicer, server),
-        (SERVICE_NAME,),
-    )
-    await servicer.start()
-    start_metrics_server(config.host, config.metrics_port)
-    # What startup allocated (tokenizer, channels) lives as long as the process: keep the
-    # cyclic GC from walking it again and again, which shows up as routing-latency spikes.
-    gc.freeze()
-    await serving.set_serving((SERVICE_NAME,))
-    logger.info(
-        "router serving on %s:%d (%s; %d prefill, %d decode workers)",
-        config.host,
-        serving.port,
-        config.mode,
-        len(servicer.prefill_pool.workers),
-        len(servicer.decode_pool.workers),
-    )
-    return RunningRouter(servicer, serving)
-
-
-async def serve(config: RouterConfig) -> None:
-    """Run a router until SIGTERM / SIGINT."""
-    router = await start_router(config)
-    await serve_until_signal(router.serving, router.servicer.stop)
-
-
-def main(argv: list[str] | None = None) -> int:
-    config, log_level = parse_router_args(argv)
-    configure_logging(log_level)
-    asyncio.run(serve(config))
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

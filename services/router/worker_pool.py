@@ -24,8 +24,8 @@ from typing import Any
 import grpc
 
 from services.common.background import BackgroundTasks
-from services.common.grpc_server import CHANNEL_OPTIONS
 from services.common.roles import Role
+from services.common.tls import Identity, TlsMaterial, member_channel
 from splitserve.v1 import worker_pb2, worker_pb2_grpc
 
 logger = logging.getLogger(__name__)
@@ -138,9 +138,11 @@ class WorkerPool:
         role: Role,
         addresses: tuple[str, ...],
         fence_after_failed_polls: int = 2,
+        tls: TlsMaterial | None = None,
     ) -> None:
         self.role = role
         self.fence_after_failed_polls = fence_after_failed_polls
+        self._tls = tls
         self._stub_cls = (
             worker_pb2_grpc.PrefillWorkerStub
             if role is Role.PREFILL
@@ -152,7 +154,7 @@ class WorkerPool:
         self._background = BackgroundTasks()
 
     def _connect(self, address: str) -> WorkerHandle:
-        channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+        channel = member_channel(address, Identity(self.role.value), self._tls)
         return WorkerHandle(
             address,
             self.role,

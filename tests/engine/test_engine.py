@@ -71,6 +71,23 @@ def test_identical_prompt_hits_all_but_last_block(llm):
     assert warm.num_cached_tokens == 48  # the last token is always recomputed for its logits
 
 
+def test_cache_salt_separates_prefix_caches(tiny_llama_dir):
+    engine = LLMEngine(EngineConfig(model=str(tiny_llama_dir), dtype="float32", num_kv_blocks=64))
+    prompt = random_prompt(64, seed=21)
+
+    def run(req_id: str, salt: str) -> tuple[list[int], int]:
+        engine.add_request(req_id, prompt, GREEDY, cache_salt=salt)
+        while engine.has_unfinished_requests():
+            finished = [o for o in engine.step() if o.finished]
+        return finished[0].token_ids, finished[0].num_cached_tokens
+
+    cold, cold_cached = run("a", "tenant-a")
+    assert cold_cached == 0
+    assert run("b", "tenant-b") == (cold, 0)  # another salt: no hit, same math
+    assert run("c", "") == (cold, 0)  # no salt is a salt of its own
+    assert run("a2", "tenant-a") == (cold, 48)  # the same salt hits
+
+
 def test_queued_prefill_tokens_leave_out_prefix_hits_of_waiting_requests(tiny_llama_dir):
     """The load a worker reports counts what it will compute, not what its cache holds."""
     engine = LLMEngine(EngineConfig(model=str(tiny_llama_dir), dtype="float32", num_kv_blocks=64))

@@ -8,13 +8,13 @@ import urllib.request
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
-import grpc
 import psutil
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from engine import EngineConfig
 from loadtest.redis_server import RedisServer
+from services.common.router_channel import open_router_channel
 from services.launcher import LocalCluster
 from splitserve.v1 import router_pb2, router_pb2_grpc, worker_pb2
 from tests.waiting import wait_until
@@ -45,8 +45,8 @@ class Generation:
 class Client:
     """Synchronous gRPC client of one router."""
 
-    def __init__(self, address: str) -> None:
-        self.channel = grpc.insecure_channel(address)
+    def __init__(self, address: str, api_key: str = "", ca_file: str = "") -> None:
+        self.channel = open_router_channel(address, api_key, ca_file)
         self.stub = router_pb2_grpc.RouterStub(self.channel)
 
     def generate(self, timeout_s: float = 120.0, **request_fields) -> Generation:
@@ -103,7 +103,8 @@ def start_cluster(tiny_llama_dir) -> Iterator[Callable[..., tuple[LocalCluster, 
         except BaseException:
             cluster.stop()
             raise
-        client = Client(address)
+        ca_file = f"{cluster.tls_dir}/ca.crt" if cluster.tls_dir else ""
+        client = Client(address, cluster.admin_api_key, ca_file)
         started.append((cluster, client))
         return cluster, client
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -13,6 +14,8 @@ import pytest
 
 from engine import LLM, EngineConfig, SamplingParams
 from engine.flags import add_flags, from_args, to_argv
+from services.certs import write_cluster_certs
+from services.common.router_channel import API_KEY_ENV
 from services.launcher import free_port
 from tests.services.conftest import stop_like_ctrl_c
 from tests.waiting import wait_until
@@ -97,3 +100,53 @@ def test_client_reports_bad_input_clearly(up_process):
     )  # fmt: skip
     assert client.returncode == 2
     assert "INVALID_ARGUMENT" in client.stderr and "max_tokens" in client.stderr
+
+
+DATA_KEY = "launcher-test-data-key-0123456789"
+
+
+@pytest.fixture
+def secure_up(tiny_llama_dir, tmp_path):
+    """``splitserve up`` (on Ray) with every hop on TLS and a data API key."""
+    certs = tmp_path / "certs"
+    write_cluster_certs(certs, ["localhost", "127.0.0.1"])
+    key_file = tmp_path / "api-keys"
+    key_file.write_text(f"{DATA_KEY} data\n")
+    port = free_port()
+    argv = [
+        sys.executable, "-m", "services.cli", "up", "--model", str(tiny_llama_dir),
+        "--dtype", "float32", "--num-kv-blocks", "64", "--port", str(port),
+        "--tls-dir", str(certs), "--api-key-file", str(key_file),
+    ]  # fmt: skip
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True)
+    yield proc, port, certs
+    stop_like_ctrl_c(proc)
+
+
+def test_up_with_tls_and_api_keys_serves_the_plaintext_clusters_tokens(secure_up, tiny_llama_dir):
+    proc, port, certs = secure_up
+    assert proc.stdout is not None and "listening" in proc.stdout.readline()
+
+    def client(
+        *flags: str, key: str = DATA_KEY, timeout_s: float = 60
+    ) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [
+                sys.executable, "-m", "services.cli", "client", "--target", f"127.0.0.1:{port}",
+                "--max-tokens", "8", "--json", "--timeout-s", str(timeout_s), *flags,
+                "hello world",
+            ],
+            env={**os.environ, API_KEY_ENV: key}, capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+
+    served = client("--tls-ca-file", str(certs / "ca.crt"))
+    assert served.returncode == 0, served.stderr
+    llm = LLM(str(tiny_llama_dir), dtype="float32", num_kv_blocks=64)
+    want = llm.generate(["hello world"], SamplingParams(temperature=0.0, max_tokens=8))[0]
+    assert json.loads(served.stdout)["token_ids"] == want.token_ids
+    no_key = client("--tls-ca-file", str(certs / "ca.crt"), key="")
+    assert no_key.returncode == 2 and "UNAUTHENTICATED" in no_key.stderr
+    # Without the CA the client cannot complete the handshake: it never gets an answer.
+    plaintext = client(timeout_s=3)
+    assert plaintext.returncode == 2, plaintext.stderr
+    assert "no router answers" in plaintext.stderr, plaintext.stderr

@@ -74,6 +74,29 @@ def test_explain_shows_each_candidate_and_the_choice_without_reserving(cluster):
     assert served.last.usage.cached_tokens >= best.matched_blocks * 16
 
 
+def test_cache_salt_isolates_tenants_prefix_caches(cluster):
+    client = cluster[2]
+    prompt = prompts(seed=5, n=1)[0]
+
+    def run(salt: str) -> tuple[list[int], int]:
+        out = client.generate(token_ids=prompt, sampling=greedy(4), cache_salt=salt)
+        return out.token_ids, out.last.usage.cached_tokens
+
+    tokens, cached = run("tenant-a")
+    assert cached == 0
+    assert run("tenant-a")[1] >= SHARED_TOKENS  # one salt shares its blocks
+    assert run("tenant-b") == (tokens, 0)  # another salt sees none of them, same output
+    assert run("") == (tokens, 0)  # nor does a request without a salt
+    explained = client.stub.Explain(
+        router_pb2.GenerateRequest(token_ids=prompt, cache_salt="tenant-c"), timeout=10
+    )
+    assert all(c.matched_blocks == 0 for c in explained.prefill)
+    with pytest.raises(grpc.RpcError) as info:
+        client.generate(token_ids=prompt, sampling=greedy(2), cache_salt="x" * 257)
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "cache_salt" in info.value.details()
+
+
 def test_without_redis_the_router_routes_on_load_and_nothing_fails(cluster, redis_server):
     mode, local, client = cluster
     if mode != "redis":

@@ -25,7 +25,7 @@ def tokenizer(tiny_llama_dir):
 
 def test_router_modules_do_not_import_torch():
     code = (
-        "import sys, services.router.server, services.client, services.launcher; "
+        "import sys, services.router.app, services.client, services.launcher; "
         "sys.exit('torch' in sys.modules)"
     )
     assert subprocess.run([sys.executable, "-c", code], timeout=60).returncode == 0

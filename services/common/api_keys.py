@@ -1,0 +1,138 @@
+"""API keys: who may call the router, and with which role.
+
+Clients send ``authorization: Bearer KEY`` (gRPC metadata, or the HTTP header). A key has one
+of two roles: ``data`` may generate; ``admin`` may also resize pools and read the cluster's
+state (``Scale``, ``Status``, ``Explain``). Keys come from a key file and from one inline key:
+
+    # comments and blank lines are ignored
+    3b1f...e9  admin
+    77ac...02  data
+    a4d0...5c          <- no role: data
+
+Several keys may be valid at once (rotation: add the new key, move clients, drop the old one,
+re-read the file). Keys are kept only as SHA-256 digests and compared in constant time against
+every key, so neither a timing nor an early exit tells how much of a guess was right.
+"""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+import hmac
+import logging
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+BEARER_PREFIX = "Bearer "
+# A key shorter than this is a typo or a placeholder, not a secret.
+MIN_KEY_CHARS = 16
+
+
+class KeyRole(enum.Enum):
+    """What a key may call: ``DATA`` generates; ``ADMIN`` may do everything."""
+
+    DATA = "data"
+    ADMIN = "admin"
+
+    def allows(self, needed: KeyRole) -> bool:
+        return self is KeyRole.ADMIN or needed is KeyRole.DATA
+
+
+@dataclass(frozen=True, slots=True)
+class ApiKey:
+    """One accepted key: its digest, role and a short fingerprint safe to log."""
+
+    digest: bytes
+    role: KeyRole
+
+    @property
+    def fingerprint(self) -> str:
+        """The first 8 hex digits of the key's SHA-256: names the key in logs, reveals nothing."""
+        return self.digest.hex()[:8]
+
+
+def make_key(secret: str, role: KeyRole) -> ApiKey:
+    """``ApiKey`` for ``secret``; ``ValueError`` if it is too short or holds whitespace."""
+    if len(secret) < MIN_KEY_CHARS:
+        raise ValueError(f"an API key must have at least {MIN_KEY_CHARS} characters")
+    if any(c.isspace() for c in secret):
+        raise ValueError("an API key must not contain whitespace")
+    return ApiKey(hashlib.sha256(secret.encode()).digest(), role)
+
+
+def parse_key_file(text: str, source: str) -> tuple[ApiKey, ...]:
+    """The keys of a key file's ``text``; ``ValueError`` naming ``source`` and the line."""
+    keys = []
+    for number, line in enumerate(text.splitlines(), start=1):
+        fields = line.split("#", 1)[0].split()
+        if not fields:
+            continue
+        if len(fields) > 2:
+            raise ValueError(f"{source}:{number}: expected 'KEY [data|admin]'")
+        try:
+            role = KeyRole(fields[1]) if len(fields) == 2 else KeyRole.DATA
+        except ValueError:
+            raise ValueError(
+                f"{source}:{number}: role must be data or admin, got {fields[1]!r}"
+            ) from None
+        try:
+            keys.append(make_key(fields[0], role))
+        except ValueError as exc:
+            raise ValueError(f"{source}:{number}: {exc}") from None
+    return tuple(keys)
+
+
+class ApiKeyStore:
+    """The keys a server accepts: the key file's (re-read by ``reload``) plus one inline admin
+    key. With neither configured, ``enabled`` is False and callers need no key. Thread-safe:
+    ``reload`` swaps the whole key set at once."""
+
+    def __init__(self, key_file: str = "", inline_key: str = "") -> None:
+        self._key_file = Path(key_file) if key_file else None
+        self._inline = (make_key(inline_key, KeyRole.ADMIN),) if inline_key else ()
+        self._lock = threading.Lock()
+        self._keys: tuple[ApiKey, ...] = self._inline + self._read_file()
+
+    @property
+    def enabled(self) -> bool:
+        return self._key_file is not None or bool(self._inline)
+
+    def _read_file(self) -> tuple[ApiKey, ...]:
+        if self._key_file is None:
+            return ()
+        try:
+            text = self._key_file.read_text()
+        except OSError as exc:
+            raise ValueError(f"cannot read API key file {self._key_file}: {exc}") from None
+        keys = parse_key_file(text, str(self._key_file))
+        if not keys:
+            logger.warning("API key file %s holds no key: every call is refused", self._key_file)
+        return keys
+
+    def reload(self) -> None:
+        """Re-read the key file; on an error keep the current keys (and log why)."""
+        try:
+            keys = self._inline + self._read_file()
+        except ValueError as exc:
+            logger.error("API keys not reloaded, the previous ones stay valid: %s", exc)
+            return
+        with self._lock:
+            self._keys = keys
+        logger.info("API keys reloaded: %d keys", len(keys))
+
+    def authenticate(self, authorization: str | None) -> ApiKey | None:
+        """The key an ``authorization`` value (``Bearer KEY``) presents; None if it is missing,
+        malformed or not a valid key. Takes the same time whichever key, if any, matches."""
+        if not authorization or not authorization.startswith(BEARER_PREFIX):
+            return None
+        digest = hashlib.sha256(authorization[len(BEARER_PREFIX) :].strip().encode()).digest()
+        with self._lock:
+            keys = self._keys
+        found = None
+        for key in keys:
+            if hmac.compare_digest(key.digest, digest):
+                found = key
+        return found

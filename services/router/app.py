@@ -1,0 +1,133 @@
+"""The router as a running server: start it (tokenizer, gRPC port, API keys, worker polling),
+serve until a signal, stop it. ``python -m services.router`` runs ``main``."""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import ipaddress
+import logging
+import signal
+import sys
+from dataclasses import dataclass
+
+from engine.loader.models import resolve_model
+from engine.tokenizer import Tokenizer
+from services.common.api_keys import ApiKeyStore
+from services.common.grpc_server import ServingServer, serve_until_signal, start_server
+from services.common.logs import configure_logging
+from services.common.metrics import start_metrics_server
+from services.common.tls import read_tls_dir
+from services.router.auth import ROUTER_METHOD_ROLES, RequireApiKey
+from services.router.config import RouterConfig, parse_router_args
+from services.router.scaler import PoolScaler
+from services.router.server import SERVICE_NAME, RouterServicer
+from splitserve.v1 import router_pb2_grpc
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class RunningRouter:
+    """A started router: its servicer, the port it serves on and the keys it accepts."""
+
+    servicer: RouterServicer
+    serving: ServingServer
+    api_keys: ApiKeyStore
+
+    @property
+    def port(self) -> int:
+        return self.serving.port
+
+    async def stop(self, grace_s: float = 5.0) -> None:
+        """Stop serving (in-flight calls get ``grace_s``), then close the worker channels."""
+        await self.serving.stop(grace_s)
+        await self.servicer.stop()
+
+
+async def start_router(
+    config: RouterConfig,
+    scaler: PoolScaler | None = None,
+    api_keys: ApiKeyStore | None = None,
+) -> RunningRouter:
+    """Load the tokenizer, start serving and polling the workers; health is SERVING on return.
+    ``api_keys`` defaults to the config's (``ValueError`` for an unreadable or malformed key
+    file)."""
+    if api_keys is None:
+        api_keys = ApiKeyStore(config.api_key_file, config.admin_api_key)
+    tls = read_tls_dir(config.tls_dir)
+    if not api_keys.enabled and not _is_loopback(config.host):
+        logger.warning(
+            "the router listens on %s without API keys: anyone who reaches port %d may "
+            "generate and resize the pools (--api-key-file)",
+            config.host,
+            config.port,
+        )
+    tokenizer = await asyncio.to_thread(
+        lambda: Tokenizer(
+            resolve_model(config.model, revision=config.revision, tokenizer_only=True)
+        )
+    )
+    servicer = RouterServicer(config, tokenizer, scaler, tls)
+    interceptors = (
+        (RequireApiKey(api_keys, SERVICE_NAME, ROUTER_METHOD_ROLES),) if api_keys.enabled else ()
+    )
+    serving = await start_server(
+        config.host,
+        config.port,
+        lambda server: router_pb2_grpc.add_RouterServicer_to_server(servicer, server),
+        (SERVICE_NAME,),
+        interceptors,
+        # Clients authenticate with API keys; the certificate proves the router to them.
+        tls.server_credentials(require_client_auth=False) if tls else None,
+    )
+    await servicer.start()
+    start_metrics_server(config.host, config.metrics_port)
+    # What startup allocated (tokenizer, channels) lives as long as the process: keep the
+    # cyclic GC from walking it again and again, which shows up as routing-latency spikes.
+    gc.freeze()
+    await serving.set_serving((SERVICE_NAME,))
+    logger.info(
+        "router serving on %s:%d (%s; %d prefill, %d decode workers; API keys %s; %s)",
+        config.host,
+        serving.port,
+        config.mode,
+        len(servicer.prefill_pool.workers),
+        len(servicer.decode_pool.workers),
+        "on" if api_keys.enabled else "off",
+        "TLS" if tls else "plaintext",
+    )
+    return RunningRouter(servicer, serving, api_keys)
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+async def serve(config: RouterConfig, api_keys: ApiKeyStore) -> None:
+    """Run a router until SIGTERM / SIGINT; SIGHUP re-reads the API key file."""
+    router = await start_router(config, api_keys=api_keys)
+    asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, api_keys.reload)
+    await serve_until_signal(router.serving, router.servicer.stop)
+
+
+def main(argv: list[str] | None = None) -> int:
+    config, log_level = parse_router_args(argv)
+    configure_logging(log_level)
+    try:
+        api_keys = ApiKeyStore(config.api_key_file, config.admin_api_key)
+        read_tls_dir(config.tls_dir)
+    except ValueError as exc:
+        logger.error("%s", exc)
+        return 2
+    asyncio.run(serve(config, api_keys))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
