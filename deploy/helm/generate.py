@@ -28,19 +28,22 @@ CHART_OWNED = {
     "cluster": (
         "num_prefill_workers", "num_decode_workers", "host", "port", "ray", "ray_address",
         "prefill_num_gpus", "decode_num_gpus", "kuberay_cluster", "kuberay_namespace",
-        "router_metrics_port", "worker_metrics_port",
+        "router_metrics_port", "worker_metrics_port", "tls_dir",
     ),
+    "router": ("api_key_file", "admin_api_key"),
     "redisOptions": ("redis_url", "redis_password"),
 }  # fmt: skip
 FLAG_SECTIONS: dict[str, tuple[type, tuple[str, ...]]] = {
     "engine": (EngineConfig, ()),
     "worker": (WorkerConfig, _PER_WORKER),
-    "router": (RouterConfig, _PER_ROUTER),
+    "router": (RouterConfig, (*_PER_ROUTER, *CHART_OWNED["router"])),
     "cluster": (ClusterConfig, CHART_OWNED["cluster"]),
     "planner": (PlannerConfig, ()),
     "redisOptions": (RedisConfig, CHART_OWNED["redisOptions"]),
 }
 _JSON_TYPES = {int: "integer", float: "number", str: "string", bool: "boolean"}
+# The identities whose TLS Secrets the pods mount (services/common/tls.py; no client one).
+_TLS_IDENTITIES = ("router", "controller", "prefill", "decode")
 
 
 def camel(name: str) -> str:
@@ -172,7 +175,25 @@ def schema() -> dict[str, Any]:
             {"enabled": {"type": "boolean"}, "maxUnavailable": {"type": ["integer", "string"]}}
         ),
         "networkPolicy": _obj(
-            {"enabled": {"type": "boolean"}, "routerFrom": {"type": "array", "items": _ANY_OBJECT}}
+            {
+                "enabled": {"type": "boolean"},
+                "routerFrom": {"type": "array", "items": _ANY_OBJECT},
+                "metricsFrom": {"type": "array", "items": _ANY_OBJECT},
+            }
+        ),
+        "security": _obj(
+            {
+                "apiKeysSecret": _STRING,
+                "tls": _obj(
+                    {
+                        "enabled": {"type": "boolean"},
+                        "secrets": _obj({identity: _STRING for identity in _TLS_IDENTITIES}),
+                    }
+                ),
+                "rayAuth": _obj({"enabled": {"type": "boolean"}, "existingSecret": _STRING}),
+                "podSecurityContext": _ANY_OBJECT,
+                "containerSecurityContext": _ANY_OBJECT,
+            }
         ),
         "serviceAccount": _obj(
             {

@@ -101,11 +101,36 @@ VALUE_SETS: dict[str, dict[str, Any]] = {
         "decode": {"env": [{"name": "OMP_NUM_THREADS", "value": "8"}]},
         "extraArgs": ["--served-model-name=Qwen's 0.5B", "--max-num-seqs=7"],
     },
+    "secured": {
+        "security": {
+            "apiKeysSecret": "splitserve-api-keys",
+            "tls": {"enabled": True, "secrets": {"router": "router-cert"}},
+            "rayAuth": {"existingSecret": "ray-token"},
+        },
+        "networkPolicy": {
+            "metricsFrom": [
+                {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "mon"}}}
+            ]
+        },
+    },
     "host-path-model": {
         "engine": {"model": "/weights/Llama-3.2-1B-Instruct"},
         "modelVolume": {"hostPath": "/srv/models", "mountPath": "/weights", "readOnly": False},
     },
 }
+
+
+# What every splitserve container gets by default: Ray's token, and caches on the writable /tmp.
+CHART_ENV = [
+    {"name": "RAY_AUTH_MODE", "value": "token"},
+    {
+        "name": "RAY_AUTH_TOKEN",
+        "valueFrom": {"secretKeyRef": {"name": "prod-splitserve-ray-auth", "key": "auth_token"}},
+    },
+    {"name": "XDG_CACHE_HOME", "value": "/tmp/cache"},
+]
+TMP_VOLUME = {"name": "tmp", "emptyDir": {}}
+TMP_MOUNT = {"name": "tmp", "mountPath": "/tmp"}
 
 
 def render(values: dict[str, Any], release: str = "prod") -> dict[str, list[dict[str, Any]]]:
@@ -330,18 +355,19 @@ def test_in_chart_redis_has_auth_and_external_redis_replaces_it():
     assert "--redis-url=redis://prod-splitserve-redis:6379/0" in head_argv({})
 
     outside = objects(VALUE_SETS["external-redis"])
-    assert not any(o["kind"] in ("StatefulSet", "Secret") for o in outside)
+    assert not any(o["kind"] == "StatefulSet" for o in outside)
+    assert [o["metadata"]["name"] for o in outside if o["kind"] == "Secret"] == [
+        "prod-splitserve-ray-auth"
+    ]
     argv = head_argv(VALUE_SETS["external-redis"])
     assert "--redis-url=rediss://redis.example.internal:6380/0" in argv
     assert "--redis-tls-ca-file=/etc/redis-ca/ca.crt" in argv
     head = next(o for o in outside if o["kind"] == "RayCluster")["spec"]["headGroupSpec"]
     env = head["template"]["spec"]["containers"][0]["env"]
-    assert env == [
-        {
-            "name": "SPLITSERVE_REDIS_PASSWORD",
-            "valueFrom": {"secretKeyRef": {"name": "ext", "key": "password"}},
-        }
-    ]
+    assert env[0] == {
+        "name": "SPLITSERVE_REDIS_PASSWORD",
+        "valueFrom": {"secretKeyRef": {"name": "ext", "key": "password"}},
+    }
     with pytest.raises(helm_python.HelmRenderError, match=r"redis.external.url is required"):
         render({"redis": {"enabled": False}})
 
@@ -424,6 +450,7 @@ def test_model_volume_env_and_env_from_reach_every_splitserve_container():
         "valueFrom": {"secretKeyRef": {"name": "prod-splitserve-redis", "key": "password"}},
     }
     release_env = [
+        *CHART_ENV,
         {"name": "HF_HOME", "value": "/models/huggingface"},
         {
             "name": "HF_TOKEN",
@@ -441,11 +468,13 @@ def test_model_volume_env_and_env_from_reach_every_splitserve_container():
     for group, (env, env_from) in expected.items():
         pod = pods[group]
         assert pod["volumes"] == [
-            {"name": "model", "persistentVolumeClaim": {"claimName": "models", "readOnly": True}}
+            {"name": "model", "persistentVolumeClaim": {"claimName": "models", "readOnly": True}},
+            TMP_VOLUME,
         ], group
         container = pod["containers"][0]
         assert container["volumeMounts"] == [
-            {"name": "model", "mountPath": "/models", "readOnly": True}
+            {"name": "model", "mountPath": "/models", "readOnly": True},
+            TMP_MOUNT,
         ], group
         assert container["env"] == env, group
         assert container["envFrom"] == env_from, group
@@ -454,17 +483,31 @@ def test_model_volume_env_and_env_from_reach_every_splitserve_container():
 def test_model_on_a_host_path_and_nothing_extra_by_default():
     for pod in ray_pods(VALUE_SETS["host-path-model"]).values():
         assert pod["volumes"] == [
-            {"name": "model", "hostPath": {"path": "/srv/models", "type": "Directory"}}
+            {"name": "model", "hostPath": {"path": "/srv/models", "type": "Directory"}},
+            TMP_VOLUME,
         ]
         mounts = pod["containers"][0]["volumeMounts"]
-        assert mounts == [{"name": "model", "mountPath": "/weights", "readOnly": False}]
+        assert mounts == [{"name": "model", "mountPath": "/weights", "readOnly": False}, TMP_MOUNT]
     assert "--model=/weights/Llama-3.2-1B-Instruct" in head_argv(VALUE_SETS["host-path-model"])
     for group, pod in ray_pods({}).items():
-        assert "volumes" not in pod
+        assert pod["volumes"] == [TMP_VOLUME]
         container = pod["containers"][0]
-        assert "volumeMounts" not in container and "envFrom" not in container
-        assert [e["name"] for e in container.get("env", [])] == (
-            ["SPLITSERVE_REDIS_PASSWORD"] if group == "head" else []
+        assert container["volumeMounts"] == [TMP_MOUNT] and "envFrom" not in container
+        assert (
+            container["env"]
+            == (
+                [
+                    {
+                        "name": "SPLITSERVE_REDIS_PASSWORD",
+                        "valueFrom": {
+                            "secretKeyRef": {"name": "prod-splitserve-redis", "key": "password"}
+                        },
+                    }
+                ]
+                if group == "head"
+                else []
+            )
+            + CHART_ENV
         )
     with pytest.raises(helm_python.HelmRenderError, match="claimName or hostPath, not both"):
         render({"modelVolume": {"claimName": "models", "hostPath": "/srv/models"}})
@@ -480,3 +523,84 @@ def test_extra_args_follow_the_values_flags_and_win():
     assert (engine.model, engine.revision) == ("Qwen/Qwen2.5-0.5B-Instruct", "v2")
     assert (engine.served_model_name, engine.max_num_seqs) == ("Qwen's 0.5B", 7)
     assert router.model == "Qwen/Qwen2.5-0.5B-Instruct"
+
+
+def test_defaults_are_hardened():
+    """Without any security value: NetworkPolicies, Ray token auth, the dashboard on localhost
+    only, non-root pods with a read-only root filesystem and no privilege escalation."""
+    rendered = objects({})
+    policies = {o["metadata"]["name"] for o in rendered if o["kind"] == "NetworkPolicy"}
+    assert policies == {
+        "prod-splitserve-internal", "prod-splitserve-router", "prod-splitserve-metrics"
+    }  # fmt: skip
+    secret = next(o for o in rendered if o["metadata"]["name"] == "prod-splitserve-ray-auth")
+    assert len(secret["data"]["auth_token"]) >= 48
+    cluster = next(o for o in rendered if o["kind"] == "RayCluster")
+    head = cluster["spec"]["headGroupSpec"]["template"]["spec"]["containers"][0]
+    assert "--dashboard-host=127.0.0.1" in head["args"][0]
+    assert all(p["name"] != "dashboard" for p in head["ports"])
+    for group, pod in ray_pods({}).items():
+        assert pod["securityContext"]["runAsNonRoot"] is True, group
+        container = pod["containers"][0]
+        context = container["securityContext"]
+        assert context["readOnlyRootFilesystem"] is True, group
+        assert context["allowPrivilegeEscalation"] is False, group
+        assert context["capabilities"] == {"drop": ["ALL"]}, group
+        assert {"name": "RAY_AUTH_MODE", "value": "token"} in container["env"], group
+    argv = head_argv({})
+    assert not any(a.startswith(("--tls-dir", "--api-key-file")) for a in argv)
+
+
+def test_metrics_stay_scrapable_from_the_peers_allowed():
+    policies = {
+        o["metadata"]["name"]: o["spec"]
+        for o in objects(VALUE_SETS["secured"])
+        if o["kind"] == "NetworkPolicy"
+    }
+    metrics = policies["prod-splitserve-metrics"]
+    assert metrics["ingress"] == [
+        {
+            "ports": [{"port": "metrics", "protocol": "TCP"}],
+            "from": [
+                {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "mon"}}}
+            ],
+        }
+    ]
+    roles = metrics["podSelector"]["matchExpressions"][1]
+    assert roles == {
+        "key": "splitserve.io/role",
+        "operator": "In",
+        "values": ["head", "prefill", "decode"],
+    }
+
+
+def test_api_keys_and_tls_secrets_reach_the_flags_and_the_pods_that_need_them():
+    values = VALUE_SETS["secured"]
+    argv = head_argv(values)
+    assert "--tls-dir=/etc/splitserve/tls" in argv
+    assert "--api-key-file=/etc/splitserve/api-keys/api-keys" in argv
+    cluster, _, router, _ = configs_from_args(build_parser().parse_args(argv))
+    assert cluster.identity_tls_dir("controller") == "/etc/splitserve/tls/controller"
+    assert router.tls_dir == "/etc/splitserve/tls/router"
+    assert router.api_key_file == "/etc/splitserve/api-keys/api-keys"
+    expected_secrets = {
+        "head": {"tls-router": "router-cert", "tls-controller": "prod-splitserve-tls-controller",
+                 "api-keys": "splitserve-api-keys"},
+        "prefill": {"tls-prefill": "prod-splitserve-tls-prefill"},
+        "decode": {"tls-decode": "prod-splitserve-tls-decode"},
+    }  # fmt: skip
+    for group, pod in ray_pods(values).items():
+        secrets = {v["name"]: v["secret"]["secretName"] for v in pod["volumes"] if "secret" in v}
+        assert secrets == expected_secrets[group], group
+        mounts = {m["name"]: m["mountPath"] for m in pod["containers"][0]["volumeMounts"]}
+        for name in secrets:
+            identity = name.removeprefix("tls-")
+            want = (
+                "/etc/splitserve/api-keys"
+                if name == "api-keys"
+                else f"/etc/splitserve/tls/{identity}"
+            )
+            assert mounts[name] == want, (group, name)
+        env = {e["name"]: e for e in pod["containers"][0]["env"]}
+        assert env["RAY_AUTH_TOKEN"]["valueFrom"]["secretKeyRef"]["name"] == "ray-token"
+    assert not any(o["metadata"]["name"] == "prod-splitserve-ray-auth" for o in objects(values))

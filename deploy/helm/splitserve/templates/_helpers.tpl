@@ -68,24 +68,60 @@ integers.
 {{- end -}}
 {{- end -}}
 
-{{/* The pod's volumes: the one holding the user's model (modelVolume), if any. */}}
-{{- define "splitserve.volumes" -}}
-{{- with .Values.modelVolume -}}
-{{- if and .claimName .hostPath -}}
-{{- fail "modelVolume: set claimName or hostPath, not both" -}}
-{{- else if .claimName -}}
-{{- toYaml (list (dict "name" "model" "persistentVolumeClaim" (dict "claimName" .claimName "readOnly" .readOnly))) -}}
-{{- else if .hostPath -}}
-{{- toYaml (list (dict "name" "model" "hostPath" (dict "path" .hostPath "type" "Directory"))) -}}
+{{/* The TLS identities whose Secrets a group's pods mount (head: router and controller). */}}
+{{- define "splitserve.tlsIdentities" -}}
+{{- if eq . "head" -}}router controller{{- else -}}{{ . }}{{- end -}}
 {{- end -}}
-{{- end -}}
+
+{{- define "splitserve.tlsSecretName" -}}
+{{- $secrets := .root.Values.security.tls.secrets -}}
+{{- index $secrets .identity | default (printf "%s-tls-%s" (include "splitserve.fullname" .root) .identity) -}}
 {{- end -}}
 
 {{/*
-env, envFrom and volumeMounts of a splitserve container: the chart's own (the Redis password
-on the head, HF_HOME, HF_TOKEN, the model volume), then the release's env / envFrom, then the
-group's (of two env entries with one name, Kubernetes keeps the later).
-Arguments: root (the chart's context), group (the head, prefill or decode values), head (bool).
+A group's volumes and its container's mounts, as YAML {volumes: [...], mounts: [...]}: the user's
+model (modelVolume), a writable /tmp (the root filesystem is read-only), the group's TLS Secrets
+under /etc/splitserve/tls/<identity>, and the API key file on the head.
+Arguments: root (the chart's context), group ("head", "prefill" or "decode").
+*/}}
+{{- define "splitserve.storage" -}}
+{{- $v := .root.Values -}}
+{{- $volumes := list -}}
+{{- $mounts := list -}}
+{{- with $v.modelVolume -}}
+{{- if and .claimName .hostPath -}}
+{{- fail "modelVolume: set claimName or hostPath, not both" -}}
+{{- else if .claimName -}}
+{{- $volumes = append $volumes (dict "name" "model" "persistentVolumeClaim" (dict "claimName" .claimName "readOnly" .readOnly)) -}}
+{{- else if .hostPath -}}
+{{- $volumes = append $volumes (dict "name" "model" "hostPath" (dict "path" .hostPath "type" "Directory")) -}}
+{{- end -}}
+{{- if or .claimName .hostPath -}}
+{{- $mounts = append $mounts (dict "name" "model" "mountPath" .mountPath "readOnly" .readOnly) -}}
+{{- end -}}
+{{- end -}}
+{{- $volumes = append $volumes (dict "name" "tmp" "emptyDir" dict) -}}
+{{- $mounts = append $mounts (dict "name" "tmp" "mountPath" "/tmp") -}}
+{{- if $v.security.tls.enabled -}}
+{{- range $identity := splitList " " (include "splitserve.tlsIdentities" $.group) -}}
+{{- $secret := include "splitserve.tlsSecretName" (dict "root" $.root "identity" $identity) -}}
+{{- $volumes = append $volumes (dict "name" (printf "tls-%s" $identity) "secret" (dict "secretName" $secret "defaultMode" 288)) -}}
+{{- $mounts = append $mounts (dict "name" (printf "tls-%s" $identity) "mountPath" (printf "/etc/splitserve/tls/%s" $identity) "readOnly" true) -}}
+{{- end -}}
+{{- end -}}
+{{- if and (eq .group "head") $v.security.apiKeysSecret -}}
+{{- $volumes = append $volumes (dict "name" "api-keys" "secret" (dict "secretName" $v.security.apiKeysSecret "defaultMode" 288 "items" (list (dict "key" "api-keys" "path" "api-keys")))) -}}
+{{- $mounts = append $mounts (dict "name" "api-keys" "mountPath" "/etc/splitserve/api-keys" "readOnly" true) -}}
+{{- end -}}
+{{- toYaml (dict "volumes" $volumes "mounts" $mounts) -}}
+{{- end -}}
+
+{{/*
+env, envFrom, volumeMounts and securityContext of a splitserve container: the chart's own (the
+Redis password on the head, Ray's token, XDG_CACHE_HOME, HF_HOME, HF_TOKEN), then the release's
+env / envFrom, then the group's (of two env entries with one name, Kubernetes keeps the later).
+Arguments: root (the chart's context), group (the head, prefill or decode values), head (bool),
+name ("head", "prefill" or "decode").
 */}}
 {{- define "splitserve.containerEnv" -}}
 {{- $v := .root.Values -}}
@@ -95,6 +131,11 @@ Arguments: root (the chart's context), group (the head, prefill or decode values
 {{- $env = append $env (dict "name" "SPLITSERVE_REDIS_PASSWORD" "valueFrom" (dict "secretKeyRef" (dict "name" . "key" "password"))) -}}
 {{- end -}}
 {{- end -}}
+{{- if $v.security.rayAuth.enabled -}}
+{{- $env = append $env (dict "name" "RAY_AUTH_MODE" "value" "token") -}}
+{{- $env = append $env (dict "name" "RAY_AUTH_TOKEN" "valueFrom" (dict "secretKeyRef" (dict "name" (include "splitserve.rayAuthSecretName" .root) "key" "auth_token"))) -}}
+{{- end -}}
+{{- $env = append $env (dict "name" "XDG_CACHE_HOME" "value" "/tmp/cache") -}}
 {{- with $v.huggingface.home -}}
 {{- $env = append $env (dict "name" "HF_HOME" "value" .) -}}
 {{- end -}}
@@ -103,25 +144,25 @@ Arguments: root (the chart's context), group (the head, prefill or decode values
 {{- $env = append $env (dict "name" "HF_TOKEN" "valueFrom" (dict "secretKeyRef" (dict "name" .name "key" .key))) -}}
 {{- end -}}
 {{- end -}}
-{{- $out := dict -}}
-{{- with concat $env $v.env .group.env -}}
-{{- $_ := set $out "env" . -}}
-{{- end -}}
+{{- $out := dict "env" (concat $env $v.env .group.env) -}}
 {{- with concat $v.envFrom .group.envFrom -}}
 {{- $_ := set $out "envFrom" . -}}
 {{- end -}}
-{{- if include "splitserve.volumes" .root -}}
-{{- $_ := set $out "volumeMounts" (list (dict "name" "model" "mountPath" $v.modelVolume.mountPath "readOnly" $v.modelVolume.readOnly)) -}}
+{{- $_ := set $out "volumeMounts" (include "splitserve.storage" (dict "root" .root "group" .name) | fromYaml).mounts -}}
+{{- with $v.security.containerSecurityContext -}}
+{{- $_ := set $out "securityContext" . -}}
 {{- end -}}
-{{- with $out -}}
-{{- toYaml . -}}
+{{- toYaml $out -}}
 {{- end -}}
+
+{{- define "splitserve.rayAuthSecretName" -}}
+{{- .Values.security.rayAuth.existingSecret | default (printf "%s-ray-auth" (include "splitserve.fullname" .)) -}}
 {{- end -}}
 
 {{/* The head container's command: start Ray's head, then the cluster on it. */}}
 {{- define "splitserve.headCommand" -}}
 {{- $v := .Values -}}
-ray start --head --dashboard-host=0.0.0.0 --num-cpus=0 --disable-usage-stats
+ray start --head --dashboard-host=127.0.0.1 --num-cpus=0 --disable-usage-stats
 && exec splitserve up --ray-address=auto --host=0.0.0.0
 --port={{ $v.service.port }}
 --num-prefill-workers={{ $v.prefill.replicas }}
@@ -133,6 +174,8 @@ ray start --head --dashboard-host=0.0.0.0 --num-cpus=0 --disable-usage-stats
 --kuberay-cluster={{ include "splitserve.fullname" . }}
 --kuberay-namespace={{ .Release.Namespace }}
 --redis-url={{ include "splitserve.shellQuote" (include "splitserve.redisUrl" .) }}
+{{- if $v.security.tls.enabled }} --tls-dir=/etc/splitserve/tls{{ end }}
+{{- if $v.security.apiKeysSecret }} --api-key-file=/etc/splitserve/api-keys/api-keys{{ end }}
 {{- include "splitserve.flags" $v.engine }}
 {{- include "splitserve.flags" $v.worker }}
 {{- include "splitserve.flags" $v.router }}
