@@ -1,21 +1,27 @@
 """The bookkeeping tables of ``BackendSkeleton`` (private to ``kvtransfer``).
 
-``PublishedBlocks`` is the source side (what each request exposes, reads in progress, releases)
-and ``ReadStates`` the destination side (the state of each read); both are shared with the
-backends' I/O threads. ``cache_rows`` and ``check_block_ids`` validate a cache and block ids.
+``PublishedBlocks`` is the source side (what each request exposes under which grant, reads in
+progress, releases) and ``ReadStates`` the destination side (the state of each read); both are
+shared with the backends' I/O threads. ``cache_rows`` and ``check_block_ids`` validate a cache
+and block ids.
 """
 
 from __future__ import annotations
 
+import hmac
 import logging
+import secrets
 import threading
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 
 import torch
 
 from engine.kv_cache_spec import KVCacheSpec
 from kvtransfer.base import TransferState
 
+# A publication's grant: 128 random bits, beyond guessing.
+GRANT_BYTES = 16
 _TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 logger = logging.getLogger(__name__)
@@ -45,8 +51,20 @@ def check_block_ids(block_ids: Iterable[int], num_blocks: int, what: str) -> Non
         raise ValueError(f"{what} block ids {bad[:8]} out of range [0, {num_blocks})")
 
 
+@dataclass(frozen=True, slots=True)
+class _Publication:
+    """What one ``req_id`` exposes, and the grant a reader must present to read or release it."""
+
+    block_ids: frozenset[int]
+    grant: bytes
+
+
 class PublishedBlocks:
     """Source side: which blocks each ``req_id`` exposes, and which ids peers released.
+
+    Every publication gets a fresh random grant, returned by ``publish``: a read or a release
+    that does not present it is refused exactly as one of an unpublished ``req_id`` (the same
+    error), so a peer that can reach us and guesses request ids learns nothing and frees nothing.
 
     Thread-safe: the engine thread publishes and unpublishes while I/O threads check reads and
     record releases. A released id is reported by ``take_released`` once and unpublished.
@@ -56,42 +74,46 @@ class PublishedBlocks:
 
     def __init__(self) -> None:
         self._cond = threading.Condition()
-        self._blocks: dict[str, frozenset[int]] = {}
+        self._publications: dict[str, _Publication] = {}
         self._num_readers: dict[str, int] = {}
         self._released: list[str] = []
 
-    def publish(self, req_id: str, block_ids: Sequence[int]) -> None:
-        """Allow reads of ``block_ids`` under ``req_id``, replacing what it exposed before."""
+    def publish(self, req_id: str, block_ids: Sequence[int]) -> bytes:
+        """Allow reads of ``block_ids`` under ``req_id`` by whoever presents the returned grant,
+        replacing what it exposed before (whose grant no longer reads or releases anything)."""
+        grant = secrets.token_bytes(GRANT_BYTES)
         with self._cond:
-            self._blocks[req_id] = frozenset(block_ids)
+            self._publications[req_id] = _Publication(frozenset(block_ids), grant)
+        return grant
 
     def unpublish(self, req_id: str, wait_s: float = 0.0) -> None:
         """Stop serving ``req_id``; wait up to ``wait_s`` for its reads in progress to end."""
         with self._cond:
-            self._blocks.pop(req_id, None)
+            self._publications.pop(req_id, None)
             if not self._cond.wait_for(lambda: req_id not in self._num_readers, wait_s):
                 logger.warning("req_id=%s unpublished while a read was still sending", req_id)
 
     def has_blocks(self) -> bool:
         """True while anything is published (a peer may ask to read it)."""
         with self._cond:
-            return bool(self._blocks)
+            return bool(self._publications)
 
-    def check_read(self, req_id: str, block_ids: Sequence[int]) -> str | None:
-        """Return why reading ``block_ids`` under ``req_id`` is refused, or None if allowed."""
+    def check_read(self, req_id: str, grant: bytes, block_ids: Sequence[int]) -> str | None:
+        """Return why reading ``block_ids`` under ``req_id`` with ``grant`` is refused, or None
+        if allowed. A wrong grant gets the same answer as an unpublished ``req_id``."""
         with self._cond:
-            published = self._blocks.get(req_id)
-        if published is None:
-            return f"req_id={req_id} is not published"
-        missing = [b for b in block_ids if b not in published]
+            publication = self._publications.get(req_id)
+        if publication is None or not hmac.compare_digest(publication.grant, grant):
+            return f"req_id={req_id} is not published under this grant"
+        missing = [b for b in block_ids if b not in publication.block_ids]
         if missing:
             return f"blocks {missing[:8]} were not published under req_id={req_id}"
         return None
 
-    def begin_read(self, req_id: str, block_ids: Sequence[int]) -> str | None:
+    def begin_read(self, req_id: str, grant: bytes, block_ids: Sequence[int]) -> str | None:
         """``check_read``, and if allowed count a read in progress until ``end_read``."""
         with self._cond:
-            error = self.check_read(req_id, block_ids)
+            error = self.check_read(req_id, grant, block_ids)
             if error is None:
                 self._num_readers[req_id] = self._num_readers.get(req_id, 0) + 1
             return error
@@ -105,15 +127,23 @@ class PublishedBlocks:
             else:
                 self._cond.notify_all()
 
-    def release(self, req_id: str) -> None:
-        """Unpublish ``req_id`` and queue it for ``take_released``; ignored (logged at debug)
-        when it is not published, e.g. a second release or one after ``unpublish``."""
+    def release(self, req_id: str, grant: bytes) -> None:
+        """Unpublish ``req_id`` and queue it for ``take_released`` when ``grant`` is its grant.
+
+        Ignored otherwise: logged at debug when ``req_id`` is not published (e.g. a second
+        release, or one after ``unpublish``), at warning when the grant does not match (a
+        stale grant of an earlier publication, or a forged one).
+        """
         with self._cond:
-            published = self._blocks.pop(req_id, None) is not None
-            if published:
+            publication = self._publications.get(req_id)
+            matches = publication is not None and hmac.compare_digest(publication.grant, grant)
+            if matches:
+                del self._publications[req_id]
                 self._released.append(req_id)
-        if not published:
+        if publication is None:
             logger.debug("release of unpublished req_id=%s ignored", req_id)
+        elif not matches:
+            logger.warning("release of req_id=%s ignored: it does not present its grant", req_id)
 
     def take_released(self) -> list[str]:
         """The ids released since the last call, in release order; each is reported once."""

@@ -2,7 +2,9 @@
 
 A source grants each read of published blocks before the reader's one-sided READ moves them, and
 counts it as in progress until the reader's ``read_end``, so ``unpublish`` never lets blocks be
-reused under a READ. Everything here runs on the backend's I/O thread.
+reused under a READ. A ``read_begin`` or ``release`` must present the publication's grant
+(``KVRef.grant``), else it is refused or ignored. Everything here runs on the backend's I/O
+thread.
 """
 
 from __future__ import annotations
@@ -64,8 +66,8 @@ class NixlSource:
         self._readers: set[str] = set()  # reader agents whose connection info is loaded
 
     def on_notif(self, agent_name: str, notif: pb.NixlNotif) -> None:
-        """Answer a reader's ``read_begin``, end a read at ``read_end``, apply a ``release``;
-        anything else is logged and ignored."""
+        """Answer a reader's ``read_begin``, end a read at ``read_end``, apply a ``release``
+        that presents its request's grant; anything else is logged and ignored."""
         kind = notif.WhichOneof("body")
         if kind == "read_begin":
             self._on_read_begin(agent_name, notif.read_begin, notif.reader_metadata)
@@ -74,7 +76,7 @@ class NixlSource:
             if grant is not None:
                 self._published.end_read(grant.req_id)
         elif kind == "release":
-            self._published.release(notif.release.req_id)
+            self._published.release(notif.release.req_id, notif.release.grant)
         else:
             logger.warning("unexpected nixl notification %s from %s", kind, agent_name)
 
@@ -96,7 +98,7 @@ class NixlSource:
                 logger.warning("cannot answer kv reader %s: %s", agent_name, exc)
                 return
             self._readers.add(agent_name)
-        error = self._published.begin_read(begin.req_id, list(begin.block_ids))
+        error = self._published.begin_read(begin.req_id, begin.grant, list(begin.block_ids))
         if error is None:
             expires_s = time.monotonic() + 2 * self._io_timeout_s
             self._grants[(agent_name, begin.seq)] = _Grant(begin.req_id, expires_s)

@@ -5,11 +5,15 @@ block bytes travel is the transport's own (``_tcp_wire``: length-prefixed frames
 stream; ``_ucx_wire``: UCX tagged messages). A connection opens with ``hello`` -> ``hello_ack``;
 then the destination sends ``read`` and ``release`` frames, one at a time per connection::
 
-    dst                                    src
-    read(seq, req_id, block_ids)   ---->
-                                   <----   read_response(seq, ok, num_bytes)
-                                   <----   if ok, num_bytes: the blocks in request order
-    release(req_id)                ---->   (no answer)
+    dst                                        src
+    read(seq, req_id, grant, block_ids)   ---->
+                                          <----   read_response(seq, ok, num_bytes)
+                                          <----   if ok, num_bytes: the blocks in request order
+    release(req_id, grant)                ---->   (no answer)
+
+``grant`` is the one the source's ``publish`` of ``req_id`` returned (``KVRef.grant``): a read
+presenting another is refused like one of an unpublished request, a release presenting another
+is ignored.
 
 Here: building and checking those messages (the destination's side), ``PullSource`` (the
 source's side, free of I/O: answering hellos, dispatching frames, granting reads), and
@@ -78,9 +82,14 @@ def check_hello_ack(frame: pb.KVFrame) -> None:
 
 
 def read_frame(seq: int, src: KVRef, run_lengths: Sequence[int] = ()) -> pb.KVFrame:
-    """A request for ``src``'s blocks; ``run_lengths`` (ucx only) splits them into messages."""
+    """A request for ``src``'s blocks, presenting ``src.grant``; ``run_lengths`` (ucx only)
+    splits them into messages."""
     request = pb.KVReadRequest(
-        seq=seq, req_id=src.req_id, block_ids=src.block_ids, run_lengths=run_lengths
+        seq=seq,
+        req_id=src.req_id,
+        block_ids=src.block_ids,
+        run_lengths=run_lengths,
+        grant=src.grant,
     )
     return pb.KVFrame(read=request)
 
@@ -88,7 +97,7 @@ def read_frame(seq: int, src: KVRef, run_lengths: Sequence[int] = ()) -> pb.KVFr
 def check_read_response(frame: pb.KVFrame, seq: int, expected_bytes: int) -> KVTransferError | None:
     """Check the answer to read ``seq``: None when ``expected_bytes`` of blocks follow, the
     error to raise when the source refused the read (the connection stays in sync).
-    ``ProtocolError`` for any other frame, or for a grant announcing another size."""
+    ``ProtocolError`` for any other frame, or for an ``ok`` announcing another size."""
     if frame.WhichOneof("body") != "read_response" or frame.read_response.seq != seq:
         got = f"{frame.WhichOneof('body')} seq {frame.read_response.seq}"
         raise ProtocolError(f"expected read_response seq {seq}, got {got}")
@@ -100,9 +109,10 @@ def check_read_response(frame: pb.KVFrame, seq: int, expected_bytes: int) -> KVT
     return None
 
 
-def release_frame(src_req_id: str) -> pb.KVFrame:
-    """Tells the source it may free the blocks of ``src_req_id``; it sends no answer."""
-    return pb.KVFrame(release=pb.KVReleaseRequest(req_id=src_req_id))
+def release_frame(src_req_id: str, grant: bytes) -> pb.KVFrame:
+    """Tells the source it may free the blocks of ``src_req_id`` (published under ``grant``);
+    it sends no answer."""
+    return pb.KVFrame(release=pb.KVReleaseRequest(req_id=src_req_id, grant=grant))
 
 
 # ---------------------------------------------------------------------- source side
@@ -135,12 +145,12 @@ class PullSource:
         return pb.KVFrame(hello_ack=pb.KVHelloAck(ok=not error, error=error)), not error
 
     def dispatch(self, frame: pb.KVFrame) -> pb.KVReadRequest | None:
-        """Apply a frame received after the hello: a ``release`` unpublishes its request here
-        (for ``take_released``); a ``read`` is returned, for the transport to answer within
-        ``serving``. ``ProtocolError`` for any other frame."""
+        """Apply a frame received after the hello: a ``release`` presenting its request's grant
+        unpublishes the request here (for ``take_released``); a ``read`` is returned, for the
+        transport to answer within ``serving``. ``ProtocolError`` for any other frame."""
         kind = frame.WhichOneof("body")
         if kind == "release":
-            self._published.release(frame.release.req_id)
+            self._published.release(frame.release.req_id, frame.release.grant)
             return None
         if kind != "read":
             raise ProtocolError(f"unexpected {kind} frame")
@@ -148,11 +158,12 @@ class PullSource:
 
     @contextlib.contextmanager
     def serving(self, read: pb.KVReadRequest) -> Iterator[pb.KVFrame]:
-        """Grant or refuse ``read``; yields the ``read_response`` frame to send. When it is a
-        grant (``ok``), the transport sends the blocks inside the ``with``, during which
-        ``unpublish`` of the request waits for them to be sent."""
+        """Grant or refuse ``read`` (refused unless it presents its request's grant and asks
+        only for published blocks); yields the ``read_response`` frame to send. When it is
+        ``ok``, the transport sends the blocks inside the ``with``, during which ``unpublish``
+        of the request waits for them to be sent."""
         block_ids = list(read.block_ids)
-        error = self._published.begin_read(read.req_id, block_ids)
+        error = self._published.begin_read(read.req_id, read.grant, block_ids)
         response = pb.KVReadResponse(
             seq=read.seq,
             ok=error is None,

@@ -6,6 +6,11 @@ worker) *reads* some of those blocks into blocks of its own cache, polls until t
 or FAILED, then *releases* it so the source may free the blocks. Reads are pulls, never pushes,
 so a destination only moves blocks it does not already hold.
 
+Each publication comes with a *grant*, a random secret that ``publish`` returns and that travels
+to the destination in ``KVRef.grant`` (through the router, never derived from the request id):
+the source refuses every read and ignores every release that does not present it, so reaching a
+source's KV port and knowing a request id is not enough to read or free its blocks.
+
 Threading: every method may be called from one thread (the engine loop); backends do their I/O
 on their own threads. ``poll`` and ``take_released`` never block.
 """
@@ -15,7 +20,7 @@ from __future__ import annotations
 import abc
 import enum
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -24,7 +29,7 @@ if TYPE_CHECKING:
     from engine.kv_cache_spec import KVCacheSpec
 
 # Bumped whenever the meaning of PeerInfo or a backend's wire format changes.
-KV_TRANSFER_VERSION = 1
+KV_TRANSFER_VERSION = 2
 
 
 class TransferState(enum.Enum):
@@ -53,12 +58,17 @@ class PeerInfo:
 
 @dataclass(frozen=True, slots=True)
 class KVRef:
-    """The KV of ``req_id``'s first ``num_tokens`` tokens, in ``block_ids`` of ``engine_id``."""
+    """The KV of ``req_id``'s first ``num_tokens`` tokens, in ``block_ids`` of ``engine_id``.
+
+    ``grant`` is what the source's ``publish`` of ``req_id`` returned: reads and releases that
+    do not present it are refused. It is a secret, so it is left out of the ``repr``.
+    """
 
     engine_id: str
     req_id: str
     block_ids: tuple[int, ...]
     num_tokens: int
+    grant: bytes = field(default=b"", repr=False)
 
 
 class KVTransferBackend(abc.ABC):
@@ -88,10 +98,14 @@ class KVTransferBackend(abc.ABC):
 
     # ------------------------------------------------------------------ source side
     @abc.abstractmethod
-    def publish(self, req_id: str, block_ids: Sequence[int]) -> None:
-        """Allow peers to read ``block_ids`` under ``req_id`` until ``unpublish``.
+    def publish(self, req_id: str, block_ids: Sequence[int]) -> bytes:
+        """Allow peers to read ``block_ids`` under ``req_id`` until ``unpublish``; return the
+        grant (fresh random bytes) a reader must present in ``KVRef.grant``.
 
-        The caller keeps the blocks pinned (unchanged) while they are published.
+        Reads and releases of ``req_id`` without that grant are refused (a read ends FAILED, a
+        release is ignored). Publishing ``req_id`` again replaces its blocks and its grant: the
+        old grant reads and releases nothing any more. The caller keeps the blocks pinned
+        (unchanged) while they are published.
         """
 
     @abc.abstractmethod
@@ -106,7 +120,8 @@ class KVTransferBackend(abc.ABC):
     @abc.abstractmethod
     def start_read(self, req_id: str, src: KVRef, dst_block_ids: Sequence[int]) -> None:
         """Start copying ``src.block_ids[i]`` of peer ``src.engine_id`` into our block
-        ``dst_block_ids[i]`` (equal lengths). The peer must have been added. Never blocks;
+        ``dst_block_ids[i]`` (equal lengths), presenting ``src.grant``; a source that does not
+        recognize it refuses the read (FAILED). The peer must have been added. Never blocks;
         progress is reported by ``poll``. Our destination blocks must stay allocated until then;
         after FAILED their content is undefined (the caller recomputes it).
         """
@@ -118,8 +133,10 @@ class KVTransferBackend(abc.ABC):
 
     @abc.abstractmethod
     def release(self, req_id: str) -> None:
-        """Tell the source of a finished read (any terminal state) that it may free the blocks.
-        Best effort: a source that went away simply lets its lease expire."""
+        """Tell the source of a finished read (any terminal state) that it may free the blocks,
+        presenting the grant the read presented (a source ignores a release without the grant of
+        the current publication). Best effort: a source that went away simply lets its lease
+        expire."""
 
     @abc.abstractmethod
     def close(self) -> None:

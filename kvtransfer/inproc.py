@@ -3,7 +3,8 @@
 Backends find each other through a process-global registry keyed by ``engine_id``. A read is a
 torch ``index_select`` on the source's cache rows and an ``index_copy_`` into ours, done
 synchronously inside ``start_read`` while holding the source's lock, so a concurrent ``close``
-of the source never races the copy.
+of the source never races the copy. Reads and releases go through the source's published blocks
+like any peer's, presenting the grant: same process is no reason to skip the check.
 """
 
 from __future__ import annotations
@@ -29,9 +30,10 @@ class InprocBackend(BackendSkeleton):
 
     ``register_kv_cache`` enters the engine into the process-global registry (an ``engine_id``
     can be registered by one live backend at a time); ``close`` removes it, after which reads
-    from it fail. Semantics match ``tcp``: reading an unpublished ``req_id`` or a block not
-    published under it ends FAILED; ``release`` unpublishes on the source and shows up in its
-    ``take_released``. ``connection_setup_s`` stays empty: there is nothing to connect.
+    from it fail. Semantics match ``tcp``: reading an unpublished ``req_id``, a block not
+    published under it or without its grant ends FAILED; ``release`` with the grant unpublishes
+    on the source and shows up in its ``take_released``. ``connection_setup_s`` stays empty:
+    there is nothing to connect.
     """
 
     name = "inproc"
@@ -65,16 +67,16 @@ class InprocBackend(BackendSkeleton):
             )
 
     def _copy_out(
-        self, req_id: str, block_ids: Sequence[int], device: torch.device
+        self, req_id: str, grant: bytes, block_ids: Sequence[int], device: torch.device
     ) -> torch.Tensor:
-        """Rows of ``block_ids`` (published under ``req_id``) copied to ``device``.
+        """Rows of ``block_ids`` (published under ``req_id`` with ``grant``) copied to ``device``.
 
         Raises ``KVTransferError`` when the read is refused or this backend is closed.
         """
         with self._lock:
             if self._rows is None or self._closed:
                 raise KVTransferError(f"engine {self.engine_id!r} is closed")
-            error = self._published.check_read(req_id, block_ids)
+            error = self._published.check_read(req_id, grant, block_ids)
             if error is not None:
                 raise KVTransferError(error)
             index = torch.tensor(block_ids, dtype=torch.long, device=self._rows.device)
@@ -88,7 +90,7 @@ class InprocBackend(BackendSkeleton):
         try:
             if source is None:
                 raise KVTransferError(f"engine {src.engine_id!r} is not registered (closed?)")
-            rows = source._copy_out(src.req_id, src.block_ids, self._rows.device)
+            rows = source._copy_out(src.req_id, src.grant, src.block_ids, self._rows.device)
             index = torch.tensor(list(dst_block_ids), dtype=torch.long, device=self._rows.device)
             self._rows.index_copy_(0, index, rows)
         except KVTransferError as exc:
@@ -97,12 +99,13 @@ class InprocBackend(BackendSkeleton):
             return
         self._reads.finish(req_id, TransferState.DONE)
 
-    def _forward_release(self, req_id: str, engine_id: str, src_req_id: str) -> None:
-        """Unpublish on the source directly; a source that closed has nothing to free."""
+    def _forward_release(self, req_id: str, engine_id: str, src_req_id: str, grant: bytes) -> None:
+        """Release on the source directly (ignored there unless ``grant`` is the current one);
+        a source that closed has nothing to free."""
         with _registry_lock:
             source = _registry.get(engine_id)
         if source is not None:
-            source._published.release(src_req_id)
+            source._published.release(src_req_id, grant)
 
     def _stop_transport(self) -> None:
         """Leave the registry, so later reads from us fail."""

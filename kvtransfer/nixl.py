@@ -10,19 +10,25 @@ Every read is granted by the source, so a source never frees blocks under a READ
 posted with ``read_begin`` rather than after the grant, so the transfer overlaps the round
 trip; it counts as DONE only once granted (see ``_Read``)::
 
-    reader                                          source
-    read_begin(seq, req_id, block_ids)   ---->      PublishedBlocks.begin_read
+    reader                                              source
+    read_begin(seq, req_id, grant, block_ids)   ---->   PublishedBlocks.begin_read
     READ of the blocks (UCX get; NIXL merges adjacent descriptors into one region)
-                                         <----      read_grant(seq, ok | error)
-    read_end(seq, req_id)                ---->      PublishedBlocks.end_read
+                                                <----   read_grant(seq, ok | error)
+    read_end(seq, req_id)                       ---->   PublishedBlocks.end_read
     ...
-    release(req_id)                      ---->      the lease may end
+    release(req_id, grant)                      ---->   the lease may end
 
 All four are NIXL notifications carrying a serialized ``NixlNotif``. Every NIXL call runs on
 one I/O thread per backend, which also drives UCX's progress (NIXL's own progress thread would
 spin a core); the copy of a READ runs on it, outside the GIL. A read is FAILED when the
 source refuses it, when NIXL reports an error (a dead peer is seen as a disconnect), or when it
 is not over within ``io_timeout_s``.
+
+The ``grant`` of ``read_begin`` and ``release`` is the publication's secret (``KVRef.grant``,
+not the source's ``read_grant`` answer): without it the source refuses the read and ignores the
+release, so it gates the source's record of the read and the lease. It cannot gate the bytes:
+the READ is one-sided RDMA, which any agent holding the source's NIXL metadata could issue, so
+a refused read may still have filled the reader's blocks (undefined after FAILED anyway).
 """
 
 from __future__ import annotations
@@ -176,8 +182,8 @@ class NixlBackend(BackendSkeleton):
         read = _Read(req_id, src, dst_block_ids, time.monotonic() + self._io_timeout_s)
         self._commands.put(lambda: self._begin_read(next(self._seq), read))
 
-    def _forward_release(self, req_id: str, engine_id: str, src_req_id: str) -> None:
-        release = pb.KVReleaseRequest(req_id=src_req_id)
+    def _forward_release(self, req_id: str, engine_id: str, src_req_id: str, grant: bytes) -> None:
+        release = pb.KVReleaseRequest(req_id=src_req_id, grant=grant)
         self._commands.put(lambda: self._notify_engine(engine_id, notif_bytes(release=release)))
 
     def _stop_transport(self) -> None:
@@ -257,7 +263,9 @@ class NixlBackend(BackendSkeleton):
         remove_agent(self._agent, remote.agent_name)
 
     def _begin_read(self, seq: int, read: _Read) -> None:
-        begin = pb.KVReadRequest(seq=seq, req_id=read.src.req_id, block_ids=read.src.block_ids)
+        begin = pb.KVReadRequest(
+            seq=seq, req_id=read.src.req_id, block_ids=read.src.block_ids, grant=read.src.grant
+        )
         try:
             read.remote = self._remote(read.src.engine_id)
             message = notif_bytes(read_begin=begin, reader_metadata=self._connection_metadata)

@@ -9,7 +9,7 @@ of ``close``. A backend subclasses it and supplies its transport through hooks:
 - ``_expose``: start serving the registered cache; return the address (and metadata) for peers;
 - ``_check_peer_info``: refuse the info of a peer this transport cannot reach;
 - ``_start_transfer``: move the blocks of a checked read and finish it in ``_reads``;
-- ``_forward_release``: tell a source that a read of its blocks is over;
+- ``_forward_release``: tell a source that a read of its blocks is over (with the read's grant);
 - ``_stop_transport``: stop serving and reading, once, on ``close``;
 
 and optionally ``_check_cache`` (which devices it serves), ``_check_registrable`` (when a cache
@@ -47,7 +47,8 @@ class BackendSkeleton(KVTransferBackend):
 
     Invariants: once ``_registered``, ``_num_blocks``, ``_block_bytes`` and ``_compat_hash``
     describe the registered cache; ``_read_sources`` holds exactly the reads started and not
-    yet released (or closed); ``_closed`` only ever turns True. ``_lock`` guards ``_peers``,
+    yet released (or closed), each with the grant it presented; ``_closed`` only ever turns
+    True. ``_lock`` guards ``_peers``,
     ``_closed`` and ``connection_setup_s`` (a subclass may guard more of its own state with
     it); I/O threads take it too, so it is held only briefly, never across network I/O.
     """
@@ -62,7 +63,8 @@ class BackendSkeleton(KVTransferBackend):
         self._compat_hash = ""
         self._published = PublishedBlocks()
         self._reads = ReadStates()
-        self._read_sources: dict[str, tuple[str, str]] = {}  # req_id -> (engine_id, src req_id)
+        # req_id -> (engine_id, src req_id, grant): where each read came from, for release.
+        self._read_sources: dict[str, tuple[str, str, bytes]] = {}
         self._lock = threading.Lock()
         self._peers: dict[str, PeerInfo] = {}
         self._closed = False
@@ -119,12 +121,13 @@ class BackendSkeleton(KVTransferBackend):
                 self._forget_peer(peer.engine_id)
 
     # ------------------------------------------------------------------ source side
-    def publish(self, req_id: str, block_ids: Sequence[int]) -> None:
-        """Expose ``block_ids`` under ``req_id`` (replacing an earlier publication of it).
+    def publish(self, req_id: str, block_ids: Sequence[int]) -> bytes:
+        """Expose ``block_ids`` under ``req_id`` (replacing an earlier publication of it and its
+        grant); return the new grant that reads and releases must present.
         ``KVTransferError`` before registration, ``ValueError`` for ids out of range."""
         self._require_registered("publish")
         check_block_ids(block_ids, self._num_blocks, "published")
-        self._published.publish(req_id, block_ids)
+        return self._published.publish(req_id, block_ids)
 
     def unpublish(self, req_id: str) -> None:
         """Stop serving ``req_id``; unknown ids are ignored. Blocks until reads of it that are
@@ -156,7 +159,7 @@ class BackendSkeleton(KVTransferBackend):
         if not known_peer:
             raise KVTransferError(f"peer {src.engine_id!r} was not added")
         self._reads.start(req_id)
-        self._read_sources[req_id] = (src.engine_id, src.req_id)
+        self._read_sources[req_id] = (src.engine_id, src.req_id, src.grant)
         self._start_transfer(req_id, src, tuple(dst_block_ids))
 
     def poll(self) -> dict[str, TransferState]:
@@ -164,8 +167,9 @@ class BackendSkeleton(KVTransferBackend):
         return self._reads.poll()
 
     def release(self, req_id: str) -> None:
-        """Forget read ``req_id`` and tell its source (``_forward_release``, best effort) that
-        it may free the blocks. Unknown ids, and every id after close, are ignored."""
+        """Forget read ``req_id`` and tell its source (``_forward_release``, best effort, with
+        the grant the read presented) that it may free the blocks. Unknown ids, and every id
+        after close, are ignored."""
         source = self._read_sources.pop(req_id, None)
         if source is None:
             logger.debug("release of unknown read req_id=%s ignored", req_id)
@@ -222,9 +226,10 @@ class BackendSkeleton(KVTransferBackend):
         tracks as PENDING, and finish it there (DONE or FAILED). Must not block on a peer."""
 
     @abc.abstractmethod
-    def _forward_release(self, req_id: str, engine_id: str, src_req_id: str) -> None:
+    def _forward_release(self, req_id: str, engine_id: str, src_req_id: str, grant: bytes) -> None:
         """Tell source ``engine_id`` that read ``req_id`` of its ``src_req_id`` is over, so it
-        may free the blocks. Best effort: errors are only logged; must not block on a peer."""
+        may free the blocks; ``grant`` is the one the read presented, without which the source
+        ignores the release. Best effort: errors are only logged; must not block on a peer."""
 
     @abc.abstractmethod
     def _stop_transport(self) -> None:

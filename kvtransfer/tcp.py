@@ -212,8 +212,8 @@ class TcpBackend(PullBackend):
             dst_part = dst_block_ids[begin : begin + step]
             self._executor.submit(self._do_read, req_id, part, dst_part, next(self._seq), parts)
 
-    def _forward_release(self, req_id: str, engine_id: str, src_req_id: str) -> None:
-        self._executor.submit(self._send_release, req_id, engine_id, src_req_id)
+    def _forward_release(self, req_id: str, engine_id: str, src_req_id: str, grant: bytes) -> None:
+        self._executor.submit(self._send_release, req_id, engine_id, src_req_id, grant)
 
     def _stop_transport(self) -> None:
         """Stop the listener, drop every connection and wait for the I/O threads."""
@@ -291,13 +291,13 @@ class TcpBackend(PullBackend):
         finally:
             pool.give_back(sock, reusable)
 
-    def _send_release(self, req_id: str, engine_id: str, src_req_id: str) -> None:
+    def _send_release(self, req_id: str, engine_id: str, src_req_id: str, grant: bytes) -> None:
         try:
             pool = self._connections(engine_id)
             sock = pool.acquire()
             reusable = False
             try:
-                send_frame(sock, release_frame(src_req_id))
+                send_frame(sock, release_frame(src_req_id, grant))
                 reusable = True
             finally:
                 pool.give_back(sock, reusable)

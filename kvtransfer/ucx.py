@@ -157,8 +157,8 @@ class UcxBackend(PullBackend):
         """Queue the read on the loop; it finishes the read."""
         self._submit(self._read(req_id, src, dst_block_ids, next(self._seq)))
 
-    def _forward_release(self, req_id: str, engine_id: str, src_req_id: str) -> None:
-        self._submit(self._send_release(req_id, engine_id, src_req_id))
+    def _forward_release(self, req_id: str, engine_id: str, src_req_id: str, grant: bytes) -> None:
+        self._submit(self._send_release(req_id, engine_id, src_req_id, grant))
 
     def _stop_transport(self) -> None:
         """Stop listening, cancel this backend's I/O and abort its endpoints, in under a
@@ -240,10 +240,12 @@ class UcxBackend(PullBackend):
         recvs = asyncio.gather(*(ep.recv(view) for view in views))
         await within(recvs, self._io_timeout_s, "receiving blocks")
 
-    async def _send_release(self, req_id: str, engine_id: str, src_req_id: str) -> None:
+    async def _send_release(
+        self, req_id: str, engine_id: str, src_req_id: str, grant: bytes
+    ) -> None:
         try:
             async with self._endpoint(engine_id) as ep:
-                await send_frame(ep, release_frame(src_req_id), self._io_timeout_s)
+                await send_frame(ep, release_frame(src_req_id, grant), self._io_timeout_s)
         except (UCXError, KVTransferError, ProtocolError) as exc:
             logger.warning("kv release failed req_id=%s to %s: %r", req_id, engine_id, exc)
 

@@ -106,8 +106,7 @@ def source_main(
     while True:
         command, *args = conn.recv()
         if command == "publish":
-            synthetic.publish(*args)
-            conn.send(None)
+            conn.send(synthetic.publish(*args))
         elif command == "real":
             real = make_backend(backend_name, "bench-real")
             conn.send(held_prefill(real, model, prompt_tokens))
@@ -120,10 +119,10 @@ def source_main(
 
 def held_prefill(
     backend: KVTransferBackend, model: str, prompt_tokens: int
-) -> tuple[PeerInfo, int, KVCacheSpec, list[int], float, torch.Tensor]:
+) -> tuple[PeerInfo, int, KVCacheSpec, list[int], bytes, float, torch.Tensor]:
     """Load ``model``, register its cache, prefill one random prompt with its KV held and
-    publish it as ``real``: (info, cache address, spec, block ids, prefill seconds, the blocks'
-    bytes)."""
+    publish it as ``real``: (info, cache address, spec, block ids, the publication's grant,
+    prefill seconds, the blocks' bytes)."""
     engine = LLMEngine(EngineConfig(model=model, dtype="bfloat16", num_threads=1))
     info = backend.register_kv_cache(engine.kv_cache, engine.kv_cache_spec)
     prompt = torch.randint(100, engine.vocab_size, (prompt_tokens,)).tolist()
@@ -133,9 +132,10 @@ def held_prefill(
         engine.step()
     prefill_s = time.perf_counter() - start_s
     block_ids = engine.held_kv_block_ids("real")
-    backend.publish("real", block_ids)
+    grant = backend.publish("real", block_ids)
     expected = rows(engine.kv_cache)[block_ids].clone()
-    return info, engine.kv_cache.data_ptr(), engine.kv_cache_spec, block_ids, prefill_s, expected
+    cache_addr = engine.kv_cache.data_ptr()
+    return info, cache_addr, engine.kv_cache_spec, block_ids, grant, prefill_s, expected
 
 
 # ----------------------------------------------------------------------------- destination
@@ -193,11 +193,10 @@ def bench_backend(backend_name: str, args: argparse.Namespace) -> dict:
             for repeat in range(args.repeats + 1):  # the first read of each size is a warmup
                 req_id = f"{size_mib}-{repeat}"
                 conn.send(("publish", req_id, src_ids))
-                conn.recv()
+                grant = conn.recv()
                 flush_caches()
-                elapsed_s = timed_read(
-                    dst, req_id, KVRef("bench-synthetic", req_id, tuple(src_ids), 0), dst_ids
-                )
+                src = KVRef("bench-synthetic", req_id, tuple(src_ids), 0, grant)
+                elapsed_s = timed_read(dst, req_id, src, dst_ids)
                 if size_mib == sizes_mib[0] and repeat == 0:
                     result["first_read_s"] = elapsed_s
                     result["connection_setup_s"] = dst.connection_setup_s["bench-synthetic"]
@@ -222,13 +221,13 @@ def bench_backend(backend_name: str, args: argparse.Namespace) -> dict:
                 }
             )
         conn.send(("real",))
-        real_info, real_addr, spec, block_ids, prefill_s, expected = conn.recv()
+        real_info, real_addr, spec, block_ids, real_grant, prefill_s, expected = conn.recv()
         real_dst = make_backend(backend_name, "bench-real-dst")
         real_cache = torch.zeros((len(block_ids), *spec.block_shape), dtype=torch.bfloat16)
         real_dst.register_kv_cache(real_cache, spec)
         real_dst.add_peer(real_info)
         real_dst_ids = list(range(len(block_ids)))
-        src = KVRef("bench-real", "real", tuple(block_ids), args.prompt_tokens)
+        src = KVRef("bench-real", "real", tuple(block_ids), args.prompt_tokens, real_grant)
         timed_read(real_dst, "real-warmup", src, real_dst_ids)
         real_times = []
         for repeat in range(args.repeats):

@@ -134,6 +134,7 @@ def kv_ref_to_proto(ref: KVRef) -> worker_pb2.KVRef:
         req_id=ref.req_id,
         block_ids=ref.block_ids,
         num_tokens=ref.num_tokens,
+        grant=ref.grant,
     )
 
 
@@ -143,6 +144,7 @@ def kv_ref_from_proto(msg: worker_pb2.KVRef) -> KVRef:
         req_id=msg.req_id,
         block_ids=tuple(msg.block_ids),
         num_tokens=msg.num_tokens,
+        grant=msg.grant,
     )
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from engine.kv_cache_manager import cdiv
 from engine.llm_engine import LLMEngine
@@ -127,7 +127,7 @@ class KVPullHooks:
         first = load.num_local_hit_tokens // self.block_size
         last = cdiv(load.num_external_tokens, self.block_size)
         dst_block_ids = load.block_ids[first:last]
-        src_ref = KVRef(src.engine_id, src.req_id, src.block_ids[first:last], src.num_tokens)
+        src_ref = replace(src, block_ids=src.block_ids[first:last])
         try:
             self.backend.start_read(load.req_id, src_ref, dst_block_ids)
         except KVTransferError as exc:

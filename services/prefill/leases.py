@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from engine.llm_engine import LLMEngine
 from engine.outputs import RequestOutput
@@ -26,7 +26,11 @@ logger = logging.getLogger(__name__)
 
 @dataclass(frozen=True, slots=True)
 class Lease:
+    """A finished prefill's published blocks; ``grant`` is what the backend's ``publish``
+    returned, which the decode side must present (in ``KVRef.grant``) to pull or release them."""
+
     block_ids: tuple[int, ...]
+    grant: bytes = field(repr=False)
     expires_at_s: float
 
 
@@ -61,8 +65,9 @@ class LeaseHooks:
             block_ids = engine.held_kv_block_ids(output.req_id)
             if not block_ids:
                 continue
-            self.backend.publish(output.req_id, block_ids)
-            self._leases[output.req_id] = Lease(tuple(block_ids), time.monotonic() + self.ttl_s)
+            grant = self.backend.publish(output.req_id, block_ids)
+            expires_at_s = time.monotonic() + self.ttl_s
+            self._leases[output.req_id] = Lease(tuple(block_ids), grant, expires_at_s)
 
     def before_step(self, engine: LLMEngine) -> None:
         for req_id in [r for r, f in self._unpublishing.items() if f.done()]:

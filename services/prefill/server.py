@@ -3,7 +3,8 @@
 A prefill runs the request with ``max_tokens=1``: prefix-cache hits are reused, the rest of the
 prompt is computed, the first token is sampled. Unless that token already ends the request, the
 prompt's blocks stay pinned under a lease (see ``leases``) and the response carries a ``KVRef``
-the decode worker pulls them with.
+the decode worker pulls them with, including the lease's grant, without which the KV transfer
+backend refuses the pull.
 """
 
 from __future__ import annotations
@@ -116,6 +117,7 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
             req_id=req_id,
             block_ids=lease.block_ids,
             num_tokens=len(prompt),
+            grant=lease.grant,
         )
         response.kv_ref.CopyFrom(kv_ref_to_proto(ref))
         logger.debug("req_id=%s prefilled: %d blocks leased", req_id, len(lease.block_ids))

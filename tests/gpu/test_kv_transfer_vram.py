@@ -34,8 +34,8 @@ def test_vram_to_vram_read_is_bit_exact():
         info = source.info("gpu-src")
         dst.add_peer(info)
         src_ids = torch.randperm(NUM_BLOCKS, generator=torch.Generator().manual_seed(4)).tolist()
-        source.publish("gpu-src", "whole", src_ids)
-        src = KVRef("gpu-src", "whole", tuple(src_ids), NUM_BLOCKS * 16)
+        grant = source.publish("gpu-src", "whole", src_ids)
+        src = KVRef("gpu-src", "whole", tuple(src_ids), NUM_BLOCKS * 16, grant)
         assert read(dst, "whole", src, list(range(NUM_BLOCKS))) is DONE
         expected = rows(make_cache(BIG_SPEC, seed=7))[src_ids]
         assert torch.equal(rows(dst_cache).cpu(), expected)

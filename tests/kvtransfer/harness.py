@@ -3,6 +3,7 @@ and a destination backend in the test process."""
 
 from __future__ import annotations
 
+import logging
 import multiprocessing
 import os
 import signal
@@ -33,6 +34,27 @@ def rows(kv_cache: torch.Tensor) -> torch.Tensor:
     return kv_cache.view(torch.uint8).view(kv_cache.shape[0], -1)
 
 
+class WarningLog(logging.Handler):
+    """The messages of the warnings a logger of the source process logged, until taken.
+    Thread-safe."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self._messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self._messages.append(record.getMessage())  # under the handler's lock (``handle``)
+
+    def take(self) -> list[str]:
+        """The messages logged since the last call, in order."""
+        self.acquire()
+        try:
+            messages, self._messages = self._messages, []
+        finally:
+            self.release()
+        return messages
+
+
 def source_main(
     conn: Connection,
     backend_name: str,
@@ -40,6 +62,9 @@ def source_main(
     device: str = "cpu",
 ) -> None:
     """Child process: one backend per ``(engine_id, spec, seed)``, driven through ``conn``."""
+    warnings = WarningLog()
+    # A refused release changes nothing: its warning is the only sign that it arrived.
+    logging.getLogger("kvtransfer._common").addHandler(warnings)
     backends = {engine_id: make_backend(backend_name, engine_id) for engine_id, _, _ in engines}
     caches = [make_cache(spec, seed).to(device) for _, spec, seed in engines]
     conn.send(
@@ -52,14 +77,15 @@ def source_main(
         command, *args = conn.recv()
         if command == "publish":
             engine_id, req_id, block_ids = args
-            backends[engine_id].publish(req_id, block_ids)
-            conn.send(None)
+            conn.send(backends[engine_id].publish(req_id, block_ids))
         elif command == "unpublish":
             engine_id, req_id = args
             backends[engine_id].unpublish(req_id)
             conn.send(None)
         elif command == "take_released":
             conn.send(backends[args[0]].take_released())
+        elif command == "take_warnings":
+            conn.send(warnings.take())
         else:
             break
     for backend in backends.values():
@@ -89,9 +115,10 @@ class SourceProcess:
             self._infos = {info.engine_id: info for info in self.conn.recv()}
         return self._infos[engine_id]
 
-    def publish(self, engine_id: str, req_id: str, block_ids: Sequence[int]) -> None:
+    def publish(self, engine_id: str, req_id: str, block_ids: Sequence[int]) -> bytes:
+        """Publish in the source process; return the grant that reads and releases present."""
         self.conn.send(("publish", engine_id, req_id, list(block_ids)))
-        self.conn.recv()
+        return self.conn.recv()
 
     def unpublish(self, engine_id: str, req_id: str) -> None:
         self.conn.send(("unpublish", engine_id, req_id))
@@ -100,6 +127,24 @@ class SourceProcess:
     def take_released(self, engine_id: str) -> list[str]:
         self.conn.send(("take_released", engine_id))
         return self.conn.recv()
+
+    def take_warnings(self) -> list[str]:
+        """The warnings of the source's published-blocks tables (``kvtransfer._common``, all
+        engines) since the last call."""
+        self.conn.send(("take_warnings",))
+        return self.conn.recv()
+
+    def wait_warnings(self, text: str, count: int, timeout_s: float = 5.0) -> list[str]:
+        """Poll ``take_warnings`` until ``count`` of them contain ``text``; return those
+        (warnings without ``text`` are dropped)."""
+        seen: list[str] = []
+
+        def enough() -> bool:
+            seen.extend(message for message in self.take_warnings() if text in message)
+            return len(seen) >= count
+
+        wait_until(enough, timeout_s, lambda: f"{count} warnings with {text!r}, got {seen}", 0.01)
+        return seen
 
     def wait_released(self, engine_id: str, timeout_s: float = 5.0) -> list[str]:
         """Poll ``take_released`` until something was released; return that."""

@@ -1,5 +1,6 @@
 """Every installed KV transfer backend between real processes: bit-exact blocks, refusals,
-release, dead or hung sources, concurrency. The same contract tests run for nixl, ucx and tcp."""
+grants, release, dead or hung sources, concurrency. The same contract tests run for nixl, ucx
+and tcp."""
 
 from __future__ import annotations
 
@@ -29,6 +30,9 @@ from tests.kvtransfer.harness import (
 )
 
 NETWORK_BACKENDS = [name for name in available_backends() if name != "inproc"]
+# nixl posts its one-sided READ together with read_begin, before the source answers: a refused
+# read may still have filled the destination blocks (see kvtransfer/nixl.py).
+READS_BEFORE_THE_ANSWER = {"nixl"}
 
 
 @pytest.fixture(scope="module", params=NETWORK_BACKENDS)
@@ -64,8 +68,8 @@ def test_read_between_processes_is_bit_exact_with_reordered_blocks(sources, dst_
     dst.add_peer(info)  # idempotent
     src_ids = [5, 6, 7, 40, 2, 3, 63]
     dst_ids = [0, 1, 2, 20, 50, 10, 9]
-    sources["shared"].publish("small", "exact", src_ids)
-    assert read(dst, "exact", KVRef("small", "exact", tuple(src_ids), 56), dst_ids) is DONE
+    grant = sources["shared"].publish("small", "exact", src_ids)
+    assert read(dst, "exact", KVRef("small", "exact", tuple(src_ids), 56, grant), dst_ids) is DONE
     expected = rows(make_cache(SMALL_SPEC, seed=1))
     assert torch.equal(rows(dst_cache)[dst_ids], expected[src_ids])
     untouched = [b for b in range(NUM_BLOCKS) if b not in dst_ids]
@@ -79,8 +83,8 @@ def test_four_mib_read_is_bit_exact(backend_name, sources):
     try:
         dst.add_peer(sources["shared"].info("big"))
         src_ids = torch.randperm(NUM_BLOCKS, generator=torch.Generator().manual_seed(0)).tolist()
-        sources["shared"].publish("big", "whole", src_ids)
-        src = KVRef("big", "whole", tuple(src_ids), NUM_BLOCKS * 16)
+        grant = sources["shared"].publish("big", "whole", src_ids)
+        src = KVRef("big", "whole", tuple(src_ids), NUM_BLOCKS * 16, grant)
         assert read(dst, "whole", src, list(range(NUM_BLOCKS))) is DONE
         assert torch.equal(rows(dst_cache), rows(make_cache(BIG_SPEC, seed=2))[src_ids])
     finally:
@@ -91,30 +95,83 @@ def test_unpublished_request_or_block_is_refused_and_the_pair_survives(sources, 
     dst, _ = dst_small
     dst.add_peer(sources["shared"].info("small"))
     assert read(dst, "a", KVRef("small", "never-published", (1,), 8), [1]) is FAILED
-    sources["shared"].publish("small", "partial", [1, 2])
-    assert read(dst, "b", KVRef("small", "partial", (1, 3), 16), [1, 3]) is FAILED
-    assert read(dst, "c", KVRef("small", "partial", (2, 1), 16), [1, 3]) is DONE
+    grant = sources["shared"].publish("small", "partial", [1, 2])
+    assert read(dst, "b", KVRef("small", "partial", (1, 3), 16, grant), [1, 3]) is FAILED
+    assert read(dst, "c", KVRef("small", "partial", (2, 1), 16, grant), [1, 3]) is DONE
     sources["shared"].unpublish("small", "partial")
-    assert read(dst, "d", KVRef("small", "partial", (2, 1), 16), [1, 3]) is FAILED
+    assert read(dst, "d", KVRef("small", "partial", (2, 1), 16, grant), [1, 3]) is FAILED
 
 
 def test_release_reaches_the_source_and_unpublishes(sources, dst_small):
     dst, _ = dst_small
     dst.add_peer(sources["shared"].info("small"))
-    sources["shared"].publish("small", "to-release", [4, 5])
-    src = KVRef("small", "to-release", (4, 5), 16)
+    grant = sources["shared"].publish("small", "to-release", [4, 5])
+    src = KVRef("small", "to-release", (4, 5), 16, grant)
     assert read(dst, "dst-req", src, [0, 1]) is DONE
     dst.release("dst-req")
     assert sources["shared"].wait_released("small") == ["to-release"]
     assert read(dst, "again", src, [0, 1]) is FAILED
 
 
+def forged(grant: bytes) -> bytes:
+    """``grant`` with its first byte flipped: what a prober who almost guessed it presents."""
+    return bytes([grant[0] ^ 0xFF]) + grant[1:]
+
+
+def test_a_read_without_the_publication_grant_fails_and_writes_nothing(
+    backend_name, sources, dst_small
+):
+    dst, dst_cache = dst_small
+    dst.add_peer(sources["shared"].info("small"))
+    src_ids, dst_ids = [8, 9, 10], [30, 31, 32]
+    grant = sources["shared"].publish("small", "guarded", src_ids)
+    src = KVRef("small", "guarded", tuple(src_ids), 24, grant)
+    dst_cache.copy_(make_cache(SMALL_SPEC, seed=9))
+    before = rows(dst_cache).clone()
+    assert read(dst, "forged", replace(src, grant=forged(grant)), dst_ids) is FAILED
+    assert read(dst, "no-grant", replace(src, grant=b""), dst_ids) is FAILED
+    if backend_name not in READS_BEFORE_THE_ANSWER:
+        assert torch.equal(rows(dst_cache), before)
+    assert read(dst, "granted", src, dst_ids) is DONE
+    assert torch.equal(rows(dst_cache)[dst_ids], rows(make_cache(SMALL_SPEC, seed=1))[src_ids])
+
+
+def test_a_release_without_the_publication_grant_is_ignored(sources, dst_small):
+    dst, dst_cache = dst_small
+    source = sources["shared"]
+    dst.add_peer(source.info("small"))
+    grant = source.publish("small", "kept", [11, 12])
+    src = KVRef("small", "kept", (11, 12), 16, grant)
+    assert read(dst, "forged", replace(src, grant=forged(grant)), [0, 1]) is FAILED
+    dst.release("forged")  # presents the forged grant, as its read did
+    assert read(dst, "no-grant", replace(src, grant=b""), [0, 1]) is FAILED
+    dst.release("no-grant")
+    source.wait_warnings("release of req_id=kept ignored", count=2)  # both arrived
+    assert source.take_released("small") == []
+    assert read(dst, "granted", src, [0, 1]) is DONE
+    assert torch.equal(rows(dst_cache)[[0, 1]], rows(make_cache(SMALL_SPEC, seed=1))[[11, 12]])
+    dst.release("granted")
+    assert source.wait_released("small") == ["kept"]
+
+
+def test_republishing_a_request_replaces_its_grant(sources, dst_small):
+    dst, dst_cache = dst_small
+    dst.add_peer(sources["shared"].info("small"))
+    old_grant = sources["shared"].publish("small", "republished", [13])
+    new_grant = sources["shared"].publish("small", "republished", [14])
+    assert new_grant != old_grant
+    src = KVRef("small", "republished", (14,), 8, new_grant)
+    assert read(dst, "old-grant", replace(src, grant=old_grant), [2]) is FAILED
+    assert read(dst, "new-grant", src, [2]) is DONE
+    assert torch.equal(rows(dst_cache)[2], rows(make_cache(SMALL_SPEC, seed=1))[14])
+
+
 def test_an_empty_read_is_done_and_its_release_reaches_the_source(sources, dst_small):
     """A decode worker that caches the whole prompt reads nothing, but still frees the lease."""
     dst, _ = dst_small
     dst.add_peer(sources["shared"].info("small"))
-    sources["shared"].publish("small", "nothing-to-read", [6])
-    assert read(dst, "empty", KVRef("small", "nothing-to-read", (), 16), []) is DONE
+    grant = sources["shared"].publish("small", "nothing-to-read", [6])
+    assert read(dst, "empty", KVRef("small", "nothing-to-read", (), 16, grant), []) is DONE
     dst.release("empty")
     assert sources["shared"].wait_released("small") == ["nothing-to-read"]
 
@@ -125,10 +182,12 @@ def test_32_concurrent_reads_are_all_done_and_correct(backend_name, sources):
         dst.add_peer(sources["shared"].info("small"))
         perm = torch.randperm(NUM_BLOCKS, generator=torch.Generator().manual_seed(1)).tolist()
         req_ids = [f"many-{i}" for i in range(32)]
-        for i, req_id in enumerate(req_ids):
+        grants = [
             sources["shared"].publish("small", req_id, perm[2 * i : 2 * i + 2])
+            for i, req_id in enumerate(req_ids)
+        ]
         for i, req_id in enumerate(req_ids):
-            src = KVRef("small", req_id, tuple(perm[2 * i : 2 * i + 2]), 16)
+            src = KVRef("small", req_id, tuple(perm[2 * i : 2 * i + 2]), 16, grants[i])
             dst.start_read(req_id, src, [2 * i + 1, 2 * i])  # swapped: reordered destination
         assert wait_terminal(dst, req_ids) == dict.fromkeys(req_ids, DONE)
         dst_order = [b for i in range(32) for b in (2 * i + 1, 2 * i)]
@@ -163,8 +222,8 @@ def test_source_killed_mid_read_or_before_read_fails_in_bounded_time(backend_nam
     dst, _ = make_dst(backend_name, SMALL_SPEC, io_timeout_s=io_timeout_s)
     try:
         dst.add_peer(source.info("killed"))
-        source.publish("killed", "r", [1, 2])
-        src = KVRef("killed", "r", (1, 2), 16)
+        grant = source.publish("killed", "r", [1, 2])
+        src = KVRef("killed", "r", (1, 2), 16, grant)
         assert read(dst, "warm", src, [1, 2]) is DONE
         source.signal(signal.SIGSTOP)
         dst.start_read("in-flight", src, [3, 4])
@@ -189,8 +248,8 @@ def test_hung_source_fails_within_io_timeout_and_close_fails_reads_in_flight(bac
     source = sources["hung"]
     dst, _ = make_dst(backend_name, SMALL_SPEC, io_timeout_s=0.5)
     dst.add_peer(source.info("hung"))
-    source.publish("hung", "r", [7])
-    src = KVRef("hung", "r", (7,), 8)
+    grant = source.publish("hung", "r", [7])
+    src = KVRef("hung", "r", (7,), 8, grant)
     assert read(dst, "warm", src, [0]) is DONE
     source.signal(signal.SIGSTOP)
     start_s = time.monotonic()

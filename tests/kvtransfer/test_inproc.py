@@ -37,8 +37,9 @@ class Pair:
         self.dst.register_kv_cache(self.dst_cache, SPEC)
         self.dst.add_peer(self.src_info)
 
-    def ref(self, req_id: str, block_ids: tuple[int, ...]) -> KVRef:
-        return KVRef(self.src.engine_id, req_id, block_ids, len(block_ids) * SPEC.block_size)
+    def ref(self, req_id: str, block_ids: tuple[int, ...], grant: bytes) -> KVRef:
+        num_tokens = len(block_ids) * SPEC.block_size
+        return KVRef(self.src.engine_id, req_id, block_ids, num_tokens, grant)
 
 
 @pytest.fixture
@@ -51,8 +52,8 @@ def pair() -> Iterator[Pair]:
 
 def test_read_copies_reordered_blocks_bit_exactly_and_reports_once(pair: Pair):
     src_ids, dst_ids = (9, 3, 4, 60), [0, 31, 32, 1]
-    pair.src.publish("r", src_ids)
-    pair.dst.start_read("dst-r", pair.ref("r", src_ids), dst_ids)
+    grant = pair.src.publish("r", src_ids)
+    pair.dst.start_read("dst-r", pair.ref("r", src_ids, grant), dst_ids)
     assert pair.dst.poll() == {"dst-r": TransferState.DONE}
     assert pair.dst.poll() == {}
     assert torch.equal(rows(pair.dst_cache)[dst_ids], rows(pair.src_cache)[list(src_ids)])
@@ -61,26 +62,38 @@ def test_read_copies_reordered_blocks_bit_exactly_and_reports_once(pair: Pair):
 
 
 def test_unpublished_request_or_block_fails(pair: Pair):
-    pair.dst.start_read("a", pair.ref("nothing", (1,)), [1])
-    pair.src.publish("r", [1, 2])
-    pair.dst.start_read("b", pair.ref("r", (1, 3)), [1, 3])
+    pair.dst.start_read("a", pair.ref("nothing", (1,), b""), [1])
+    grant = pair.src.publish("r", [1, 2])
+    pair.dst.start_read("b", pair.ref("r", (1, 3), grant), [1, 3])
     pair.src.unpublish("r")
     pair.src.unpublish("unknown")  # ignored
-    pair.dst.start_read("c", pair.ref("r", (1,)), [1])
+    pair.dst.start_read("c", pair.ref("r", (1,), grant), [1])
     assert pair.dst.poll() == dict.fromkeys("abc", TransferState.FAILED)
     assert not rows(pair.dst_cache).any()
 
 
 def test_release_reaches_take_released_and_unpublishes(pair: Pair):
-    pair.src.publish("r", [5])
-    pair.dst.start_read("dst-r", pair.ref("r", (5,)), [0])
+    grant = pair.src.publish("r", [5])
+    pair.dst.start_read("dst-r", pair.ref("r", (5,), grant), [0])
     assert pair.dst.poll() == {"dst-r": TransferState.DONE}
     pair.dst.release("dst-r")
     pair.dst.release("dst-r")  # a second release is ignored
     assert pair.src.take_released() == ["r"]
     assert pair.src.take_released() == []
-    pair.dst.start_read("again", pair.ref("r", (5,)), [0])
+    pair.dst.start_read("again", pair.ref("r", (5,), grant), [0])
     assert pair.dst.poll() == {"again": TransferState.FAILED}
+
+
+def test_reads_and_releases_need_the_publication_grant(pair: Pair):
+    grant = pair.src.publish("r", [5])
+    pair.dst.start_read("forged", pair.ref("r", (5,), bytes(len(grant))), [0])
+    assert pair.dst.poll() == {"forged": TransferState.FAILED}
+    assert not rows(pair.dst_cache).any()
+    pair.dst.release("forged")  # presents the forged grant: ignored
+    assert pair.src.take_released() == []
+    pair.dst.start_read("granted", pair.ref("r", (5,), grant), [0])
+    assert pair.dst.poll() == {"granted": TransferState.DONE}
+    assert torch.equal(rows(pair.dst_cache)[0], rows(pair.src_cache)[5])
 
 
 def test_pairing_errors(pair: Pair):
@@ -99,13 +112,13 @@ def test_pairing_errors(pair: Pair):
 
 
 def test_closed_source_fails_reads_and_close_is_idempotent(pair: Pair):
-    pair.src.publish("r", [5])
+    grant = pair.src.publish("r", [5])
     pair.src.close()
     pair.src.close()
-    pair.dst.start_read("dst-r", pair.ref("r", (5,)), [0])
+    pair.dst.start_read("dst-r", pair.ref("r", (5,), grant), [0])
     assert pair.dst.poll() == {"dst-r": TransferState.FAILED}
     pair.dst.release("dst-r")  # the source is gone: nothing to tell
     pair.dst.close()
     pair.dst.close()
     with pytest.raises(KVTransferError):
-        pair.dst.start_read("late", pair.ref("r", (5,)), [0])
+        pair.dst.start_read("late", pair.ref("r", (5,), grant), [0])

@@ -68,8 +68,8 @@ def test_server_rejects_bad_hello_and_malformed_frames_then_keeps_serving():
             send_frame(sock, pb.KVFrame(read=pb.KVReadRequest(seq=1, req_id="r")))
             assert_closed_by_peer(sock)
         dst.add_peer(info)
-        src_backend.publish("r", [9])
-        assert read(dst, "r", KVRef("local-src", "r", (9,), 8), [3]) is DONE
+        grant = src_backend.publish("r", [9])
+        assert read(dst, "r", KVRef("local-src", "r", (9,), 8, grant), [3]) is DONE
         assert torch.equal(rows(dst_cache)[3], rows(make_cache(spec, seed=5))[9])
     finally:
         dst.close()
@@ -87,12 +87,12 @@ def test_a_read_split_into_parts_is_bit_exact_and_a_refused_part_fails_it():
     try:
         dst.add_peer(info)
         src_ids = torch.randperm(NUM_BLOCKS, generator=torch.Generator().manual_seed(3)).tolist()
-        src_backend.publish("whole", src_ids)
-        src = KVRef("parts-src", "whole", tuple(src_ids), NUM_BLOCKS * 16)
+        grant = src_backend.publish("whole", src_ids)
+        src = KVRef("parts-src", "whole", tuple(src_ids), NUM_BLOCKS * 16, grant)
         assert read(dst, "whole", src, list(range(NUM_BLOCKS))) is DONE
         assert torch.equal(rows(dst_cache), rows(make_cache(spec, seed=6))[src_ids])
-        src_backend.publish("first-half", src_ids[:32])
-        half = KVRef("parts-src", "first-half", tuple(src_ids), NUM_BLOCKS * 16)
+        half_grant = src_backend.publish("first-half", src_ids[:32])
+        half = KVRef("parts-src", "first-half", tuple(src_ids), NUM_BLOCKS * 16, half_grant)
         assert read(dst, "second-part-refused", half, list(range(NUM_BLOCKS))) is FAILED
     finally:
         dst.close()
@@ -121,8 +121,8 @@ def test_connections_beyond_the_cap_are_refused_and_the_server_keeps_serving(mon
             lambda: not src_backend._server_conns, 10, "the server closing its side", 0.01
         )
         dst.add_peer(info)
-        src_backend.publish("r", [2])
-        assert read(dst, "r", KVRef("cap-src", "r", (2,), 8), [1]) is DONE
+        grant = src_backend.publish("r", [2])
+        assert read(dst, "r", KVRef("cap-src", "r", (2,), 8, grant), [1]) is DONE
     finally:
         dst.close()
         src_backend.close()
@@ -142,16 +142,16 @@ def test_idle_connections_are_closed_and_pooled_ones_are_not_reused_stale(monkey
             sock.settimeout(5)
             assert_closed_by_peer(sock)  # after SERVER_IDLE_TIMEOUT_S without a frame
         dst.add_peer(info)
-        src_backend.publish("a", [3])
-        src_backend.publish("b", [4])
-        assert read(dst, "a", KVRef("idle-src", "a", (3,), 8), [5]) is DONE
+        grant_a = src_backend.publish("a", [3])
+        grant_b = src_backend.publish("b", [4])
+        assert read(dst, "a", KVRef("idle-src", "a", (3,), 8, grant_a), [5]) is DONE
         wait_until(  # idle for SERVER_IDLE_TIMEOUT_S, hence for more than CLIENT_IDLE_S
             lambda: not src_backend._server_conns,
             10,
             "the server dropping the idle pooled connection",
             0.01,
         )
-        assert read(dst, "b", KVRef("idle-src", "b", (4,), 8), [6]) is DONE
+        assert read(dst, "b", KVRef("idle-src", "b", (4,), 8, grant_b), [6]) is DONE
         assert torch.equal(rows(dst_cache)[6], rows(make_cache(spec, seed=7))[4])
     finally:
         dst.close()

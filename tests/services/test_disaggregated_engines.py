@@ -22,6 +22,7 @@ from services.prefill.leases import LeaseHooks
 from tests.waiting import wait_until
 
 MAX_TOKENS = 10
+POISON = 1e30
 _ENGINE_IDS = itertools.count()
 
 
@@ -76,7 +77,7 @@ class Pair:
     def kv_ref(self, req_id: str, num_tokens: int) -> KVRef:
         lease = self.leases.get(req_id)
         assert lease is not None
-        return KVRef(self.peer.engine_id, req_id, lease.block_ids, num_tokens)
+        return KVRef(self.peer.engine_id, req_id, lease.block_ids, num_tokens, lease.grant)
 
     def generate(
         self, prompts: list[list[int]], params: SamplingParams
@@ -161,11 +162,46 @@ def test_decode_pulls_only_blocks_missing_from_its_prefix_cache(pair):
     assert result.num_transferred_blocks == 2  # 65 tokens: 5 blocks, 3 local hits
 
 
+def test_a_forged_grant_pulls_nothing_and_the_decode_side_computes_the_prompt(pair, offline):
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
+    prompt = make_prompts(lens=(40,))[0]  # two full blocks and a partial one
+    (want,) = offline.generate([prompt], params)
+    first = pair.run_prefill("r0", prompt, params)
+    real = pair.kv_ref("r0", len(prompt))
+    forged = dataclasses.replace(real, grant=bytes([real.grant[0] ^ 0xFF]) + real.grant[1:])
+    # Bytes no forward pass produces: a block that came from the source would show them.
+    pair.prefill.kv_cache[list(real.block_ids)] = POISON
+    assert pair.puller.expect("r0", forged, pair.peer)
+    pair.decode.add_request(
+        "r0", prompt, params, output_token_ids=first.token_ids, num_external_tokens=len(prompt)
+    )
+    cached_when_the_pull_ended = None
+    final = None
+    while pair.decode.has_unfinished_requests():
+        pulling = pair.puller.busy
+        pair.puller.before_step(pair.decode)
+        if pulling and not pair.puller.busy:
+            cached_when_the_pull_ended = pair.decode.prefix_cache_block_hashes()
+        outputs = pair.decode.step()
+        pair.puller.after_step(pair.decode, outputs)
+        final = next((o for o in outputs if o.finished), final)
+    result = pair.puller.take_result("r0")
+    assert result is not None and result.failed and result.num_transferred_blocks == 0
+    assert cached_when_the_pull_ended == []  # a pull that succeeded caches its blocks at once
+    assert final is not None and final.token_ids == want.token_ids
+    assert final.num_cached_tokens == 0  # every prompt token was computed here
+    assert not (pair.decode.kv_cache == POISON).any()
+    # The release that followed the failed pull presented the forged grant too: the lease stays.
+    pair.leases.before_step(pair.prefill)
+    assert pair.leases.num_leases == 1
+
+
 def test_unpulled_lease_expires_and_frees_the_blocks(tiny_llama_dir):
     pair = Pair(tiny_llama_dir, lease_ttl_s=0.05)
     try:
         prompt = make_prompts(lens=(40,))[0]
         pair.run_prefill("r0", prompt, SamplingParams(temperature=0.0, max_tokens=5))
+        grant = pair.kv_ref("r0", len(prompt)).grant
         assert pair.leases.num_leases == 1
         assert pair.prefill.stats().num_used_blocks == 3
         time.sleep(0.1)  # the 0.05 s TTL lapses (nothing else to wait for: the clock does it)
@@ -174,7 +210,8 @@ def test_unpulled_lease_expires_and_frees_the_blocks(tiny_llama_dir):
         pair.free_released_leases()
         assert pair.prefill.stats().num_used_blocks == 0
         # A pull that comes too late fails and the decode side recomputes the prompt.
-        assert pair.puller.expect("r0", KVRef(pair.peer.engine_id, "r0", (0, 1, 2), 40), pair.peer)
+        late_ref = KVRef(pair.peer.engine_id, "r0", (0, 1, 2), 40, grant)
+        assert pair.puller.expect("r0", late_ref, pair.peer)
         pair.decode.add_request(
             "r0", prompt, SamplingParams(temperature=0.0, max_tokens=5), output_token_ids=[7],
             num_external_tokens=40,

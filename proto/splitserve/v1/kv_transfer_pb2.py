@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1fsplitserve/v1/kv_transfer.proto\x12\rsplitserve.v1\"B\n\x07KVHello\x12\x0f\n\x07version\x18\x01 \x01(\r\x12\x13\n\x0b\x63ompat_hash\x18\x02 \x01(\t\x12\x11\n\tengine_id\x18\x03 \x01(\t\"\'\n\nKVHelloAck\x12\n\n\x02ok\x18\x01 \x01(\x08\x12\r\n\x05\x65rror\x18\x02 \x01(\t\"T\n\rKVReadRequest\x12\x0b\n\x03seq\x18\x01 \x01(\x04\x12\x0e\n\x06req_id\x18\x02 \x01(\t\x12\x11\n\tblock_ids\x18\x03 \x03(\r\x12\x13\n\x0brun_lengths\x18\x04 \x03(\r\"K\n\x0eKVReadResponse\x12\x0b\n\x03seq\x18\x01 \x01(\x04\x12\n\n\x02ok\x18\x02 \x01(\x08\x12\r\n\x05\x65rror\x18\x03 \x01(\t\x12\x11\n\tnum_bytes\x18\x04 \x01(\x04\"\"\n\x10KVReleaseRequest\x12\x0e\n\x06req_id\x18\x01 \x01(\t\"(\n\tKVReadEnd\x12\x0b\n\x03seq\x18\x01 \x01(\x04\x12\x0e\n\x06req_id\x18\x02 \x01(\t\"\x84\x02\n\x07KVFrame\x12\'\n\x05hello\x18\x01 \x01(\x0b\x32\x16.splitserve.v1.KVHelloH\x00\x12.\n\thello_ack\x18\x02 \x01(\x0b\x32\x19.splitserve.v1.KVHelloAckH\x00\x12,\n\x04read\x18\x03 \x01(\x0b\x32\x1c.splitserve.v1.KVReadRequestH\x00\x12\x36\n\rread_response\x18\x04 \x01(\x0b\x32\x1d.splitserve.v1.KVReadResponseH\x00\x12\x32\n\x07release\x18\x05 \x01(\x0b\x32\x1f.splitserve.v1.KVReleaseRequestH\x00\x42\x06\n\x04\x62ody\"\x9f\x01\n\x10NixlPeerMetadata\x12\x16\n\x0e\x61gent_metadata\x18\x01 \x01(\x0c\x12\x12\n\nagent_name\x18\x02 \x01(\t\x12\x11\n\tbase_addr\x18\x03 \x01(\x04\x12\x12\n\nnum_blocks\x18\x04 \x01(\x04\x12\x13\n\x0b\x62lock_bytes\x18\x05 \x01(\x04\x12\x11\n\tdevice_id\x18\x06 \x01(\r\x12\x10\n\x08mem_type\x18\x07 \x01(\t\"\xf7\x01\n\tNixlNotif\x12\x32\n\nread_begin\x18\x01 \x01(\x0b\x32\x1c.splitserve.v1.KVReadRequestH\x00\x12\x33\n\nread_grant\x18\x02 \x01(\x0b\x32\x1d.splitserve.v1.KVReadResponseH\x00\x12,\n\x08read_end\x18\x03 \x01(\x0b\x32\x18.splitserve.v1.KVReadEndH\x00\x12\x32\n\x07release\x18\x04 \x01(\x0b\x32\x1f.splitserve.v1.KVReleaseRequestH\x00\x12\x17\n\x0freader_metadata\x18\x05 \x01(\x0c\x42\x06\n\x04\x62odyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1fsplitserve/v1/kv_transfer.proto\x12\rsplitserve.v1\"B\n\x07KVHello\x12\x0f\n\x07version\x18\x01 \x01(\r\x12\x13\n\x0b\x63ompat_hash\x18\x02 \x01(\t\x12\x11\n\tengine_id\x18\x03 \x01(\t\"\'\n\nKVHelloAck\x12\n\n\x02ok\x18\x01 \x01(\x08\x12\r\n\x05\x65rror\x18\x02 \x01(\t\"c\n\rKVReadRequest\x12\x0b\n\x03seq\x18\x01 \x01(\x04\x12\x0e\n\x06req_id\x18\x02 \x01(\t\x12\x11\n\tblock_ids\x18\x03 \x03(\r\x12\x13\n\x0brun_lengths\x18\x04 \x03(\r\x12\r\n\x05grant\x18\x05 \x01(\x0c\"K\n\x0eKVReadResponse\x12\x0b\n\x03seq\x18\x01 \x01(\x04\x12\n\n\x02ok\x18\x02 \x01(\x08\x12\r\n\x05\x65rror\x18\x03 \x01(\t\x12\x11\n\tnum_bytes\x18\x04 \x01(\x04\"1\n\x10KVReleaseRequest\x12\x0e\n\x06req_id\x18\x01 \x01(\t\x12\r\n\x05grant\x18\x02 \x01(\x0c\"(\n\tKVReadEnd\x12\x0b\n\x03seq\x18\x01 \x01(\x04\x12\x0e\n\x06req_id\x18\x02 \x01(\t\"\x84\x02\n\x07KVFrame\x12\'\n\x05hello\x18\x01 \x01(\x0b\x32\x16.splitserve.v1.KVHelloH\x00\x12.\n\thello_ack\x18\x02 \x01(\x0b\x32\x19.splitserve.v1.KVHelloAckH\x00\x12,\n\x04read\x18\x03 \x01(\x0b\x32\x1c.splitserve.v1.KVReadRequestH\x00\x12\x36\n\rread_response\x18\x04 \x01(\x0b\x32\x1d.splitserve.v1.KVReadResponseH\x00\x12\x32\n\x07release\x18\x05 \x01(\x0b\x32\x1f.splitserve.v1.KVReleaseRequestH\x00\x42\x06\n\x04\x62ody\"\x9f\x01\n\x10NixlPeerMetadata\x12\x16\n\x0e\x61gent_metadata\x18\x01 \x01(\x0c\x12\x12\n\nagent_name\x18\x02 \x01(\t\x12\x11\n\tbase_addr\x18\x03 \x01(\x04\x12\x12\n\nnum_blocks\x18\x04 \x01(\x04\x12\x13\n\x0b\x62lock_bytes\x18\x05 \x01(\x04\x12\x11\n\tdevice_id\x18\x06 \x01(\r\x12\x10\n\x08mem_type\x18\x07 \x01(\t\"\xf7\x01\n\tNixlNotif\x12\x32\n\nread_begin\x18\x01 \x01(\x0b\x32\x1c.splitserve.v1.KVReadRequestH\x00\x12\x33\n\nread_grant\x18\x02 \x01(\x0b\x32\x1d.splitserve.v1.KVReadResponseH\x00\x12,\n\x08read_end\x18\x03 \x01(\x0b\x32\x18.splitserve.v1.KVReadEndH\x00\x12\x32\n\x07release\x18\x04 \x01(\x0b\x32\x1f.splitserve.v1.KVReleaseRequestH\x00\x12\x17\n\x0freader_metadata\x18\x05 \x01(\x0c\x42\x06\n\x04\x62odyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -36,17 +36,17 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_KVHELLOACK']._serialized_start=118
   _globals['_KVHELLOACK']._serialized_end=157
   _globals['_KVREADREQUEST']._serialized_start=159
-  _globals['_KVREADREQUEST']._serialized_end=243
-  _globals['_KVREADRESPONSE']._serialized_start=245
-  _globals['_KVREADRESPONSE']._serialized_end=320
-  _globals['_KVRELEASEREQUEST']._serialized_start=322
-  _globals['_KVRELEASEREQUEST']._serialized_end=356
-  _globals['_KVREADEND']._serialized_start=358
-  _globals['_KVREADEND']._serialized_end=398
-  _globals['_KVFRAME']._serialized_start=401
-  _globals['_KVFRAME']._serialized_end=661
-  _globals['_NIXLPEERMETADATA']._serialized_start=664
-  _globals['_NIXLPEERMETADATA']._serialized_end=823
-  _globals['_NIXLNOTIF']._serialized_start=826
-  _globals['_NIXLNOTIF']._serialized_end=1073
+  _globals['_KVREADREQUEST']._serialized_end=258
+  _globals['_KVREADRESPONSE']._serialized_start=260
+  _globals['_KVREADRESPONSE']._serialized_end=335
+  _globals['_KVRELEASEREQUEST']._serialized_start=337
+  _globals['_KVRELEASEREQUEST']._serialized_end=386
+  _globals['_KVREADEND']._serialized_start=388
+  _globals['_KVREADEND']._serialized_end=428
+  _globals['_KVFRAME']._serialized_start=431
+  _globals['_KVFRAME']._serialized_end=691
+  _globals['_NIXLPEERMETADATA']._serialized_start=694
+  _globals['_NIXLPEERMETADATA']._serialized_end=853
+  _globals['_NIXLNOTIF']._serialized_start=856
+  _globals['_NIXLNOTIF']._serialized_end=1103
 # @@protoc_insertion_point(module_scope)

@@ -25,16 +25,18 @@ class KVHelloAck(_message.Message):
     def __init__(self, ok: _Optional[bool] = ..., error: _Optional[str] = ...) -> None: ...
 
 class KVReadRequest(_message.Message):
-    __slots__ = ("seq", "req_id", "block_ids", "run_lengths")
+    __slots__ = ("seq", "req_id", "block_ids", "run_lengths", "grant")
     SEQ_FIELD_NUMBER: _ClassVar[int]
     REQ_ID_FIELD_NUMBER: _ClassVar[int]
     BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     RUN_LENGTHS_FIELD_NUMBER: _ClassVar[int]
+    GRANT_FIELD_NUMBER: _ClassVar[int]
     seq: int
     req_id: str
     block_ids: _containers.RepeatedScalarFieldContainer[int]
     run_lengths: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, seq: _Optional[int] = ..., req_id: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., run_lengths: _Optional[_Iterable[int]] = ...) -> None: ...
+    grant: bytes
+    def __init__(self, seq: _Optional[int] = ..., req_id: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., run_lengths: _Optional[_Iterable[int]] = ..., grant: _Optional[bytes] = ...) -> None: ...
 
 class KVReadResponse(_message.Message):
     __slots__ = ("seq", "ok", "error", "num_bytes")
@@ -49,10 +51,12 @@ class KVReadResponse(_message.Message):
     def __init__(self, seq: _Optional[int] = ..., ok: _Optional[bool] = ..., error: _Optional[str] = ..., num_bytes: _Optional[int] = ...) -> None: ...
 
 class KVReleaseRequest(_message.Message):
-    __slots__ = ("req_id",)
+    __slots__ = ("req_id", "grant")
     REQ_ID_FIELD_NUMBER: _ClassVar[int]
+    GRANT_FIELD_NUMBER: _ClassVar[int]
     req_id: str
-    def __init__(self, req_id: _Optional[str] = ...) -> None: ...
+    grant: bytes
+    def __init__(self, req_id: _Optional[str] = ..., grant: _Optional[bytes] = ...) -> None: ...
 
 class KVReadEnd(_message.Message):
     __slots__ = ("seq", "req_id")

@@ -81,16 +81,18 @@ class KVPeerInfo(_message.Message):
     def __init__(self, engine_id: _Optional[str] = ..., backend: _Optional[str] = ..., address: _Optional[str] = ..., metadata: _Optional[bytes] = ..., compat_hash: _Optional[str] = ..., version: _Optional[int] = ...) -> None: ...
 
 class KVRef(_message.Message):
-    __slots__ = ("engine_id", "req_id", "block_ids", "num_tokens")
+    __slots__ = ("engine_id", "req_id", "block_ids", "num_tokens", "grant")
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     REQ_ID_FIELD_NUMBER: _ClassVar[int]
     BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    GRANT_FIELD_NUMBER: _ClassVar[int]
     engine_id: str
     req_id: str
     block_ids: _containers.RepeatedScalarFieldContainer[int]
     num_tokens: int
-    def __init__(self, engine_id: _Optional[str] = ..., req_id: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ...) -> None: ...
+    grant: bytes
+    def __init__(self, engine_id: _Optional[str] = ..., req_id: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ..., grant: _Optional[bytes] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
     __slots__ = ("request_id", "prompt_token_ids", "sampling", "cache_salt")
