@@ -61,11 +61,13 @@ class ServedModel:
     max_model_len: int
 
 
-def served_model(target: str, tokenizer_model: str | None = None, api_key: str = "") -> ServedModel:
-    """Ask the router at ``target`` (once; ``Status`` needs an admin key when keys are on)
-    what it serves; prompts are built from ``tokenizer_model``'s tokenizer (default: the model
-    its workers loaded)."""
-    with open_router_channel(target, api_key) as channel:
+def served_model(
+    target: str, tokenizer_model: str | None = None, api_key: str = "", ca_file: str = ""
+) -> ServedModel:
+    """Ask the router at ``target`` (once; ``Status`` needs an admin key when keys are on, and
+    ``ca_file`` when it serves TLS) what it serves; prompts are built from ``tokenizer_model``'s
+    tokenizer (default: the model its workers loaded)."""
+    with open_router_channel(target, api_key, ca_file) as channel:
         stub = router_pb2_grpc.RouterStub(channel)
         status = stub.Status(router_pb2.StatusRequest(), timeout=30, wait_for_ready=True)
     return served_model_of(status, tokenizer_model)

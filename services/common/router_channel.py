@@ -65,7 +65,12 @@ def open_router_channel(target: str, api_key: str = "", ca_file: str = "") -> gr
 
 def open_router_aio_channel(target: str, api_key: str = "", ca_file: str = "") -> grpc.aio.Channel:
     """``open_router_channel`` for asyncio."""
-    interceptors = [_AddMetadataAio(api_key_metadata(api_key))] if api_key else None
+    metadata = api_key_metadata(api_key)
+    interceptors: list[grpc.aio.ClientInterceptor] | None = (
+        [_AddMetadataUnaryUnaryAio(metadata), _AddMetadataUnaryStreamAio(metadata)]
+        if api_key
+        else None
+    )
     if ca_file:
         credentials = grpc.ssl_channel_credentials(Path(ca_file).read_bytes())
         return grpc.aio.secure_channel(
@@ -112,11 +117,13 @@ class _AddMetadata(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInter
         return continuation(self._details(client_call_details), request)
 
 
-class _AddMetadataAio(grpc.aio.UnaryUnaryClientInterceptor, grpc.aio.UnaryStreamClientInterceptor):
+class _AddMetadataAio:
+    """Adds fixed metadata to every call (the calls' own metadata first)."""
+
     def __init__(self, metadata: tuple[tuple[str, str], ...]) -> None:
         self._metadata = metadata
 
-    def _details(self, details: grpc.aio.ClientCallDetails) -> grpc.aio.ClientCallDetails:
+    def details(self, details: grpc.aio.ClientCallDetails) -> grpc.aio.ClientCallDetails:
         metadata = grpc.aio.Metadata(*(details.metadata or ()), *self._metadata)
         return grpc.aio.ClientCallDetails(
             details.method,
@@ -126,12 +133,17 @@ class _AddMetadataAio(grpc.aio.UnaryUnaryClientInterceptor, grpc.aio.UnaryStream
             details.wait_for_ready,
         )
 
+
+# grpc.aio files an interceptor under the first call kind it implements only: one per kind.
+class _AddMetadataUnaryUnaryAio(_AddMetadataAio, grpc.aio.UnaryUnaryClientInterceptor):
     async def intercept_unary_unary(
         self, continuation: Callable[..., Any], client_call_details: Any, request: Any
     ) -> Any:
-        return await continuation(self._details(client_call_details), request)
+        return await continuation(self.details(client_call_details), request)
 
+
+class _AddMetadataUnaryStreamAio(_AddMetadataAio, grpc.aio.UnaryStreamClientInterceptor):
     async def intercept_unary_stream(
         self, continuation: Callable[..., Any], client_call_details: Any, request: Any
     ) -> Any:
-        return await continuation(self._details(client_call_details), request)
+        return await continuation(self.details(client_call_details), request)
