@@ -94,6 +94,7 @@ class ApiKeyStore:
         self._key_file = Path(key_file) if key_file else None
         self._inline = (make_key(inline_key, KeyRole.ADMIN),) if inline_key else ()
         self._lock = threading.Lock()
+        self._file_stamp: tuple[int, int, int] | None = None
         self._keys: tuple[ApiKey, ...] = self._inline + self._read_file()
 
     @property
@@ -104,6 +105,7 @@ class ApiKeyStore:
         if self._key_file is None:
             return ()
         try:
+            self._file_stamp = self._stamp()
             text = self._key_file.read_text()
         except OSError as exc:
             raise ValueError(f"cannot read API key file {self._key_file}: {exc}") from None
@@ -111,6 +113,24 @@ class ApiKeyStore:
         if not keys:
             logger.warning("API key file %s holds no key: every call is refused", self._key_file)
         return keys
+
+    def _stamp(self) -> tuple[int, int, int]:
+        """What changes when the key file is rewritten or replaced (a Kubernetes Secret update
+        swaps the symlink it goes through): inode, size and mtime."""
+        assert self._key_file is not None
+        stat = self._key_file.stat()
+        return stat.st_ino, stat.st_size, stat.st_mtime_ns
+
+    def reload_if_changed(self) -> None:
+        """``reload`` when the key file changed since it was last read (a cheap ``stat``)."""
+        if self._key_file is None:
+            return
+        try:
+            changed = self._stamp() != self._file_stamp
+        except OSError:
+            changed = True  # gone or unreadable: reload says why, and keeps the keys
+        if changed:
+            self.reload()
 
     def reload(self) -> None:
         """Re-read the key file; on an error keep the current keys (and log why)."""

@@ -26,6 +26,9 @@ from splitserve.v1 import router_pb2_grpc
 
 logger = logging.getLogger(__name__)
 
+# How often the router looks for a changed API key file (one stat call).
+_KEY_FILE_CHECK_S = 5.0
+
 
 @dataclass(slots=True)
 class RunningRouter:
@@ -34,6 +37,7 @@ class RunningRouter:
     servicer: RouterServicer
     serving: ServingServer
     api_keys: ApiKeyStore
+    watch_task: asyncio.Task[None] | None = None
 
     @property
     def port(self) -> int:
@@ -41,6 +45,8 @@ class RunningRouter:
 
     async def stop(self, grace_s: float = 5.0) -> None:
         """Stop serving (in-flight calls get ``grace_s``), then close the worker channels."""
+        if self.watch_task is not None:
+            self.watch_task.cancel()
         await self.serving.stop(grace_s)
         await self.servicer.stop()
 
@@ -97,7 +103,18 @@ async def start_router(
         "on" if api_keys.enabled else "off",
         "TLS" if tls else "plaintext",
     )
-    return RunningRouter(servicer, serving, api_keys)
+    running = RunningRouter(servicer, serving, api_keys)
+    if config.api_key_file:
+        running.watch_task = asyncio.get_running_loop().create_task(_watch_keys(api_keys))
+    return running
+
+
+async def _watch_keys(api_keys: ApiKeyStore) -> None:
+    """Re-read the key file whenever it changes (a rotated Kubernetes Secret, a router on Ray
+    that no SIGHUP reaches), checking every ``_KEY_FILE_CHECK_S``."""
+    while True:
+        await asyncio.sleep(_KEY_FILE_CHECK_S)
+        await asyncio.to_thread(api_keys.reload_if_changed)
 
 
 def _is_loopback(host: str) -> bool:

@@ -122,7 +122,8 @@ class RouterConfig:
         "",
         "file of the API keys clients must send ('authorization: Bearer KEY'): one per line, "
         "optionally followed by its role, data (Generate) or admin (also Scale, Status, "
-        "Explain); re-read on SIGHUP. Without it and --admin-api-key, calls need no key",
+        "Explain); re-read on SIGHUP and within 5 s of a change. Without it and --admin-api-key, "
+        "calls need no key",
     )
     admin_api_key: str = flag(
         "",

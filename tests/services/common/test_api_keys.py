@@ -78,3 +78,21 @@ def test_no_keys_configured_means_disabled_and_a_missing_file_is_an_error(tmp_pa
         ApiKeyStore(str(tmp_path / "absent"))
     with pytest.raises(ValueError, match="whitespace"):
         make_key("0123456789abcdef 0123", KeyRole.DATA)
+
+
+def test_reload_if_changed_follows_a_replaced_file(tmp_path):
+    """As a Kubernetes Secret update does: a new file swapped in under the same path."""
+    key_file = tmp_path / "keys"
+    key_file.write_text(f"{DATA}\n")
+    store = ApiKeyStore(str(key_file))
+    store.reload_if_changed()  # unchanged: nothing to do
+    assert store.authenticate(bearer(DATA)) is not None
+    replacement = tmp_path / "keys.new"
+    replacement.write_text(f"{NEW} data\n")
+    replacement.replace(key_file)
+    store.reload_if_changed()
+    assert store.authenticate(bearer(NEW)) is not None
+    assert store.authenticate(bearer(DATA)) is None
+    key_file.unlink()
+    store.reload_if_changed()  # gone: the keys in force stay
+    assert store.authenticate(bearer(NEW)) is not None
