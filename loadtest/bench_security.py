@@ -1,12 +1,12 @@
 """What TLS, mutual TLS and API keys cost: the same load through a plaintext cluster and a
 secured one (``--tls-dir`` on every service, ``--api-key-file`` on the router).
 
-``python -m loadtest.bench_security --model smollm2-135m [--rounds 2] [--duration 40]``
+``python -m loadtest.bench_security --model smollm2-135m [--rounds 2] [--num-requests 24]``
 starts each cluster in turn with ``splitserve up``'s launcher (one prefill and one decode
-worker, the cores split between them), warms it up, then keeps ``--concurrency`` chat requests
-in flight for ``--duration`` seconds (prompts seeded by ``--seed``); the arms alternate
-``--rounds`` times (plaintext, secured, plaintext, ...) with the same seeded requests, so that
-machine drift hits both alike.
+worker, the cores split between them), warms it up, then sends ``--num-requests`` chat requests
+(prompts seeded by ``--seed``: the same ones to both arms), ``--concurrency`` in flight; the
+arms alternate ``--rounds`` times (plaintext, secured, plaintext, ...), so that machine drift
+hits both alike.
 Prints a Markdown table (TTFT p50 / p90, output tok/s, each arm's median over its rounds) and
 writes ``security.json`` under ``--out``.
 """
@@ -72,7 +72,9 @@ def _measure(
         generator = WorkloadGenerator(
             "chat", list(served.vocab), served.max_model_len, seed=args.seed + 1
         )
-        plan = RunPlan(num_requests=10_000, duration_s=args.duration, concurrency=args.concurrency)
+        plan = RunPlan(
+            num_requests=args.num_requests, duration_s=3600.0, concurrency=args.concurrency
+        )
         records = asyncio.run(run(target, plan, generator.next, False, **credentials))
     finally:
         cluster.stop()
@@ -90,7 +92,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_flags(parser, EngineConfig)
     parser.add_argument("--rounds", type=int, default=2)
-    parser.add_argument("--duration", type=float, default=40.0)
+    parser.add_argument("--num-requests", type=int, default=24)
     parser.add_argument("--concurrency", type=int, default=4)
     parser.add_argument("--out", type=Path, default=Path("bench-out/security"))
     args = parser.parse_args()
