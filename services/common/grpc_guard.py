@@ -1,14 +1,15 @@
 """Run a check before a gRPC method's behavior, keeping the method's kind and serializers.
 
-Server interceptors (``request_decoding``, ``services.router.auth``) use ``guarded`` to put a
-check in front of a servicer method: the check may abort the call (``context.abort``) or set
-per-call context (a ``contextvars.ContextVar`` set in the check is visible to the behavior, which
-runs in the same task). Only unary-request methods exist in splitserve's services; other kinds
-are returned unchanged.
+Server interceptors (``GuardingInterceptor``: ``request_decoding``, ``services.router.auth``,
+``services.common.tls``) use ``guarded`` to put a check in front of a servicer method: the check
+may abort the call (``context.abort``) or set per-call context (a ``contextvars.ContextVar`` set
+in the check is visible to the behavior, which runs in the same task). Only unary-request
+methods exist in splitserve's services; other kinds are returned unchanged.
 """
 
 from __future__ import annotations
 
+import abc
 import inspect
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
@@ -16,6 +17,27 @@ from typing import Any
 import grpc
 
 Guard = Callable[[Any, grpc.aio.ServicerContext], Awaitable[None]]
+
+
+class GuardingInterceptor(grpc.aio.ServerInterceptor, abc.ABC):
+    """A server interceptor that hands each known method's handler to ``wrap`` (unknown methods
+    pass through: gRPC answers them UNIMPLEMENTED)."""
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler:
+        handler = await continuation(handler_call_details)
+        if handler is None:
+            return handler
+        return self.wrap(handler, handler_call_details)
+
+    @abc.abstractmethod
+    def wrap(
+        self, handler: grpc.RpcMethodHandler, details: grpc.HandlerCallDetails
+    ) -> grpc.RpcMethodHandler:
+        """``handler`` as the call should run it: ``guarded`` by a check, or unchanged."""
 
 
 def guarded(

@@ -11,14 +11,14 @@ that are not wrapped are left as they are).
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import grpc
 from google.protobuf.message import DecodeError
 
-from services.common.grpc_guard import guarded
+from services.common.grpc_guard import GuardingInterceptor, guarded
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,16 +45,13 @@ async def _reject_undecodable(request: Any, context: grpc.aio.ServicerContext) -
         )
 
 
-class RejectUndecodableRequests(grpc.aio.ServerInterceptor):
+class RejectUndecodableRequests(GuardingInterceptor):
     """A server interceptor: unary-request methods answer unparsable bytes with
     ``INVALID_ARGUMENT``; the servicer never sees them. Stateless."""
 
-    async def intercept_service(
-        self,
-        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
-        handler_call_details: grpc.HandlerCallDetails,
+    def wrap(
+        self, handler: grpc.RpcMethodHandler, details: grpc.HandlerCallDetails
     ) -> grpc.RpcMethodHandler:
-        handler = await continuation(handler_call_details)
-        if handler is None or handler.request_streaming or handler.request_deserializer is None:
+        if handler.request_streaming or handler.request_deserializer is None:
             return handler
         return guarded(handler, _reject_undecodable, _tolerant(handler.request_deserializer))

@@ -16,14 +16,14 @@ from __future__ import annotations
 
 import enum
 import logging
-from collections.abc import Awaitable, Callable, Collection
+from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import grpc
 
-from services.common.grpc_guard import guarded
+from services.common.grpc_guard import GuardingInterceptor, guarded
 from services.common.grpc_server import CHANNEL_OPTIONS
 
 logger = logging.getLogger(__name__)
@@ -119,7 +119,7 @@ def peer_identity(context: grpc.aio.ServicerContext) -> str | None:
     return names[0].decode() if names else None
 
 
-class RequirePeerIdentity(grpc.aio.ServerInterceptor):
+class RequirePeerIdentity(GuardingInterceptor):
     """Admit a call only from a client certificate whose identity is in ``allowed`` (gRPC
     health checks excepted); ``PERMISSION_DENIED`` naming the identity otherwise. The TLS
     handshake has already checked that the CA signed it."""
@@ -127,14 +127,11 @@ class RequirePeerIdentity(grpc.aio.ServerInterceptor):
     def __init__(self, allowed: Collection[Identity]) -> None:
         self._allowed = frozenset(allowed)
 
-    async def intercept_service(
-        self,
-        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
-        handler_call_details: grpc.HandlerCallDetails,
+    def wrap(
+        self, handler: grpc.RpcMethodHandler, details: grpc.HandlerCallDetails
     ) -> grpc.RpcMethodHandler:
-        handler = await continuation(handler_call_details)
-        method = handler_call_details.method
-        if handler is None or method.lstrip("/").startswith(_HEALTH_SERVICE + "/"):
+        method = details.method
+        if method.lstrip("/").startswith(_HEALTH_SERVICE + "/"):
             return handler
 
         async def check(request: Any, context: grpc.aio.ServicerContext) -> None:

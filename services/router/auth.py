@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import contextvars
 import logging
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import grpc
 
 from services.common.api_keys import BEARER_PREFIX, ApiKey, ApiKeyStore, KeyRole
-from services.common.grpc_guard import guarded
+from services.common.grpc_guard import GuardingInterceptor, guarded
 from services.common.router_channel import AUTHORIZATION
 
 logger = logging.getLogger(__name__)
@@ -34,7 +34,7 @@ def caller_name(context: grpc.aio.ServicerContext) -> str:
     return f"key {key.fingerprint} at {context.peer()}" if key else context.peer()
 
 
-class RequireApiKey(grpc.aio.ServerInterceptor):
+class RequireApiKey(GuardingInterceptor):
     """Checks the ``authorization`` metadata of every call to ``service``'s methods against
     ``keys``, each method needing ``method_roles.get(method, ADMIN)``. Stateless apart from
     the key store."""
@@ -46,17 +46,14 @@ class RequireApiKey(grpc.aio.ServerInterceptor):
         self._service = service
         self._method_roles = method_roles
 
-    async def intercept_service(
-        self,
-        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
-        handler_call_details: grpc.HandlerCallDetails,
+    def wrap(
+        self, handler: grpc.RpcMethodHandler, details: grpc.HandlerCallDetails
     ) -> grpc.RpcMethodHandler:
-        handler = await continuation(handler_call_details)
-        service, _, method = handler_call_details.method.lstrip("/").rpartition("/")
-        if handler is None or service != self._service:
+        service, _, method = details.method.lstrip("/").rpartition("/")
+        if service != self._service:
             return handler
         needed = self._method_roles.get(method, KeyRole.ADMIN)
-        metadata = dict(handler_call_details.invocation_metadata or ())
+        metadata = dict(details.invocation_metadata or ())
         presented = metadata.get(AUTHORIZATION)
         key = self._keys.authenticate(presented)
 

@@ -1,173 +1,34 @@
 """The scheduler's policy without a model: a real ``Scheduler`` over a small ``KVCacheManager``,
-driven the way ``LLMEngine.step`` drives it (schedule, fake sampled tokens, update).
+driven the way ``LLMEngine.step`` drives it (``scheduler_script``).
 
 Every table row is a script of requests to add and steps to run; the tables cover the order of a
-step's batch, preemption, remote-KV admission, the token budget and chunked prefill, stop
-conditions and aborts. Every step also checks the pool's and the batch's invariants.
+step's batch, preemption, the token budget and chunked prefill, stop conditions and aborts
+(remote-KV admission: ``test_scheduler_remote_kv``). Every step also checks the pool's and the
+batch's invariants.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
 
-from engine.block_pool import BlockStored
-from engine.kv_cache_manager import KVCacheManager, cdiv
-from engine.request import Request, RequestStatus
-from engine.sampling_params import SamplingParams
-from engine.scheduler import KVLoad, Scheduler, SchedulerConfig, SchedulerOutput
-
-BLOCK_SIZE = 4
-EOS = 2
-SAMPLED = 7  # what the fake model samples unless a test says otherwise: not eos, not a stop id
-
-
-def tokens(tag: int, n: int) -> tuple[int, ...]:
-    """``n`` prompt tokens that share no block with another ``tag``'s."""
-    return tuple(1000 * tag + i for i in range(n))
-
-
-@dataclass(frozen=True, slots=True)
-class Req:
-    """A request to add at this point of a script."""
-
-    req_id: str
-    prompt: tuple[int, ...]
-    max_tokens: int = 16
-    num_external_tokens: int = 0
-    hold_kv: bool = False
-    stop_token_ids: tuple[int, ...] = ()
-    ignore_eos: bool = False
-
-    def build(self) -> Request:
-        return Request(
-            req_id=self.req_id,
-            prompt_token_ids=list(self.prompt),
-            sampling_params=SamplingParams(
-                max_tokens=self.max_tokens,
-                stop_token_ids=self.stop_token_ids,
-                ignore_eos=self.ignore_eos,
-            ),
-            eos_token_ids=frozenset({EOS}),
-            block_size=BLOCK_SIZE,
-            arrival_time_s=0.0,
-            num_external_tokens=self.num_external_tokens,
-            hold_kv=self.hold_kv,
-        )
-
-
-def req(req_id: str, prompt: int | tuple[int, ...], **kwargs: object) -> Req:
-    """A request whose prompt is ``prompt`` tokens of its own (an int) or the given tokens."""
-    if isinstance(prompt, int):
-        prompt = tokens(ord(req_id[0]), prompt)
-    return Req(req_id, prompt, **kwargs)  # type: ignore[arg-type]
-
-
-@dataclass(frozen=True, slots=True)
-class Pause:
-    req_id: str
-
-
-@dataclass(frozen=True, slots=True)
-class Release:
-    """Release a finished ``hold_kv`` request's blocks (the lease was pulled)."""
-
-    req_id: str
-
-
-STEP = "step"
-Script = Sequence[Req | Pause | Release | str]
-
-
-@dataclass(slots=True)
-class Step:
-    """What one engine step did."""
-
-    out: SchedulerOutput
-    sampling: list[str] = field(default_factory=list)  # ids whose step ends in a sample
-    updated: list[Request] = field(default_factory=list)
-    finished: list[Request] = field(default_factory=list)
-
-    @property
-    def scheduled(self) -> list[tuple[str, int]]:
-        return [(s.request.req_id, s.num_new_tokens) for s in self.out.scheduled]
-
-
-def make_scheduler(
-    num_blocks: int = 32,
-    *,
-    max_num_seqs: int = 8,
-    max_num_batched_tokens: int = 64,
-    max_model_len: int = 64,
-    long_prefill_token_threshold: int = 0,
-    enable_prefix_caching: bool = True,
-) -> Scheduler:
-    config = SchedulerConfig(
-        max_num_seqs=max_num_seqs,
-        max_num_batched_tokens=max_num_batched_tokens,
-        max_model_len=max_model_len,
-        long_prefill_token_threshold=long_prefill_token_threshold,
-    )
-    return Scheduler(config, KVCacheManager(num_blocks, BLOCK_SIZE, enable_prefix_caching))
-
-
-def check_batch(scheduler: Scheduler, out: SchedulerOutput) -> None:
-    """Invariants of any step's output, checked before the update."""
-    sizes = [s.num_new_tokens for s in out.scheduled]
-    assert all(n >= 1 for n in sizes), sizes
-    assert sizes == sorted(sizes, key=lambda n: n > 1), f"a longer item precedes a decode: {sizes}"
-    assert out.total_num_scheduled_tokens <= scheduler.config.max_num_batched_tokens
-    assert len(scheduler.running) <= scheduler.config.max_num_seqs
-    scheduled_ids = [s.request.req_id for s in out.scheduled]
-    assert len(set(scheduled_ids)) == len(scheduled_ids)
-    assert not set(scheduled_ids) & set(out.preempted_req_ids)
-    for item in out.scheduled:
-        request = item.request
-        assert request.status is RequestStatus.RUNNING
-        assert item.num_new_tokens <= scheduler.config.max_chunk_tokens
-        assert request.num_computed_tokens + item.num_new_tokens <= request.num_tokens
-        # The blocks handed to the model cover every position it writes this step.
-        needed = cdiv(request.num_computed_tokens + item.num_new_tokens, BLOCK_SIZE)
-        assert len(item.block_ids) >= needed, (request.req_id, item.block_ids)
-
-
-def step(scheduler: Scheduler, sampled_token: int = SAMPLED) -> Step:
-    """``LLMEngine.step`` with a fake model: one sampled token per request that samples."""
-    out = scheduler.schedule()
-    check_batch(scheduler, out)
-    sampling = [item.request.req_id for item in out.scheduled if item.samples]
-    updated, finished = scheduler.update_from_output(out, [sampled_token] * len(sampling))
-    scheduler.kv_cache_manager.check_integrity()
-    return Step(out, sampling, updated, finished)
-
-
-def run(scheduler: Scheduler, script: Script) -> list[Step]:
-    """Play ``script``; return every step's result."""
-    steps = []
-    for item in script:
-        if item == STEP:
-            steps.append(step(scheduler))
-        elif isinstance(item, Req):
-            scheduler.add_request(item.build())
-        elif isinstance(item, Pause):
-            scheduler.set_paused(item.req_id, True)
-        elif isinstance(item, Release):
-            assert scheduler.release_held_kv(item.req_id)
-        else:
-            raise AssertionError(f"unknown script item {item!r}")
-    return steps
-
-
-def ids(requests: Sequence[Request]) -> list[str]:
-    return [r.req_id for r in requests]
-
-
-def num_blocks_held(scheduler: Scheduler) -> int:
-    manager = scheduler.kv_cache_manager
-    return len({b.block_id for blocks in manager.req_to_blocks.values() for b in blocks})
+from engine.request import RequestStatus
+from tests.engine.scheduler_script import (
+    BLOCK_SIZE,
+    EOS,
+    SAMPLED,
+    STEP,
+    Pause,
+    Script,
+    ids,
+    make_scheduler,
+    num_blocks_held,
+    req,
+    run,
+    step,
+    tokens,
+)
 
 
 # --------------------------------------------------------------------------------- batch order
@@ -340,139 +201,6 @@ def test_a_preempted_request_is_recomputed_with_its_outputs_from_its_cached_bloc
     assert b.status is RequestStatus.RUNNING and b.num_computed_tokens == 9
     assert b.output_token_ids == [SAMPLED, SAMPLED]
     assert b.num_cached_tokens == 0  # what the client is told: the hits of its first admission
-
-
-# --------------------------------------------------------------------------------- remote KV
-@dataclass(frozen=True, slots=True)
-class RemoteCase:
-    cached_tokens: int  # the prompt's leading tokens already in the local prefix cache
-    prompt_len: int
-    num_external_tokens: int
-    want_local_hit_tokens: int
-    want_new_blocks: int
-    enable_prefix_caching: bool = True
-
-
-SHARED = tokens(9, 16)
-
-
-def admit_remote(case: RemoteCase, num_blocks: int = 16) -> tuple[Scheduler, Request, Step]:
-    """Warm the local cache with ``cached_tokens`` of SHARED, then admit a remote-KV request."""
-    scheduler = make_scheduler(num_blocks, enable_prefix_caching=case.enable_prefix_caching)
-    if case.cached_tokens:
-        warm = req("warm", (*SHARED[: case.cached_tokens], 1), max_tokens=1)
-        (warmed,) = run(scheduler, [warm, STEP])
-        assert ids(warmed.finished) == ["warm"]
-    scheduler.kv_cache_manager.take_events()
-    remote = req("R", SHARED[: case.prompt_len], num_external_tokens=case.num_external_tokens)
-    admitting = run(scheduler, [remote, STEP])[-1]
-    return scheduler, scheduler.requests["R"], admitting
-
-
-@pytest.mark.parametrize(
-    "case",
-    [
-        pytest.param(RemoteCase(0, 10, 8, 0, 2), id="nothing-cached-pulls-every-block"),
-        pytest.param(RemoteCase(4, 10, 8, 4, 1), id="a-cached-block-is-not-pulled"),
-        pytest.param(RemoteCase(8, 10, 8, 8, 0), id="every-external-block-cached-pulls-none"),
-        pytest.param(RemoteCase(0, 10, 6, 0, 2), id="a-partial-last-external-block"),
-        pytest.param(RemoteCase(4, 10, 6, 4, 1), id="a-cached-block-then-a-partial-one"),
-        pytest.param(RemoteCase(8, 10, 8, 0, 2, False), id="prefix-caching-off-pulls-all"),
-    ],
-)
-def test_remote_kv_admission_allocates_only_what_the_local_cache_lacks(case: RemoteCase) -> None:
-    scheduler, remote, admitting = admit_remote(case)
-    manager = scheduler.kv_cache_manager
-    block_ids = manager.get_block_ids("R")
-    hit_blocks = case.want_local_hit_tokens // BLOCK_SIZE
-    assert admitting.out.kv_loads == [
-        KVLoad("R", block_ids, case.want_local_hit_tokens, case.num_external_tokens)
-    ]
-    assert admitting.scheduled == []  # nothing to compute until the KV arrives
-    assert len(block_ids) == cdiv(case.num_external_tokens, BLOCK_SIZE)
-    assert len(block_ids) - hit_blocks == case.want_new_blocks
-    cached_ids = [
-        block.block_id
-        for h in remote.block_hashes[:hit_blocks]
-        if (block := manager.block_pool.get_cached_block(h)) is not None
-    ]
-    assert block_ids[:hit_blocks] == cached_ids
-    assert manager.block_pool.num_free_blocks == manager.block_pool.num_blocks - len(block_ids)
-    # The blocks still to be filled are not published for prefix hits before they are.
-    assert not [e for e in manager.take_events() if isinstance(e, BlockStored)]
-    assert remote.status is RequestStatus.WAITING_FOR_REMOTE_KV
-    assert remote.num_computed_tokens == case.want_local_hit_tokens
-    assert list(scheduler.waiting_for_remote_kv) == ["R"]
-    assert not scheduler.waiting and not scheduler.running
-
-
-@pytest.mark.parametrize(
-    ("case", "success", "want_computed", "want_published"),
-    [
-        pytest.param(RemoteCase(0, 10, 8, 0, 2), True, 8, 2, id="arrived"),
-        pytest.param(RemoteCase(0, 10, 8, 0, 2), False, 0, 0, id="failed-recomputes-all"),
-        pytest.param(RemoteCase(4, 10, 8, 4, 1), True, 8, 1, id="arrived-after-a-local-hit"),
-        pytest.param(RemoteCase(4, 10, 8, 4, 1), False, 4, 0, id="failed-keeps-the-local-hit"),
-    ],
-)
-def test_finished_remote_kv_requeues_the_request_at_the_front(
-    case: RemoteCase, success: bool, want_computed: int, want_published: int
-) -> None:
-    scheduler, remote, _ = admit_remote(case)
-    manager = scheduler.kv_cache_manager
-    scheduler.add_request(req("N", 3).build())  # queued behind it
-    scheduler.finish_remote_kv("R", success)
-    assert remote.status is RequestStatus.WAITING
-    assert ids(scheduler.waiting) == ["R", "N"] and not scheduler.waiting_for_remote_kv
-    assert remote.num_computed_tokens == remote.num_cached_tokens == want_computed
-    assert remote.num_external_tokens == 0
-    published = [
-        h for e in manager.take_events() if isinstance(e, BlockStored) for h in e.block_hashes
-    ]
-    assert (
-        published
-        == remote.block_hashes[case.want_local_hit_tokens // BLOCK_SIZE :][:want_published]
-    )
-    computing = step(scheduler)
-    assert computing.scheduled == [("R", case.prompt_len - want_computed), ("N", 3)]
-    assert remote.output_token_ids == [SAMPLED]
-    scheduler.finish_remote_kv("R", success)  # a second report is ignored
-    assert remote.status is RequestStatus.RUNNING
-
-
-@pytest.mark.parametrize(
-    ("num_blocks", "want_scheduled", "want_loads", "want_waiting"),
-    [
-        pytest.param(16, [("B", 5)], ["R"], [], id="waiting-for-kv-does-not-block-the-queue"),
-        # R needs 2 blocks, 1 is free: B (which would fit) waits behind it.
-        pytest.param(3, [], [], ["R", "B"], id="a-remote-request-without-blocks-blocks-the-queue"),
-    ],
-)
-def test_remote_kv_admission_and_the_queue_behind_it(
-    num_blocks: int,
-    want_scheduled: list[tuple[str, int]],
-    want_loads: list[str],
-    want_waiting: list[str],
-) -> None:
-    scheduler = make_scheduler(num_blocks)
-    run(scheduler, [req("X", 7, max_tokens=16), STEP])  # holds 2 blocks
-    admitting = run(scheduler, [req("R", 10, num_external_tokens=8), req("B", 5), STEP])[-1]
-    assert admitting.scheduled == [("X", 1), *want_scheduled]
-    assert [load.req_id for load in admitting.out.kv_loads] == want_loads
-    assert ids(scheduler.waiting) == want_waiting
-
-
-def test_requests_waiting_for_kv_do_not_count_against_max_num_seqs() -> None:
-    scheduler = make_scheduler(max_num_seqs=1)
-    remotes = [req(f"R{i}", tokens(i, 6), num_external_tokens=4) for i in range(3)]
-    admitting = run(scheduler, [*remotes, req("B", 3), STEP])[-1]
-    assert [load.req_id for load in admitting.out.kv_loads] == ["R0", "R1", "R2"]
-    assert admitting.scheduled == [("B", 3)]
-    for load in admitting.out.kv_loads:
-        scheduler.finish_remote_kv(load.req_id, True)
-    # Back in the queue they wait for a running slot like any request.
-    assert step(scheduler).scheduled == [("B", 1)]
-    assert sorted(ids(scheduler.waiting)) == ["R0", "R1", "R2"]
 
 
 # --------------------------------------------------------------------------------- budget
