@@ -32,7 +32,6 @@ from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import IO
 
 import grpc
@@ -42,7 +41,13 @@ from engine.config import EngineConfig
 from engine.flags import env_name, to_argv
 from services.common.roles import Role
 from services.common.router_channel import api_key_metadata
-from services.common.tls import Identity, TlsMaterial, member_channel_blocking, read_tls_dir
+from services.common.tls import (
+    Identity,
+    TlsMaterial,
+    identity_tls_dir,
+    member_channel_blocking,
+    read_tls_dir,
+)
 from services.startup import WorkerFailure, last_line
 from splitserve.v1 import router_pb2, router_pb2_grpc
 
@@ -227,7 +232,7 @@ class LocalCluster:
         address and routes to a worker once it serves); returns without waiting."""
         if self.mode == "colocated":
             self.num_prefill = 0
-        self._tls = read_tls_dir(self._role_tls_dir(Identity.CONTROLLER))
+        self._tls = read_tls_dir(identity_tls_dir(self.tls_dir, Identity.CONTROLLER))
         env = self._env = dict(os.environ, SPLITSERVE_LOG_LEVEL=self.log_level)
         if self.admin_api_key:
             env[env_name("admin_api_key")] = self.admin_api_key
@@ -286,7 +291,7 @@ class LocalCluster:
                 if process.role.is_pool:
                     process.answer_in_place(
                         f"exited{during} ({reason}); not restarted",
-                        read_tls_dir(self._role_tls_dir(Identity(process.role))),
+                        read_tls_dir(identity_tls_dir(self.tls_dir, process.role)),
                     )
                 failures.append(WorkerFailure(process.role, process.address, reason, 1, None))
             elif process.state is ProcessState.STARTING and _serves(process, self._tls):
@@ -308,11 +313,8 @@ class LocalCluster:
             _routes(router, self.admin_api_key, self._tls) for router in self.workers(Role.ROUTER)
         )
 
-    def _role_tls_dir(self, identity: Identity) -> str:
-        return str(Path(self.tls_dir) / identity.value) if self.tls_dir else ""
-
     def _tls_flags(self, identity: Identity) -> list[str]:
-        return ["--tls-dir", self._role_tls_dir(identity)] if self.tls_dir else []
+        return ["--tls-dir", identity_tls_dir(self.tls_dir, identity)] if self.tls_dir else []
 
     def _router_process(self, port: int) -> ServiceProcess:
         metrics_port = free_port(self.host)

@@ -167,8 +167,7 @@ def _serve_local(
         router = dataclasses.replace(router, admin_api_key=secrets.token_urlsafe(32))
     # Every replica of a role gets the same flags; secrets travel in the environment.
     redis_argv = to_argv(router.redis)
-    os.environ.update(secret_env(router.redis))
-    os.environ.update(secret_env(router))
+    os.environ.update(secret_env(router.redis))  # the launcher passes the admin key itself
     local = LocalCluster(
         engine=worker.engine,
         num_prefill=cluster.num_prefill_workers,

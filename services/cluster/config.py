@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from engine.flags import flag
 from services.common.roles import POOL_ROLES, Role
+from services.common.tls import identity_tls_dir
 from services.router.config import MODES
 
 
@@ -98,4 +99,4 @@ class ClusterConfig:
     def identity_tls_dir(self, identity: str) -> str:
         """The TLS directory of one identity (router, prefill, decode, controller) under
         ``tls_dir``; empty when TLS is off."""
-        return f"{self.tls_dir.rstrip('/')}/{identity}" if self.tls_dir else ""
+        return identity_tls_dir(self.tls_dir, identity)

@@ -85,6 +85,12 @@ class TlsMaterial:
         )
 
 
+def identity_tls_dir(root: str, identity: str) -> str:
+    """The directory of ``identity``'s material under ``root`` (``splitserve certs``' layout);
+    empty when ``root`` is (TLS off)."""
+    return str(Path(root) / identity) if root else ""
+
+
 def read_tls_dir(tls_dir: str) -> TlsMaterial | None:
     """``TlsMaterial.from_dir``, or None for an empty ``tls_dir`` (plaintext)."""
     return TlsMaterial.from_dir(tls_dir) if tls_dir else None
@@ -140,7 +146,7 @@ class RequirePeerIdentity(GuardingInterceptor):
                 logger.warning("%s from %s (%s) refused", method, context.peer(), identity)
                 await context.abort(
                     grpc.StatusCode.PERMISSION_DENIED,
-                    f"{method} is for the cluster's router and controller, not {identity!r}",
+                    f"{method} admits {sorted(self._allowed)} certificates, not {identity!r}",
                 )
 
         return guarded(handler, check)
