@@ -35,6 +35,7 @@ from google.protobuf.message import DecodeError
 from kvtransfer._common import PublishedBlocks
 from kvtransfer.base import KV_TRANSFER_VERSION, KVRef, KVTransferError, PeerInfo
 from kvtransfer.skeleton import BackendSkeleton
+from kvtransfer.tls import KVTransferTls
 from splitserve.v1 import kv_transfer_pb2 as pb
 
 logger = logging.getLogger(__name__)
@@ -186,7 +187,8 @@ class PullEndpoint:
 
     ``port`` 0 picks an ephemeral port; peers are told ``advertise_host or host``.
     ``io_timeout_s`` bounds each message exchanged with a silent peer; ``connect_timeout_s``
-    bounds connecting to a peer plus the hello handshake.
+    bounds connecting to a peer plus the TLS and hello handshakes. With ``tls`` every
+    connection is mutual TLS (``kvtransfer.tls``); without, plaintext guarded by grants only.
     """
 
     host: str = "127.0.0.1"
@@ -194,6 +196,7 @@ class PullEndpoint:
     advertise_host: str | None = None
     io_timeout_s: float = 10.0
     connect_timeout_s: float = 5.0
+    tls: KVTransferTls | None = None
 
 
 # An ephemeral port on loopback: tests and single-host runs.
@@ -210,6 +213,7 @@ class PullBackend(BackendSkeleton):
         self._port = endpoint.port
         self._advertise_host = endpoint.advertise_host
         self._connect_timeout_s = endpoint.connect_timeout_s
+        self._tls = endpoint.tls
         self._seq = itertools.count(1)  # numbers our read requests
         self._source: PullSource  # created in _expose, before the listener starts
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import socket
+import ssl
 import struct
 import threading
 import time
@@ -23,6 +24,7 @@ from kvtransfer._pull_protocol import (
     split_address,
 )
 from kvtransfer.base import KVTransferError
+from kvtransfer.tls import KVTransferTls
 from splitserve.v1 import kv_transfer_pb2 as pb
 
 # A hello is a few hundred bytes: a peer that has not said it yet gets no bigger buffer.
@@ -85,8 +87,8 @@ def contiguous_runs(block_ids: Sequence[int]) -> list[tuple[int, int]]:
 
 
 class PeerConnections:
-    """Warm connections to one source: created lazily (connect + hello handshake) up to
-    ``max_connections``; ``acquire`` blocks while all of them are busy.
+    """Warm connections to one source: created lazily (connect, TLS handshake with ``tls``,
+    hello handshake) up to ``max_connections``; ``acquire`` blocks while all of them are busy.
 
     Thread-safe. A connection is used by one thread between ``acquire`` and ``give_back``.
     """
@@ -99,8 +101,11 @@ class PeerConnections:
         io_timeout_s: float,
         max_connections: int,
         on_first_connection: Callable[[float], None],
+        tls: KVTransferTls | None = None,
     ) -> None:
         self._address = split_address(address)
+        self._tls = tls
+        self._context = None if tls is None else tls.stream_context(server_side=False)
         self._hello = hello
         self._connect_timeout_s = connect_timeout_s
         self._io_timeout_s = io_timeout_s
@@ -130,7 +135,7 @@ class PeerConnections:
                 self._cond.wait()
         start_s = time.monotonic()
         try:
-            sock = socket.create_connection(self._address, timeout=self._connect_timeout_s)
+            sock = self._connect()
         except BaseException:
             with self._cond:
                 self._num_reserved -= 1
@@ -176,6 +181,17 @@ class PeerConnections:
             with contextlib.suppress(OSError):  # already disconnected
                 sock.shutdown(socket.SHUT_RDWR)
 
+    def _connect(self) -> socket.socket:
+        """A connected socket, wrapped in TLS (handshake not done yet) with ``tls``."""
+        sock = socket.create_connection(self._address, timeout=self._connect_timeout_s)
+        if self._context is None:
+            return sock
+        try:
+            return self._context.wrap_socket(sock, do_handshake_on_connect=False)
+        except BaseException:
+            sock.close()
+            raise
+
     def _drop(self, sock: socket.socket) -> None:
         self._open.discard(sock)
         self._num_reserved -= 1
@@ -183,6 +199,9 @@ class PeerConnections:
 
     def _handshake(self, sock: socket.socket) -> None:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        if isinstance(sock, ssl.SSLSocket) and self._tls is not None:
+            sock.do_handshake()
+            self._tls.check_peer(sock.getpeercert())  # before the hello, or any grant, is sent
         send_frame(sock, self._hello)
         check_hello_ack(recv_frame(sock, self._connect_timeout_s, self._connect_timeout_s))
         sock.settimeout(self._io_timeout_s)

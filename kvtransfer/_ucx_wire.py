@@ -3,23 +3,28 @@ loop, frames of the pull protocol (``_pull_protocol``) as UCX tagged messages, t
 block bytes move in, bounded waits.
 
 A frame is two messages on one endpoint (which arrive in order): its length (8 bytes,
-little-endian), then the serialized ``KVFrame``. A granted read's blocks follow as one message
-per run that the reader asked for in ``run_lengths`` (``joint_runs``): ids consecutive on both
-sides, so each run moves straight from the source's cache into the destination's.
+little-endian), then the serialized ``KVFrame``, sealed by ``MessageTls`` when the backends
+use mutual TLS (``FrameChannel``; the TLS handshake's messages travel the same way first).
+A granted read's blocks follow, outside TLS, as one message per run that the reader asked for
+in ``run_lengths`` (``joint_runs``): ids consecutive on both sides, so each run moves straight
+from the source's cache into the destination's.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import threading
 from collections.abc import Awaitable, Sequence
+from dataclasses import dataclass
 from typing import TypeVar
 
 import numpy as np
 
 from kvtransfer._pull_protocol import MAX_FRAME_BYTES, ProtocolError, decode_frame
 from kvtransfer.base import KVTransferError
+from kvtransfer.tls import MessageTls, TlsFailure
 from splitserve.v1 import kv_transfer_pb2 as pb
 
 # Unless it is set, importing ucxx writes UCX_RNDV_FRAG_MEM_TYPE=cuda into os.environ, where
@@ -35,13 +40,12 @@ from ucxx.exceptions import UCXError
 # kvtransfer.ucx takes ucxx from here, after the environment above is set.
 __all__ = [
     "Endpoint",
+    "FrameChannel",
     "Listener",
     "UCXError",
     "abort",
     "joint_runs",
-    "recv_frame",
     "requested_runs",
-    "send_frame",
     "ucx_loop",
     "ucxx",
     "within",
@@ -78,16 +82,15 @@ async def within(awaitable: Awaitable[_T], timeout_s: float | None, what: str) -
         raise KVTransferError(f"{what} timed out after {timeout_s} s") from None
 
 
-async def send_frame(ep: Endpoint, frame: pb.KVFrame, timeout_s: float) -> None:
-    """Send ``frame`` as its two messages, each within ``timeout_s``."""
-    body = frame.SerializeToString()
+async def send_message(ep: Endpoint, body: bytes, timeout_s: float) -> None:
+    """Send ``body`` as its two messages (length, then bytes), each within ``timeout_s``."""
     await within(ep.send(np.array([len(body)], dtype=_LENGTH)), timeout_s, "sending a frame")
     await within(ep.send(np.frombuffer(body, dtype=np.uint8)), timeout_s, "sending a frame")
 
 
-async def recv_frame(ep: Endpoint, wait_s: float | None, timeout_s: float) -> pb.KVFrame:
-    """Wait up to ``wait_s`` (None: forever) for a frame, then ``timeout_s`` for its body.
-    Raises ``ProtocolError`` on a bad frame."""
+async def recv_message(ep: Endpoint, wait_s: float | None, timeout_s: float) -> bytes:
+    """Wait up to ``wait_s`` (None: forever) for a message, then ``timeout_s`` for its body.
+    ``ProtocolError`` for an empty one or one over ``MAX_FRAME_BYTES``."""
     header = np.zeros(1, dtype=_LENGTH)
     await within(ep.recv(header), wait_s, "waiting for a frame")
     length = int(header[0])
@@ -95,7 +98,50 @@ async def recv_frame(ep: Endpoint, wait_s: float | None, timeout_s: float) -> pb
         raise ProtocolError(f"frame of {length} bytes is not in (0, {MAX_FRAME_BYTES}]")
     body = bytearray(length)
     await within(ep.recv(body), timeout_s, "receiving a frame")
-    return decode_frame(bytes(body))
+    return bytes(body)
+
+
+@dataclass(slots=True)
+class FrameChannel:
+    """The frames of one endpoint, sealed by ``tls`` (mutual TLS) when the backend has it.
+
+    ``handshake`` must complete before the first frame when ``tls`` is set; the block bytes of
+    a read move on ``ep`` directly, outside TLS. One task uses a channel at a time.
+    """
+
+    ep: Endpoint
+    tls: MessageTls | None = None
+
+    async def handshake(self, timeout_s: float) -> None:
+        """Run the TLS handshake (nothing without ``tls``); ``TlsFailure`` when it fails or
+        the peer's certificate is not admitted, after sending the peer our alert, if any."""
+        if self.tls is None:
+            return
+        try:
+            out, done = self.tls.handshake_step(None)
+            while True:
+                if out:
+                    await send_message(self.ep, out, timeout_s)
+                if done:
+                    return
+                received = await recv_message(self.ep, timeout_s, timeout_s)
+                out, done = self.tls.handshake_step(received)
+        except TlsFailure as exc:
+            if exc.alert:
+                with contextlib.suppress(UCXError, KVTransferError):
+                    await send_message(self.ep, exc.alert, timeout_s)
+            raise
+
+    async def send(self, frame: pb.KVFrame, timeout_s: float) -> None:
+        """Send ``frame`` (sealed with ``tls``), each message within ``timeout_s``."""
+        body = frame.SerializeToString()
+        await send_message(self.ep, self.tls.seal(body) if self.tls else body, timeout_s)
+
+    async def recv(self, wait_s: float | None, timeout_s: float) -> pb.KVFrame:
+        """Wait up to ``wait_s`` (None: forever) for a frame, then ``timeout_s`` for its body.
+        ``ProtocolError`` on a bad frame, ``TlsFailure`` on one the peer did not seal."""
+        body = await recv_message(self.ep, wait_s, timeout_s)
+        return decode_frame(self.tls.open(body) if self.tls else body)
 
 
 def abort(ep: Endpoint | None) -> None:

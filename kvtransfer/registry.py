@@ -10,8 +10,11 @@ from __future__ import annotations
 import importlib.util
 
 from kvtransfer.base import KVTransferBackend
+from kvtransfer.tls import KVTransferTls
 
 BACKENDS = ("nixl", "ucx", "tcp", "inproc")
+# The backends whose connections can be mutual TLS (kvtransfer.tls).
+TLS_BACKENDS = ("ucx", "tcp")
 # The import that each optional backend needs.
 _REQUIRED_MODULES = {"nixl": "nixl", "ucx": "ucxx"}
 
@@ -41,13 +44,16 @@ def make_backend(
     host: str = "127.0.0.1",
     advertise_host: str | None = None,
     io_timeout_s: float = 10.0,
+    tls: KVTransferTls | None = None,
 ) -> KVTransferBackend:
     """A new, unregistered backend ``name`` for ``engine_id``.
 
     ``ValueError`` names the choices when ``name`` is unknown, and the missing package when it
     is not installed. ``host`` / ``advertise_host`` are where socket-based backends (``tcp``,
     ``ucx``) listen and what they advertise; ``io_timeout_s`` bounds how long a read waits on
-    a silent peer before it is FAILED.
+    a silent peer before it is FAILED. ``tls`` makes every connection of a ``tcp`` or ``ucx``
+    backend mutual TLS; ``ValueError`` for the others (``nixl`` moves blocks by one-sided reads
+    its own agents set up, ``inproc`` never leaves the process).
     """
     if name not in BACKENDS:
         raise ValueError(f"unknown KV transfer backend {name!r}; choose one of {BACKENDS}")
@@ -56,6 +62,8 @@ def make_backend(
             f"KV transfer backend {name!r} needs the {_REQUIRED_MODULES[name]!r} package "
             f"(pip install 'splitserve[{name}]'); available here: {available_backends()}"
         )
+    if tls is not None and name not in TLS_BACKENDS:
+        raise ValueError(f"KV transfer backend {name!r} has no TLS; these do: {TLS_BACKENDS}")
     if name == "nixl":
         from kvtransfer.nixl import NixlBackend
 
@@ -63,7 +71,9 @@ def make_backend(
     if name in ("ucx", "tcp"):
         from kvtransfer._pull_protocol import PullEndpoint
 
-        endpoint = PullEndpoint(host=host, advertise_host=advertise_host, io_timeout_s=io_timeout_s)
+        endpoint = PullEndpoint(
+            host=host, advertise_host=advertise_host, io_timeout_s=io_timeout_s, tls=tls
+        )
         if name == "ucx":
             from kvtransfer.ucx import UcxBackend
 

@@ -2,7 +2,8 @@
 
 It speaks the pull protocol of ``_pull_protocol`` in the framing of ``_tcp_wire``: every frame
 is a 4-byte big-endian length then a serialized ``KVFrame``, and a granted read's blocks follow
-its response as raw bytes, in request order.
+its response as raw bytes, in request order. With ``PullEndpoint.tls`` every connection is
+mutual TLS 1.3 (``kvtransfer.tls``), blocks included.
 
 Raw block bytes go straight from the source cache's memory to the socket and from the socket
 into the destination blocks (``sendall`` / ``recv_into`` on memoryviews of cache rows; runs
@@ -19,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import socket
+import ssl
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -109,10 +111,13 @@ class TcpBackend(PullBackend):
         self._pools: dict[str, PeerConnections] = {}
         self._listener: socket.socket | None = None
         self._server_conns: set[socket.socket] = set()
+        self._server_context: ssl.SSLContext | None = None
 
     # ------------------------------------------------------------------ source side
     def _listen(self, rows: torch.Tensor) -> int:
         self._flat = rows.numpy().reshape(-1).data
+        if self._tls is not None:
+            self._server_context = self._tls.stream_context(server_side=True)
         listener = socket.create_server((self._host, self._port), backlog=128)
         port = listener.getsockname()[1]
         with self._lock:
@@ -134,6 +139,16 @@ class TcpBackend(PullBackend):
                 logger.warning("kv tcp accept failed: %s", exc)
                 time.sleep(0.1)  # e.g. out of file descriptors: do not spin
                 continue
+            if self._server_context is not None:
+                # The handshake itself runs on the connection's thread, under the io timeout.
+                try:
+                    conn = self._server_context.wrap_socket(
+                        conn, server_side=True, do_handshake_on_connect=False
+                    )
+                except OSError as exc:
+                    logger.warning("kv tcp: dropped a connection from %s: %s", address, exc)
+                    conn.close()
+                    continue
             with self._lock:
                 if self._closed:
                     conn.close()
@@ -159,6 +174,10 @@ class TcpBackend(PullBackend):
     def _serve_connection(self, conn: socket.socket, address: tuple[str, int]) -> None:
         try:
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            if isinstance(conn, ssl.SSLSocket) and self._tls is not None:
+                conn.settimeout(self._io_timeout_s)
+                conn.do_handshake()
+                self._tls.check_peer(conn.getpeercert())
             hello = recv_frame(conn, self._io_timeout_s, self._io_timeout_s, MAX_HELLO_BYTES)
             ack, accepted = self._source.answer_hello(hello)
             send_frame(conn, ack)
@@ -173,7 +192,7 @@ class TcpBackend(PullBackend):
                     self._serve_read(conn, read)
         except ConnectionError as exc:
             logger.debug("kv tcp connection from %s ended: %s", address, exc)
-        except (OSError, ProtocolError) as exc:
+        except (OSError, ProtocolError, KVTransferError) as exc:
             if not self._closed:
                 logger.warning("kv tcp connection from %s closed: %s", address, exc)
         except Exception:
@@ -248,6 +267,7 @@ class TcpBackend(PullBackend):
                     self._io_timeout_s,
                     self._max_connections_per_peer,
                     lambda seconds: self._record_setup(engine_id, seconds),
+                    self._tls,
                 )
                 self._pools[engine_id] = pool
             return pool

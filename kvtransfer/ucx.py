@@ -42,18 +42,18 @@ from kvtransfer._pull_protocol import (
 )
 from kvtransfer._ucx_wire import (
     Endpoint,
+    FrameChannel,
     Listener,
     UCXError,
     abort,
     joint_runs,
-    recv_frame,
     requested_runs,
-    send_frame,
     ucx_loop,
     ucxx,
     within,
 )
 from kvtransfer.base import KVRef, KVTransferError, TransferState
+from kvtransfer.tls import MessageTls
 from splitserve.v1 import kv_transfer_pb2 as pb
 
 logger = logging.getLogger(__name__)
@@ -63,10 +63,10 @@ _CLOSE_TIMEOUT_S = 0.8
 
 @dataclass
 class _PeerLink:
-    """The warm endpoint to one source (loop thread only); ``lock`` admits one user at a time."""
+    """The warm channel to one source (loop thread only); ``lock`` admits one user at a time."""
 
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
-    endpoint: Endpoint | None = None
+    channel: FrameChannel | None = None
     address: str = ""
 
 
@@ -125,13 +125,16 @@ class UcxBackend(PullBackend):
         try:
             if self._closed:  # the endpoint was being set up while we closed
                 return
-            hello = await recv_frame(ep, self._io_timeout_s, self._io_timeout_s)
+            tls = None if self._tls is None else MessageTls(self._tls, server_side=True)
+            channel = FrameChannel(ep, tls)
+            await channel.handshake(self._io_timeout_s)
+            hello = await channel.recv(self._io_timeout_s, self._io_timeout_s)
             ack, accepted = self._source.answer_hello(hello)
-            await send_frame(ep, ack, self._io_timeout_s)
+            await channel.send(ack, self._io_timeout_s)
             while accepted:
-                read = self._source.dispatch(await recv_frame(ep, None, self._io_timeout_s))
+                read = self._source.dispatch(await channel.recv(None, self._io_timeout_s))
                 if read is not None:
-                    await self._serve_read(ep, read)
+                    await self._serve_read(channel, read)
         except UCXError as exc:
             logger.debug("kv ucx connection ended: %r", exc)
         except (ProtocolError, KVTransferError) as exc:
@@ -141,15 +144,15 @@ class UcxBackend(PullBackend):
             abort(ep)
             self._tasks.discard(task)
 
-    async def _serve_read(self, ep: Endpoint, read: pb.KVReadRequest) -> None:
+    async def _serve_read(self, channel: FrameChannel, read: pb.KVReadRequest) -> None:
         assert self._rows is not None
         runs = requested_runs(read)
         with self._source.serving(read) as response:
-            await send_frame(ep, response, self._io_timeout_s)
+            await channel.send(response, self._io_timeout_s)
             if response.read_response.ok:
                 # All posted at once: UCX keeps their order, and they pipeline on the wire.
                 views = [self._rows[first : first + count] for first, count in runs]
-                sends = asyncio.gather(*(ep.send(view) for view in views))
+                sends = asyncio.gather(*(channel.ep.send(view) for view in views))
                 await within(sends, self._io_timeout_s, "sending blocks")
 
     # ------------------------------------------------------------------ destination side
@@ -194,7 +197,8 @@ class UcxBackend(PullBackend):
             task.cancel()  # each aborts the endpoint it was using
         if tasks:
             await asyncio.wait(tasks, timeout=_CLOSE_TIMEOUT_S / 2)
-        for ep in [link.endpoint for link in self._links.values()] + list(self._server_endpoints):
+        links = [link.channel.ep for link in self._links.values() if link.channel is not None]
+        for ep in links + list(self._server_endpoints):
             abort(ep)
 
     async def _read(
@@ -216,12 +220,12 @@ class UcxBackend(PullBackend):
 
     async def _read_blocks(self, src: KVRef, dst_block_ids: tuple[int, ...], seq: int) -> None:
         run_lengths = joint_runs(src.block_ids, dst_block_ids)
-        async with self._endpoint(src.engine_id) as ep:
-            await send_frame(ep, read_frame(seq, src, run_lengths), self._io_timeout_s)
-            frame = await recv_frame(ep, self._io_timeout_s, self._io_timeout_s)
+        async with self._channel(src.engine_id) as channel:
+            await channel.send(read_frame(seq, src, run_lengths), self._io_timeout_s)
+            frame = await channel.recv(self._io_timeout_s, self._io_timeout_s)
             refusal = check_read_response(frame, seq, len(dst_block_ids) * self._block_bytes)
             if refusal is None:
-                await self._recv_blocks(ep, run_lengths, dst_block_ids)
+                await self._recv_blocks(channel.ep, run_lengths, dst_block_ids)
         if refusal is not None:  # raised out here: a clean refusal leaves the endpoint warm
             raise refusal
 
@@ -244,33 +248,35 @@ class UcxBackend(PullBackend):
         self, req_id: str, engine_id: str, src_req_id: str, grant: bytes
     ) -> None:
         try:
-            async with self._endpoint(engine_id) as ep:
-                await send_frame(ep, release_frame(src_req_id, grant), self._io_timeout_s)
+            async with self._channel(engine_id) as channel:
+                await channel.send(release_frame(src_req_id, grant), self._io_timeout_s)
         except (UCXError, KVTransferError, ProtocolError) as exc:
             logger.warning("kv release failed req_id=%s to %s: %r", req_id, engine_id, exc)
 
     @contextlib.asynccontextmanager
-    async def _endpoint(self, engine_id: str) -> AsyncIterator[Endpoint]:
-        """The warm endpoint to ``engine_id``, held exclusively; connects first when there is
+    async def _channel(self, engine_id: str) -> AsyncIterator[FrameChannel]:
+        """The warm channel to ``engine_id``, held exclusively; connects first when there is
         none (or the peer's address changed). An error inside the block aborts and drops it."""
         link = self._links.get(engine_id) or self._links.setdefault(engine_id, _PeerLink())
         async with link.lock:
             with self._lock:
                 address = self._peers[engine_id].address
-            if link.endpoint is None or link.endpoint.closed or link.address != address:
-                abort(link.endpoint)
-                link.endpoint = None
-                link.endpoint = await self._connect(engine_id, address)
+            channel = link.channel
+            if channel is None or channel.ep.closed or link.address != address:
+                if channel is not None:
+                    abort(channel.ep)
+                link.channel = None
+                channel = link.channel = await self._connect(engine_id, address)
                 link.address = address
             try:
-                yield link.endpoint
+                yield channel
             except BaseException:
-                abort(link.endpoint)
-                link.endpoint = None
+                abort(channel.ep)
+                link.channel = None
                 raise
 
-    async def _connect(self, engine_id: str, address: str) -> Endpoint:
-        """A new endpoint to ``address`` that completed the hello handshake."""
+    async def _connect(self, engine_id: str, address: str) -> FrameChannel:
+        """A new channel to ``address`` that completed the TLS (if any) and hello handshakes."""
         host, port = split_address(address)
         start_s = time.monotonic()
         timeout_s = self._connect_timeout_s
@@ -279,11 +285,14 @@ class UcxBackend(PullBackend):
             timeout_s,
             f"connecting to {engine_id!r} at {address}",
         )
+        tls = None if self._tls is None else MessageTls(self._tls, server_side=False)
+        channel = FrameChannel(ep, tls)
         try:
-            await send_frame(ep, self._hello(), timeout_s)
-            check_hello_ack(await recv_frame(ep, timeout_s, timeout_s))
+            await channel.handshake(timeout_s)
+            await channel.send(self._hello(), timeout_s)
+            check_hello_ack(await channel.recv(timeout_s, timeout_s))
         except BaseException:
             abort(ep)
             raise
         self._record_setup(engine_id, time.monotonic() - start_s)
-        return ep
+        return channel

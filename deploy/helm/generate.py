@@ -101,6 +101,7 @@ _ABSOLUTE_PATH = {"type": "string", "pattern": "^/"}
 _ABSOLUTE_PATH_OR_EMPTY = {"type": "string", "pattern": "^(/.*)?$"}
 _COUNT = {"type": "integer", "minimum": 0}
 _PORT = {"type": "integer", "minimum": 1, "maximum": 65535}
+_DURATION = {"type": "string", "pattern": "^([0-9]+(\\.[0-9]+)?(h|m|s|ms))+$"}
 _PLACEMENT = {
     "resources": _ANY_OBJECT,
     "nodeSelector": {"type": "object", "additionalProperties": _STRING},
@@ -168,7 +169,9 @@ def schema() -> dict[str, Any]:
                 "existingSecret": _STRING,
                 "resources": _ANY_OBJECT,
                 "persistence": _obj({"enabled": {"type": "boolean"}, "size": _STRING}),
-                "external": _obj({"url": _STRING, "existingSecret": _STRING}),
+                "external": _obj(
+                    {"url": _STRING, "existingSecret": _STRING, "tlsSecret": _STRING}
+                ),
             }
         ),
         "podDisruptionBudget": _obj(
@@ -188,6 +191,17 @@ def schema() -> dict[str, Any]:
                     {
                         "enabled": {"type": "boolean"},
                         "secrets": _obj({identity: _STRING for identity in _TLS_IDENTITIES}),
+                        "certManager": _obj(
+                            {
+                                "enabled": {"type": "boolean"},
+                                "issuerRef": _obj(
+                                    {"name": _STRING, "kind": _STRING, "group": _STRING}
+                                ),
+                                "duration": _DURATION,
+                                "renewBefore": _DURATION,
+                                "routerDnsNames": {"type": "array", "items": _STRING},
+                            }
+                        ),
                     }
                 ),
                 "rayAuth": _obj({"enabled": {"type": "boolean"}, "existingSecret": _STRING}),

@@ -58,7 +58,8 @@ class WorkerConfig:
         "",
         "directory of this worker's TLS material (tls.crt, tls.key, ca.crt; see splitserve "
         "certs): serve mutual TLS, admitting only the cluster's router and controller "
-        "certificates (empty: plaintext)",
+        "certificates, and run tcp / ucx KV transfers over mutual TLS between prefill and "
+        "decode certificates (empty: plaintext)",
     )
 
     def __post_init__(self) -> None:

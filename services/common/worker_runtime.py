@@ -13,7 +13,8 @@ import grpc
 
 from engine.llm_engine import LLMEngine
 from kvtransfer.base import KVTransferBackend, PeerInfo
-from kvtransfer.registry import make_backend
+from kvtransfer.registry import TLS_BACKENDS, make_backend
+from kvtransfer.tls import KVTransferTls
 from services.common.background import BackgroundTasks
 from services.common.convert import peer_info_to_proto
 from services.common.engine_loop import EngineHooks, EngineLoop
@@ -92,6 +93,7 @@ def build_runtime(
 ) -> WorkerRuntime:
     """Load the model and register its KV cache with the transfer backend (blocking)."""
     worker_id = config.resolved_worker_id(role, port)
+    kv_tls = kv_transfer_tls(config, role)
     engine = LLMEngine(config.engine)
     backend = make_backend(
         config.kv_transfer,
@@ -99,10 +101,29 @@ def build_runtime(
         host=config.kv_host,
         advertise_host=config.kv_advertise_host,
         io_timeout_s=config.kv_io_timeout_s,
+        tls=kv_tls,
     )
     kv_peer = backend.register_kv_cache(engine.kv_cache, engine.kv_cache_spec)
     loop = EngineLoop(engine, make_hooks(backend))
     return WorkerRuntime(config, role, worker_id, engine, loop, backend, kv_peer)
+
+
+def kv_transfer_tls(config: WorkerConfig, role: Role) -> KVTransferTls | None:
+    """The mutual TLS of a worker's KV transfers: its ``--tls-dir`` material, pairing prefill
+    sources with decode readers only. None without ``--tls-dir``, and for a backend without
+    TLS (``nixl``: logged, its reads stay gated by grants alone)."""
+    if not config.tls_dir:
+        return None
+    if config.kv_transfer not in TLS_BACKENDS:
+        logger.warning(
+            "--kv-transfer %s moves KV blocks and its notifications outside TLS (reads are "
+            "gated by per-request grants only); %s put them under the cluster's mutual TLS",
+            config.kv_transfer,
+            " or ".join(TLS_BACKENDS),
+        )
+        return None
+    peer = Identity.DECODE if role is Role.PREFILL else Identity.PREFILL
+    return KVTransferTls.from_dir(config.tls_dir, {peer.value})
 
 
 @dataclass(slots=True)

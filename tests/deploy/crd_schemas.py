@@ -1,6 +1,7 @@
-"""JSON schemas of the two custom resources the chart renders, written for these tests from
-the KubeRay (``ray.io/v1`` RayCluster) and prometheus-operator (``monitoring.coreos.com/v1``
-ServiceMonitor) API references, for the fields the chart uses; unknown fields are errors.
+"""JSON schemas of the custom resources the chart renders, written for these tests from the
+KubeRay (``ray.io/v1`` RayCluster), prometheus-operator (``monitoring.coreos.com/v1``
+ServiceMonitor) and cert-manager (``cert-manager.io/v1`` Certificate) API references, for the
+fields the chart uses; unknown fields are errors.
 Pod templates inside a RayCluster are checked against Kubernetes' own schema separately."""
 
 from __future__ import annotations
@@ -104,4 +105,49 @@ SERVICE_MONITOR = _obj(
     ("apiVersion", "kind", "metadata", "spec"),
 )
 
-SCHEMAS = {"RayCluster": RAY_CLUSTER, "ServiceMonitor": SERVICE_MONITOR}
+_DURATION = {"type": "string", "pattern": "^([0-9]+(\\.[0-9]+)?(h|m|s|ms))+$"}
+_KEY_USAGES = [
+    "signing", "digital signature", "content commitment", "key encipherment", "key agreement",
+    "data encipherment", "cert sign", "crl sign", "encipher only", "decipher only", "any",
+    "server auth", "client auth", "code signing", "email protection", "s/mime",
+    "ipsec end system", "ipsec tunnel", "ipsec user", "timestamping", "ocsp signing",
+    "microsoft sgc", "netscape sgc",
+]  # fmt: skip
+
+CERTIFICATE = _obj(
+    {
+        "apiVersion": {"const": "cert-manager.io/v1"},
+        "kind": {"const": "Certificate"},
+        "metadata": _METADATA,
+        "spec": _obj(
+            {
+                "secretName": {"type": "string", "minLength": 1},
+                "commonName": {"type": "string", "maxLength": 64},
+                "dnsNames": {"type": "array", "items": {"type": "string"}},
+                "duration": _DURATION,
+                "renewBefore": _DURATION,
+                "privateKey": _obj(
+                    {
+                        "algorithm": {"enum": ["RSA", "ECDSA", "Ed25519"]},
+                        "size": {"type": "integer"},
+                        "encoding": {"enum": ["PKCS1", "PKCS8"]},
+                        "rotationPolicy": {"enum": ["Never", "Always"]},
+                    }
+                ),
+                "usages": {"type": "array", "items": {"enum": _KEY_USAGES}},
+                "issuerRef": _obj(
+                    {
+                        "name": {"type": "string", "minLength": 1},
+                        "kind": {"type": "string"},
+                        "group": {"type": "string"},
+                    },
+                    ("name",),
+                ),
+            },
+            ("secretName", "issuerRef"),
+        ),
+    },
+    ("apiVersion", "kind", "metadata", "spec"),
+)
+
+SCHEMAS = {"RayCluster": RAY_CLUSTER, "ServiceMonitor": SERVICE_MONITOR, "Certificate": CERTIFICATE}

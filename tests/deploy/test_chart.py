@@ -113,6 +113,19 @@ VALUE_SETS: dict[str, dict[str, Any]] = {
             ]
         },
     },
+    "cert-manager": {
+        "security": {
+            "tls": {
+                "enabled": True,
+                "certManager": {
+                    "enabled": True,
+                    "issuerRef": {"name": "splitserve-ca", "kind": "ClusterIssuer"},
+                    "routerDnsNames": ["llm.example.com"],
+                },
+            }
+        },
+        "redis": {"enabled": False, "external": {"url": "rediss://r:6380/0", "tlsSecret": "rca"}},
+    },
     "host-path-model": {
         "engine": {"model": "/weights/Llama-3.2-1B-Instruct"},
         "modelVolume": {"hostPath": "/srv/models", "mountPath": "/weights", "readOnly": False},

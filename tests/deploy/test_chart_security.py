@@ -3,6 +3,9 @@ of ``security.*`` reach (rendered as in ``test_chart``)."""
 
 from __future__ import annotations
 
+import helm_python
+import pytest
+
 from services.cli import build_parser
 from services.up import configs_from_args
 from tests.deploy.test_chart import VALUE_SETS, head_argv, objects, ray_pods
@@ -87,3 +90,52 @@ def test_api_keys_and_tls_secrets_reach_the_flags_and_the_pods_that_need_them():
         env = {e["name"]: e for e in pod["containers"][0]["env"]}
         assert env["RAY_AUTH_TOKEN"]["valueFrom"]["secretKeyRef"]["name"] == "ray-token"
     assert not any(o["metadata"]["name"] == "prod-splitserve-ray-auth" for o in objects(values))
+
+
+def test_cert_manager_certificates_write_the_secrets_the_pods_mount():
+    values = VALUE_SETS["cert-manager"]
+    certificates = {
+        o["spec"]["commonName"]: o["spec"] for o in objects(values) if o["kind"] == "Certificate"
+    }
+    assert set(certificates) == {"router", "controller", "prefill", "decode"}
+    mounted = {
+        volume["secret"]["secretName"]
+        for pod in ray_pods(values).values()
+        for volume in pod["volumes"]
+        if volume["name"].startswith("tls-")
+    }
+    assert {spec["secretName"] for spec in certificates.values()} == mounted
+    for identity, spec in certificates.items():
+        assert spec["issuerRef"] == {
+            "name": "splitserve-ca", "kind": "ClusterIssuer", "group": "cert-manager.io"
+        }  # fmt: skip
+        assert {"server auth", "client auth"} <= set(spec["usages"])
+        assert spec["dnsNames"][0] == f"{identity}.splitserve.internal"
+    assert certificates["router"]["dnsNames"][1:] == [
+        "prod-splitserve",
+        "prod-splitserve.serving.svc",
+        "prod-splitserve.serving.svc.cluster.local",
+        "llm.example.com",
+    ]
+    # Off unless asked for (cert-manager may not be installed), and never without an issuer.
+    assert not any(o["kind"] == "Certificate" for o in objects(VALUE_SETS["secured"]))
+    no_issuer = {"security": {"tls": {"enabled": True, "certManager": {"enabled": True}}}}
+    with pytest.raises(helm_python.HelmRenderError, match=r"issuerRef\.name is required"):
+        objects(no_issuer)
+
+
+def test_an_external_redis_tls_secret_is_mounted_everywhere_and_names_the_ca_file():
+    values = VALUE_SETS["cert-manager"]
+    for group, pod in ray_pods(values).items():
+        volumes = {v["name"]: v for v in pod["volumes"]}
+        assert volumes["redis-tls"]["secret"]["secretName"] == "rca", group
+        mounts = {m["name"]: m["mountPath"] for m in pod["containers"][0]["volumeMounts"]}
+        assert mounts["redis-tls"] == "/etc/splitserve/redis-tls", group
+    _, worker, router, _ = configs_from_args(build_parser().parse_args(head_argv(values)))
+    assert worker.redis.redis_tls_ca_file == "/etc/splitserve/redis-tls/ca.crt"
+    assert router.redis.redis_url == "rediss://r:6380/0"
+    # An explicit CA file wins over the Secret's.
+    own = {**values, "redisOptions": {"redisTlsCaFile": "/etc/own/ca.pem"}}
+    argv = head_argv(own)
+    assert "--redis-tls-ca-file=/etc/own/ca.pem" in argv
+    assert "--redis-tls-ca-file=/etc/splitserve/redis-tls/ca.crt" not in argv

@@ -16,6 +16,7 @@ import torch
 from engine.kv_cache_spec import KVCacheSpec
 from kvtransfer.base import KVRef, KVTransferBackend, PeerInfo, TransferState
 from kvtransfer.registry import make_backend
+from kvtransfer.tls import KVTransferTls
 from tests.waiting import wait_until
 
 SMALL_SPEC = KVCacheSpec(num_layers=2, num_kv_heads=2, head_dim=32, block_size=8, dtype="bfloat16")
@@ -60,12 +61,15 @@ def source_main(
     backend_name: str,
     engines: list[tuple[str, KVCacheSpec, int]],
     device: str = "cpu",
+    tls: KVTransferTls | None = None,
 ) -> None:
     """Child process: one backend per ``(engine_id, spec, seed)``, driven through ``conn``."""
     warnings = WarningLog()
     # A refused release changes nothing: its warning is the only sign that it arrived.
     logging.getLogger("kvtransfer._common").addHandler(warnings)
-    backends = {engine_id: make_backend(backend_name, engine_id) for engine_id, _, _ in engines}
+    backends = {
+        engine_id: make_backend(backend_name, engine_id, tls=tls) for engine_id, _, _ in engines
+    }
     caches = [make_cache(spec, seed).to(device) for _, spec, seed in engines]
     conn.send(
         [
@@ -100,38 +104,48 @@ class SourceProcess:
         backend_name: str,
         engines: list[tuple[str, KVCacheSpec, int]],
         device: str = "cpu",
+        tls: KVTransferTls | None = None,
     ) -> None:
         ctx = multiprocessing.get_context("spawn")
         self.conn, child_conn = ctx.Pipe()
         self.process: BaseProcess = ctx.Process(
-            target=source_main, args=(child_conn, backend_name, engines, device), daemon=True
+            target=source_main, args=(child_conn, backend_name, engines, device, tls), daemon=True
         )
         self.process.start()
         self._infos: dict[str, PeerInfo] | None = None
 
     def info(self, engine_id: str) -> PeerInfo:
+        return self._received_infos()[engine_id]
+
+    def _received_infos(self) -> dict[str, PeerInfo]:
+        """The infos the process sends first, once it serves (received on the first call)."""
         if self._infos is None:
             assert self.conn.poll(60), "source process did not start"
             self._infos = {info.engine_id: info for info in self.conn.recv()}
-        return self._infos[engine_id]
+        return self._infos
+
+    def _send(self, *command: object) -> None:
+        """Send a command, after the infos, so that its answer is the next thing received."""
+        self._received_infos()
+        self.conn.send(command)
 
     def publish(self, engine_id: str, req_id: str, block_ids: Sequence[int]) -> bytes:
         """Publish in the source process; return the grant that reads and releases present."""
-        self.conn.send(("publish", engine_id, req_id, list(block_ids)))
+        self._send("publish", engine_id, req_id, list(block_ids))
         return self.conn.recv()
 
     def unpublish(self, engine_id: str, req_id: str) -> None:
-        self.conn.send(("unpublish", engine_id, req_id))
+        self._send("unpublish", engine_id, req_id)
         self.conn.recv()
 
     def take_released(self, engine_id: str) -> list[str]:
-        self.conn.send(("take_released", engine_id))
+        self._send("take_released", engine_id)
         return self.conn.recv()
 
     def take_warnings(self) -> list[str]:
         """The warnings of the source's published-blocks tables (``kvtransfer._common``, all
         engines) since the last call."""
-        self.conn.send(("take_warnings",))
+        self._send("take_warnings")
         return self.conn.recv()
 
     def wait_warnings(self, text: str, count: int, timeout_s: float = 5.0) -> list[str]:
@@ -173,9 +187,10 @@ def make_dst(
     engine_id: str = "dst",
     io_timeout_s: float = 5.0,
     device: str = "cpu",
+    tls: KVTransferTls | None = None,
 ) -> tuple[KVTransferBackend, torch.Tensor]:
     """A registered destination backend over a zeroed cache of ``NUM_BLOCKS`` blocks."""
-    backend = make_backend(backend_name, engine_id, io_timeout_s=io_timeout_s)
+    backend = make_backend(backend_name, engine_id, io_timeout_s=io_timeout_s, tls=tls)
     shape = (NUM_BLOCKS, *spec.block_shape)
     kv_cache = torch.zeros(shape, dtype=torch.bfloat16, device=device)
     backend.register_kv_cache(kv_cache, spec)

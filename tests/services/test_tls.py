@@ -1,19 +1,28 @@
 """Mutual TLS inside a real cluster, TLS on the router's client port (``splitserve certs``
-material): who can complete a handshake, and which identities a worker admits."""
+material): who can complete a handshake, which identities a worker admits, and what a decode
+worker does with a ``kv_peer`` outside the cluster."""
 
 from __future__ import annotations
 
+import dataclasses
+from pathlib import Path
+
 import grpc
 import pytest
+import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from engine import LLM, SamplingParams
+from kvtransfer.base import KVRef
+from kvtransfer.registry import make_backend
+from kvtransfer.tls import KVTransferTls
 from services.certs import write_cluster_certs
+from services.common.convert import kv_ref_to_proto, peer_info_to_proto, sampling_params_to_worker
 from services.common.grpc_server import CHANNEL_OPTIONS
 from services.common.roles import Role
 from services.common.tls import Identity, TlsMaterial, member_channel_blocking
 from splitserve.v1 import router_pb2, router_pb2_grpc, worker_pb2, worker_pb2_grpc
-from tests.services.conftest import greedy
+from tests.services.conftest import greedy, tiny_engine_config
 
 HOSTS = ["localhost", "127.0.0.1"]
 PROMPT = [5, 17, 42, 99, 123, 7, 64, 301, 12, 88, 150, 33]
@@ -31,7 +40,8 @@ def certs(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def cluster(start_cluster, certs):
-    return start_cluster(tls_dir=str(certs[0]))
+    # tcp: KV transfers under the cluster's mutual TLS too (nixl has none).
+    return start_cluster(tls_dir=str(certs[0]), extra_worker_flags=("--kv-transfer", "tcp"))
 
 
 def test_generation_over_tls_is_the_offline_engines(cluster, tiny_llama_dir):
@@ -101,3 +111,67 @@ def test_a_worker_admits_only_the_clusters_router_and_controller(cluster, certs)
     with member_channel_blocking(decode, Identity.DECODE, material(root, Identity.CLIENT)) as ch:
         reply = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=5)
     assert reply.status == health_pb2.HealthCheckResponse.SERVING
+
+
+def material(cert_dir: Path, identity: Identity, ca_dir: Path) -> TlsMaterial:
+    """``identity``'s certificate and key from ``cert_dir``, trusting ``ca_dir``'s CA."""
+    own = TlsMaterial.from_dir(cert_dir / identity.value)
+    return TlsMaterial(own.cert_pem, own.key_pem, (ca_dir / "ca.crt").read_bytes())
+
+
+@pytest.mark.parametrize("attacker", ["plaintext", "another CA"])
+def test_a_decode_request_naming_a_forged_kv_peer_pulls_nothing(
+    cluster, certs, tiny_llama_dir, attacker
+):
+    """Even a call with the router's own identity (a compromised router) cannot make a decode
+    worker pull from a source outside the cluster: the KV connection's mutual TLS refuses it,
+    the worker computes the prompt itself, and what it caches is the true KV."""
+    local, _ = cluster
+    root, rogue = certs
+    # Full blocks, cached once computed; one prompt per case, so none hits another's blocks.
+    offset = len(attacker)
+    prompt = [(7 * i + offset) % 250 + 1 for i in range(40)]
+    params = SamplingParams(temperature=0.0, max_tokens=8)
+    offline = LLM.from_config(tiny_engine_config(tiny_llama_dir))
+    want = offline.generate([prompt], params)[0].token_ids
+    tls = None
+    if attacker == "another CA":
+        tls = KVTransferTls.from_dir(rogue / "prefill", {"decode"})
+    source = make_backend("tcp", f"attacker-{attacker}", tls=tls)
+    spec = offline.engine.kv_cache_spec
+    kv_cache = torch.full_like(offline.engine.kv_cache, 7.0)  # bytes no forward pass produces
+    peer = source.register_kv_cache(kv_cache, spec)
+    block_ids = list(range(-(-len(prompt) // spec.block_size)))
+    kv_ref = KVRef(peer.engine_id, "bait", tuple(block_ids), len(prompt))
+    kv_ref = dataclasses.replace(kv_ref, grant=source.publish("bait", block_ids))
+    decode = local.workers(Role.DECODE)[0].address
+    as_router = material(root, Identity.ROUTER, root)
+
+    def decode_call(request_id: str, **kv) -> list[worker_pb2.DecodeResponse]:
+        request = worker_pb2.DecodeRequest(
+            request_id=request_id,
+            prompt_token_ids=prompt,
+            output_token_ids=want[:1],
+            sampling=sampling_params_to_worker(params),
+            **kv,
+        )
+        with member_channel_blocking(decode, Identity.DECODE, as_router) as channel:
+            stub = worker_pb2_grpc.DecodeWorkerStub(channel)
+            return list(stub.Decode(request, timeout=60))
+
+    try:
+        forged = decode_call(
+            f"forged-{attacker}", kv_ref=kv_ref_to_proto(kv_ref), kv_peer=peer_info_to_proto(peer)
+        )
+        assert source.take_released() == []  # the source never heard from the decode worker
+    finally:
+        source.close()
+    tokens = [token for response in forged for token in response.token_ids]
+    assert want[:1] + tokens == want
+    assert forged[-1].kv_transfer_failed and forged[-1].num_transferred_blocks == 0
+    assert forged[-1].num_cached_tokens == 0
+    # The same prompt again, prefilled there: it hits the blocks the worker computed, which hold
+    # the true KV (its tokens are the offline engine's), not the attacker's bytes.
+    again = decode_call(f"again-{attacker}")
+    assert want[:1] + [token for response in again for token in response.token_ids] == want
+    assert again[-1].num_cached_tokens >= 32

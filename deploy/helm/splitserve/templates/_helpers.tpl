@@ -81,7 +81,8 @@ integers.
 {{/*
 A group's volumes and its container's mounts, as YAML {volumes: [...], mounts: [...]}: the user's
 model (modelVolume), a writable /tmp (the root filesystem is read-only), the group's TLS Secrets
-under /etc/splitserve/tls/<identity>, and the API key file on the head.
+under /etc/splitserve/tls/<identity>, an external Redis's TLS Secret under
+/etc/splitserve/redis-tls, and the API key file on the head.
 Arguments: root (the chart's context), group ("head", "prefill" or "decode").
 */}}
 {{- define "splitserve.storage" -}}
@@ -108,6 +109,10 @@ Arguments: root (the chart's context), group ("head", "prefill" or "decode").
 {{- $volumes = append $volumes (dict "name" (printf "tls-%s" $identity) "secret" (dict "secretName" $secret "defaultMode" 288)) -}}
 {{- $mounts = append $mounts (dict "name" (printf "tls-%s" $identity) "mountPath" (printf "/etc/splitserve/tls/%s" $identity) "readOnly" true) -}}
 {{- end -}}
+{{- end -}}
+{{- if and (not $v.redis.enabled) $v.redis.external.tlsSecret -}}
+{{- $volumes = append $volumes (dict "name" "redis-tls" "secret" (dict "secretName" $v.redis.external.tlsSecret "defaultMode" 288)) -}}
+{{- $mounts = append $mounts (dict "name" "redis-tls" "mountPath" "/etc/splitserve/redis-tls" "readOnly" true) -}}
 {{- end -}}
 {{- if and (eq .group "head") $v.security.apiKeysSecret -}}
 {{- $volumes = append $volumes (dict "name" "api-keys" "secret" (dict "secretName" $v.security.apiKeysSecret "defaultMode" 288 "items" (list (dict "key" "api-keys" "path" "api-keys")))) -}}
@@ -176,6 +181,7 @@ ray start --head --dashboard-host=127.0.0.1 --num-cpus=0 --disable-usage-stats
 --redis-url={{ include "splitserve.shellQuote" (include "splitserve.redisUrl" .) }}
 {{- if $v.security.tls.enabled }} --tls-dir=/etc/splitserve/tls{{ end }}
 {{- if $v.security.apiKeysSecret }} --api-key-file=/etc/splitserve/api-keys/api-keys{{ end }}
+{{- if and (not $v.redis.enabled) $v.redis.external.tlsSecret (not $v.redisOptions.redisTlsCaFile) }} --redis-tls-ca-file=/etc/splitserve/redis-tls/ca.crt{{ end }}
 {{- include "splitserve.flags" $v.engine }}
 {{- include "splitserve.flags" $v.worker }}
 {{- include "splitserve.flags" $v.router }}
