@@ -1,7 +1,11 @@
 """KV transfer throughput per backend between two processes, beside a memcpy bound.
 
-``python -m loadtest.bench_kv_transfer [--backends nixl,ucx,tcp] [--sizes-mib 1,16,64,256]
-[--model smollm2-135m] [--prompt-tokens 2000] [--repeats 5] [--out DIR]``
+``python -m loadtest.bench_kv_transfer [--backends nixl,ucx,tcp,ucx+tls,tcp+tls]
+[--sizes-mib 1,16,64,256] [--model smollm2-135m] [--prompt-tokens 2000] [--repeats 5]
+[--out DIR]``
+
+``NAME+tls`` runs backend NAME with mutual TLS on every connection (``kvtransfer.tls``), under
+certificates ``splitserve certs`` writes to ``DIR/kv-certs``.
 
 For each backend a source process registers a cache shaped like SmolLM2-135M's (30 layers,
 3 KV heads, head_dim 64, 16-token blocks, bf16: 360 KiB per block) and this process, the
@@ -43,7 +47,9 @@ from engine.kv_cache_spec import KVCacheSpec
 from engine.llm_engine import LLMEngine
 from engine.sampling_params import SamplingParams
 from kvtransfer.base import KVRef, KVTransferBackend, PeerInfo, TransferState
-from kvtransfer.registry import available_backends, make_backend
+from kvtransfer.registry import TLS_BACKENDS, available_backends, make_backend
+from kvtransfer.tls import KVTransferTls
+from services.certs import write_cluster_certs
 
 SMOLLM2_SPEC = KVCacheSpec(
     num_layers=30, num_kv_heads=3, head_dim=64, block_size=16, dtype="bfloat16"
@@ -93,13 +99,29 @@ def cma_read_s(
     return elapsed_s
 
 
+def backend_for(spec: str, engine_id: str, identity: str, tls_root: Path) -> KVTransferBackend:
+    """``spec`` is a backend name, or ``NAME+tls``: then every connection is mutual TLS under
+    the certificates ``splitserve certs`` wrote to ``tls_root``, as ``identity`` (``prefill`` /
+    ``decode``)."""
+    name, _, tls = spec.partition("+")
+    if not tls:
+        return make_backend(name, engine_id)
+    peer = "decode" if identity == "prefill" else "prefill"
+    return make_backend(name, engine_id, tls=KVTransferTls.from_dir(tls_root / identity, {peer}))
+
+
 # ----------------------------------------------------------------------------- source process
 def source_main(
-    conn: Connection, backend_name: str, num_blocks: int, model: str, prompt_tokens: int
+    conn: Connection,
+    backend_name: str,
+    num_blocks: int,
+    model: str,
+    prompt_tokens: int,
+    tls_root: Path,
 ) -> None:
     """Serve a synthetic cache; on ``real``, also a real engine's cache after one prefill."""
     torch.set_num_threads(1)
-    synthetic = make_backend(backend_name, "bench-synthetic")
+    synthetic = backend_for(backend_name, "bench-synthetic", "prefill", tls_root)
     cache = synthetic_cache(num_blocks)
     conn.send((synthetic.register_kv_cache(cache, SMOLLM2_SPEC), cache.data_ptr()))
     real: KVTransferBackend | None = None
@@ -108,7 +130,7 @@ def source_main(
         if command == "publish":
             conn.send(synthetic.publish(*args))
         elif command == "real":
-            real = make_backend(backend_name, "bench-real")
+            real = backend_for(backend_name, "bench-real", "prefill", tls_root)
             conn.send(held_prefill(real, model, prompt_tokens))
         else:
             break
@@ -173,14 +195,14 @@ def bench_backend(backend_name: str, args: argparse.Namespace) -> dict:
     conn, child_conn = ctx.Pipe()
     source = ctx.Process(
         target=source_main,
-        args=(child_conn, backend_name, num_blocks, args.model, args.prompt_tokens),
+        args=(child_conn, backend_name, num_blocks, args.model, args.prompt_tokens, args.tls_root),
         daemon=True,
     )
     source.start()
     try:
         synthetic_info, src_addr = conn.recv()
         expected_rows = rows(synthetic_cache(num_blocks))
-        dst = make_backend(backend_name, "bench-dst")
+        dst = backend_for(backend_name, "bench-dst", "decode", args.tls_root)
         dst_cache = torch.zeros((num_blocks, *SMOLLM2_SPEC.block_shape), dtype=torch.bfloat16)
         dst.register_kv_cache(dst_cache, SMOLLM2_SPEC)
         dst.add_peer(synthetic_info)
@@ -222,7 +244,7 @@ def bench_backend(backend_name: str, args: argparse.Namespace) -> dict:
             )
         conn.send(("real",))
         real_info, real_addr, spec, block_ids, real_grant, prefill_s, expected = conn.recv()
-        real_dst = make_backend(backend_name, "bench-real-dst")
+        real_dst = backend_for(backend_name, "bench-real-dst", "decode", args.tls_root)
         real_cache = torch.zeros((len(block_ids), *spec.block_shape), dtype=torch.bfloat16)
         real_dst.register_kv_cache(real_cache, spec)
         real_dst.add_peer(real_info)
@@ -299,13 +321,17 @@ def to_markdown(results: list[dict]) -> str:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     networked = [b for b in available_backends() if b != "inproc"]
-    parser.add_argument("--backends", default=",".join(networked))
+    with_tls = [f"{b}+tls" for b in networked if b in TLS_BACKENDS]
+    parser.add_argument("--backends", default=",".join(networked + with_tls))
     parser.add_argument("--sizes-mib", default="1,16,64,256")
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--prompt-tokens", type=int, default=2000)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--out", type=Path, default=Path("bench-out"))
     args = parser.parse_args(argv)
+    args.tls_root = args.out / "kv-certs"
+    if "+tls" in args.backends and not (args.tls_root / "ca.crt").exists():
+        write_cluster_certs(args.tls_root, ["localhost", "127.0.0.1"])
     torch.set_num_threads(1)
     results = [bench_backend(name, args) for name in args.backends.split(",")]
     args.out.mkdir(parents=True, exist_ok=True)

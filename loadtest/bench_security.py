@@ -1,7 +1,8 @@
 """What TLS, mutual TLS and API keys cost: the same load through a plaintext cluster and a
 secured one (``--tls-dir`` on every service, ``--api-key-file`` on the router).
 
-``python -m loadtest.bench_security --model smollm2-135m [--rounds 2] [--num-requests 24]``
+``python -m loadtest.bench_security --model smollm2-135m [--rounds 2] [--num-requests 24]
+[--kv-transfer tcp]``
 starts each cluster in turn with ``splitserve up``'s launcher (one prefill and one decode
 worker, the cores split between them), warms it up, then sends ``--num-requests`` chat requests
 (prompts seeded by ``--seed``: the same ones to both arms), ``--concurrency`` in flight; the
@@ -35,10 +36,13 @@ from services.launcher import LocalCluster
 _ARMS = ("plaintext", "tls+keys")
 
 
-def _start(engine: EngineConfig, arm: str, root: Path) -> tuple[LocalCluster, dict[str, str]]:
+def _start(
+    engine: EngineConfig, arm: str, root: Path, kv_transfer: str
+) -> tuple[LocalCluster, dict[str, str]]:
     """A started cluster and what a client needs to call it (api_key, ca_file)."""
+    worker_flags = ("--kv-transfer", kv_transfer) if kv_transfer else ()
     if arm == "plaintext":
-        cluster = LocalCluster(engine=engine)
+        cluster = LocalCluster(engine=engine, extra_worker_flags=worker_flags)
         cluster.start()
         return cluster, {"api_key": "", "ca_file": ""}
     data_key, admin_key = secrets.token_hex(24), secrets.token_hex(24)
@@ -49,6 +53,7 @@ def _start(engine: EngineConfig, arm: str, root: Path) -> tuple[LocalCluster, di
         tls_dir=str(root / "certs"),
         admin_api_key=admin_key,
         extra_router_flags=("--api-key-file", str(key_file)),
+        extra_worker_flags=worker_flags,
     )
     cluster.start()
     return cluster, {"api_key": data_key, "ca_file": str(root / "certs" / "ca.crt")}
@@ -57,7 +62,7 @@ def _start(engine: EngineConfig, arm: str, root: Path) -> tuple[LocalCluster, di
 def _measure(
     engine: EngineConfig, arm: str, root: Path, args: argparse.Namespace
 ) -> dict[str, float]:
-    cluster, credentials = _start(engine, arm, root)
+    cluster, credentials = _start(engine, arm, root, args.kv_transfer)
     try:
         # Status needs an admin key on the secured arm: ask as the launcher does.
         served = served_model(
@@ -95,6 +100,9 @@ def main() -> None:
     parser.add_argument("--num-requests", type=int, default=24)
     parser.add_argument("--concurrency", type=int, default=4)
     parser.add_argument("--out", type=Path, default=Path("bench-out/security"))
+    # tcp or ucx: the secured arm's KV transfers are mutual TLS too (nixl, the default when
+    # installed, has no TLS).
+    parser.add_argument("--kv-transfer", default="")
     args = parser.parse_args()
     engine = dataclasses.replace(from_args(EngineConfig, args), detokenize=False)
     rounds: dict[str, list[dict[str, float]]] = {arm: [] for arm in _ARMS}

@@ -169,9 +169,7 @@ def schema() -> dict[str, Any]:
                 "existingSecret": _STRING,
                 "resources": _ANY_OBJECT,
                 "persistence": _obj({"enabled": {"type": "boolean"}, "size": _STRING}),
-                "external": _obj(
-                    {"url": _STRING, "existingSecret": _STRING, "tlsSecret": _STRING}
-                ),
+                "external": _obj({"url": _STRING, "existingSecret": _STRING, "tlsSecret": _STRING}),
             }
         ),
         "podDisruptionBudget": _obj(
