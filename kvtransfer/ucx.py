@@ -4,7 +4,8 @@ It speaks the pull protocol of ``_pull_protocol`` in the framing of ``_ucx_wire`
 UCX tagged messages on one endpoint pair, which arrive in order, and a granted read's blocks
 follow as one message per run the reader asked for (ids consecutive on both sides). Each run
 moves as one message straight from a numpy view of the source's cache rows into one of the
-destination's: no copy on either side.
+destination's: no copy on either side. With ``PullEndpoint.tls`` each endpoint opens with a
+mutual TLS handshake and every frame is sealed (``kvtransfer.tls``); the blocks still move raw.
 
 Threading: ``ucxx`` has one context per process, and completes requests through futures of the
 event loop that ran ``ucxx.init``. So all ``UcxBackend`` objects of a process share one asyncio
