@@ -72,6 +72,12 @@ def test_a_client_without_the_cluster_ca_cannot_complete_a_handshake(cluster, ce
     assert status_code(grpc.secure_channel(address, trusts_cluster)) == grpc.StatusCode.OK
 
 
+def material(cert_dir: Path, identity: Identity, ca_dir: Path) -> TlsMaterial:
+    """``identity``'s certificate and key from ``cert_dir``, trusting ``ca_dir``'s CA."""
+    own = TlsMaterial.from_dir(cert_dir / identity.value)
+    return TlsMaterial(own.cert_pem, own.key_pem, (ca_dir / "ca.crt").read_bytes())
+
+
 def get_load(address: str, tls: TlsMaterial) -> grpc.StatusCode:
     with member_channel_blocking(address, Identity.DECODE, tls) as channel:
         try:
@@ -88,17 +94,12 @@ def test_a_worker_admits_only_the_clusters_router_and_controller(cluster, certs)
     root, rogue = certs
     decode = local.workers(Role.DECODE)[0].address
 
-    def material(cert_dir, identity: Identity) -> TlsMaterial:
-        own = TlsMaterial.from_dir(cert_dir / identity.value)
-        # Trust the cluster's CA: only the certificate presented differs.
-        return TlsMaterial(own.cert_pem, own.key_pem, (root / "ca.crt").read_bytes())
-
-    assert get_load(decode, material(root, Identity.ROUTER)) == grpc.StatusCode.OK
-    assert get_load(decode, material(root, Identity.CONTROLLER)) == grpc.StatusCode.OK
+    assert get_load(decode, material(root, Identity.ROUTER, root)) == grpc.StatusCode.OK
+    assert get_load(decode, material(root, Identity.CONTROLLER, root)) == grpc.StatusCode.OK
     for identity in (Identity.CLIENT, Identity.DECODE, Identity.PREFILL):
-        assert get_load(decode, material(root, identity)) == grpc.StatusCode.PERMISSION_DENIED
+        assert get_load(decode, material(root, identity, root)) == grpc.StatusCode.PERMISSION_DENIED
     # A certificate the cluster CA did not sign fails the handshake, whatever it claims.
-    assert get_load(decode, material(rogue, Identity.ROUTER)) == grpc.StatusCode.UNAVAILABLE
+    assert get_load(decode, material(rogue, Identity.ROUTER, root)) == grpc.StatusCode.UNAVAILABLE
     no_certificate = grpc.ssl_channel_credentials((root / "ca.crt").read_bytes())
     options = (*CHANNEL_OPTIONS, ("grpc.ssl_target_name_override", Identity.DECODE.service_name))
     with (
@@ -108,15 +109,11 @@ def test_a_worker_admits_only_the_clusters_router_and_controller(cluster, certs)
         worker_pb2_grpc.DecodeWorkerStub(channel).GetLoad(worker_pb2.GetLoadRequest(), timeout=5)
     assert info.value.code() == grpc.StatusCode.UNAVAILABLE
     # Health checks are for every cluster certificate (probes know nothing of identities).
-    with member_channel_blocking(decode, Identity.DECODE, material(root, Identity.CLIENT)) as ch:
+    with member_channel_blocking(
+        decode, Identity.DECODE, material(root, Identity.CLIENT, root)
+    ) as ch:
         reply = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=5)
     assert reply.status == health_pb2.HealthCheckResponse.SERVING
-
-
-def material(cert_dir: Path, identity: Identity, ca_dir: Path) -> TlsMaterial:
-    """``identity``'s certificate and key from ``cert_dir``, trusting ``ca_dir``'s CA."""
-    own = TlsMaterial.from_dir(cert_dir / identity.value)
-    return TlsMaterial(own.cert_pem, own.key_pem, (ca_dir / "ca.crt").read_bytes())
 
 
 @pytest.mark.parametrize("attacker", ["plaintext", "another CA"])
