@@ -5,6 +5,7 @@ worker does with a ``kv_peer`` outside the cluster."""
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from pathlib import Path
 
 import grpc
@@ -52,13 +53,21 @@ def test_generation_over_tls_is_the_offline_engines(cluster, tiny_llama_dir):
     assert got.token_ids == want.token_ids
 
 
-def status_code(channel: grpc.Channel) -> grpc.StatusCode:
+def call_code(channel: grpc.Channel, call: Callable[[grpc.Channel], object]) -> grpc.StatusCode:
+    """The status of ``call(channel)`` (OK when it returns); the channel is closed after."""
     with channel:
         try:
-            router_pb2_grpc.RouterStub(channel).Status(router_pb2.StatusRequest(), timeout=5)
+            call(channel)
         except grpc.RpcError as exc:
             return exc.code()
     return grpc.StatusCode.OK
+
+
+def status_code(channel: grpc.Channel) -> grpc.StatusCode:
+    return call_code(
+        channel,
+        lambda ch: router_pb2_grpc.RouterStub(ch).Status(router_pb2.StatusRequest(), timeout=5),
+    )
 
 
 def test_a_client_without_the_cluster_ca_cannot_complete_a_handshake(cluster, certs):
@@ -79,14 +88,12 @@ def material(cert_dir: Path, identity: Identity, ca_dir: Path) -> TlsMaterial:
 
 
 def get_load(address: str, tls: TlsMaterial) -> grpc.StatusCode:
-    with member_channel_blocking(address, Identity.DECODE, tls) as channel:
-        try:
-            worker_pb2_grpc.DecodeWorkerStub(channel).GetLoad(
-                worker_pb2.GetLoadRequest(), timeout=5
-            )
-        except grpc.RpcError as exc:
-            return exc.code()
-    return grpc.StatusCode.OK
+    return call_code(
+        member_channel_blocking(address, Identity.DECODE, tls),
+        lambda ch: worker_pb2_grpc.DecodeWorkerStub(ch).GetLoad(
+            worker_pb2.GetLoadRequest(), timeout=5
+        ),
+    )
 
 
 def test_a_worker_admits_only_the_clusters_router_and_controller(cluster, certs):
