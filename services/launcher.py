@@ -81,6 +81,7 @@ class ServiceProcess:
     address: str
     metrics_port: int
     argv: list[str]
+    http_port: int | None = None  # a router's HTTP API (None: none)
     popen: subprocess.Popen[bytes] | None = None
     state: ProcessState = ProcessState.STARTING
     num_restarts: int = 0
@@ -190,6 +191,8 @@ class LocalCluster:
     mode: str = "disaggregated"
     host: str = "127.0.0.1"
     port: int = 0
+    # The first router's HTTP API port (the next ones: +1, +2, ...; 0: free ports; None: off).
+    http_port: int | None = 0
     extra_worker_flags: Sequence[str] = ()
     extra_router_flags: Sequence[str] = ()
     # Flags for the workers of one role only, after the shared ones.
@@ -256,7 +259,14 @@ class LocalCluster:
                 address = f"{self.host}:{port}"
                 self.processes.append(ServiceProcess(role, address, metrics_port, argv))
         self.processes.extend(
-            self._router_process(self.port if i == 0 and self.port else free_port(self.host))
+            self._router_process(
+                self.port if i == 0 and self.port else free_port(self.host),
+                None
+                if self.http_port is None
+                else self.http_port + i
+                if self.http_port
+                else free_port(self.host),
+            )
             for i in range(self.num_routers)
         )
         for process in self.processes:
@@ -316,8 +326,18 @@ class LocalCluster:
     def _tls_flags(self, identity: Identity) -> list[str]:
         return ["--tls-dir", identity_tls_dir(self.tls_dir, identity)] if self.tls_dir else []
 
-    def _router_process(self, port: int) -> ServiceProcess:
+    @property
+    def http_url(self) -> str:
+        """The first router's HTTP API, e.g. ``http://127.0.0.1:8000`` (https with TLS)."""
+        router = self.workers(Role.ROUTER)[0]
+        if router.http_port is None:
+            raise ValueError("this cluster's routers serve no HTTP API")
+        scheme = "https" if self.tls_dir else "http"
+        return f"{scheme}://{self.host}:{router.http_port}"
+
+    def _router_process(self, port: int, http_port: int | None) -> ServiceProcess:
         metrics_port = free_port(self.host)
+        http_flags = ["--no-http"] if http_port is None else ["--http-port", str(http_port)]
         return ServiceProcess(
             Role.ROUTER,
             f"{self.host}:{port}",
@@ -331,10 +351,12 @@ class LocalCluster:
                 "--port", str(port),
                 "--mode", self.mode,
                 "--metrics-port", str(metrics_port),
+                *http_flags,
                 "--prefill-workers", ",".join(p.address for p in self.workers(Role.PREFILL)),
                 "--decode-workers", ",".join(p.address for p in self.workers(Role.DECODE)),
                 *self.extra_router_flags,
             ],
+            http_port,
         )  # fmt: skip
 
     def _engine_for_workers(self) -> EngineConfig:

@@ -40,6 +40,8 @@ _PER_ROUTER = (
     "model", "revision", "served_model_name", "host", "port", "mode", "prefill_workers",
     "decode_workers", "metrics_port", "seed", "router_id", "tls_dir",
 )  # fmt: skip
+# Per replica under the launcher too (port + i), but flags of `up` (the first router's).
+_HTTP = ("http", "http_port")
 _SUPERVISE_S = 0.5
 
 
@@ -110,7 +112,15 @@ def run(args: argparse.Namespace) -> int:
         def report(ray_cluster: RayCluster, addresses: list[str], elapsed_s: float) -> None:
             members = ray_cluster.members()
             workers = ", ".join(f"{m.role}@{m.address}" for m in members if m.role.is_pool)
-            _print_banner(cluster, addresses, workers, elapsed_s, on_ray=True)
+            http_urls = (
+                [
+                    _http_url(cluster, address.rsplit(":", 1)[0], router.http_port + i)
+                    for i, address in enumerate(addresses)
+                ]
+                if router.http and router.http_port
+                else []
+            )
+            _print_banner(cluster, addresses, http_urls, workers, elapsed_s, on_ray=True)
             metrics = ", ".join(f"{m.name}:{m.metrics_port}" for m in members)
             print(f"Prometheus /metrics: {metrics}", flush=True)
 
@@ -176,11 +186,12 @@ def _serve_local(
         mode=cluster.mode,
         host=cluster.host,
         port=cluster.port,
+        http_port=router.http_port if router.http else None,
         log_level=log_level,
         admin_api_key=router.admin_api_key,
         tls_dir=cluster.tls_dir,
         extra_worker_flags=(*to_argv(worker, skip=_PER_WORKER), *redis_argv),
-        extra_router_flags=(*to_argv(router, skip=_PER_ROUTER), *redis_argv),
+        extra_router_flags=(*to_argv(router, skip=(*_PER_ROUTER, *_HTTP)), *redis_argv),
     )
     start_s = time.monotonic()
     announced = False
@@ -204,13 +215,28 @@ def _serve_local(
 def _announce_local(cluster: ClusterConfig, local: LocalCluster, elapsed_s: float) -> None:
     routers = [r.address for r in local.workers(Role.ROUTER)]
     workers = ", ".join(f"{p.role}@{p.address}" for p in local.processes if p.role.is_pool)
-    _print_banner(cluster, routers, workers, elapsed_s, on_ray=False)
+    http_urls = [
+        _http_url(cluster, cluster.host, r.http_port)
+        for r in local.workers(Role.ROUTER)
+        if r.http_port is not None
+    ]
+    _print_banner(cluster, routers, http_urls, workers, elapsed_s, on_ray=False)
     metrics = ", ".join(f"{p.role}:{p.metrics_port}" for p in local.processes)
     print(f"Prometheus /metrics on {cluster.host}: {metrics}", flush=True)
 
 
+def _http_url(cluster: ClusterConfig, host: str, port: int) -> str:
+    return f"{'https' if cluster.tls_dir else 'http'}://{host}:{port}/v1"
+
+
 def _print_banner(
-    cluster: ClusterConfig, addresses: list[str], workers: str, elapsed_s: float, *, on_ray: bool
+    cluster: ClusterConfig,
+    addresses: list[str],
+    http_urls: list[str],
+    workers: str,
+    elapsed_s: float,
+    *,
+    on_ray: bool,
 ) -> None:
     how = "Ray actors" if on_ray else "local processes"
     print(
@@ -219,6 +245,8 @@ def _print_banner(
         flush=True,
     )
     print(f'try: splitserve client --target {addresses[0]} --chat "Hello!"', flush=True)
+    if http_urls:
+        print(f"OpenAI API: {', '.join(http_urls)} (e.g. {http_urls[0]}/models)", flush=True)
     if on_ray:
         print(
             f"scale: splitserve scale prefill N --target {addresses[0]}; "

@@ -41,6 +41,8 @@ FLAG_SECTIONS: dict[str, tuple[type, tuple[str, ...]]] = {
     "planner": (PlannerConfig, ()),
     "redisOptions": (RedisConfig, CHART_OWNED["redisOptions"]),
 }
+# Flags a Service, a containerPort and the probes point at: a real port, not any integer.
+CHART_PORTS = {"router": ("http_port",)}
 _JSON_TYPES = {int: "integer", float: "number", str: "string", bool: "boolean"}
 # The identities whose TLS Secrets the pods mount (services/common/tls.py; no client one).
 _TLS_IDENTITIES = ("router", "controller", "prefill", "decode")
@@ -80,6 +82,8 @@ def _flag_schema(section: str) -> dict[str, Any]:
         }
         if f.metadata["choices"]:
             prop["enum"] = [*f.metadata["choices"], *([None] if optional else [])]
+        if f.name in CHART_PORTS.get(section, ()):
+            prop.update(minimum=_PORT["minimum"], maximum=_PORT["maximum"])
         properties[camel(f.name)] = prop
     return {"type": "object", "additionalProperties": False, "properties": properties}
 

@@ -304,6 +304,9 @@ class ClusterController:
                 self._router_config,
                 port=port,
                 metrics_port=metrics_port + slot if metrics_port else 0,
+                http_port=self._router_config.http_port + slot
+                if self._router_config.http_port
+                else 0,
                 router_id=f"{self._router_config.router_id or 'router'}-{slot}-{self._token}",
                 prefill_workers=",".join(pools[Role.PREFILL]),
                 decode_workers=",".join(pools[Role.DECODE]),

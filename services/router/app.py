@@ -20,6 +20,8 @@ from services.common.metrics import start_metrics_server
 from services.common.tls import read_tls_dir
 from services.router.auth import ROUTER_METHOD_ROLES, RequireApiKey
 from services.router.config import RouterConfig, parse_router_args
+from services.router.openai.routes import build_app
+from services.router.openai.server import HttpServer
 from services.router.scaler import PoolScaler
 from services.router.server import SERVICE_NAME, RouterServicer
 from splitserve.v1 import router_pb2_grpc
@@ -32,22 +34,31 @@ _KEY_FILE_CHECK_S = 5.0
 
 @dataclass(slots=True)
 class RunningRouter:
-    """A started router: its servicer, the port it serves on and the keys it accepts."""
+    """A started router: its servicer, the ports it serves on (gRPC, and HTTP unless
+    ``--no-http``) and the keys it accepts."""
 
     servicer: RouterServicer
     serving: ServingServer
     api_keys: ApiKeyStore
+    http: HttpServer | None = None
     watch_task: asyncio.Task[None] | None = None
 
     @property
     def port(self) -> int:
         return self.serving.port
 
+    @property
+    def http_port(self) -> int | None:
+        return self.http.port if self.http is not None else None
+
     async def stop(self, grace_s: float = 5.0) -> None:
         """Stop serving (in-flight calls get ``grace_s``), then close the worker channels."""
         if self.watch_task is not None:
             self.watch_task.cancel()
-        await self.serving.stop(grace_s)
+        if self.http is not None:
+            await asyncio.gather(self.serving.stop(grace_s), self.http.stop())
+        else:
+            await self.serving.stop(grace_s)
         await self.servicer.stop()
 
 
@@ -88,13 +99,22 @@ async def start_router(
         tls.server_credentials(require_client_auth=False) if tls else None,
     )
     await servicer.start()
+    http = None
+    if config.http:
+        app = build_app(servicer, api_keys, max_body_bytes=_max_body_bytes(config))
+        try:
+            http = await HttpServer.start(app, config.host, config.http_port, config.tls_dir)
+        except OSError:
+            await serving.stop(0)
+            await servicer.stop()
+            raise
     start_metrics_server(config.host, config.metrics_port)
     # What startup allocated (tokenizer, channels) lives as long as the process: keep the
     # cyclic GC from walking it again and again, which shows up as routing-latency spikes.
     gc.freeze()
     await serving.set_serving((SERVICE_NAME,))
     logger.info(
-        "router serving on %s:%d (%s; %d prefill, %d decode workers; API keys %s; %s)",
+        "router serving on %s:%d (%s; %d prefill, %d decode workers; API keys %s; %s; %s)",
         config.host,
         serving.port,
         config.mode,
@@ -102,8 +122,9 @@ async def start_router(
         len(servicer.decode_pool.workers),
         "on" if api_keys.enabled else "off",
         "TLS" if tls else "plaintext",
+        f"OpenAI API on port {http.port}" if http else "no HTTP API",
     )
-    running = RunningRouter(servicer, serving, api_keys)
+    running = RunningRouter(servicer, serving, api_keys, http)
     if config.api_key_file:
         running.watch_task = asyncio.get_running_loop().create_task(_watch_keys(api_keys))
     return running
@@ -115,6 +136,12 @@ async def _watch_keys(api_keys: ApiKeyStore) -> None:
     while True:
         await asyncio.sleep(_KEY_FILE_CHECK_S)
         await asyncio.to_thread(api_keys.reload_if_changed)
+
+
+def _max_body_bytes(config: RouterConfig) -> int:
+    """The largest HTTP body worth parsing: the largest prompt, JSON-escaped (up to 6 bytes
+    a character), plus room for the other fields."""
+    return 6 * config.max_prompt_bytes + 2**20
 
 
 def _is_loopback(host: str) -> bool:
@@ -130,7 +157,13 @@ async def serve(config: RouterConfig, api_keys: ApiKeyStore) -> None:
     """Run a router until SIGTERM / SIGINT; SIGHUP re-reads the API key file."""
     router = await start_router(config, api_keys=api_keys)
     asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, api_keys.reload)
-    await serve_until_signal(router.serving, router.servicer.stop)
+
+    async def stop_http_and_servicer() -> None:
+        if router.http is not None:
+            await router.http.stop()
+        await router.servicer.stop()
+
+    await serve_until_signal(router.serving, stop_http_and_servicer)
 
 
 def main(argv: list[str] | None = None) -> int:

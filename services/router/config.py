@@ -41,6 +41,12 @@ class RouterConfig:
     )
     host: str = flag("127.0.0.1", "address the gRPC server binds (0.0.0.0 in a pod)")
     port: int = flag(50051, "client-facing gRPC port")
+    http: bool = flag(
+        True, "serve the OpenAI-compatible HTTP API (/v1/chat/completions, ...; --no-http: off)"
+    )
+    http_port: int = flag(
+        8000, "port of the OpenAI-compatible HTTP API, on --host (0: any free port)"
+    )
     prefill_workers: str = flag(
         "", "comma-separated host:port of prefill workers (under Ray: set by the controller)"
     )
@@ -159,6 +165,8 @@ class RouterConfig:
             raise ValueError(
                 f"router_heartbeat_ttl_s must be > 0, got {self.router_heartbeat_ttl_s}"
             )
+        if not 0 <= self.http_port <= 65535:
+            raise ValueError(f"http_port must be in [0, 65535], got {self.http_port}")
         if self.max_inflight_requests < 1:
             raise ValueError(
                 f"max_inflight_requests must be >= 1, got {self.max_inflight_requests}"

@@ -7,6 +7,8 @@ to ``INVALID_ARGUMENT``. Checks that need the model (vocabulary, context length)
 
 from __future__ import annotations
 
+import dataclasses
+import enum
 import uuid
 from dataclasses import dataclass
 
@@ -20,6 +22,14 @@ from splitserve.v1 import router_pb2
 
 MAX_REQUEST_ID_CHARS = 256
 CHAT_ROLES = frozenset({"system", "user", "assistant", "tool"})
+
+
+class MaxTokensDefault(enum.Enum):
+    """What a request that sets no ``max_tokens`` gets: the engine's default (16, as OpenAI's
+    completions API), or the rest of the context (OpenAI's chat API)."""
+
+    ENGINE = "engine"
+    REST_OF_CONTEXT = "rest-of-context"
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,6 +78,7 @@ def prepare_request(
     tokenizer: Tokenizer,
     limits: ModelLimits,
     bounds: RequestBounds = RequestBounds(),
+    max_tokens_default: MaxTokensDefault = MaxTokensDefault.ENGINE,
 ) -> PreparedRequest:
     """Raises ``ValueError`` naming the field when the request cannot be served. Tokenizes and
     renders chat templates: CPU work that callers on an event loop run in a thread."""
@@ -82,6 +93,11 @@ def prepare_request(
     except ValueError as exc:
         raise ValueError(f"sampling.{exc}") from None
     prompt_token_ids = _prompt_token_ids(request, tokenizer)
+    if max_tokens_default is MaxTokensDefault.REST_OF_CONTEXT and not request.sampling.HasField(
+        "max_tokens"
+    ):
+        rest_tokens = max(limits.max_model_len - len(prompt_token_ids), 1)
+        params = dataclasses.replace(params, max_tokens=rest_tokens)
     _check_limits(prompt_token_ids, params, limits)
     return PreparedRequest(req_id, client_request_id, prompt_token_ids, params, request.cache_salt)
 

@@ -32,11 +32,17 @@ from services.common.roles import Role
 from services.common.tls import TlsMaterial
 from services.router import metrics
 from services.router.auth import caller_name
+from services.router.call_context import CallContext
 from services.router.config import RouterConfig
 from services.router.explain import explain_response
 from services.router.failure_policy import FailurePolicy
 from services.router.latency import LatencyWindow
-from services.router.request_prep import ModelLimits, PreparedRequest, prepare_request
+from services.router.request_prep import (
+    MaxTokensDefault,
+    ModelLimits,
+    PreparedRequest,
+    prepare_request,
+)
 from services.router.route_plan import PrefillPlace, build_planner
 from services.router.routed_request import RoutedRequest, release_lease
 from services.router.scaler import PoolScaler, PoolSize
@@ -164,6 +170,20 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
     async def Generate(
         self, request: router_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[router_pb2.GenerateResponse]:
+        async for message in self.generate(request, context):
+            yield message
+
+    async def generate(
+        self,
+        request: router_pb2.GenerateRequest,
+        context: CallContext,
+        max_tokens_default: MaxTokensDefault = MaxTokensDefault.ENGINE,
+    ) -> AsyncIterator[router_pb2.GenerateResponse]:
+        """One generation's life, whichever API it came through (gRPC ``Generate``, the HTTP
+        API): admission, validation, routing, failover and metrics. Refusals end the call
+        through ``context.abort``; cancelling the iteration (or closing it) aborts the request
+        on every worker and frees its blocks. ``max_tokens_default`` applies when the request
+        sets no ``max_tokens``."""
         start_s = time.perf_counter()
         limits = await self._admit(context)
         # Counted from here: a burst of expensive prompts is bounded while it is tokenized.
@@ -172,7 +192,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         outcome = "invalid"
         last_token_s: float | None = None
         try:
-            prepared = await self._prepare(request, limits, context)
+            prepared = await self._prepare(request, limits, context, max_tokens_default)
             outcome = "error"
             async for message in self._generate(prepared, context):
                 if message.token_ids:
@@ -193,7 +213,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                     metrics.E2E.observe(time.perf_counter() - start_s)
                     metrics.PROMPT_TOKENS.inc(len(prepared.prompt_token_ids))
                 yield message
-        except asyncio.CancelledError:
+        except (asyncio.CancelledError, GeneratorExit):
             outcome = "cancelled"
             raise
         finally:
@@ -201,7 +221,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             metrics.INFLIGHT.dec()
             metrics.REQUESTS.labels(outcome).inc()
 
-    async def _admit(self, context: grpc.aio.ServicerContext) -> ModelLimits:
+    async def _admit(self, context: CallContext) -> ModelLimits:
         """The model's limits if a request may start now; else abort the call (UNAVAILABLE
         before any decode worker answered, RESOURCE_EXHAUSTED at --max-inflight-requests)."""
         limits = await self._limits(context)
@@ -214,7 +234,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             )
         return limits
 
-    async def _limits(self, context: grpc.aio.ServicerContext) -> ModelLimits:
+    async def _limits(self, context: CallContext) -> ModelLimits:
         """The model's limits; the call is aborted (UNAVAILABLE) before any decode worker
         answered."""
         limits = self.limits()
@@ -227,19 +247,20 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         self,
         request: router_pb2.GenerateRequest,
         limits: ModelLimits,
-        context: grpc.aio.ServicerContext,
+        context: CallContext,
+        max_tokens_default: MaxTokensDefault = MaxTokensDefault.ENGINE,
     ) -> PreparedRequest:
         """Validate and tokenize ``request`` (off the event loop); INVALID_ARGUMENT naming the
         field otherwise."""
         try:
             return await asyncio.to_thread(
-                prepare_request, request, self.tokenizer, limits, self.bounds
+                prepare_request, request, self.tokenizer, limits, self.bounds, max_tokens_default
             )
         except ValueError as exc:
             await abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(exc))
 
     async def _generate(
-        self, prepared: PreparedRequest, context: grpc.aio.ServicerContext
+        self, prepared: PreparedRequest, context: CallContext
     ) -> AsyncIterator[router_pb2.GenerateResponse]:
         if prepared.client_request_id != prepared.req_id:
             logger.info(
@@ -280,7 +301,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             await routed.close()
 
     async def _prefill(
-        self, worker: WorkerHandle, routed: RoutedRequest, context: grpc.aio.ServicerContext
+        self, worker: WorkerHandle, routed: RoutedRequest, context: CallContext
     ) -> worker_pb2.PrefillResponse | None:
         """Run the prefill; None when the worker failed (the decode worker prefills instead)."""
         request = worker_pb2.PrefillRequest(
@@ -323,7 +344,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         return None
 
     async def _decode(
-        self, routed: RoutedRequest, context: grpc.aio.ServicerContext
+        self, routed: RoutedRequest, context: CallContext
     ) -> AsyncIterator[router_pb2.GenerateResponse]:
         """Stream the decode on the planned worker (``routed.slot``'s); on a failure continue
         on another one, moving the slot along, from the prompt and the tokens sent so far (the
@@ -389,7 +410,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             routed.recompute_prompt()
         await abort(context, grpc.StatusCode.UNAVAILABLE, "no healthy decode worker")
 
-    def _call_timeout_s(self, context: grpc.aio.ServicerContext) -> float:
+    def _call_timeout_s(self, context: CallContext) -> float:
         """A worker call's deadline: the client's, capped by ``--worker-call-timeout-s``."""
         remaining_s = context.time_remaining()
         cap_s = self.config.worker_call_timeout_s
@@ -399,7 +420,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
     async def _worker_failed(
         worker: WorkerHandle,
         exc: grpc.aio.AioRpcError,
-        context: grpc.aio.ServicerContext,
+        context: CallContext,
         failures: FailurePolicy,
     ) -> None:
         """Fail the call if retrying cannot help (see ``FailurePolicy``); else mark the worker

@@ -48,6 +48,10 @@ RAY_CLUSTER = _obj(
                         # map[string]string: every value must be a string.
                         "rayStartParams": _STRING_MAP,
                         "template": {"type": "object"},
+                        # A core/v1 Service (checked against Kubernetes' schema separately).
+                        "headService": _obj(
+                            {"metadata": {"type": "object"}, "spec": {"type": "object"}}
+                        ),
                     },
                     ("rayStartParams", "template"),
                 ),

@@ -126,6 +126,7 @@ VALUE_SETS: dict[str, dict[str, Any]] = {
         },
         "redis": {"enabled": False, "external": {"url": "rediss://r:6380/0", "tlsSecret": "rca"}},
     },
+    "no-http": {"router": {"http": False}},
     "host-path-model": {
         "engine": {"model": "/weights/Llama-3.2-1B-Instruct"},
         "modelVolume": {"hostPath": "/srv/models", "mountPath": "/weights", "readOnly": False},
@@ -209,6 +210,13 @@ def test_renders_and_validates_against_kubernetes_and_crd_schemas(name):
             kubernetes_validate.validate(obj, KUBE_VERSION, strict=True)
         if obj["kind"] == "RayCluster":
             spec = obj["spec"]
+            head_service = {
+                "apiVersion": "v1",
+                "kind": "Service",
+                "metadata": {"name": "t"},
+                **spec["headGroupSpec"]["headService"],
+            }
+            kubernetes_validate.validate(head_service, KUBE_VERSION, strict=True)
             groups = [spec["headGroupSpec"], *spec["workerGroupSpecs"]]
             for group in groups:
                 pod_template = {
@@ -401,12 +409,12 @@ def test_only_the_router_is_reachable_from_outside_and_redis_only_from_the_relea
     # Every pod of the release, Redis included, takes traffic only from the release's pods...
     assert internal["podSelector"]["matchLabels"] == release
     assert internal["ingress"] == [{"from": [{"podSelector": {"matchLabels": release}}]}]
-    # ...except the head pod's gRPC port, from the configured peers.
+    # ...except the head pod's gRPC and HTTP ports, from the configured peers.
     router = policies["prod-splitserve-router"]
     assert router["podSelector"]["matchLabels"] == {**release, "splitserve.io/role": "head"}
     assert router["ingress"] == [
         {
-            "ports": [{"port": "grpc", "protocol": "TCP"}],
+            "ports": [{"port": "grpc", "protocol": "TCP"}, {"port": "http", "protocol": "TCP"}],
             "from": [{"namespaceSelector": {"matchLabels": {"team": "apps"}}}],
         }
     ]

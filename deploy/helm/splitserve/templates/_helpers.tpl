@@ -164,6 +164,58 @@ name ("head", "prefill" or "decode").
 {{- .Values.security.rayAuth.existingSecret | default (printf "%s-ray-auth" (include "splitserve.fullname" .)) -}}
 {{- end -}}
 
+{{/*
+The head container's probes, on the first router's HTTP API (router.http; values.yaml says why):
+startup and liveness on /version (200 whenever the HTTP server runs), readiness on /health (200
+only while a decode worker serves). HTTPS when the router serves TLS (the kubelet does not check
+the certificate); neither path asks for an API key. They replace the Ray health probes KubeRay
+injects into a container that has none: a dead raylet or GCS takes the router actors with it.
+*/}}
+{{- define "splitserve.headProbes" -}}
+{{- $scheme := ternary "HTTPS" "HTTP" .Values.security.tls.enabled -}}
+startupProbe:
+  httpGet: {path: /version, port: http, scheme: {{ $scheme }}}
+  periodSeconds: 10
+  timeoutSeconds: 5
+  failureThreshold: 60
+livenessProbe:
+  httpGet: {path: /version, port: http, scheme: {{ $scheme }}}
+  periodSeconds: 10
+  timeoutSeconds: 5
+  failureThreshold: 6
+readinessProbe:
+  httpGet: {path: /health, port: http, scheme: {{ $scheme }}}
+  periodSeconds: 5
+  timeoutSeconds: 3
+  failureThreshold: 2
+{{- end -}}
+
+{{/*
+Fails when two of the head's port ranges overlap: each of cluster.numRouters routers takes the
+next port of service.port (gRPC), router.httpPort (HTTP) and metrics.port. router.http and
+router.httpPort may not be null (elsewhere: leave the flag out), as the Service needs them.
+*/}}
+{{- define "splitserve.checkHeadPorts" -}}
+{{- if kindIs "invalid" .Values.router.http -}}
+{{- fail "router.http must be true or false, not null" -}}
+{{- end -}}
+{{- if and .Values.router.http (kindIs "invalid" .Values.router.httpPort) -}}
+{{- fail "router.httpPort must be a port, not null, while router.http is on" -}}
+{{- end -}}
+{{- $n := int .Values.cluster.numRouters -}}
+{{- $bases := dict "service.port" (int .Values.service.port) "metrics.port" (int .Values.metrics.port) -}}
+{{- if .Values.router.http -}}
+{{- $_ := set $bases "router.httpPort" (int .Values.router.httpPort) -}}
+{{- end -}}
+{{- range $a, $p := $bases -}}
+{{- range $b, $q := $bases -}}
+{{- if and (lt $a $b) (lt $p (add $q $n)) (lt $q (add $p $n)) -}}
+{{- fail (printf "%s (%d) and %s (%d): the ports of %d router(s) overlap" $a $p $b $q $n) -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+
 {{/* The head container's command: start Ray's head, then the cluster on it. */}}
 {{- define "splitserve.headCommand" -}}
 {{- $v := .Values -}}

@@ -1,0 +1,42 @@
+"""What a generation needs from the call it serves, whichever API the call came through.
+
+``grpc.aio.ServicerContext`` is one; the HTTP API's ``HttpCallContext`` is the other. The
+router's request path (``RouterServicer.generate``) sees only this protocol, so a request's
+admission, validation, routing, failover and metrics are the same code for both APIs.
+"""
+
+from __future__ import annotations
+
+from typing import NoReturn, Protocol
+
+import grpc
+
+
+class CallContext(Protocol):
+    """The caller's deadline, and how to refuse or fail the call."""
+
+    def time_remaining(self) -> float | None:
+        """Seconds until the caller's deadline; None without one."""
+
+    async def abort(self, code: grpc.StatusCode, details: str = "") -> NoReturn:
+        """End the call with ``code`` and ``details``; always raises."""
+
+
+class CallAborted(Exception):
+    """Raised by ``HttpCallContext.abort``: the call ended with ``code`` and ``details``."""
+
+    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+        super().__init__(f"{code.name}: {details}")
+        self.code = code
+        self.details = details
+
+
+class HttpCallContext:
+    """A ``CallContext`` for a call that is not gRPC: no deadline, and ``abort`` raises
+    ``CallAborted`` for the caller to turn into its own error response."""
+
+    def time_remaining(self) -> float | None:
+        return None
+
+    async def abort(self, code: grpc.StatusCode, details: str = "") -> NoReturn:
+        raise CallAborted(code, details)

@@ -1,0 +1,122 @@
+"""Run one HTTP request's generations through the router's request path and merge them.
+
+Every generation is ``RouterServicer.generate``, the code path of gRPC ``Generate``. With
+several choices of one prompt, the first runs alone until its first token (its prefill) and
+the others then start: they find the prompt's blocks in the prefix cache instead of computing
+them again. Closing or cancelling the merged iteration cancels every generation (each aborts
+on its workers and frees its blocks).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncGenerator, AsyncIterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from services.router.call_context import CallAborted, HttpCallContext
+from services.router.openai.errors import from_call_aborted
+from services.router.openai.requests import GenerationPlan
+from services.router.request_prep import MaxTokensDefault
+from splitserve.v1 import router_pb2
+
+if TYPE_CHECKING:
+    from services.router.server import RouterServicer
+
+
+@dataclass(frozen=True, slots=True)
+class ChoiceMessage:
+    """One router message of choice ``index`` (OpenAI's choice index)."""
+
+    index: int
+    message: router_pb2.GenerateResponse
+
+
+async def run_plan(
+    servicer: RouterServicer, plan: GenerationPlan
+) -> AsyncGenerator[ChoiceMessage, None]:
+    """The messages of every generation of ``plan`` as they come; raises ``OpenAIError`` for
+    the first generation the router refuses or fails (the others are then cancelled)."""
+    if plan.num_choices == 1:
+        async for message in _generate(servicer, plan.requests[0][0], plan.max_tokens_default):
+            yield ChoiceMessage(0, message)
+        return
+    fan_out = _FanOut(servicer, plan)
+    try:
+        async for item in fan_out.messages():
+            yield item
+    finally:
+        await fan_out.close()
+
+
+async def _generate(
+    servicer: RouterServicer, request: router_pb2.GenerateRequest, default: MaxTokensDefault
+) -> AsyncIterator[router_pb2.GenerateResponse]:
+    try:
+        async for message in servicer.generate(request, HttpCallContext(), default):
+            yield message
+    except CallAborted as exc:
+        raise from_call_aborted(exc) from None
+
+
+# What a generation's task hands the merger: a message, its failure, or None once done.
+_Item = tuple[int, router_pb2.GenerateResponse | Exception | None]
+
+
+class _FanOut:
+    """Each generation in a task of its own, feeding one queue."""
+
+    def __init__(self, servicer: RouterServicer, plan: GenerationPlan) -> None:
+        self._servicer = servicer
+        self._default = plan.max_tokens_default
+        self._queue: asyncio.Queue[_Item] = asyncio.Queue()
+        self._tasks: list[asyncio.Task[None]] = []
+        self._num_running = plan.num_choices
+        index = 0
+        for choices in plan.requests:
+            followers = list(enumerate(choices[1:], start=index + 1))
+            self._start(index, choices[0], followers)
+            index += len(choices)
+
+    def _start(
+        self,
+        index: int,
+        request: router_pb2.GenerateRequest,
+        followers: list[tuple[int, router_pb2.GenerateRequest]],
+    ) -> None:
+        self._tasks.append(asyncio.create_task(self._run(index, request, followers)))
+
+    async def _run(
+        self,
+        index: int,
+        request: router_pb2.GenerateRequest,
+        followers: list[tuple[int, router_pb2.GenerateRequest]],
+    ) -> None:
+        try:
+            async for message in _generate(self._servicer, request, self._default):
+                for follower_index, follower in followers:
+                    self._start(follower_index, follower, [])
+                followers = []
+                self._queue.put_nowait((index, message))
+        except Exception as exc:  # handed to the merger, which raises it to the client
+            self._queue.put_nowait((index, exc))
+            return
+        self._queue.put_nowait((index, None))
+
+    async def messages(self) -> AsyncIterator[ChoiceMessage]:
+        while self._num_running:
+            index, item = await self._queue.get()
+            if item is None:
+                self._num_running -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield ChoiceMessage(index, item)
+
+    async def close(self) -> None:
+        """Cancel the generations still running and wait until they have let go."""
+        for task in self._tasks:
+            task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await asyncio.gather(*self._tasks, return_exceptions=True)

@@ -1,0 +1,120 @@
+"""The request bodies of ``/v1/chat/completions`` and ``/v1/completions``.
+
+Fields follow OpenAI's API plus vLLM's sampling extensions (``top_k``, ``min_p``,
+``repetition_penalty``, ``ignore_eos``, ``stop_token_ids``, ``cache_salt``). Unknown fields are
+ignored, as OpenAI-compatible servers do; a value this server cannot honour (``echo``, tools,
+a structured ``response_format``, ``logit_bias``...) is refused by ``unsupported()`` with a
+400 naming the field rather than silently dropped. Ranges that the engine checks anyway
+(temperature, top_p, penalties...) are left to it, so both APIs say the same thing.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+INT32_MAX = 2**31 - 1
+INT64_MAX = 2**63 - 1
+# Choices per request (n), and prompts x choices of one completions request: each is a
+# generation of its own in the cluster.
+MAX_CHOICES = 16
+MAX_GENERATIONS = 128
+
+TokenId = Annotated[int, Field(ge=0, le=INT32_MAX)]
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+
+class StreamOptions(_Body):
+    include_usage: bool = False
+
+
+class ContentPart(_Body):
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(_Body):
+    role: str
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+
+
+class _Sampling(_Body):
+    """The fields both endpoints share."""
+
+    model: str | None = None
+    max_tokens: int | None = Field(None, ge=1, le=INT32_MAX)
+    temperature: float | None = None
+    top_p: float | None = None
+    seed: int | None = Field(None, ge=-INT64_MAX - 1, le=INT64_MAX)
+    stop: str | list[str] | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    n: int = Field(1, ge=1, le=MAX_CHOICES)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    logit_bias: dict[str, float] | None = None
+    # vLLM's extensions.
+    top_k: int | None = Field(None, ge=-1, le=INT32_MAX)
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    ignore_eos: bool = False
+    stop_token_ids: list[TokenId] | None = None
+    cache_salt: str | None = None
+
+    def stop_strings(self) -> list[str]:
+        if self.stop is None:
+            return []
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
+
+    def unsupported(self) -> tuple[str, str] | None:
+        """(field, why) for a value this server cannot honour; None when it can."""
+        if self.logit_bias:
+            return "logit_bias", "logit_bias is not supported"
+        if self.stream_options is not None and not self.stream:
+            return "stream_options", "stream_options is only allowed when stream is true"
+        return None
+
+
+class ChatCompletionRequest(_Sampling):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1, le=INT32_MAX)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    response_format: dict[str, Any] | None = None
+
+    def unsupported(self) -> tuple[str, str] | None:
+        if self.tools and self.tool_choice != "none":
+            return "tools", "tool calling is not supported"
+        if self.response_format and self.response_format.get("type", "text") != "text":
+            return "response_format", (
+                f"response_format type {self.response_format.get('type')!r} is not supported "
+                "(only 'text')"
+            )
+        if self.top_logprobs and not self.logprobs:
+            return "top_logprobs", "top_logprobs needs logprobs to be true"
+        return super().unsupported()
+
+
+class CompletionRequest(_Sampling):
+    prompt: str | list[str] | list[TokenId] | list[list[TokenId]]
+    logprobs: int | None = Field(None, ge=0, le=20)
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = None
+
+    def unsupported(self) -> tuple[str, str] | None:
+        if self.echo:
+            return "echo", "echo is not supported"
+        if self.suffix:
+            return "suffix", "suffix is not supported"
+        if self.best_of is not None and self.best_of != self.n:
+            return "best_of", "best_of is not supported (other than equal to n)"
+        return super().unsupported()

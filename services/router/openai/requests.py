@@ -1,0 +1,174 @@
+"""Turn a parsed OpenAI request body into the router's ``GenerateRequest``s.
+
+One HTTP request is ``len(prompts) x n`` generations: ``requests[p][j]`` is choice ``j`` of
+prompt ``p`` (OpenAI's choice index ``p * n + j``). With a ``seed``, choice ``j`` samples with
+``seed + j``: the choices differ from one another and the same request gives the same choices.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+from services.router.openai.errors import bad_request
+from services.router.openai.protocol import (
+    INT64_MAX,
+    MAX_GENERATIONS,
+    ChatCompletionRequest,
+    CompletionRequest,
+)
+from services.router.request_prep import MaxTokensDefault
+from splitserve.v1 import router_pb2
+
+# OpenAI's newer name for the system role; chat templates know "system".
+_ROLE_ALIASES = {"developer": "system"}
+_SAMPLING_FIELDS = (
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+)
+
+
+class Endpoint(enum.Enum):
+    """Which API a request came through; it decides the response's shape."""
+
+    CHAT = "chat.completion"
+    COMPLETIONS = "text_completion"
+
+
+@dataclass(frozen=True, slots=True)
+class GenerationPlan:
+    """The generations of one HTTP request, ``requests[prompt][choice]``."""
+
+    endpoint: Endpoint
+    requests: tuple[tuple[router_pb2.GenerateRequest, ...], ...]
+    max_tokens_default: MaxTokensDefault
+
+    @property
+    def num_choices(self) -> int:
+        return sum(len(choices) for choices in self.requests)
+
+
+def chat_plan(body: ChatCompletionRequest, request_id: str) -> GenerationPlan:
+    """The generations of a chat request (one prompt: its messages); ``OpenAIError`` 400 for
+    content this server cannot take."""
+    _refuse_unsupported(body.unsupported())
+    messages = [
+        router_pb2.ChatMessage(role=_ROLE_ALIASES.get(m.role, m.role), content=text)
+        for m, text in zip(body.messages, _message_texts(body), strict=True)
+    ]
+    sampling = _sampling(
+        body,
+        max_tokens=body.max_completion_tokens or body.max_tokens,
+        logprobs=(body.top_logprobs or 0) if body.logprobs else None,
+    )
+    prompt = router_pb2.GenerateRequest(messages=messages, cache_salt=body.cache_salt or "")
+    choices = _choices(prompt, sampling, body.n, request_id)
+    # No max_tokens: the rest of the context, as OpenAI's chat API.
+    return GenerationPlan(Endpoint.CHAT, (choices,), MaxTokensDefault.REST_OF_CONTEXT)
+
+
+def completion_plan(body: CompletionRequest, request_id: str) -> GenerationPlan:
+    """The generations of a completions request: ``n`` per prompt (a string, token ids, or a
+    list of either); ``OpenAIError`` 400 for what this server cannot take."""
+    _refuse_unsupported(body.unsupported())
+    prompts = _prompts(body.prompt)
+    if len(prompts) * body.n > MAX_GENERATIONS:
+        raise bad_request(
+            f"prompt: {len(prompts)} prompts x n={body.n} is more than {MAX_GENERATIONS} "
+            "generations in one request",
+            "prompt",
+        )
+    sampling = _sampling(body, max_tokens=body.max_tokens, logprobs=body.logprobs)
+    requests = []
+    for p, prompt in enumerate(prompts):
+        message = router_pb2.GenerateRequest(cache_salt=body.cache_salt or "")
+        if isinstance(prompt, str):
+            message.prompt = prompt
+        else:
+            message.token_ids.extend(prompt)
+        label = request_id if len(prompts) == 1 else f"{request_id}-{p}"
+        requests.append(_choices(message, sampling, body.n, label))
+    # OpenAI's completions default is 16 tokens, the engine's.
+    return GenerationPlan(Endpoint.COMPLETIONS, tuple(requests), MaxTokensDefault.ENGINE)
+
+
+def _refuse_unsupported(unsupported: tuple[str, str] | None) -> None:
+    if unsupported is not None:
+        param, why = unsupported
+        raise bad_request(why, param)
+
+
+def _message_texts(body: ChatCompletionRequest) -> list[str]:
+    texts = []
+    for i, message in enumerate(body.messages):
+        if message.content is None or isinstance(message.content, str):
+            texts.append(message.content or "")
+            continue
+        parts = []
+        for k, part in enumerate(message.content):
+            if part.type != "text" or part.text is None:
+                raise bad_request(
+                    f"messages[{i}].content[{k}]: content of type {part.type!r} is not "
+                    "supported (only text)",
+                    f"messages[{i}].content[{k}].type",
+                )
+            parts.append(part.text)
+        texts.append("\n".join(parts))
+    return texts
+
+
+def _prompts(prompt: str | list[str] | list[int] | list[list[int]]) -> list[str | list[int]]:
+    if isinstance(prompt, str):
+        return [prompt]
+    if not prompt:
+        raise bad_request("prompt: must not be empty", "prompt")
+    if isinstance(prompt[0], int):
+        return [prompt]  # a list of token ids: one prompt
+    return list(prompt)  # strings or token id lists
+
+
+def _sampling(
+    body: ChatCompletionRequest | CompletionRequest,
+    *,
+    max_tokens: int | None,
+    logprobs: int | None,
+) -> router_pb2.SamplingParams:
+    sampling = router_pb2.SamplingParams(
+        stop=body.stop_strings(),
+        stop_token_ids=body.stop_token_ids or (),
+        ignore_eos=body.ignore_eos,
+    )
+    for name in _SAMPLING_FIELDS:
+        value = getattr(body, name)
+        if value is not None:
+            setattr(sampling, name, value)
+    if body.seed is not None:
+        sampling.seed = body.seed
+    if max_tokens is not None:
+        sampling.max_tokens = max_tokens
+    if logprobs is not None:
+        sampling.logprobs = logprobs
+    return sampling
+
+
+def _choices(
+    prompt: router_pb2.GenerateRequest,
+    sampling: router_pb2.SamplingParams,
+    n: int,
+    label: str,
+) -> tuple[router_pb2.GenerateRequest, ...]:
+    choices = []
+    for j in range(n):
+        request = router_pb2.GenerateRequest()
+        request.CopyFrom(prompt)
+        request.request_id = label if n == 1 else f"{label}-{j}"
+        request.sampling.CopyFrom(sampling)
+        if j and sampling.HasField("seed") and sampling.seed >= 0:
+            request.sampling.seed = (sampling.seed + j) % (INT64_MAX + 1)
+        choices.append(request)
+    return tuple(choices)

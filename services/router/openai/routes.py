@@ -1,0 +1,261 @@
+"""The HTTP API's routes (FastAPI): OpenAI's endpoints plus health, version and status.
+
+- ``POST /v1/chat/completions``, ``POST /v1/completions``: a data key when keys are on.
+- ``GET /v1/models``: the served model and its context length (a data key).
+- ``GET /health``: 200 while at least one decode worker serves, else 503 (no key: probes).
+- ``GET /version``: 200 whenever the server runs (no key: liveness).
+- ``GET /status``: ``Router.Status`` as JSON (an admin key, as the RPC).
+
+Keys are the router's (``Authorization: Bearer KEY``): a missing or unknown one is 401, a data
+key on ``/status`` 403. Every error body is OpenAI's shape (``errors``).
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import logging
+import time
+import uuid
+from collections.abc import AsyncGenerator
+from http import HTTPStatus
+from typing import TYPE_CHECKING, Any, TypeVar
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from google.protobuf.json_format import MessageToDict
+from pydantic import BaseModel, ValidationError
+from starlette.exceptions import HTTPException
+from starlette.responses import JSONResponse, Response
+
+from services.common.api_keys import BEARER_PREFIX, ApiKeyStore, KeyRole
+from services.router.auth import CALLER
+from services.router.call_context import HttpCallContext
+from services.router.openai.choices import run_plan
+from services.router.openai.errors import OpenAIError, bad_request, from_validation_error
+from services.router.openai.protocol import ChatCompletionRequest, CompletionRequest
+from services.router.openai.requests import GenerationPlan, chat_plan, completion_plan
+from services.router.openai.responses import ResponseBuilder, TokenTexts
+from services.router.openai.streaming import (
+    ClientDisconnected,
+    EventStreamResponse,
+    error_response,
+    until_disconnect,
+)
+from splitserve.v1 import router_pb2
+
+if TYPE_CHECKING:
+    from services.router.server import RouterServicer
+
+logger = logging.getLogger(__name__)
+
+# The client's own request id, used as the generations' label (as vLLM reads it).
+REQUEST_ID_HEADER = "x-request-id"
+_AUTHORIZATION = "authorization"
+_MAX_REQUEST_ID_CHARS = 128
+
+BodyT = TypeVar("BodyT", bound=BaseModel)
+
+
+def build_app(servicer: RouterServicer, api_keys: ApiKeyStore, max_body_bytes: int) -> FastAPI:
+    """The HTTP API of ``servicer``'s router, taking ``api_keys``; bodies over
+    ``max_body_bytes`` are refused (413) before they are parsed."""
+    app = FastAPI(title="splitserve", version=_version(), docs_url=None, redoc_url=None)
+    api = _Api(servicer, api_keys, max_body_bytes)
+
+    @app.exception_handler(OpenAIError)
+    async def openai_error(request: Request, exc: OpenAIError) -> Response:
+        return error_response(exc)
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, exc: HTTPException) -> Response:
+        return error_response(OpenAIError(HTTPStatus(exc.status_code), str(exc.detail)))
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(request: Request, exc: RequestValidationError) -> Response:
+        return error_response(bad_request(str(exc)))
+
+    app.add_api_route("/v1/chat/completions", api.chat_completions, methods=["POST"])
+    app.add_api_route("/v1/completions", api.completions, methods=["POST"])
+    app.add_api_route("/v1/models", api.models, methods=["GET"])
+    app.add_api_route("/health", api.health, methods=["GET"])
+    app.add_api_route("/version", api.version, methods=["GET"])
+    app.add_api_route("/status", api.status, methods=["GET"])
+    return app
+
+
+def _version() -> str:
+    try:
+        return importlib.metadata.version("splitserve")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"
+
+
+class _Api:
+    """The route handlers, bound to one router."""
+
+    def __init__(
+        self, servicer: RouterServicer, api_keys: ApiKeyStore, max_body_bytes: int
+    ) -> None:
+        self._servicer = servicer
+        self._keys = api_keys
+        self._max_body_bytes = max_body_bytes
+        self._token_texts = TokenTexts(servicer.tokenizer)
+        self._created_s = int(time.time())
+
+    # ----------------------------------------------------------------------------- generation
+    async def chat_completions(self, request: Request) -> Response:
+        self._authorize(request, KeyRole.DATA)
+        body = await self._parse(request, ChatCompletionRequest)
+        response_id = f"chatcmpl-{uuid.uuid4().hex}"
+        plan = chat_plan(body, _label(request, response_id))
+        return await self._respond(request, plan, body, response_id)
+
+    async def completions(self, request: Request) -> Response:
+        self._authorize(request, KeyRole.DATA)
+        body = await self._parse(request, CompletionRequest)
+        response_id = f"cmpl-{uuid.uuid4().hex}"
+        plan = completion_plan(body, _label(request, response_id))
+        return await self._respond(request, plan, body, response_id)
+
+    async def _respond(
+        self,
+        request: Request,
+        plan: GenerationPlan,
+        body: ChatCompletionRequest | CompletionRequest,
+        response_id: str,
+    ) -> Response:
+        self._check_model(body.model)
+        builder = ResponseBuilder(
+            plan, response_id, self._model_name, self._created_s, self._token_texts
+        )
+        if body.stream:
+            include_usage = body.stream_options is not None and body.stream_options.include_usage
+            return EventStreamResponse(self._chunks(plan, builder, include_usage))
+        try:
+            return JSONResponse(await until_disconnect(request.receive, self._whole(plan, builder)))
+        except ClientDisconnected:
+            logger.debug("%s: client disconnected; request cancelled", response_id)
+            return Response(status_code=499)
+
+    async def _chunks(
+        self, plan: GenerationPlan, builder: ResponseBuilder, include_usage: bool
+    ) -> AsyncGenerator[dict[str, Any], None]:
+        messages = run_plan(self._servicer, plan)
+        try:
+            async for item in messages:
+                chunk = builder.chunk(item, include_usage)
+                if chunk is not None:
+                    yield chunk
+        finally:
+            await messages.aclose()
+        if include_usage:
+            yield builder.usage_chunk()
+
+    async def _whole(self, plan: GenerationPlan, builder: ResponseBuilder) -> dict[str, Any]:
+        async for item in run_plan(self._servicer, plan):
+            builder.add(item)
+        return builder.response()
+
+    # ----------------------------------------------------------------------------- the rest
+    async def models(self, request: Request) -> dict[str, Any]:
+        self._authorize(request, KeyRole.DATA)
+        limits = self._servicer.limits()
+        return {
+            "object": "list",
+            "data": [
+                {
+                    "id": self._model_name,
+                    "object": "model",
+                    "created": self._created_s,
+                    "owned_by": "splitserve",
+                    "root": self._servicer.config.model,
+                    "parent": None,
+                    "max_model_len": limits.max_model_len if limits else None,
+                }
+            ],
+        }
+
+    async def health(self) -> Response:
+        num_ready = sum(w.routable for w in self._servicer.decode_pool.workers)
+        if not num_ready:
+            return error_response(
+                OpenAIError(HTTPStatus.SERVICE_UNAVAILABLE, "no decode worker is ready")
+            )
+        return JSONResponse({"status": "ok", "num_decode_workers_ready": num_ready})
+
+    async def version(self) -> dict[str, str]:
+        return {"version": _version()}
+
+    async def status(self, request: Request) -> dict[str, Any]:
+        self._authorize(request, KeyRole.ADMIN)
+        status = await self._servicer.Status(router_pb2.StatusRequest(), HttpCallContext())
+        return MessageToDict(status, preserving_proto_field_name=True)
+
+    # ----------------------------------------------------------------------------- checks
+    @property
+    def _model_name(self) -> str:
+        return self._servicer.config.served_name
+
+    def _check_model(self, model: str | None) -> None:
+        if model is not None and model != self._model_name:
+            raise OpenAIError(
+                HTTPStatus.NOT_FOUND,
+                f"The model `{model}` does not exist (this server serves `{self._model_name}`).",
+                param="model",
+                code="model_not_found",
+            )
+
+    def _authorize(self, request: Request, needed: KeyRole) -> None:
+        if not self._keys.enabled:
+            return
+        presented = request.headers.get(_AUTHORIZATION)
+        key = self._keys.authenticate(presented)
+        if key is None:
+            raise OpenAIError(
+                HTTPStatus.UNAUTHORIZED, _why_refused(presented), code="invalid_api_key"
+            )
+        if not key.role.allows(needed):
+            raise OpenAIError(
+                HTTPStatus.FORBIDDEN,
+                f"{request.url.path} needs an admin API key; this one (key {key.fingerprint}) "
+                "is a data key",
+                code="permission_denied",
+            )
+        CALLER.set(key)
+
+    async def _parse(self, request: Request, model: type[BodyT]) -> BodyT:
+        declared = request.headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self._max_body_bytes:
+            raise _too_large(self._max_body_bytes)
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > self._max_body_bytes:
+                raise _too_large(self._max_body_bytes)
+            chunks.append(chunk)
+        try:
+            return model.model_validate_json(b"".join(chunks))
+        except ValidationError as exc:
+            raise from_validation_error(exc) from None
+
+
+def _label(request: Request, response_id: str) -> str:
+    """The generations' label in the router's logs: the client's X-Request-Id, else the
+    response's id."""
+    given = request.headers.get(REQUEST_ID_HEADER, "")
+    return given[:_MAX_REQUEST_ID_CHARS] or response_id
+
+
+def _too_large(max_body_bytes: int) -> OpenAIError:
+    return OpenAIError(
+        HTTPStatus.REQUEST_ENTITY_TOO_LARGE,
+        f"the request body is larger than {max_body_bytes} bytes",
+    )
+
+
+def _why_refused(presented: str | None) -> str:
+    if not presented:
+        return "missing API key: send the header 'Authorization: Bearer <key>'"
+    if not presented.startswith(BEARER_PREFIX):
+        return "malformed Authorization header: expected 'Bearer <key>'"
+    return "invalid API key"

@@ -1,0 +1,197 @@
+"""The official ``openai`` client against a real cluster's HTTP API: the same tokens as gRPC
+``Generate``, usage, several choices, stop strings, streaming (sync and async)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from splitserve.v1 import router_pb2
+from tests.services.conftest import greedy
+
+MAX_TOKENS = 12
+PROMPT_IDS = list(range(40, 140))  # 100 tokens: several full KV blocks to cache
+
+
+def _decoded(grpc_client, token_ids: list[int]) -> str:
+    return grpc_client.generate(token_ids=token_ids, sampling=greedy(1)).text
+
+
+def test_greedy_completion_is_token_identical_to_generate(sync_client, grpc_client, model):
+    want = grpc_client.generate(token_ids=PROMPT_IDS, sampling=greedy(MAX_TOKENS, logprobs=2))
+    got = sync_client.completions.create(
+        model=model, prompt=PROMPT_IDS, max_tokens=MAX_TOKENS, temperature=0, logprobs=2
+    )
+    choice = got.choices[0]
+    assert choice.text == want.text
+    assert got.usage.completion_tokens == len(want.token_ids)
+    assert got.usage.prompt_tokens == len(PROMPT_IDS)
+    assert got.usage.total_tokens == len(PROMPT_IDS) + len(want.token_ids)
+    # Each token's logprob and alternatives are those of the gRPC stream's token ids.
+    assert choice.logprobs.token_logprobs == pytest.approx(
+        [lp.logprob for lp in want.logprobs], abs=1e-6
+    )
+    assert len(choice.logprobs.tokens) == len(want.token_ids)
+    # (Distinct ids may decode to the same text: a dict keyed by text can hold fewer than 3.)
+    for token, top in zip(choice.logprobs.tokens, choice.logprobs.top_logprobs, strict=True):
+        assert token in top and 1 <= len(top) <= 3
+    assert choice.logprobs.text_offset[0] == 0
+    assert choice.finish_reason == "length"
+
+
+def test_greedy_chat_matches_generate_streaming_or_not(sync_client, grpc_client, model):
+    messages = [{"role": "user", "content": "hello there"}]
+    want = grpc_client.generate(
+        messages=[router_pb2.ChatMessage(role="user", content="hello there")],
+        sampling=greedy(MAX_TOKENS),
+    )
+    got = sync_client.chat.completions.create(
+        model=model, messages=messages, max_completion_tokens=MAX_TOKENS, temperature=0
+    )
+    assert got.object == "chat.completion"
+    assert got.choices[0].message.role == "assistant"
+    assert got.choices[0].message.content == want.text
+    assert got.usage.completion_tokens == len(want.token_ids)
+    assert got.usage.prompt_tokens == want.last.usage.prompt_tokens
+
+    stream = sync_client.chat.completions.create(
+        model=model,
+        messages=messages,
+        max_tokens=MAX_TOKENS,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == want.text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == len(want.token_ids)
+    assert all(c.usage is None for c in chunks[:-1])
+
+
+def test_chat_without_max_tokens_may_use_the_rest_of_the_context(sync_client, model):
+    got = sync_client.chat.completions.create(
+        model=model,
+        messages=[{"role": "user", "content": [{"type": "text", "text": "go on"}]}],
+        temperature=0,
+        extra_body={"ignore_eos": True},
+    )
+    usage = got.usage
+    assert got.choices[0].finish_reason == "length"
+    limits = sync_client.models.list().data[0]
+    assert usage.prompt_tokens + usage.completion_tokens == limits.max_model_len
+
+
+def test_async_streaming_completions_match_the_whole_response(async_client, model):
+    async def run() -> tuple[str, str, list[str | None]]:
+        async with async_client:
+            whole = await async_client.completions.create(
+                model=model, prompt="the async test", max_tokens=MAX_TOKENS, temperature=0
+            )
+            stream = await async_client.completions.create(
+                model=model,
+                prompt="the async test",
+                max_tokens=MAX_TOKENS,
+                temperature=0,
+                stream=True,
+            )
+            parts, reasons = [], []
+            async for chunk in stream:
+                parts.append(chunk.choices[0].text)
+                reasons.append(chunk.choices[0].finish_reason)
+            return whole.choices[0].text, "".join(parts), reasons
+
+    whole, streamed, reasons = asyncio.run(run())
+    assert streamed == whole
+    assert reasons[-1] == "length" and set(reasons[:-1]) <= {None}
+
+
+def test_repeated_prompt_reports_cached_tokens(sync_client, model):
+    prompt = list(range(300, 400))
+    first = sync_client.completions.create(model=model, prompt=prompt, max_tokens=2)
+    again = sync_client.completions.create(model=model, prompt=prompt, max_tokens=2)
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    cached = again.usage.prompt_tokens_details.cached_tokens
+    assert 0 < cached < len(prompt)
+
+
+def test_n_choices_with_a_seed_are_reproducible_and_distinct(sync_client, model):
+    def three() -> list[str]:
+        got = sync_client.completions.create(
+            model=model, prompt=PROMPT_IDS, max_tokens=8, temperature=1.0, n=3, seed=7
+        )
+        assert [c.index for c in got.choices] == [0, 1, 2]
+        assert got.usage.prompt_tokens == len(PROMPT_IDS)
+        assert got.usage.completion_tokens == 24
+        # The later choices ran after the first one's prefill: they hit its blocks.
+        return [c.text for c in got.choices]
+
+    first = three()
+    assert three() == first
+    assert len(set(first)) == 3
+
+
+def test_n_choices_stream_interleaved_and_complete(sync_client, model):
+    stream = sync_client.chat.completions.create(
+        model=model,
+        messages=[{"role": "user", "content": "three ways"}],
+        max_tokens=6,
+        n=3,
+        seed=3,
+        stream=True,
+    )
+    texts = {0: "", 1: "", 2: ""}
+    finished = set()
+    for chunk in stream:
+        for choice in chunk.choices:
+            texts[choice.index] += choice.delta.content or ""
+            if choice.finish_reason:
+                finished.add(choice.index)
+    assert finished == {0, 1, 2}
+    whole = sync_client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": "three ways"}], max_tokens=6, n=3, seed=3
+    )
+    assert [c.message.content for c in whole.choices] == [texts[i] for i in range(3)]
+
+
+def test_stop_strings_cut_exactly(sync_client, grpc_client, model):
+    base = (
+        sync_client.completions.create(
+            model=model, prompt="the stop test", max_tokens=20, temperature=0
+        )
+        .choices[0]
+        .text
+    )
+    stop = base[len(base) // 2 :][:3]
+    got = sync_client.completions.create(
+        model=model, prompt="the stop test", max_tokens=20, temperature=0, stop=stop
+    ).choices[0]
+    assert got.text == base[: base.index(stop)]
+    assert got.finish_reason == "stop"
+    assert got.model_extra["stop_reason"] == stop
+    want = grpc_client.generate(prompt="the stop test", sampling=greedy(20, stop=[stop]))
+    assert got.text == want.text
+
+
+def test_batch_of_prompts_gives_one_choice_per_prompt_in_order(sync_client, grpc_client, model):
+    prompts = ["first prompt", "second prompt"]
+    got = sync_client.completions.create(model=model, prompt=prompts, max_tokens=4, temperature=0)
+    want = [grpc_client.generate(prompt=p, sampling=greedy(4)).text for p in prompts]
+    assert [c.text for c in got.choices] == want
+    assert [c.index for c in got.choices] == [0, 1]
+
+
+def test_models_health_and_version(sync_client, base_url, model):
+    import urllib.request
+
+    models = sync_client.models.list().data
+    assert [m.id for m in models] == [model]
+    assert models[0].max_model_len > 0
+    root = base_url.removesuffix("/v1")
+    with urllib.request.urlopen(f"{root}/health", timeout=10) as reply:
+        assert reply.status == 200
+    with urllib.request.urlopen(f"{root}/version", timeout=10) as reply:
+        assert reply.status == 200 and b"version" in reply.read()
