@@ -26,6 +26,7 @@ from typing import Any
 
 from engine.config import EngineConfig
 from engine.flags import add_flags, from_args
+from loadtest.backends import GrpcClient
 from loadtest.metrics import summarize
 from loadtest.runner import RunPlan, run
 from loadtest.sweep import served_model
@@ -70,17 +71,16 @@ def _measure(
             api_key=cluster.admin_api_key,
             ca_file=credentials["ca_file"],
         )
-        target = cluster.router_address
+        client = GrpcClient(cluster.router_address, **credentials)
         warmup = WorkloadGenerator("chat", list(served.vocab), served.max_model_len, seed=999)
-        plan = RunPlan(num_requests=4, duration_s=120, concurrency=2)
-        asyncio.run(run(target, plan, warmup.next, False, **credentials))
+        plan = RunPlan(duration_s=120, concurrency=2)
+        asyncio.run(run(client, plan, [warmup.next() for _ in range(4)], False))
         generator = WorkloadGenerator(
             "chat", list(served.vocab), served.max_model_len, seed=args.seed + 1
         )
-        plan = RunPlan(
-            num_requests=args.num_requests, duration_s=3600.0, concurrency=args.concurrency
-        )
-        records = asyncio.run(run(target, plan, generator.next, False, **credentials))
+        requests = [generator.next() for _ in range(args.num_requests)]
+        plan = RunPlan(duration_s=3600.0, concurrency=args.concurrency)
+        records = asyncio.run(run(client, plan, requests, False))
     finally:
         cluster.stop()
     summary = summarize(records, None, None)

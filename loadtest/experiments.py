@@ -37,6 +37,7 @@ from typing import Any
 
 from engine.config import EngineConfig
 from engine.flags import add_flags, from_args
+from loadtest.backends import GrpcClient
 from loadtest.metrics import RequestRecord, Summary, summarize
 from loadtest.report import RunResult, write_reports
 from loadtest.sweep import LoadSpec, ServedModel, run_sweep, served_model
@@ -146,7 +147,7 @@ def run_arm(
         logger.info("%s: serving on %s", arm.name, target)
         served = served_model(target)
         _warm_up(target, served, workload, spec.seed)
-        return run_sweep(target, spec, served, show_progress=sys.stderr.isatty())
+        return run_sweep(GrpcClient(target), spec, served, show_progress=sys.stderr.isatty())
     finally:
         cluster.stop()
 
@@ -161,7 +162,7 @@ def _warm_up(target: str, served: ServedModel, workload: str, seed: int) -> None
         duration_s=600.0,
         seed=seed + _WARMUP_SEED_OFFSET,
     )
-    (warm_up,) = run_sweep(target, spec, served, show_progress=False)
+    (warm_up,) = run_sweep(GrpcClient(target), spec, served, show_progress=False)
     if warm_up.summary.errors:
         raise RuntimeError(f"warm-up requests failed: {warm_up.summary.errors}")
 

@@ -24,6 +24,8 @@ from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from services.cluster.planner import percentile as nearest_rank
 
 PERCENTILES = (50, 90, 99)
@@ -156,3 +158,41 @@ def summarize(
         itl_ms=_stats_ms([gap for r in done for gap in r.itl_s()]),
         e2e_ms=_stats_ms([r.e2e_s for r in done if r.e2e_s is not None]),
     )
+
+
+def vllm_bench_metrics(records: Sequence[RequestRecord], duration_s: float) -> dict[str, float]:
+    """The keys of ``vllm bench serve``'s result for ``records``, a run of ``duration_s``:
+    ``completed``, ``total_input_tokens`` and ``total_output_tokens`` (completed requests),
+    ``request_throughput``, ``output_throughput``, ``total_token_throughput`` (per second) and,
+    for each of ttft, tpot, itl and e2el, ``mean_X_ms``, ``median_X_ms``, ``std_X_ms`` and
+    ``pQ_X_ms`` for Q in ``PERCENTILES``, as numpy computes them (population std, linearly
+    interpolated percentiles). As in vLLM, statistics of no values are 0, and a request's TPOT
+    counts only with two or more output tokens; unlike vLLM's, ITL counts a message of n tokens
+    as n gaps, as ``Summary`` does."""
+    done = [r for r in records if r.ok]
+    input_tokens = sum(r.prompt_tokens for r in done)
+    output_tokens = sum(r.output_tokens for r in done)
+    per_s = 1 / duration_s if duration_s > 0 else 0.0
+    metrics: dict[str, float] = {
+        "duration": duration_s,
+        "completed": len(done),
+        "total_input_tokens": input_tokens,
+        "total_output_tokens": output_tokens,
+        "request_throughput": len(done) * per_s,
+        "output_throughput": output_tokens * per_s,
+        "total_token_throughput": (input_tokens + output_tokens) * per_s,
+    }
+    series = {
+        "ttft": [r.ttft_s for r in done if r.ttft_s is not None],
+        "tpot": [r.tpot_s for r in done if r.tpot_s is not None],
+        "itl": [gap for r in done for gap in r.itl_s()],
+        "e2el": [r.e2e_s for r in done if r.e2e_s is not None],
+    }
+    for name, values_s in series.items():
+        values_ms = np.asarray(values_s or [0.0], dtype=np.float64) * 1000
+        metrics[f"mean_{name}_ms"] = float(np.mean(values_ms))
+        metrics[f"median_{name}_ms"] = float(np.median(values_ms))
+        metrics[f"std_{name}_ms"] = float(np.std(values_ms))
+        for q in PERCENTILES:
+            metrics[f"p{q}_{name}_ms"] = float(np.percentile(values_ms, q))
+    return metrics

@@ -1,5 +1,9 @@
 """A loadtest's reports: ``results.json``, ``report.md`` and PNG plots in one directory.
 
+Each run of ``results.json`` holds its ``summary`` (``loadtest.metrics.Summary``), ``vllm bench
+serve``'s keys next to it (``vllm_bench_metrics``: ``results["runs"][0]["mean_ttft_ms"]``), and
+every request.
+
 Plots: latency CDFs (TTFT, ITL, E2E) with one curve per run, and, across runs at different
 offered rates, goodput and p99 ITL against the offered rate.
 """
@@ -14,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from loadtest.metrics import RequestRecord, Summary
+from loadtest.metrics import RequestRecord, Summary, vllm_bench_metrics
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,6 +55,7 @@ def write_reports(out_dir: Path, config: dict[str, Any], runs: Sequence[RunResul
                 "offered_rate_per_s": run.offered_rate_per_s,
                 "concurrency": run.concurrency,
                 "summary": _json_summary(run.summary),
+                **vllm_bench_metrics(run.records, run.summary.duration_s),
                 "requests": [dataclasses.asdict(r) for r in run.records],
             }
             for run in runs
@@ -74,7 +79,8 @@ def markdown(config: dict[str, Any], runs: Sequence[RunResult]) -> str:
         "",
         f"Command: `{config['command']}`",
         "",
-        f"Target `{config['target']}`, workload `{config['workload']}`, seed {config['seed']}; "
+        f"Target `{config['target']}` ({config.get('backend', 'grpc')}), "
+        f"workload `{config['workload']}`, seed {config['seed']}; "
         f"SLOs: TTFT <= {_fmt(slo.slo_ttft_ms if slo else None, 0)} ms, "
         f"p{_fmt(slo.slo_itl_percentile if slo else None, 0)} ITL per request <= "
         f"{_fmt(slo.slo_itl_ms if slo else None, 0)} ms.",

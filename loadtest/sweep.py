@@ -1,5 +1,6 @@
-"""One loadtest: the same seeded workload at each offered rate (or one closed-loop run) against
-a router, summarized per run. ``splitserve loadtest`` and ``loadtest.experiments`` both run it."""
+"""One loadtest: the same seeded workload (or dataset) at each offered rate (or one closed-loop
+run) against a router, summarized per run. ``splitserve loadtest`` and ``loadtest.experiments``
+both run it."""
 
 from __future__ import annotations
 
@@ -9,10 +10,19 @@ from dataclasses import dataclass
 
 from engine.loader.models import resolve_model
 from engine.tokenizer import Tokenizer
+from loadtest.backends import Backend, LoadClient
+from loadtest.datasets import Dataset
 from loadtest.metrics import DEFAULT_SLO_ITL_PERCENTILE, summarize
 from loadtest.report import RunResult
 from loadtest.runner import RunPlan, run
-from loadtest.synthetic import WorkloadGenerator, arrival_times_s, regular_token_ids
+from loadtest.synthetic import (
+    LoadRequest,
+    WorkloadGenerator,
+    arrival_times_s,
+    as_text,
+    chat_template_tokens,
+    regular_token_ids,
+)
 from services.common.router_channel import open_router_channel
 from splitserve.v1 import router_pb2, router_pb2_grpc
 
@@ -23,8 +33,9 @@ logger = logging.getLogger(__name__)
 class LoadSpec:
     """What to send: a workload at each of ``rates`` (open loop, requests/s), or with
     ``concurrency`` requests in flight when ``rates`` is empty; bounded per run by
-    ``num_requests`` and ``duration_s``. Run i's prompts and send times come from seed
-    ``seed + i``, so that two clusters given the same spec see the same requests."""
+    ``num_requests`` and ``duration_s``. Run i's prompts (or its shuffle of a dataset) and send
+    times come from seed ``seed + i``, so that two clusters given the same spec see the same
+    requests."""
 
     workload: str
     rates: tuple[float, ...] = ()
@@ -41,6 +52,8 @@ class LoadSpec:
     def __post_init__(self) -> None:
         if bool(self.rates) == (self.concurrency is not None):
             raise ValueError("give either rates or a concurrency")
+        if self.num_requests < 1:
+            raise ValueError(f"num_requests must be >= 1, got {self.num_requests}")
         if self.concurrency is not None and self.concurrency < 1:
             raise ValueError(f"concurrency must be >= 1, got {self.concurrency}")
         if not 0 < self.slo_itl_percentile <= 100:
@@ -54,11 +67,28 @@ class LoadSpec:
 @dataclass(frozen=True, slots=True)
 class ServedModel:
     """What prompts for a router may hold: its model's name, the regular token ids every
-    worker accepts, and the smallest max_model_len of its workers."""
+    worker accepts, the smallest max_model_len of its workers, and the tokenizer prompts are
+    made and counted with."""
 
     name: str
     vocab: tuple[int, ...]
     max_model_len: int
+    tokenizer: Tokenizer
+
+
+def load_served_model(
+    name: str, tokenizer_model: str, max_model_len: int, vocab_size: int | None = None
+) -> ServedModel:
+    """``name``, served with ``tokenizer_model``'s tokenizer (a path, alias or repo id; a repo
+    is fetched, tokenizer only) and a model of ``vocab_size`` (default: the tokenizer's)."""
+    tokenizer = Tokenizer(resolve_model(tokenizer_model, tokenizer_only=True))
+    regular = regular_token_ids(tokenizer.backend)
+    return ServedModel(
+        name=name,
+        vocab=tuple(i for i in regular if vocab_size is None or i < vocab_size),
+        max_model_len=max_model_len,
+        tokenizer=tokenizer,
+    )
 
 
 def served_model(
@@ -80,49 +110,62 @@ def served_model_of(
     infos = [w.info for w in status.workers if w.info.max_model_len]
     if not infos:
         raise ValueError("no worker behind the router has answered yet")
-    vocab_size = min(i.vocab_size for i in infos)
     # status.model is the served name (--served-model-name); the workers say what they loaded.
-    loaded = tokenizer_model or infos[0].model
-    tokenizer = Tokenizer(resolve_model(loaded, tokenizer_only=True)).backend
-    return ServedModel(
-        name=status.model,
-        vocab=tuple(i for i in regular_token_ids(tokenizer) if i < vocab_size),
-        max_model_len=min(i.max_model_len for i in infos),
+    return load_served_model(
+        status.model,
+        tokenizer_model or infos[0].model,
+        min(i.max_model_len for i in infos),
+        min(i.vocab_size for i in infos),
     )
 
 
-def run_sweep(
-    target: str,
+def run_requests(
     spec: LoadSpec,
     served: ServedModel,
+    backend: Backend,
+    dataset: Dataset | None = None,
+    run_index: int = 0,
+) -> list[LoadRequest]:
+    """Run ``run_index``'s requests of ``spec``'s workload (or of ``dataset``), as ``backend``
+    takes them: for a chat API, text that leaves room for the chat template."""
+    seed = spec.seed + run_index
+    chat = backend is Backend.OPENAI_CHAT
+    max_model_len = served.max_model_len - (chat_template_tokens(served.tokenizer) if chat else 0)
+    if dataset is not None:
+        return dataset.sample(spec.num_requests, seed, served.tokenizer, max_model_len)
+    generator = WorkloadGenerator(spec.workload, list(served.vocab), max_model_len, seed=seed)
+    requests = [generator.next() for _ in range(spec.num_requests)]
+    return [as_text(r, served.tokenizer) for r in requests] if chat else requests
+
+
+def run_sweep(
+    client: LoadClient,
+    spec: LoadSpec,
+    served: ServedModel,
+    dataset: Dataset | None = None,
     show_progress: bool = True,
-    api_key: str = "",
-    ca_file: str = "",
 ) -> list[RunResult]:
-    """Run ``spec`` against the router at ``target``, which serves ``served``, presenting
-    ``api_key`` (TLS verified against ``ca_file`` when given)."""
-    vocab, max_model_len = list(served.vocab), served.max_model_len
+    """Run ``spec`` (its workload, or ``dataset``'s requests) through ``client``, to a router
+    that serves ``served``."""
     results = []
     for i, rate in enumerate(spec.rates or (None,)):
-        # Fresh prompts per run: a run replaying the last one's would hit its prefix cache.
-        generator = WorkloadGenerator(spec.workload, vocab, max_model_len, seed=spec.seed + i)
+        # Fresh prompts per run (another shuffle of a dataset): a run replaying the last one's
+        # would hit its prefix cache.
+        requests = run_requests(spec, served, client.backend, dataset, i)
         arrivals_s = (
-            tuple(arrival_times_s(spec.num_requests, rate, spec.burstiness, spec.seed + i))
+            tuple(arrival_times_s(len(requests), rate, spec.burstiness, spec.seed + i))
             if rate is not None
             else None
         )
         plan = RunPlan(
-            num_requests=spec.num_requests,
             duration_s=spec.duration_s,
             arrivals_s=arrivals_s,
             concurrency=spec.concurrency,
             timeout_s=spec.timeout_s,
         )
-        records = asyncio.run(
-            run(target, plan, generator.next, show_progress, api_key=api_key, ca_file=ca_file)
-        )
-        summary = summarize(records, spec.slo_ttft_ms, spec.slo_itl_ms, spec.slo_itl_percentile)
         label = f"rate {rate:g}/s" if rate is not None else f"concurrency {spec.concurrency}"
+        records = asyncio.run(run(client, plan, requests, show_progress, label))
+        summary = summarize(records, spec.slo_ttft_ms, spec.slo_itl_ms, spec.slo_itl_percentile)
         results.append(RunResult(label, rate, spec.concurrency, summary, records))
         logger.info(
             "%s: %d/%d done, %.2f req/s, goodput %.2f req/s, TTFT p50 %.0f ms, ITL p99 %.0f ms",

@@ -12,30 +12,73 @@ each clipped so that prompt + output fits ``max_model_len``:
 - ``long-mixed``: streaming chats (80%: prompt 64-256, output 128-256) with long documents
   arriving among them (20%: prompt 1024-3072, output 16-32). Long prefills interfere with
   running decodes unless prefill and decode are disaggregated.
+
+A chat API takes text only: there the prompts are the token ids' text (``as_text``), which
+tokenizes to at most as many tokens, and the lengths are clipped to leave room for the chat
+template's own tokens.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import random
+from collections.abc import Sequence
 from dataclasses import dataclass
 
-from tokenizers import Tokenizer
+import tokenizers
+
+from engine.tokenizer import Tokenizer
 
 WORKLOADS = ("chat", "shared-prefix", "long-mixed")
 
 
 @dataclass(frozen=True, slots=True)
-class SyntheticRequest:
+class LoadRequest:
+    """One request to send. ``prompt_token_ids`` is the prompt (synthetic workloads) or what
+    ``prompt_text`` tokenizes to (datasets, and synthetic prompts made text for a chat API);
+    backends send the text when there is one."""
+
     prompt_token_ids: tuple[int, ...]
     max_tokens: int
-    kind: str  # chat | shared-prefix | stream | long
+    kind: str  # chat | shared-prefix | stream | long | jsonl | sharegpt
+    prompt_text: str | None = None
 
 
-def regular_token_ids(tokenizer: Tokenizer) -> list[int]:
+def regular_token_ids(tokenizer: tokenizers.Tokenizer) -> list[int]:
     """The vocabulary minus added/special tokens."""
     special = set(tokenizer.get_added_tokens_decoder())
     return [i for i in range(tokenizer.get_vocab_size()) if i not in special]
+
+
+def fit_text(tokenizer: Tokenizer, token_ids: Sequence[int]) -> tuple[str, tuple[int, ...]]:
+    """Text made of ``token_ids`` that tokenizes (without special tokens) to at most as many
+    tokens, usually exactly as many, and those tokens. Random tokens decoded do not tokenize
+    back to themselves (merges across their boundaries, characters split between them), so,
+    as vLLM's random dataset does, the text is tokenized again and cut back until it fits."""
+    retokenized = tokenizer.encode(tokenizer.decode(token_ids), add_special_tokens=False)
+    keep = len(token_ids)
+    while True:
+        text = tokenizer.decode(retokenized[:keep])
+        ids = tokenizer.encode(text, add_special_tokens=False)
+        excess = len(ids) - len(token_ids)
+        if excess <= 0 or keep == 0:
+            return text, tuple(ids)
+        keep = max(keep - excess, 0)
+
+
+def as_text(request: LoadRequest, tokenizer: Tokenizer) -> LoadRequest:
+    """``request`` with a text prompt (``fit_text`` of its token ids), for a chat API."""
+    text, ids = fit_text(tokenizer, request.prompt_token_ids)
+    return dataclasses.replace(request, prompt_token_ids=ids, prompt_text=text)
+
+
+def chat_template_tokens(tokenizer: Tokenizer) -> int:
+    """The tokens a chat API's template adds around one user message (0 without a template):
+    what a chat prompt must leave free of the context length."""
+    if not tokenizer.chat_template:
+        return 0
+    return len(tokenizer.encode_chat([{"role": "user", "content": ""}]))
 
 
 def _lognormal(rng: random.Random, median: float, sigma: float, low: int, high: int) -> int:
@@ -69,23 +112,23 @@ class WorkloadGenerator:
         max_tokens = min(max_tokens, self._max_model_len // 2)
         return min(prompt_tokens, self._max_model_len - max_tokens), max_tokens
 
-    def next(self) -> SyntheticRequest:
+    def next(self) -> LoadRequest:
         rng = self._rng
         if self.workload == "chat":
             prompt, output = self._fit(
                 _lognormal(rng, 256, 0.6, 16, 1536), _lognormal(rng, 128, 0.5, 8, 512)
             )
-            return SyntheticRequest(self._tokens(prompt), output, "chat")
+            return LoadRequest(self._tokens(prompt), output, "chat")
         if self.workload == "shared-prefix":
             prefix = rng.choice(self._prefixes)
             user_tokens, output = self._fit(rng.randint(32, 128), rng.randint(32, 96))
             prompt = (prefix + self._tokens(user_tokens))[: self._max_model_len - output]
-            return SyntheticRequest(prompt, output, "shared-prefix")
+            return LoadRequest(prompt, output, "shared-prefix")
         if rng.random() < 0.2:
             prompt, output = self._fit(rng.randint(1024, 3072), rng.randint(16, 32))
-            return SyntheticRequest(self._tokens(prompt), output, "long")
+            return LoadRequest(self._tokens(prompt), output, "long")
         prompt, output = self._fit(rng.randint(64, 256), rng.randint(128, 256))
-        return SyntheticRequest(self._tokens(prompt), output, "stream")
+        return LoadRequest(self._tokens(prompt), output, "stream")
 
 
 def arrival_times_s(

@@ -12,8 +12,10 @@ import time
 
 import pytest
 
+from engine.tokenizer import Tokenizer
+from loadtest.datasets import DatasetKind, load_dataset, write_sharegpt_file
 from services.launcher import LocalCluster, ServiceProcess, free_port, wait_healthy
-from tests.services.conftest import tiny_engine_config
+from tests.services.conftest import Client, tiny_engine_config
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -128,3 +130,40 @@ def test_loadtest_waits_for_workers_that_are_still_starting(tiny_llama_dir, tmp_
     assert loadtest.returncode == 0, waiting + stderr
     assert waiting.startswith("waiting for the cluster: no decode worker is ready yet; "), waiting
     assert json.loads((out / "results.json").read_text())["runs"][0]["summary"]["errors"] == {}
+
+
+def test_200_sharegpt_conversations_run_through_both_apis(cluster, tiny_llama_dir, tmp_path):
+    """The same ShareGPT file through gRPC and through the HTTP API (completions and chat):
+    every usable conversation is sent, and every request sent completes."""
+    dataset = write_sharegpt_file(
+        tmp_path / "sharegpt.json", Tokenizer(tiny_llama_dir), 200, seed=3
+    )
+    client = Client(cluster.router_address)
+    max_model_len = min(w.info.max_model_len for w in client.status().workers)
+    client.close()
+    usable = len(
+        load_dataset(DatasetKind.SHAREGPT, dataset, default_output_tokens=1).sample(
+            1000, 0, Tokenizer(tiny_llama_dir), max_model_len
+        )
+    )
+    assert 100 < usable < 200  # the generator writes some conversations to be filtered out
+    addresses = {
+        "grpc": ["--target", cluster.router_address],
+        "openai-completions": ["--base-url", cluster.http_url],
+        "openai-chat": ["--base-url", cluster.http_url],
+    }
+    for backend, address in addresses.items():
+        out = tmp_path / backend
+        argv = [
+            sys.executable, "-m", "services.cli", "loadtest", "--backend", backend, *address,
+            "--dataset", "sharegpt", "--dataset-path", str(dataset), "--concurrency", "16",
+            "--num-requests", "1000", "--duration", "600", "--no-progress", "--out", str(out),
+        ]  # fmt: skip
+        result = subprocess.run(argv, capture_output=True, text=True, timeout=600)
+        assert result.returncode == 0, result.stderr
+        (run,) = json.loads((out / "results.json").read_text())["runs"]
+        summary = run["summary"]
+        assert summary["num_sent"] == usable, backend
+        assert summary["errors"] == {} and summary["num_completed"] == usable, backend
+        assert run["completed"] == usable and run["total_output_tokens"] > 0
+        assert all(r["error"] is None and r["end_s"] for r in run["requests"])

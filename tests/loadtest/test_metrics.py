@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from loadtest.metrics import RequestRecord, percentile, summarize
+from loadtest.metrics import RequestRecord, percentile, summarize, vllm_bench_metrics
 
 
 def records() -> list[RequestRecord]:
@@ -75,3 +75,40 @@ def test_itl_slo_percentile_decides_how_many_stalls_a_request_may_have():
     assert stalled.meets(None, 100, slo_itl_percentile=90)
     assert not stalled.meets(None, 100, slo_itl_percentile=99)
     assert summarize([stalled], None, 100, slo_itl_percentile=99).goodput_requests_per_s == 0
+
+
+def test_vllm_bench_metrics_by_hand():
+    m = vllm_bench_metrics(records(), duration_s=2.2)
+    assert (m["completed"], m["total_input_tokens"], m["total_output_tokens"]) == (3, 70, 7)
+    assert m["duration"] == 2.2
+    assert m["request_throughput"] == pytest.approx(3 / 2.2)
+    assert m["output_throughput"] == pytest.approx(7 / 2.2)
+    assert m["total_token_throughput"] == pytest.approx(77 / 2.2)
+    # TTFT 500, 200, 100 ms; percentiles interpolate linearly between the sorted values.
+    assert m["mean_ttft_ms"] == pytest.approx(800 / 3)
+    assert m["median_ttft_ms"] == pytest.approx(200)
+    mean = 800 / 3
+    std = math.sqrt(((500 - mean) ** 2 + (200 - mean) ** 2 + (100 - mean) ** 2) / 3)
+    assert m["std_ttft_ms"] == pytest.approx(std)
+    assert m["p50_ttft_ms"] == pytest.approx(200)
+    assert m["p90_ttft_ms"] == pytest.approx(200 + 0.8 * 300)
+    assert m["p99_ttft_ms"] == pytest.approx(200 + 0.98 * 300)
+    # TPOT 100 and 1000 ms (the one-token request has none).
+    assert (m["mean_tpot_ms"], m["median_tpot_ms"], m["std_tpot_ms"]) == pytest.approx(
+        (550, 550, 450)
+    )
+    assert m["p99_tpot_ms"] == pytest.approx(100 + 0.99 * 900)
+    # ITL 100, 100, 100 (the 2-token message: two gaps) and 1000 ms.
+    assert (m["mean_itl_ms"], m["median_itl_ms"]) == pytest.approx((325, 100))
+    assert m["std_itl_ms"] == pytest.approx(math.sqrt((3 * 225**2 + 675**2) / 4))
+    assert m["p90_itl_ms"] == pytest.approx(100 + 0.7 * 900)
+    assert m["p99_itl_ms"] == pytest.approx(100 + 0.97 * 900)
+    # E2E 800, 1200, 100 ms.
+    assert (m["mean_e2el_ms"], m["median_e2el_ms"]) == pytest.approx((700, 800))
+    assert m["p99_e2el_ms"] == pytest.approx(800 + 0.98 * 400)
+
+
+def test_vllm_bench_metrics_of_no_completed_request_are_zero():
+    m = vllm_bench_metrics([RequestRecord(0.0, 5, error="HTTP 500")], duration_s=0.0)
+    assert m["completed"] == 0 and m["request_throughput"] == 0.0
+    assert m["mean_ttft_ms"] == m["p99_itl_ms"] == m["std_e2el_ms"] == 0.0

@@ -59,7 +59,11 @@ def start_ray_cluster(ray_instance, tiny_llama_dir) -> Iterator[Callable[..., Ra
             WorkerConfig(engine=engine, port=0, redis=redis, heartbeat_ttl_s=1.0),
             # Every prompt through a prefill worker, as in the process-cluster tests.
             RouterConfig(
-                model=str(tiny_llama_dir), port=0, local_prefill_max_tokens=0, redis=redis
+                model=str(tiny_llama_dir),
+                port=0,
+                http_port=0,
+                local_prefill_max_tokens=0,
+                redis=redis,
             ),
             planner=planner or PlannerConfig(),
             log_level="INFO",
