@@ -11,7 +11,7 @@ import asyncio
 import contextlib
 import json
 import logging
-from collections.abc import AsyncGenerator, Awaitable, Callable
+from collections.abc import AsyncGenerator, Awaitable
 from typing import Any, TypeVar
 
 from starlette.responses import JSONResponse, Response
@@ -72,26 +72,18 @@ class EventStreamResponse(Response):
 
     The status line waits for the first chunk: a request the router refuses (validation,
     admission, no worker) gets its error status and body, not a 200 stream. A failure after
-    that is an ``{"error": ...}`` event before ``[DONE]``. ``on_close`` runs once the response
-    is over, however it ended.
+    that is an ``{"error": ...}`` event before ``[DONE]``.
     """
 
-    def __init__(
-        self,
-        events: AsyncGenerator[dict[str, Any], None],
-        on_close: Callable[[], None] = lambda: None,
-    ) -> None:
+    def __init__(self, events: AsyncGenerator[dict[str, Any], None]) -> None:
         super().__init__()
         self._events = events
-        self._on_close = on_close
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
             await until_disconnect(receive, self._stream(send))
         except ClientDisconnected:
             logger.debug("client disconnected; request cancelled")
-        finally:
-            self._on_close()
 
     async def _stream(self, send: Send) -> None:
         events = self._events

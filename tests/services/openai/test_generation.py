@@ -109,6 +109,24 @@ def test_async_streaming_completions_match_the_whole_response(async_client, mode
     assert reasons[-1] == "length" and set(reasons[:-1]) <= {None}
 
 
+def test_async_chat_streaming_or_not_gives_the_same_answer(async_client, model):
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
+
+    async def run() -> tuple[str, str]:
+        async with async_client:
+            whole = await async_client.chat.completions.create(
+                model=model, messages=messages, max_tokens=MAX_TOKENS, temperature=0
+            )
+            stream = await async_client.chat.completions.create(
+                model=model, messages=messages, max_tokens=MAX_TOKENS, temperature=0, stream=True
+            )
+            parts = [chunk.choices[0].delta.content or "" async for chunk in stream]
+            return whole.choices[0].message.content, "".join(parts)
+
+    whole, streamed = asyncio.run(run())
+    assert streamed == whole
+
+
 def test_repeated_prompt_reports_cached_tokens(sync_client, model):
     prompt = list(range(300, 400))
     first = sync_client.completions.create(model=model, prompt=prompt, max_tokens=2)
