@@ -26,9 +26,11 @@ _TOKEN_TEXT_CACHE = 1 << 16
 
 
 class TokenTexts:
-    """Each token id's text, as logprobs show it (cached: the same ids recur)."""
+    """Each token id's text, as logprobs show it (cached: the same ids recur), and the ids
+    that end a generation by default (eos)."""
 
     def __init__(self, tokenizer: Tokenizer) -> None:
+        self.eos_token_ids = tokenizer.eos_token_ids
         backend = tokenizer.backend
         self.text = functools.lru_cache(maxsize=_TOKEN_TEXT_CACHE)(
             lambda token_id: backend.decode([token_id], skip_special_tokens=False)
@@ -40,6 +42,9 @@ class ChoiceState:
     """What one choice has produced so far."""
 
     index: int
+    # The model's eos ids that are not the request's stop_token_ids: vLLM's stop_reason is
+    # null at them, as at any eos.
+    eos_only_ids: frozenset[int] = frozenset()
     text: list[str] = field(default_factory=list)
     logprobs: list[worker_pb2.TokenLogprob] = field(default_factory=list)
     num_tokens: int = 0
@@ -58,17 +63,18 @@ class ChoiceState:
             self.last_token_id = message.token_ids[-1]
         if message.finish_reason:
             self.finish_reason = FINISH_REASON_NAMES[message.finish_reason]
-            self.stop_reason = _stop_reason(message.stop_reason, self.last_token_id)
+            self.stop_reason = self._stop_reason(message.stop_reason)
             self.usage = message.usage
 
-
-def _stop_reason(stop_reason: str, last_token_id: int | None) -> str | int | None:
-    """vLLM's ``stop_reason``: the stop token id (an int), the stop string, or None."""
-    if not stop_reason:
-        return None
-    if stop_reason.isdigit() and int(stop_reason) == last_token_id:
-        return int(stop_reason)
-    return stop_reason
+    def _stop_reason(self, stop_reason: str) -> str | int | None:
+        """vLLM's ``stop_reason``: a stop token id of the request (an int), the stop string,
+        or None (eos, a length stop)."""
+        if not stop_reason:
+            return None
+        if stop_reason.isdigit() and int(stop_reason) == self.last_token_id:
+            token_id = int(stop_reason)
+            return None if token_id in self.eos_only_ids else token_id
+        return stop_reason
 
 
 class ResponseBuilder:
@@ -88,7 +94,11 @@ class ResponseBuilder:
         self.model = model
         self.created_s = created_s
         self._texts = token_texts
-        self.choices = [ChoiceState(i) for i in range(plan.num_choices)]
+        requests = [request for choices in plan.requests for request in choices]
+        self.choices = [
+            ChoiceState(i, token_texts.eos_token_ids - set(request.sampling.stop_token_ids))
+            for i, request in enumerate(requests)
+        ]
         self._num_choices_per_prompt = [len(choices) for choices in plan.requests]
 
     @property

@@ -52,6 +52,9 @@ def test_greedy_chat_matches_generate_streaming_or_not(sync_client, grpc_client,
     assert got.object == "chat.completion"
     assert got.choices[0].message.role == "assistant"
     assert got.choices[0].message.content == want.text
+    assert got.choices[0].finish_reason == ("stop" if want.last.stop_reason else "length")
+    # vLLM's stop_reason: null at eos and at a length stop.
+    assert got.choices[0].model_extra["stop_reason"] is None
     assert got.usage.completion_tokens == len(want.token_ids)
     assert got.usage.prompt_tokens == want.last.usage.prompt_tokens
 
@@ -192,6 +195,19 @@ def test_stop_strings_cut_exactly(sync_client, grpc_client, model):
     assert got.model_extra["stop_reason"] == stop
     want = grpc_client.generate(prompt="the stop test", sampling=greedy(20, stop=[stop]))
     assert got.text == want.text
+
+
+def test_a_stop_token_id_is_the_stop_reason(sync_client, grpc_client, model):
+    first_id = grpc_client.generate(token_ids=PROMPT_IDS, sampling=greedy(1)).token_ids[0]
+    got = sync_client.completions.create(
+        model=model,
+        prompt=PROMPT_IDS,
+        max_tokens=20,
+        temperature=0,
+        extra_body={"stop_token_ids": [first_id]},
+    ).choices[0]
+    assert (got.finish_reason, got.text) == ("stop", "")
+    assert got.model_extra["stop_reason"] == first_id
 
 
 def test_batch_of_prompts_gives_one_choice_per_prompt_in_order(sync_client, grpc_client, model):
