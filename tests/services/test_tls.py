@@ -5,10 +5,12 @@ worker does with a ``kv_peer`` outside the cluster."""
 from __future__ import annotations
 
 import dataclasses
+import ssl
 from collections.abc import Callable
 from pathlib import Path
 
 import grpc
+import openai
 import pytest
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -179,3 +181,28 @@ def test_a_decode_request_naming_a_forged_kv_peer_pulls_nothing(
     again = decode_call(f"again-{attacker}")
     assert want[:1] + [token for response in again for token in response.token_ids] == want
     assert again[-1].num_cached_tokens >= 32
+
+
+def test_the_http_api_serves_https_with_the_router_certificate(cluster, certs):
+    """The OpenAI API on the same certificate: the cluster CA verifies it, a rogue CA and
+    plaintext do not get an answer."""
+    local, client = cluster
+    root, rogue = certs
+    assert local.http_url.startswith("https://127.0.0.1:")
+    options = {"base_url": f"{local.http_url}/v1", "api_key": "unused", "max_retries": 0}
+    trusted = ssl.create_default_context(cafile=str(root / "ca.crt"))
+    with openai.OpenAI(**options, http_client=openai.DefaultHttpxClient(verify=trusted)) as api:
+        got = api.completions.create(
+            model=client.status().model, prompt=PROMPT, max_tokens=8, temperature=0
+        )
+    assert got.choices[0].text == client.generate(token_ids=PROMPT, sampling=greedy(8)).text
+    untrusted = ssl.create_default_context(cafile=str(rogue / "ca.crt"))
+    rogue_client = openai.DefaultHttpxClient(verify=untrusted)
+    with (
+        openai.OpenAI(**options, http_client=rogue_client) as api,
+        pytest.raises(openai.APIConnectionError),
+    ):
+        api.models.list()
+    plain = {**options, "base_url": options["base_url"].replace("https://", "http://")}
+    with openai.OpenAI(**plain) as api, pytest.raises(openai.APIConnectionError):
+        api.models.list()
