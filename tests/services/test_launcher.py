@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import sys
+import urllib.request
 
 import psutil
 import pytest
@@ -41,21 +42,25 @@ def test_up_refuses_several_routers_without_redis(tiny_llama_dir):
 
 @pytest.fixture(params=["ray", "no-ray"])
 def up_process(request, tiny_llama_dir):
-    port = free_port()
+    port, http_port = free_port(), free_port()
     argv = [
         sys.executable, "-m", "services.cli", "up", "--model", str(tiny_llama_dir),
         "--dtype", "float32", "--num-kv-blocks", "64", "--port", str(port), f"--{request.param}",
+        "--http-port", str(http_port),
     ]  # fmt: skip
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True)
-    yield proc, port
+    yield proc, port, http_port
     stop_like_ctrl_c(proc)
 
 
 def test_up_serves_the_client_and_shuts_down_on_ctrl_c(up_process, tiny_llama_dir):
-    proc, port = up_process
+    proc, port, http_port = up_process
     assert proc.stdout is not None
     banner = proc.stdout.readline()
     assert f"listening on 127.0.0.1:{port}" in banner, banner
+    proc.stdout.readline()  # try: splitserve client ...
+    openai_url = f"http://127.0.0.1:{http_port}/v1"
+    assert proc.stdout.readline().startswith(f"OpenAI API: {openai_url} ")
     children = psutil.Process(proc.pid).children(recursive=True)
     if "Ray actors" in banner:  # Ray's own processes, and one actor per service
         actors = {c.name() for c in children if c.name().startswith("ray::")}
@@ -77,6 +82,12 @@ def test_up_serves_the_client_and_shuts_down_on_ctrl_c(up_process, tiny_llama_di
     assert got["token_ids"] == want.token_ids and got["text"] == want.text
     assert got["finish_reason"] == want.finish_reason
     assert got["usage"]["prompt_tokens"] == len(want.prompt_token_ids)
+    body = json.dumps({"prompt": "hello world", "max_tokens": 8, "temperature": 0}).encode()
+    request = urllib.request.Request(
+        f"{openai_url}/completions", body, {"content-type": "application/json"}
+    )
+    with urllib.request.urlopen(request, timeout=60) as reply:
+        assert json.loads(reply.read())["choices"][0]["text"] == want.text
 
     proc.send_signal(signal.SIGINT)
     assert proc.wait(timeout=60) == 0
@@ -89,7 +100,7 @@ def test_up_serves_the_client_and_shuts_down_on_ctrl_c(up_process, tiny_llama_di
 
 
 def test_client_reports_bad_input_clearly(up_process):
-    proc, port = up_process
+    proc, port, _ = up_process
     assert proc.stdout is not None and "listening" in proc.stdout.readline()
     client = subprocess.run(
         [
