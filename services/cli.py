@@ -13,7 +13,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from engine.flags import parse_flags
-from services.common.logs import add_log_level_flag, configure_logging
+from services.common.logs import add_log_flags, configure_logging
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,7 +74,7 @@ def build_parser(commands: Iterable[str] | None = None) -> argparse.ArgumentPars
     parser = argparse.ArgumentParser(
         prog="splitserve", description="Disaggregated prefill/decode LLM serving."
     )
-    add_log_level_flag(parser, default="WARNING")
+    add_log_flags(parser, default="WARNING")
     subparsers = parser.add_subparsers(dest="command", required=True)
     for command in COMMANDS:
         sub = subparsers.add_parser(command.name, help=command.help, description=command.help)
@@ -86,7 +86,7 @@ def build_parser(commands: Iterable[str] | None = None) -> argparse.ArgumentPars
 def chosen_command(argv: Sequence[str]) -> str | None:
     """The sub-command named on ``argv`` (None when there is none, e.g. ``--help``)."""
     prefix = argparse.ArgumentParser(add_help=False)
-    add_log_level_flag(prefix, default="WARNING")
+    add_log_flags(prefix, default="WARNING")
     prefix.add_argument("command", nargs="?")
     known, _ = prefix.parse_known_args(argv)
     return known.command
@@ -96,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     command = chosen_command(argv)
     args = parse_flags(build_parser([command] if command else []), argv)
-    configure_logging(args.log_level)
+    configure_logging(args.log_level, args.log_format)
     return args.func(args)
 
 

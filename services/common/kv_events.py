@@ -21,6 +21,7 @@ from collections.abc import Awaitable, Callable
 
 from engine.block_hash import BlockHash
 from engine.block_pool import KVCacheEvent
+from services.common.logs import rate_limited
 from services.common.prefix_index import PrefixIndex
 
 logger = logging.getLogger(__name__)
@@ -98,7 +99,11 @@ class KVEventPublisher:
                 raise
             except Exception as exc:  # Redis down or restarting: republish once it is back
                 if synced:
-                    logger.warning("prefix index unreachable (%s); will republish", exc)
+                    logger.warning(
+                        "prefix index unreachable (%s); will republish",
+                        exc,
+                        extra=rate_limited("redis"),
+                    )
                 synced = False
                 self._pending.clear()
 

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from engine.config import EngineConfig
 from engine.flags import add_flags, flag, from_args, parse_flags
 from kvtransfer.registry import default_backend, is_available
-from services.common.logs import add_log_level_flag, configure_logging
+from services.common.logs import add_log_flags, configure_logging
 from services.common.redis_config import RedisConfig
 from services.common.roles import Role
 
@@ -85,9 +85,9 @@ def parse_worker_args(role: Role, argv: list[str] | None) -> WorkerConfig:
     add_flags(parser, EngineConfig)
     add_flags(parser, WorkerConfig)
     add_flags(parser, RedisConfig)
-    add_log_level_flag(parser)
+    add_log_flags(parser)
     args = parse_flags(parser, argv)
-    configure_logging(args.log_level)
+    configure_logging(args.log_level, args.log_format)
     # Workers hand text and stop strings to the router.
     engine = from_args(EngineConfig, args, detokenize=False)
     return from_args(WorkerConfig, args, engine=engine, redis=from_args(RedisConfig, args))

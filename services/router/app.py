@@ -15,7 +15,6 @@ from engine.loader.models import resolve_model
 from engine.tokenizer import Tokenizer
 from services.common.api_keys import ApiKeyStore
 from services.common.grpc_server import ServingServer, serve_until_signal, start_server
-from services.common.logs import configure_logging
 from services.common.metrics import start_metrics_server
 from services.common.tls import read_tls_dir
 from services.router.auth import ROUTER_METHOD_ROLES, RequireApiKey
@@ -167,8 +166,7 @@ async def serve(config: RouterConfig, api_keys: ApiKeyStore) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    config, log_level = parse_router_args(argv)
-    configure_logging(log_level)
+    config = parse_router_args(argv)
     try:
         api_keys = ApiKeyStore(config.api_key_file, config.admin_api_key)
         read_tls_dir(config.tls_dir)

@@ -9,7 +9,7 @@ import socket
 from dataclasses import dataclass, field
 
 from engine.flags import add_flags, flag, from_args, parse_flags
-from services.common.logs import add_log_level_flag
+from services.common.logs import add_log_flags, configure_logging
 from services.common.redis_config import RedisConfig
 from services.router.request_prep import RequestBounds
 
@@ -197,17 +197,19 @@ class RouterConfig:
         return _split_addresses(self.decode_workers)
 
 
-def parse_router_args(argv: list[str] | None) -> tuple[RouterConfig, str]:
-    """Flags of ``python -m services.router``; returns the config and the log level."""
+def parse_router_args(argv: list[str] | None) -> RouterConfig:
+    """Flags of ``python -m services.router``; configures logging (``--log-level``,
+    ``--log-format``)."""
     parser = argparse.ArgumentParser(
         prog="python -m services.router", description="splitserve router"
     )
     add_flags(parser, RouterConfig)
     add_flags(parser, RedisConfig)
-    add_log_level_flag(parser)
+    add_log_flags(parser)
     args = parse_flags(parser, argv)
+    configure_logging(args.log_level, args.log_format)
     config = from_args(RouterConfig, args, redis=from_args(RedisConfig, args))
     if not config.decode_address_list:
         # Only an orchestrator (services.cluster) starts a router with empty pools.
         parser.error("--decode-workers: at least one decode worker address is required")
-    return config, args.log_level
+    return config

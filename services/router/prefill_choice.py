@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 from engine.block_hash import BlockHash
 from services.common.background import BackgroundTasks
+from services.common.logs import rate_limited
 from services.common.prefix_index import InProcessPrefixIndex
 from services.router import metrics
 from services.router.prefill_cost import CandidateLoad, CandidateScore, PrefillWeights
@@ -141,7 +142,11 @@ class PrefillChooser:
             if self._fallback is None:
                 raise
             metrics.PREFIX_INDEX_ERRORS.inc()
-            logger.warning("prefix index unreachable (%r); routing on load only", exc)
+            logger.warning(
+                "prefix index unreachable (%r); routing on load only",
+                exc,
+                extra=rate_limited("redis"),
+            )
             ledger = self._fallback
             selection = await ledger.select(req_id, block_hashes, loads, self._weights, tie_value)
         scored = zip(workers, selection.scores, strict=True)

@@ -37,6 +37,7 @@ from services.router.config import RouterConfig
 from services.router.explain import explain_response
 from services.router.failure_policy import FailurePolicy
 from services.router.latency import LatencyWindow
+from services.router.request_log import RequestLog
 from services.router.request_prep import (
     MaxTokensDefault,
     ModelLimits,
@@ -191,14 +192,20 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         metrics.INFLIGHT.inc()
         outcome = "invalid"
         last_token_s: float | None = None
+        log: RequestLog | None = None
         try:
             prepared = await self._prepare(request, limits, context, max_tokens_default)
             outcome = "error"
-            async for message in self._generate(prepared, context):
+            log = RequestLog(
+                prepared.req_id, prepared.client_request_id, len(prepared.prompt_token_ids)
+            )
+            async for message in self._generate(prepared, context, log):
                 if message.token_ids:
                     now_s = time.perf_counter()
                     num_tokens = len(message.token_ids)
+                    log.output_tokens += num_tokens
                     if last_token_s is None:
+                        log.ttft_ms = (now_s - start_s) * 1000
                         metrics.TTFT.observe(now_s - start_s)
                         self.latency.add_ttft(now_s - start_s)
                     else:
@@ -210,6 +217,8 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                 metrics.GENERATION_TOKENS.inc(len(message.token_ids))
                 if message.finish_reason:
                     outcome = FINISH_REASON_NAMES[message.finish_reason]
+                    log.e2e_ms = (time.perf_counter() - start_s) * 1000
+                    log.cached_tokens = message.usage.cached_tokens
                     metrics.E2E.observe(time.perf_counter() - start_s)
                     metrics.PROMPT_TOKENS.inc(len(prepared.prompt_token_ids))
                 yield message
@@ -220,6 +229,8 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             self._num_inflight -= 1
             metrics.INFLIGHT.dec()
             metrics.REQUESTS.labels(outcome).inc()
+            if log is not None:
+                log.emit(outcome)
 
     async def _admit(self, context: CallContext) -> ModelLimits:
         """The model's limits if a request may start now; else abort the call (UNAVAILABLE
@@ -260,7 +271,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             await abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(exc))
 
     async def _generate(
-        self, prepared: PreparedRequest, context: CallContext
+        self, prepared: PreparedRequest, context: CallContext, log: RequestLog
     ) -> AsyncIterator[router_pb2.GenerateResponse]:
         if prepared.client_request_id != prepared.req_id:
             logger.info(
@@ -280,6 +291,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             assert routed.plan is not None
             prefill = routed.plan.prefill_worker
             if prefill is not None:
+                log.prefill_worker = prefill.address
                 response = await self._prefill(prefill, routed, context)
                 if response is not None:
                     yield routed.stream.push(
@@ -293,7 +305,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                     routed.decode_request.output_token_ids.extend(routed.stream.output_token_ids)
                     if routed.stream.finished:
                         return
-            async for message in self._decode(routed, context):
+            async for message in self._decode(routed, context, log):
                 routed.decode_started()
                 yield message
             routed.finished()
@@ -344,7 +356,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         return None
 
     async def _decode(
-        self, routed: RoutedRequest, context: CallContext
+        self, routed: RoutedRequest, context: CallContext, log: RequestLog
     ) -> AsyncIterator[router_pb2.GenerateResponse]:
         """Stream the decode on the planned worker (``routed.slot``'s); on a failure continue
         on another one, moving the slot along, from the prompt and the tokens sent so far (the
@@ -364,6 +376,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                 worker = candidate.worker
                 slot.move_to(worker)
             tried.add(worker.address)
+            log.decode_workers.append(worker.address)
             call = worker.stub.Decode(request, timeout=self._call_timeout_s(context))
             worker.open_call(call)
             error = ""

@@ -24,6 +24,7 @@ from typing import Any
 import grpc
 
 from services.common.background import BackgroundTasks
+from services.common.logs import rate_limited
 from services.common.roles import Role
 from services.common.tls import Identity, TlsMaterial, member_channel
 from splitserve.v1 import worker_pb2, worker_pb2_grpc
@@ -61,7 +62,13 @@ class WorkerHandle:
 
     def mark_failed(self, error: str) -> None:
         if self.healthy:
-            logger.warning("%s worker %s marked unhealthy: %s", self.role, self.address, error)
+            logger.warning(
+                "%s worker %s marked unhealthy: %s",
+                self.role,
+                self.address,
+                error,
+                extra=rate_limited(self.address),
+            )
         self.healthy = False
         self.last_error = error
 

@@ -1,0 +1,62 @@
+"""The router's one line per finished request: what an SRE greps for first.
+
+``req_id``, the client's ``request_id``, prompt / cached / output tokens, TTFT and end-to-end
+milliseconds, the prefill worker and the decode workers it used (several after a failover),
+and how it ended (``stop``, ``length``, ``abort``, ``cancelled`` or ``error``). Under
+``--log-format json`` each is a key of the line.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+from services.common.logs import log_fields
+
+logger = logging.getLogger("splitserve.requests")
+
+
+@dataclass(slots=True)
+class RequestLog:
+    """Filled in as the request goes; ``emit`` writes the line once it is over."""
+
+    req_id: str
+    request_id: str
+    prompt_tokens: int
+    cached_tokens: int = 0
+    output_tokens: int = 0
+    ttft_ms: float | None = None
+    e2e_ms: float | None = None
+    prefill_worker: str = ""
+    decode_workers: list[str] = field(default_factory=list)
+
+    def emit(self, outcome: str) -> None:
+        logger.info(
+            "req_id=%s finished (%s): %d prompt tokens (%d cached), %d output tokens, "
+            "TTFT %s ms, E2E %s ms, prefill %s, decode %s",
+            self.req_id,
+            outcome,
+            self.prompt_tokens,
+            self.cached_tokens,
+            self.output_tokens,
+            _ms(self.ttft_ms),
+            _ms(self.e2e_ms),
+            self.prefill_worker or "-",
+            ",".join(self.decode_workers) or "-",
+            extra=log_fields(
+                req_id=self.req_id,
+                request_id=self.request_id,
+                outcome=outcome,
+                prompt_tokens=self.prompt_tokens,
+                cached_tokens=self.cached_tokens,
+                output_tokens=self.output_tokens,
+                ttft_ms=self.ttft_ms,
+                e2e_ms=self.e2e_ms,
+                prefill_worker=self.prefill_worker,
+                decode_workers=self.decode_workers,
+            ),
+        )
+
+
+def _ms(value: float | None) -> str:
+    return "-" if value is None else f"{value:.1f}"
