@@ -60,10 +60,19 @@ _STDERR_TAIL_LINES = 20
 _STDERR_DRAIN_S = 1.0
 
 
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as sock:
-        sock.bind((host, 0))
-        return sock.getsockname()[1]
+def free_port(host: str = "127.0.0.1", taken: set[int] | None = None) -> int:
+    """A port free on ``host`` now. With ``taken``, one not in it (it is then added): the
+    kernel may hand a just-closed port out again, and two services of one launch must not get
+    the same one."""
+    while True:
+        with socket.socket() as sock:
+            sock.bind((host, 0))
+            port: int = sock.getsockname()[1]
+        if taken is None:
+            return port
+        if port not in taken:
+            taken.add(port)
+            return port
 
 
 class ProcessState(enum.Enum):
@@ -245,9 +254,10 @@ class LocalCluster:
         if self.worker_cpu_cores and len(self.worker_cpu_cores) != num_workers:
             raise ValueError(f"worker_cpu_cores needs one entry per worker ({num_workers})")
         cpu_cores = iter(self.worker_cpu_cores)
+        taken = {self.port} if self.port else set()
         for role, count in ((Role.PREFILL, self.num_prefill), (Role.DECODE, self.num_decode)):
             for _ in range(count):
-                port, metrics_port = free_port(self.host), free_port(self.host)
+                port, metrics_port = free_port(self.host, taken), free_port(self.host, taken)
                 argv = [
                     python, "-m", f"services.{role}", "--host", self.host, "--port", str(port),
                     "--metrics-port", str(metrics_port),
@@ -260,12 +270,13 @@ class LocalCluster:
                 self.processes.append(ServiceProcess(role, address, metrics_port, argv))
         self.processes.extend(
             self._router_process(
-                self.port if i == 0 and self.port else free_port(self.host),
+                self.port if i == 0 and self.port else free_port(self.host, taken),
                 None
                 if self.http_port is None
                 else self.http_port + i
                 if self.http_port
-                else free_port(self.host),
+                else free_port(self.host, taken),
+                taken,
             )
             for i in range(self.num_routers)
         )
@@ -335,8 +346,8 @@ class LocalCluster:
         scheme = "https" if self.tls_dir else "http"
         return f"{scheme}://{self.host}:{router.http_port}"
 
-    def _router_process(self, port: int, http_port: int | None) -> ServiceProcess:
-        metrics_port = free_port(self.host)
+    def _router_process(self, port: int, http_port: int | None, taken: set[int]) -> ServiceProcess:
+        metrics_port = free_port(self.host, taken)
         http_flags = ["--no-http"] if http_port is None else ["--http-port", str(http_port)]
         return ServiceProcess(
             Role.ROUTER,
