@@ -14,7 +14,6 @@ tok/s) and writes ``http.json`` under ``--out``.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import dataclasses
 import json
 import random
@@ -25,9 +24,8 @@ from typing import Any
 from engine.config import EngineConfig
 from engine.flags import add_flags, from_args
 from loadtest.backends import Backend, GrpcClient, LoadClient
-from loadtest.metrics import summarize
 from loadtest.openai_http import OpenAIClient
-from loadtest.runner import RunPlan, run
+from loadtest.runner import closed_loop_summary
 from loadtest.sweep import ServedModel, served_model
 from loadtest.synthetic import LoadRequest
 from services.launcher import LocalCluster
@@ -56,10 +54,7 @@ def _client(arm: Backend, cluster: LocalCluster, served: ServedModel) -> LoadCli
 
 
 def _measure(client: LoadClient, requests: list[LoadRequest], concurrency: int) -> dict[str, float]:
-    plan = RunPlan(duration_s=3600.0, concurrency=concurrency)
-    records = asyncio.run(run(client, plan, requests, False))
-    summary = summarize(records, None, None)
-    assert not summary.errors, summary.errors
+    summary = closed_loop_summary(client, requests, concurrency)
     return {
         "ttft_p50_ms": summary.ttft_ms["p50"],
         "ttft_p90_ms": summary.ttft_ms["p90"],

@@ -15,7 +15,6 @@ writes ``security.json`` under ``--out``.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import dataclasses
 import json
 import secrets
@@ -27,8 +26,7 @@ from typing import Any
 from engine.config import EngineConfig
 from engine.flags import add_flags, from_args
 from loadtest.backends import GrpcClient
-from loadtest.metrics import summarize
-from loadtest.runner import RunPlan, run
+from loadtest.runner import closed_loop_summary
 from loadtest.sweep import served_model
 from loadtest.synthetic import WorkloadGenerator
 from services.certs import write_cluster_certs
@@ -73,18 +71,14 @@ def _measure(
         )
         client = GrpcClient(cluster.router_address, **credentials)
         warmup = WorkloadGenerator("chat", list(served.vocab), served.max_model_len, seed=999)
-        plan = RunPlan(duration_s=120, concurrency=2)
-        asyncio.run(run(client, plan, [warmup.next() for _ in range(4)], False))
+        closed_loop_summary(client, [warmup.next() for _ in range(4)], 2)
         generator = WorkloadGenerator(
             "chat", list(served.vocab), served.max_model_len, seed=args.seed + 1
         )
         requests = [generator.next() for _ in range(args.num_requests)]
-        plan = RunPlan(duration_s=3600.0, concurrency=args.concurrency)
-        records = asyncio.run(run(client, plan, requests, False))
+        summary = closed_loop_summary(client, requests, args.concurrency)
     finally:
         cluster.stop()
-    summary = summarize(records, None, None)
-    assert not summary.errors, summary.errors
     return {
         "ttft_p50_ms": summary.ttft_ms["p50"],
         "ttft_p90_ms": summary.ttft_ms["p90"],

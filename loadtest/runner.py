@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from tqdm import tqdm
 
 from loadtest.backends import LoadClient
-from loadtest.metrics import RequestRecord
+from loadtest.metrics import RequestRecord, Summary, summarize
 from loadtest.synthetic import LoadRequest
 
 
@@ -86,3 +86,15 @@ async def run(
 
             await asyncio.gather(*(user() for _ in range(plan.concurrency)))
             return records
+
+
+def closed_loop_summary(
+    client: LoadClient, requests: Sequence[LoadRequest], concurrency: int
+) -> Summary:
+    """Send every one of ``requests`` with ``concurrency`` in flight (no time limit, no
+    progress bar) and summarize them, without SLOs; ``AssertionError`` naming the errors if
+    any request failed (the benchmarks' runs must be complete)."""
+    plan = RunPlan(duration_s=3600.0, concurrency=concurrency)
+    summary = summarize(asyncio.run(run(client, plan, requests, False)), None, None)
+    assert not summary.errors, summary.errors
+    return summary
