@@ -389,6 +389,7 @@ class LLMEngine:
             logprobs=list(logprobs) if finished and logprobs is not None else None,
             arrival_time_s=request.arrival_time_s,
             first_token_time_s=state.first_token_time_s,
+            scheduled_time_s=request.scheduled_time_s,
             new_logprobs=new_logprobs,
             error=request.error,
         )

@@ -31,6 +31,8 @@ class RequestOutput:
     logprobs: list[TokenLogprobs] | None
     arrival_time_s: float
     first_token_time_s: float | None
+    # When the scheduler first gave it blocks (the end of its queue wait); None while queued.
+    scheduled_time_s: float | None = None
     # One per new token when logprobs were asked for (None otherwise).
     new_logprobs: list[TokenLogprobs] | None = None
     # Set when finish_reason is "error": why this request (only) failed.

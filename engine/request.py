@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -96,6 +97,8 @@ class Request:
     num_computed_tokens: int = 0
     num_cached_tokens: int = -1
     num_preemptions: int = 0
+    # When the scheduler first gave it blocks (``time.perf_counter()``); None while queued.
+    scheduled_time_s: float | None = None
     status: RequestStatus = RequestStatus.WAITING
     stop_reason: int | str | None = None
     # Why the request finished with FINISHED_ERROR (None otherwise).
@@ -107,6 +110,12 @@ class Request:
         self.all_token_ids = list(self.prompt_token_ids) + list(self.output_token_ids)
         if self.sampling_params.seed is not None:
             self.generator = torch.Generator().manual_seed(self.sampling_params.seed)
+
+    def mark_scheduled(self) -> None:
+        """Record the end of the queue wait: the first time the scheduler gives it blocks (a
+        preempted request that is readmitted keeps its first time)."""
+        if self.scheduled_time_s is None:
+            self.scheduled_time_s = time.perf_counter()
 
     @property
     def num_tokens(self) -> int:

@@ -234,6 +234,7 @@ class Scheduler:
             request.num_computed_tokens += num_hit_tokens
             if request.num_cached_tokens < 0:
                 request.num_cached_tokens = request.num_computed_tokens
+            request.mark_scheduled()
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             admitted.append(self._scheduled(request, num_new))
@@ -247,6 +248,7 @@ class Scheduler:
             return False
         self.waiting.popleft()
         request.num_computed_tokens = num_hit_tokens
+        request.mark_scheduled()
         request.status = RequestStatus.WAITING_FOR_REMOTE_KV
         self.waiting_for_remote_kv[request.req_id] = request
         kv_loads.append(

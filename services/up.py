@@ -29,6 +29,7 @@ from services.cluster.config import ClusterConfig
 from services.cluster.planner import PlannerConfig
 from services.common.redis_config import RedisConfig
 from services.common.roles import Role
+from services.common.tracing import TracingConfig
 from services.common.worker_config import WorkerConfig
 from services.launcher import LocalCluster, split_threads
 from services.router.config import RouterConfig
@@ -52,6 +53,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     add_flags(parser, WorkerConfig, skip=_PER_WORKER)
     add_flags(parser, RouterConfig, skip=_PER_ROUTER)
     add_flags(parser, RedisConfig)
+    add_flags(parser, TracingConfig)
     add_flags(parser, PlannerConfig)
     parser.set_defaults(func=run)
 
@@ -64,13 +66,20 @@ def configs_from_args(
     cluster: ClusterConfig = from_args(ClusterConfig, args)
     engine: EngineConfig = from_args(EngineConfig, args)
     redis: RedisConfig = from_args(RedisConfig, args)
+    tracing: TracingConfig = from_args(TracingConfig, args)
     num_engines = cluster.num_decode_workers + (
         cluster.num_prefill_workers if cluster.mode == "disaggregated" else 0
     )
     # Workers hand text and stop strings to the router.
     worker_engine = dataclasses.replace(split_threads(engine, num_engines), detokenize=False)
     worker = from_args(
-        WorkerConfig, args, skip=_PER_WORKER, engine=worker_engine, redis=redis, host=cluster.host
+        WorkerConfig,
+        args,
+        skip=_PER_WORKER,
+        engine=worker_engine,
+        redis=redis,
+        tracing=tracing,
+        host=cluster.host,
     )
     router = from_args(
         RouterConfig,
@@ -83,6 +92,7 @@ def configs_from_args(
         port=cluster.port,
         mode=cluster.mode,
         redis=redis,
+        tracing=tracing,
         tls_dir=cluster.identity_tls_dir("router"),
     )
     return cluster, worker, router, from_args(PlannerConfig, args)
@@ -176,7 +186,7 @@ def _serve_local(
         # The launcher's own Status calls need an admin key; this one lives as long as `up`.
         router = dataclasses.replace(router, admin_api_key=secrets.token_urlsafe(32))
     # Every replica of a role gets the same flags; secrets travel in the environment.
-    redis_argv = to_argv(router.redis)
+    shared_argv = (*to_argv(router.redis), *to_argv(router.tracing))
     os.environ.update(secret_env(router.redis))  # the launcher passes the admin key itself
     local = LocalCluster(
         engine=worker.engine,
@@ -190,8 +200,8 @@ def _serve_local(
         log_level=log_level,
         admin_api_key=router.admin_api_key,
         tls_dir=cluster.tls_dir,
-        extra_worker_flags=(*to_argv(worker, skip=_PER_WORKER), *redis_argv),
-        extra_router_flags=(*to_argv(router, skip=(*_PER_ROUTER, *_HTTP)), *redis_argv),
+        extra_worker_flags=(*to_argv(worker, skip=_PER_WORKER), *shared_argv),
+        extra_router_flags=(*to_argv(router, skip=(*_PER_ROUTER, *_HTTP)), *shared_argv),
     )
     start_s = time.monotonic()
     announced = False

@@ -2,8 +2,8 @@
 
 Run ``python deploy/helm/generate.py`` after adding or changing a flag; ``tests/deploy`` fails
 while the committed schema differs from what this produces, or while ``values.yaml`` misses a
-flag. Each flag section of the values (engine, worker, router, cluster, planner, redisOptions)
-accepts exactly the flags of its dataclass, typed, as camelCase keys.
+flag. Each flag section of the values (engine, worker, router, cluster, planner, redisOptions,
+tracing) accepts exactly the flags of its dataclass, typed, as camelCase keys.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from engine.config import EngineConfig
 from services.cluster.config import ClusterConfig
 from services.cluster.planner import PlannerConfig
 from services.common.redis_config import RedisConfig
+from services.common.tracing import TracingConfig
 from services.common.worker_config import WorkerConfig
 from services.router.config import RouterConfig
 from services.up import _PER_ROUTER, _PER_WORKER
@@ -40,6 +41,7 @@ FLAG_SECTIONS: dict[str, tuple[type, tuple[str, ...]]] = {
     "cluster": (ClusterConfig, CHART_OWNED["cluster"]),
     "planner": (PlannerConfig, ()),
     "redisOptions": (RedisConfig, CHART_OWNED["redisOptions"]),
+    "tracing": (TracingConfig, ()),
 }
 # Flags a Service, a containerPort and the probes point at: a real port, not any integer.
 CHART_PORTS = {"router": ("http_port",)}
@@ -158,6 +160,13 @@ def schema() -> dict[str, Any]:
                         "enabled": {"type": "boolean"},
                         "interval": _STRING,
                         "labels": {"type": "object", "additionalProperties": _STRING},
+                    }
+                ),
+                "grafanaDashboard": _obj(
+                    {
+                        "enabled": {"type": "boolean"},
+                        "labels": {"type": "object", "additionalProperties": _STRING},
+                        "annotations": {"type": "object", "additionalProperties": _STRING},
                     }
                 ),
             }

@@ -44,14 +44,24 @@ def start_metrics_server(host: str, port: int) -> None:
 
 
 class WorkerLoadCollector(Collector):
-    """Exports ``splitserve_worker_*`` from ``load()`` at each scrape."""
+    """Exports ``splitserve_worker_*`` from ``load()`` at each scrape, and vLLM's gauges of the
+    same load (``vllm:num_requests_running``, ``vllm:num_requests_waiting``,
+    ``vllm:kv_cache_usage_perc``, ``vllm:num_preemptions_total``; see ``serving_metrics``)."""
 
-    def __init__(self, role: str, worker_id: str, load: Callable[[], worker_pb2.WorkerLoad]):
+    def __init__(
+        self,
+        role: str,
+        worker_id: str,
+        model_name: str,
+        load: Callable[[], worker_pb2.WorkerLoad],
+    ):
         self._labels = {"role": role, "worker_id": worker_id}
+        self._standard_labels = {"model_name": model_name, "pool": role, "worker_id": worker_id}
         self._load = load
 
     def collect(self) -> Iterator[Metric]:
         load = self._load()
+        yield from self._standard(load)
         names, values = list(self._labels), list(self._labels.values())
         for field, help_text in _GAUGES.items():
             gauge = GaugeMetricFamily(f"splitserve_worker_{field}", help_text, labels=names)
@@ -62,8 +72,28 @@ class WorkerLoadCollector(Collector):
             counter.add_metric(values, getattr(load, field))
             yield counter
 
+    def _standard(self, load: worker_pb2.WorkerLoad) -> Iterator[Metric]:
+        names, values = list(self._standard_labels), list(self._standard_labels.values())
+        gauges = {
+            "vllm:num_requests_running": ("requests in the running batch", load.num_running),
+            "vllm:num_requests_waiting": (
+                "requests waiting to be scheduled or for their KV transfer",
+                load.num_waiting + load.num_waiting_for_kv,
+            ),
+            "vllm:kv_cache_usage_perc": ("used / total KV blocks (0 to 1)", load.kv_usage),
+        }
+        for name, (help_text, value) in gauges.items():
+            gauge = GaugeMetricFamily(name, help_text, labels=names)
+            gauge.add_metric(values, value)
+            yield gauge
+        preemptions = CounterMetricFamily(
+            "vllm:num_preemptions", "requests preempted for lack of KV blocks", labels=names
+        )
+        preemptions.add_metric(values, load.num_preemptions)
+        yield preemptions
+
 
 def register_worker_metrics(
-    role: str, worker_id: str, load: Callable[[], worker_pb2.WorkerLoad]
+    role: str, worker_id: str, model_name: str, load: Callable[[], worker_pb2.WorkerLoad]
 ) -> None:
-    REGISTRY.register(WorkerLoadCollector(role, worker_id, load))
+    REGISTRY.register(WorkerLoadCollector(role, worker_id, model_name, load))

@@ -12,6 +12,7 @@ from kvtransfer.registry import default_backend, is_available
 from services.common.logs import add_log_flags, configure_logging
 from services.common.redis_config import RedisConfig
 from services.common.roles import Role
+from services.common.tracing import TracingConfig
 
 KV_TRANSFER_BACKENDS = ("nixl", "ucx", "tcp")
 
@@ -22,6 +23,7 @@ class WorkerConfig:
 
     engine: EngineConfig
     redis: RedisConfig = field(default_factory=RedisConfig)  # unset URL: no index published
+    tracing: TracingConfig = field(default_factory=TracingConfig)
     host: str = flag("127.0.0.1", "address the gRPC server binds (0.0.0.0 in a pod)")
     port: int = flag(50061, "gRPC port (0: any free port)")
     worker_id: str = flag("", "unique worker id (default: <role>-<hostname>-<port>)")
@@ -85,9 +87,16 @@ def parse_worker_args(role: Role, argv: list[str] | None) -> WorkerConfig:
     add_flags(parser, EngineConfig)
     add_flags(parser, WorkerConfig)
     add_flags(parser, RedisConfig)
+    add_flags(parser, TracingConfig)
     add_log_flags(parser)
     args = parse_flags(parser, argv)
     configure_logging(args.log_level, args.log_format)
     # Workers hand text and stop strings to the router.
     engine = from_args(EngineConfig, args, detokenize=False)
-    return from_args(WorkerConfig, args, engine=engine, redis=from_args(RedisConfig, args))
+    return from_args(
+        WorkerConfig,
+        args,
+        engine=engine,
+        redis=from_args(RedisConfig, args),
+        tracing=from_args(TracingConfig, args),
+    )

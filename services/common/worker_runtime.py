@@ -24,7 +24,9 @@ from services.common.kv_events import KVEventPublisher
 from services.common.metrics import register_worker_metrics, start_metrics_server
 from services.common.prefix_index import RedisPrefixIndex
 from services.common.roles import Role
+from services.common.serving_metrics import ServingMetrics
 from services.common.tls import Identity, RequirePeerIdentity, read_tls_dir
+from services.common.tracing import Tracing
 from services.common.worker_config import WorkerConfig
 from splitserve.v1 import worker_pb2
 
@@ -53,6 +55,8 @@ class WorkerRuntime:
     loop: EngineLoop
     kv_backend: KVTransferBackend
     kv_peer: PeerInfo
+    tracing: Tracing
+    metrics: ServingMetrics
     # Set by ``RunningWorker.drain``: new calls are refused (UNAVAILABLE, retryable).
     shutting_down: bool = False
 
@@ -105,7 +109,9 @@ def build_runtime(
     )
     kv_peer = backend.register_kv_cache(engine.kv_cache, engine.kv_cache_spec)
     loop = EngineLoop(engine, make_hooks(backend))
-    return WorkerRuntime(config, role, worker_id, engine, loop, backend, kv_peer)
+    tracing = Tracing(config.tracing, f"splitserve-{role}", {"service.instance.id": worker_id})
+    metrics = ServingMetrics(engine.served_model_name, str(role))
+    return WorkerRuntime(config, role, worker_id, engine, loop, backend, kv_peer, tracing, metrics)
 
 
 def kv_transfer_tls(config: WorkerConfig, role: Role) -> KVTransferTls | None:
@@ -175,11 +181,13 @@ class RunningWorker:
             await _wait_until(lambda: not loop.num_streams, _STOP_GRACE_S)
 
     async def cleanup(self) -> None:
-        """Stop the engine, the index publisher and the KV transfer endpoint."""
+        """Stop the engine, the index publisher and the KV transfer endpoint; export the
+        spans still buffered."""
         if self.publisher is not None:
             await self.publisher.stop()
         self.runtime.loop.shutdown()
         self.runtime.kv_backend.close()
+        await self.runtime.tracing.shutdown()
 
 
 async def start_worker(
@@ -205,7 +213,9 @@ async def start_worker(
         (RequirePeerIdentity(_CALLERS),) if tls else (),
         tls.server_credentials(require_client_auth=True) if tls else None,
     )
-    register_worker_metrics(role, runtime.worker_id, servicer.load)
+    register_worker_metrics(
+        str(role), runtime.worker_id, runtime.engine.served_model_name, servicer.load
+    )
     start_metrics_server(config.host, config.metrics_port)
     publisher = make_kv_event_publisher(config, runtime)
     engine_died = asyncio.Event()

@@ -26,10 +26,15 @@ logger = logging.getLogger(__name__)
 
 @dataclass(frozen=True, slots=True)
 class PullResult:
-    """How a request's KV arrived: blocks read from the source, or failed (recomputed)."""
+    """How a request's KV arrived: blocks read from the source, or failed (recomputed).
+    ``start_s`` / ``end_s`` (``time.perf_counter()``) bound the read; None when none started."""
 
     num_transferred_blocks: int
     failed: bool
+    backend: str = ""
+    num_bytes: int = 0
+    start_s: float | None = None
+    end_s: float | None = None
 
 
 class KVPullHooks:
@@ -79,13 +84,14 @@ class KVPullHooks:
                 continue
             num_blocks, start_s = self._in_flight.pop(req_id)
             ok = state == TransferState.DONE
-            elapsed_s = time.perf_counter() - start_s
+            end_s = time.perf_counter()
+            elapsed_s = end_s - start_s
             backend = self.backend.name
+            num_bytes = num_blocks * engine.kv_cache_spec.block_bytes if ok else 0
             KV_PULL_SECONDS.labels(backend, "done" if ok else "failed").observe(elapsed_s)
             if ok:
                 KV_PULLED_BLOCKS.labels(backend).inc(num_blocks)
-                block_bytes = engine.kv_cache_spec.block_bytes
-                KV_PULLED_BYTES.labels(backend).inc(num_blocks * block_bytes)
+                KV_PULLED_BYTES.labels(backend).inc(num_bytes)
                 logger.debug(
                     "req_id=%s pulled %d blocks in %.2f ms", req_id, num_blocks, elapsed_s * 1e3
                 )
@@ -97,7 +103,9 @@ class KVPullHooks:
                 self._abort_when_done.discard(req_id)
                 engine.abort_requests([req_id])
                 continue
-            self._results[req_id] = PullResult(num_blocks if ok else 0, failed=not ok)
+            self._results[req_id] = PullResult(
+                num_blocks if ok else 0, not ok, backend, num_bytes, start_s, end_s
+            )
             engine.finish_kv_load(req_id, ok)
 
     def after_step(self, engine: LLMEngine, outputs: list[RequestOutput]) -> None:

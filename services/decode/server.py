@@ -11,8 +11,10 @@ import asyncio
 import contextlib
 import logging
 import sys
+import time
 
 import grpc
+from opentelemetry.trace import Span
 
 from engine.llm_engine import LLMEngine
 from engine.outputs import RequestOutput
@@ -27,6 +29,7 @@ from services.common.convert import (
 from services.common.engine_loop import EngineDeadError, StreamEndedError
 from services.common.failures import FailureKind, abort_with
 from services.common.roles import Role
+from services.common.tracing import ending
 from services.common.worker_config import WorkerConfig, parse_worker_args
 from services.common.worker_runtime import (
     RunningWorker,
@@ -34,7 +37,8 @@ from services.common.worker_runtime import (
     serve_worker,
     start_worker,
 )
-from services.decode.kv_puller import KVPullHooks
+from services.decode.kv_puller import KVPullHooks, PullResult
+from services.decode.spans import record_decode
 from splitserve.v1 import worker_pb2, worker_pb2_grpc
 
 logger = logging.getLogger(__name__)
@@ -54,7 +58,19 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         self, request: worker_pb2.DecodeRequest, context: grpc.aio.ServicerContext
     ) -> None:
         """Stream the request's tokens with ``context.write``; a write its reader leaves
-        blocked for ``--stream-idle-timeout-s`` aborts the request (ABORTED, not retried)."""
+        blocked for ``--stream-idle-timeout-s`` aborts the request (ABORTED, not retried).
+        Traced under the router's call when it carries a trace context."""
+        span = self.runtime.tracing.start_worker_span(
+            "decode",
+            context.invocation_metadata() or (),
+            {"splitserve.req_id": request.request_id},
+        )
+        with ending(span):
+            await self._decode(request, context, span)
+
+    async def _decode(
+        self, request: worker_pb2.DecodeRequest, context: grpc.aio.ServicerContext, span: Span
+    ) -> None:
         req_id = request.request_id
         await self.runtime.refuse_if_shutting_down(context)
         try:
@@ -94,14 +110,31 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
 
         outputs = self.runtime.loop.generate(req_id, add)
         stalled = False
+        num_generated_tokens = 0
+        last_output_s: float | None = None
         try:
             async with contextlib.aclosing(outputs):  # closing aborts an unfinished request
                 async for output in outputs:
+                    now_s = time.perf_counter()
+                    num_new_tokens = len(output.new_token_ids)
+                    gap_s = None if last_output_s is None else now_s - last_output_s
+                    self.runtime.metrics.tokens_streamed(num_new_tokens, gap_s)
+                    num_generated_tokens += num_new_tokens
+                    if num_new_tokens:
+                        last_output_s = now_s
                     if output.error is not None:
                         await abort_with(
                             context, grpc.StatusCode.INTERNAL, FailureKind.REQUEST, output.error
                         )
-                    if not await self._write(context, self._response(output)):
+                    # Taken with the final output; a request that ended otherwise leaves it.
+                    pull = self.puller.take_result(req_id) if output.finished else None
+                    response = self._response(output, pull)
+                    if output.finished:
+                        record_decode(
+                            self.runtime.tracing, span, output, num_generated_tokens, pull
+                        )
+                        self.runtime.metrics.engine_request_finished(output, num_generated_tokens)
+                    if not await self._write(context, response):
                         stalled = True
                         break
         except ValueError as exc:
@@ -116,7 +149,6 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
             logger.info("req_id=%s cancelled by the caller", req_id)
             raise
         finally:
-            # Taken by the final response; a request that ended otherwise leaves it here.
             self.puller.take_result(req_id)
         if stalled:
             idle_s = self.runtime.config.stream_idle_timeout_s
@@ -153,7 +185,8 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
             )
         return None
 
-    def _response(self, output: RequestOutput) -> worker_pb2.DecodeResponse:
+    @staticmethod
+    def _response(output: RequestOutput, pull: PullResult | None) -> worker_pb2.DecodeResponse:
         new_ids = output.new_token_ids
         response = worker_pb2.DecodeResponse(token_ids=new_ids, finished=output.finished)
         if output.new_logprobs:
@@ -163,10 +196,9 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
             if output.stop_reason is not None:
                 response.stop_reason = str(output.stop_reason)
             response.num_cached_tokens = output.num_cached_tokens
-            result = self.puller.take_result(output.req_id)
-            if result is not None:
-                response.num_transferred_blocks = result.num_transferred_blocks
-                response.kv_transfer_failed = result.failed
+            if pull is not None:
+                response.num_transferred_blocks = pull.num_transferred_blocks
+                response.kv_transfer_failed = pull.failed
         return response
 
     async def GetInfo(

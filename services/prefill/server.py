@@ -15,6 +15,7 @@ import logging
 import sys
 
 import grpc
+from opentelemetry.trace import Span
 
 from engine.llm_engine import LLMEngine
 from engine.outputs import RequestOutput
@@ -29,6 +30,7 @@ from services.common.convert import (
 from services.common.engine_loop import EngineDeadError, StreamEndedError
 from services.common.failures import FailureKind, abort_with
 from services.common.roles import Role
+from services.common.tracing import ending
 from services.common.worker_config import WorkerConfig, parse_worker_args
 from services.common.worker_runtime import (
     RunningWorker,
@@ -37,6 +39,7 @@ from services.common.worker_runtime import (
     start_worker,
 )
 from services.prefill.leases import LeaseHooks
+from services.prefill.spans import record_prefill
 from splitserve.v1 import worker_pb2, worker_pb2_grpc
 
 logger = logging.getLogger(__name__)
@@ -54,6 +57,19 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
 
     async def Prefill(
         self, request: worker_pb2.PrefillRequest, context: grpc.aio.ServicerContext
+    ) -> worker_pb2.PrefillResponse:
+        """Prefill the prompt, sample its first token and lease its blocks (see the module);
+        traced under the router's call when it carries a trace context."""
+        span = self.runtime.tracing.start_worker_span(
+            "prefill",
+            context.invocation_metadata() or (),
+            {"splitserve.req_id": request.request_id},
+        )
+        with ending(span):
+            return await self._prefill(request, context, span)
+
+    async def _prefill(
+        self, request: worker_pb2.PrefillRequest, context: grpc.aio.ServicerContext, span: Span
     ) -> worker_pb2.PrefillResponse:
         req_id = request.request_id
         await self.runtime.refuse_if_shutting_down(context)
@@ -87,6 +103,9 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
             loop.abort(req_id)
             raise
         assert final is not None and final.finished
+        record_prefill(self.runtime.tracing, span, final)
+        self.runtime.metrics.tokens_streamed(len(final.token_ids), None)
+        self.runtime.metrics.engine_request_finished(final, len(final.token_ids))
         if final.error is not None:
             await abort_with(context, grpc.StatusCode.INTERNAL, FailureKind.REQUEST, final.error)
         return await self._respond(req_id, prompt, params.max_tokens, final)

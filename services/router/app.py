@@ -21,6 +21,7 @@ from services.router.auth import ROUTER_METHOD_ROLES, RequireApiKey
 from services.router.config import RouterConfig, parse_router_args
 from services.router.openai.routes import build_app
 from services.router.openai.server import HttpServer
+from services.router.pool_metrics import register_pool_metrics, unregister_pool_metrics
 from services.router.scaler import PoolScaler
 from services.router.server import SERVICE_NAME, RouterServicer
 from splitserve.v1 import router_pb2_grpc
@@ -59,6 +60,7 @@ class RunningRouter:
         else:
             await self.serving.stop(grace_s)
         await self.servicer.stop()
+        unregister_pool_metrics(self.servicer.pool_collector)
 
 
 async def start_router(
@@ -107,6 +109,7 @@ async def start_router(
             await serving.stop(0)
             await servicer.stop()
             raise
+    register_pool_metrics(servicer.pool_collector)
     start_metrics_server(config.host, config.metrics_port)
     # What startup allocated (tokenizer, channels) lives as long as the process: keep the
     # cyclic GC from walking it again and again, which shows up as routing-latency spikes.

@@ -7,13 +7,17 @@ admission, validation, routing, failover and metrics are the same code for both 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import NoReturn, Protocol
 
 import grpc
 
 
 class CallContext(Protocol):
-    """The caller's deadline, and how to refuse or fail the call."""
+    """The caller's deadline and metadata, and how to refuse or fail the call."""
+
+    def invocation_metadata(self) -> Sequence[tuple[str, str]] | None:
+        """The call's metadata (gRPC) or headers (HTTP) as lowercase (key, value) pairs."""
 
     def time_remaining(self) -> float | None:
         """Seconds until the caller's deadline; None without one."""
@@ -32,8 +36,15 @@ class CallAborted(Exception):
 
 
 class HttpCallContext:
-    """A ``CallContext`` for a call that is not gRPC: no deadline, and ``abort`` raises
-    ``CallAborted`` for the caller to turn into its own error response."""
+    """A ``CallContext`` for a call that is not gRPC: no deadline, its ``headers`` as the
+    metadata, and ``abort`` raises ``CallAborted`` for the caller to turn into its own error
+    response."""
+
+    def __init__(self, headers: Sequence[tuple[str, str]] = ()) -> None:
+        self._headers = headers
+
+    def invocation_metadata(self) -> Sequence[tuple[str, str]]:
+        return self._headers
 
     def time_remaining(self) -> float | None:
         return None

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from engine.flags import add_flags, flag, from_args, parse_flags
 from services.common.logs import add_log_flags, configure_logging
 from services.common.redis_config import RedisConfig
+from services.common.tracing import TracingConfig
 from services.router.request_prep import RequestBounds
 
 MODES = ("disaggregated", "colocated")
@@ -147,6 +148,7 @@ class RouterConfig:
     # The prefix index the workers publish to and the routers' reservations; without a URL, an
     # in-process index of this router's own choices.
     redis: RedisConfig = field(default_factory=RedisConfig)
+    tracing: TracingConfig = field(default_factory=TracingConfig)
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -205,10 +207,16 @@ def parse_router_args(argv: list[str] | None) -> RouterConfig:
     )
     add_flags(parser, RouterConfig)
     add_flags(parser, RedisConfig)
+    add_flags(parser, TracingConfig)
     add_log_flags(parser)
     args = parse_flags(parser, argv)
     configure_logging(args.log_level, args.log_format)
-    config = from_args(RouterConfig, args, redis=from_args(RedisConfig, args))
+    config = from_args(
+        RouterConfig,
+        args,
+        redis=from_args(RedisConfig, args),
+        tracing=from_args(TracingConfig, args),
+    )
     if not config.decode_address_list:
         # Only an orchestrator (services.cluster) starts a router with empty pools.
         parser.error("--decode-workers: at least one decode worker address is required")

@@ -18,6 +18,7 @@ import asyncio
 import enum
 import logging
 import random
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -70,6 +71,8 @@ class PrefillChoice:
     matched: dict[str, int]
     reservation: Reservation | None
     ledger: PrefillLedger
+    # Seconds the ledger took to decide (a Redis round trip with a Redis index).
+    ledger_s: float = 0.0
 
     @property
     def matched_blocks(self) -> int:
@@ -132,6 +135,7 @@ class PrefillChooser:
             return PrefillChoice(None, block_hashes, (), {}, None, self.ledger)
         tie_value = self._tie_value(len(loads))
         ledger = self.ledger
+        start_s = time.perf_counter()
         try:
             with metrics.DECISION_SECONDS.time():
                 selection = await asyncio.wait_for(
@@ -153,7 +157,13 @@ class PrefillChooser:
         candidates = tuple(PrefillCandidate(w, s) for w, s in scored)
         chosen = workers[selection.chosen] if selection.chosen is not None else None
         return PrefillChoice(
-            chosen, block_hashes, candidates, selection.matched, selection.reservation, ledger
+            chosen,
+            block_hashes,
+            candidates,
+            selection.matched,
+            selection.reservation,
+            ledger,
+            time.perf_counter() - start_s,
         )
 
     def _tie_value(self, num_candidates: int) -> float:

@@ -106,6 +106,11 @@ class LocalPrefillLedger(PrefillLedger):
         self._index = index
         self._reserved: dict[str, dict[str, int]] = {}  # worker id -> member -> blocks
 
+    @property
+    def has_index(self) -> bool:
+        """Whether it matches prefixes (False: it decides on load alone)."""
+        return self._index is not None
+
     async def select(
         self,
         req_id: str | None,

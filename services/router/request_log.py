@@ -1,9 +1,9 @@
 """The router's one line per finished request: what an SRE greps for first.
 
-``req_id``, the client's ``request_id``, prompt / cached / output tokens, TTFT and end-to-end
-milliseconds, the prefill worker and the decode workers it used (several after a failover),
-and how it ended (``stop``, ``length``, ``abort``, ``cancelled`` or ``error``). Under
-``--log-format json`` each is a key of the line.
+``req_id``, the client's ``request_id``, the trace id (when traced), prompt / cached / output
+tokens, TTFT and end-to-end milliseconds, the prefill worker and the decode workers it used
+(several after a failover), and how it ended (``stop``, ``length``, ``abort``, ``cancelled``
+or ``error``). Under ``--log-format json`` each is a key of the line.
 """
 
 from __future__ import annotations
@@ -29,11 +29,12 @@ class RequestLog:
     e2e_ms: float | None = None
     prefill_worker: str = ""
     decode_workers: list[str] = field(default_factory=list)
+    trace_id: str = ""
 
     def emit(self, outcome: str) -> None:
         logger.info(
             "req_id=%s finished (%s): %d prompt tokens (%d cached), %d output tokens, "
-            "TTFT %s ms, E2E %s ms, prefill %s, decode %s",
+            "TTFT %s ms, E2E %s ms, prefill %s, decode %s%s",
             self.req_id,
             outcome,
             self.prompt_tokens,
@@ -43,9 +44,11 @@ class RequestLog:
             _ms(self.e2e_ms),
             self.prefill_worker or "-",
             ",".join(self.decode_workers) or "-",
+            f", trace_id {self.trace_id}" if self.trace_id else "",
             extra=log_fields(
                 req_id=self.req_id,
                 request_id=self.request_id,
+                trace_id=self.trace_id,
                 outcome=outcome,
                 prompt_tokens=self.prompt_tokens,
                 cached_tokens=self.cached_tokens,

@@ -22,14 +22,18 @@ import time
 from collections.abc import AsyncIterator
 
 import grpc
+from opentelemetry.trace import Span, SpanKind, Status, StatusCode
 
 from engine.tokenizer import Tokenizer
 from services.common.background import BackgroundTasks
 from services.common.convert import FINISH_REASON_NAMES
 from services.common.failures import abort
+from services.common.logs import rate_limited
 from services.common.prefix_index import RedisPrefixIndex
 from services.common.roles import Role
+from services.common.serving_metrics import ServingMetrics
 from services.common.tls import TlsMaterial
+from services.common.tracing import Tracing, call_metadata, ending, trace_id_hex
 from services.router import metrics
 from services.router.auth import caller_name
 from services.router.call_context import CallContext
@@ -37,12 +41,18 @@ from services.router.config import RouterConfig
 from services.router.explain import explain_response
 from services.router.failure_policy import FailurePolicy
 from services.router.latency import LatencyWindow
+from services.router.pool_metrics import PoolCollector
 from services.router.request_log import RequestLog
 from services.router.request_prep import (
     MaxTokensDefault,
     ModelLimits,
     PreparedRequest,
     prepare_request,
+)
+from services.router.request_spans import (
+    end_request_span,
+    request_attributes,
+    route_attributes,
 )
 from services.router.route_plan import PrefillPlace, build_planner
 from services.router.routed_request import RoutedRequest, release_lease
@@ -57,6 +67,8 @@ SERVICE_NAME = "splitserve.v1.Router"
 _REAP_INTERVAL_S = 10.0
 # Status answers without the pool sizes rather than wait on a busy orchestrator.
 _SCALER_TIMEOUT_S = 5.0
+# How often the pool metrics ask the orchestrator for the pools' sizes.
+_POOL_SIZES_INTERVAL_S = 5.0
 
 
 class RouterServicer(router_pb2_grpc.RouterServicer):
@@ -96,6 +108,15 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         self._reaped_index = (
             RedisPrefixIndex.from_config(config.redis) if config.redis.enabled else None
         )
+        self.serving_metrics = ServingMetrics(config.served_name, str(Role.ROUTER))
+        self.pool_collector = PoolCollector(
+            config.served_name, (self.prefill_pool, self.decode_pool)
+        )
+        self.tracing = Tracing(
+            config.tracing,
+            "splitserve-router",
+            {"service.instance.id": config.resolved_router_id()},
+        )
 
     # ----------------------------------------------------------------------------- lifecycle
     async def start(self) -> None:
@@ -111,6 +132,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         await self.prefill_pool.close()
         await self.decode_pool.close()
         await self.planner.prefill_chooser.close()
+        await self.tracing.shutdown()
 
     async def _poll_once(self) -> None:
         await asyncio.gather(self.prefill_pool.poll_all(), self.decode_pool.poll_all())
@@ -130,13 +152,16 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
 
     async def _poll_forever(self) -> None:
         loop = asyncio.get_running_loop()
-        next_reap_s = loop.time()
+        next_reap_s = next_sizes_s = loop.time()
         while True:
             await asyncio.sleep(self.config.health_check_interval_s)
             await self._poll_once()
             if self._reaped_index is not None and loop.time() >= next_reap_s:
                 next_reap_s = loop.time() + _REAP_INTERVAL_S
                 await self._reap_dead_workers(self._reaped_index)
+            if self.scaler is not None and loop.time() >= next_sizes_s:
+                next_sizes_s = loop.time() + _POOL_SIZES_INTERVAL_S
+                self.pool_collector.sizes = await self._pool_sizes()
 
     @staticmethod
     async def _reap_dead_workers(index: RedisPrefixIndex) -> None:
@@ -193,13 +218,18 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         outcome = "invalid"
         last_token_s: float | None = None
         log: RequestLog | None = None
+        span = self.tracing.start_request_span("generate", context.invocation_metadata() or (), {})
         try:
             prepared = await self._prepare(request, limits, context, max_tokens_default)
             outcome = "error"
+            span.set_attributes(request_attributes(prepared, self.config.served_name))
             log = RequestLog(
-                prepared.req_id, prepared.client_request_id, len(prepared.prompt_token_ids)
+                prepared.req_id,
+                prepared.client_request_id,
+                len(prepared.prompt_token_ids),
+                trace_id=trace_id_hex(span),
             )
-            async for message in self._generate(prepared, context, log):
+            async for message in self._generate(prepared, context, log, span):
                 if message.token_ids:
                     now_s = time.perf_counter()
                     num_tokens = len(message.token_ids)
@@ -207,11 +237,14 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                     if last_token_s is None:
                         log.ttft_ms = (now_s - start_s) * 1000
                         metrics.TTFT.observe(now_s - start_s)
+                        self.serving_metrics.ttft.observe(now_s - start_s)
                         self.latency.add_ttft(now_s - start_s)
+                        self.serving_metrics.tokens_streamed(num_tokens, None)
                     else:
                         gap_s = now_s - last_token_s
                         for _ in range(num_tokens):
                             metrics.ITL.observe(gap_s / num_tokens)
+                        self.serving_metrics.tokens_streamed(num_tokens, gap_s)
                         self.latency.add_itl(gap_s, num_tokens)
                     last_token_s = now_s
                 metrics.GENERATION_TOKENS.inc(len(message.token_ids))
@@ -221,6 +254,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                     log.cached_tokens = message.usage.cached_tokens
                     metrics.E2E.observe(time.perf_counter() - start_s)
                     metrics.PROMPT_TOKENS.inc(len(prepared.prompt_token_ids))
+                    self._observe_finished(log, outcome)
                 yield message
         except (asyncio.CancelledError, GeneratorExit):
             outcome = "cancelled"
@@ -231,6 +265,20 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             metrics.REQUESTS.labels(outcome).inc()
             if log is not None:
                 log.emit(outcome)
+            end_request_span(span, log, outcome)
+
+    def _observe_finished(self, log: RequestLog, outcome: str) -> None:
+        """The standard metrics of a request that ended with ``outcome``, as the client saw
+        it (see ``serving_metrics``)."""
+        serving = self.serving_metrics
+        serving.finished(outcome, log.prompt_tokens, log.output_tokens)
+        assert log.e2e_ms is not None
+        serving.e2e.observe(log.e2e_ms / 1000)
+        if log.ttft_ms is not None:
+            decode_s = (log.e2e_ms - log.ttft_ms) / 1000
+            serving.decode_time.observe(decode_s)
+            if log.output_tokens > 1:
+                serving.tpot.observe(decode_s / (log.output_tokens - 1))
 
     async def _admit(self, context: CallContext) -> ModelLimits:
         """The model's limits if a request may start now; else abort the call (UNAVAILABLE
@@ -271,7 +319,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             await abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(exc))
 
     async def _generate(
-        self, prepared: PreparedRequest, context: CallContext, log: RequestLog
+        self, prepared: PreparedRequest, context: CallContext, log: RequestLog, span: Span
     ) -> AsyncIterator[router_pb2.GenerateResponse]:
         if prepared.client_request_id != prepared.req_id:
             logger.info(
@@ -283,16 +331,19 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             prepared, self.tokenizer, self.planner.prefill_chooser, self._background
         )
         try:
-            routed.planned(
-                await self.planner.plan(
-                    prepared.req_id, prepared.prompt_token_ids, prepared.cache_salt
+            with ending(self.tracing.start_child(span, "route")) as route_span:
+                routed.planned(
+                    await self.planner.plan(
+                        prepared.req_id, prepared.prompt_token_ids, prepared.cache_salt
+                    )
                 )
-            )
-            assert routed.plan is not None
+                assert routed.plan is not None
+                if route_span.is_recording():
+                    route_span.set_attributes(route_attributes(routed.plan))
             prefill = routed.plan.prefill_worker
             if prefill is not None:
                 log.prefill_worker = prefill.address
-                response = await self._prefill(prefill, routed, context)
+                response = await self._prefill(prefill, routed, context, span)
                 if response is not None:
                     yield routed.stream.push(
                         [response.token_id],
@@ -305,7 +356,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                     routed.decode_request.output_token_ids.extend(routed.stream.output_token_ids)
                     if routed.stream.finished:
                         return
-            async for message in self._decode(routed, context, log):
+            async for message in self._decode(routed, context, log, span):
                 routed.decode_started()
                 yield message
             routed.finished()
@@ -313,9 +364,10 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             await routed.close()
 
     async def _prefill(
-        self, worker: WorkerHandle, routed: RoutedRequest, context: CallContext
+        self, worker: WorkerHandle, routed: RoutedRequest, context: CallContext, span: Span
     ) -> worker_pb2.PrefillResponse | None:
-        """Run the prefill; None when the worker failed (the decode worker prefills instead)."""
+        """Run the prefill; None when the worker failed (the decode worker prefills instead).
+        The call is the span ``prefill_call`` under the request's ``span``."""
         request = worker_pb2.PrefillRequest(
             request_id=routed.req_id,
             prompt_token_ids=routed.prepared.prompt_token_ids,
@@ -323,7 +375,10 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             cache_salt=routed.prepared.cache_salt,
         )
         worker.num_inflight += 1
-        call = worker.stub.Prefill(request, timeout=self._call_timeout_s(context))
+        call_span = self._call_span(span, "prefill_call", worker)
+        call = worker.stub.Prefill(
+            request, timeout=self._call_timeout_s(context), metadata=call_metadata(call_span)
+        )
         worker.open_call(call)
         response: worker_pb2.PrefillResponse | None = None
         error = ""
@@ -342,11 +397,13 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         finally:
             worker.close_call(call)
             worker.num_inflight -= 1
+            _end_call_span(call_span, error)
         await routed.prefill_done(worker, response)
         if response is not None:
             routed.stream.num_cached_tokens = response.num_cached_tokens
             return response
         metrics.PREFILL_FALLBACKS.inc()
+        span.add_event("prefill_fallback", {"splitserve.worker": worker.address, "error": error})
         logger.warning(
             "req_id=%s prefill on %s failed (%s); the decode worker prefills locally",
             routed.req_id,
@@ -356,11 +413,12 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         return None
 
     async def _decode(
-        self, routed: RoutedRequest, context: CallContext, log: RequestLog
+        self, routed: RoutedRequest, context: CallContext, log: RequestLog, span: Span
     ) -> AsyncIterator[router_pb2.GenerateResponse]:
         """Stream the decode on the planned worker (``routed.slot``'s); on a failure continue
         on another one, moving the slot along, from the prompt and the tokens sent so far (the
-        next decode worker computes the prompt: the prefill worker's lease is released)."""
+        next decode worker computes the prompt: the prefill worker's lease is released). Each
+        call is a span ``decode_call`` under the request's ``span``; a failover is its event."""
         assert routed.plan is not None
         plan, slot, stream, request = routed.plan, routed.slot, routed.stream, routed.decode_request
         tried: set[str] = set()
@@ -377,7 +435,10 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                 slot.move_to(worker)
             tried.add(worker.address)
             log.decode_workers.append(worker.address)
-            call = worker.stub.Decode(request, timeout=self._call_timeout_s(context))
+            call_span = self._call_span(span, "decode_call", worker)
+            call = worker.stub.Decode(
+                request, timeout=self._call_timeout_s(context), metadata=call_metadata(call_span)
+            )
             worker.open_call(call)
             error = ""
             try:
@@ -405,11 +466,20 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                 worker.close_call(call)
                 # A no-op when the call completed; otherwise the worker aborts the request.
                 call.cancel()
+                _end_call_span(call_span, error)
             if not error:
                 continue
             if plan.place is PrefillPlace.COLOCATED:  # it may come back with an empty cache
                 await self.planner.prefill_chooser.forget(worker)
             metrics.DECODE_FAILOVERS.inc()
+            span.add_event(
+                "decode_failover",
+                {
+                    "splitserve.worker": worker.address,
+                    "splitserve.tokens_sent": len(stream.output_token_ids),
+                    "error": error,
+                },
+            )
             logger.warning(
                 "req_id=%s decode on %s failed after %d tokens (%s); moving on",
                 routed.req_id,
@@ -422,6 +492,12 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             request.output_token_ids.extend(stream.output_token_ids)
             routed.recompute_prompt()
         await abort(context, grpc.StatusCode.UNAVAILABLE, "no healthy decode worker")
+
+    def _call_span(self, parent: Span, name: str, worker: WorkerHandle) -> Span:
+        """The CLIENT span of one worker call; its context goes out as the call's metadata."""
+        return self.tracing.start_child(
+            parent, name, kind=SpanKind.CLIENT, attributes={"splitserve.worker": worker.address}
+        )
 
     def _call_timeout_s(self, context: CallContext) -> float:
         """A worker call's deadline: the client's, capped by ``--worker-call-timeout-s``."""
@@ -518,9 +594,18 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             return await asyncio.wait_for(self.scaler.pools(), _SCALER_TIMEOUT_S)
         except TimeoutError:
             logger.warning(
-                "the orchestrator did not report pool sizes in %.0f s", _SCALER_TIMEOUT_S
+                "the orchestrator did not report pool sizes in %.0f s",
+                _SCALER_TIMEOUT_S,
+                extra=rate_limited("scaler"),
             )
             return []
+
+
+def _end_call_span(span: Span, error: str) -> None:
+    """End a worker call's span, failed with ``error`` when there was one."""
+    if error:
+        span.set_status(Status(StatusCode.ERROR, error))
+    span.end()
 
 
 def _fenced(worker: WorkerHandle, call: grpc.aio.Call) -> bool:

@@ -267,6 +267,8 @@ def test_every_flag_value_reaches_its_flag():
                 value = "smollm2-135m"
             if field.name == "kv_transfer":
                 value = "tcp"
+            if field.name == "otlp_traces_sample_ratio":  # a share
+                value = 0.25
             if field.name == "mode":  # colocated has no prefill pool to size
                 value = "disaggregated"
             values[section][GENERATE.camel(field.name)] = value
@@ -291,6 +293,7 @@ def test_every_flag_value_reaches_its_flag():
         "cluster": cluster,
         "planner": planner,
         "redisOptions": worker.redis,
+        "tracing": worker.tracing,
     }
     for (section, name), value in expected.items():
         if (section, name) == ("engine", "num_threads"):
@@ -311,6 +314,7 @@ def test_every_flag_value_reaches_its_flag():
     assert (cluster.kuberay_cluster, cluster.kuberay_namespace) == ("prod-splitserve", "serving")
     assert cluster.ray and cluster.ray_address == "auto"
     assert worker.redis.redis_url == router.redis.redis_url == "rediss://r:1/0"
+    assert worker.tracing == router.tracing
 
 
 def test_values_yaml_lists_every_flag_with_its_default_and_the_schema_is_fresh():

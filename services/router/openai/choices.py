@@ -34,15 +34,17 @@ class ChoiceMessage:
 
 
 async def run_plan(
-    servicer: RouterServicer, plan: GenerationPlan
+    servicer: RouterServicer, plan: GenerationPlan, context: HttpCallContext
 ) -> AsyncGenerator[ChoiceMessage, None]:
-    """The messages of every generation of ``plan`` as they come; raises ``OpenAIError`` for
-    the first generation the router refuses or fails (the others are then cancelled)."""
+    """The messages of every generation of ``plan`` as they come, each run under ``context``
+    (the HTTP call's); raises ``OpenAIError`` for the first generation the router refuses or
+    fails (the others are then cancelled)."""
     if plan.num_choices == 1:
-        async for message in _generate(servicer, plan.requests[0][0], plan.max_tokens_default):
+        request = plan.requests[0][0]
+        async for message in _generate(servicer, request, plan.max_tokens_default, context):
             yield ChoiceMessage(0, message)
         return
-    fan_out = _FanOut(servicer, plan)
+    fan_out = _FanOut(servicer, plan, context)
     try:
         async for item in fan_out.messages():
             yield item
@@ -51,10 +53,13 @@ async def run_plan(
 
 
 async def _generate(
-    servicer: RouterServicer, request: router_pb2.GenerateRequest, default: MaxTokensDefault
+    servicer: RouterServicer,
+    request: router_pb2.GenerateRequest,
+    default: MaxTokensDefault,
+    context: HttpCallContext,
 ) -> AsyncIterator[router_pb2.GenerateResponse]:
     try:
-        async for message in servicer.generate(request, HttpCallContext(), default):
+        async for message in servicer.generate(request, context, default):
             yield message
     except CallAborted as exc:
         raise from_call_aborted(exc) from None
@@ -67,9 +72,12 @@ _Item = tuple[int, router_pb2.GenerateResponse | Exception | None]
 class _FanOut:
     """Each generation in a task of its own, feeding one queue."""
 
-    def __init__(self, servicer: RouterServicer, plan: GenerationPlan) -> None:
+    def __init__(
+        self, servicer: RouterServicer, plan: GenerationPlan, context: HttpCallContext
+    ) -> None:
         self._servicer = servicer
         self._default = plan.max_tokens_default
+        self._context = context
         self._queue: asyncio.Queue[_Item] = asyncio.Queue()
         self._tasks: list[asyncio.Task[None]] = []
         self._num_running = plan.num_choices
@@ -94,7 +102,7 @@ class _FanOut:
         followers: list[tuple[int, router_pb2.GenerateRequest]],
     ) -> None:
         try:
-            async for message in _generate(self._servicer, request, self._default):
+            async for message in _generate(self._servicer, request, self._default, self._context):
                 for follower_index, follower in followers:
                     self._start(follower_index, follower, [])
                 followers = []

@@ -28,6 +28,7 @@ from starlette.exceptions import HTTPException
 from starlette.responses import JSONResponse, Response
 
 from services.common.api_keys import BEARER_PREFIX, ApiKeyStore, KeyRole
+from services.common.tracing import TRACE_HEADERS
 from services.router.auth import CALLER
 from services.router.call_context import HttpCallContext
 from services.router.openai.choices import run_plan
@@ -128,19 +129,28 @@ class _Api:
         builder = ResponseBuilder(
             plan, response_id, self._model_name, self._created_s, self._token_texts
         )
+        # The W3C trace context travels on as the worker calls' metadata.
+        context = HttpCallContext(
+            [(key, request.headers[key]) for key in TRACE_HEADERS if key in request.headers]
+        )
         if body.stream:
             include_usage = body.stream_options is not None and body.stream_options.include_usage
-            return EventStreamResponse(self._chunks(plan, builder, include_usage))
+            return EventStreamResponse(self._chunks(plan, builder, context, include_usage))
+        whole = self._whole(plan, builder, context)
         try:
-            return JSONResponse(await until_disconnect(request.receive, self._whole(plan, builder)))
+            return JSONResponse(await until_disconnect(request.receive, whole))
         except ClientDisconnected:
             logger.debug("%s: client disconnected; request cancelled", response_id)
             return Response(status_code=499)
 
     async def _chunks(
-        self, plan: GenerationPlan, builder: ResponseBuilder, include_usage: bool
+        self,
+        plan: GenerationPlan,
+        builder: ResponseBuilder,
+        context: HttpCallContext,
+        include_usage: bool,
     ) -> AsyncGenerator[dict[str, Any], None]:
-        messages = run_plan(self._servicer, plan)
+        messages = run_plan(self._servicer, plan, context)
         try:
             async for item in messages:
                 chunk = builder.chunk(item, include_usage)
@@ -151,8 +161,10 @@ class _Api:
         if include_usage:
             yield builder.usage_chunk()
 
-    async def _whole(self, plan: GenerationPlan, builder: ResponseBuilder) -> dict[str, Any]:
-        async for item in run_plan(self._servicer, plan):
+    async def _whole(
+        self, plan: GenerationPlan, builder: ResponseBuilder, context: HttpCallContext
+    ) -> dict[str, Any]:
+        async for item in run_plan(self._servicer, plan, context):
             builder.add(item)
         return builder.response()
 

@@ -240,5 +240,6 @@ ray start --head --dashboard-host=127.0.0.1 --num-cpus=0 --disable-usage-stats
 {{- include "splitserve.flags" $v.cluster }}
 {{- include "splitserve.flags" $v.planner }}
 {{- include "splitserve.flags" $v.redisOptions }}
+{{- include "splitserve.flags" $v.tracing }}
 {{- range $v.extraArgs }} {{ include "splitserve.shellQuote" . }}{{ end }}
 {{- end -}}
