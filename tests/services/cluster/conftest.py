@@ -43,16 +43,21 @@ def ray_instance(tmp_path_factory) -> Iterator[None]:
 def start_ray_cluster(ray_instance, tiny_llama_dir) -> Iterator[Callable[..., RayCluster]]:
     """Factory: ``start_ray_cluster(num_prefill_workers=1, num_decode_workers=1, ...)``
     returns a started cluster (stopped at the end of the test); with ``redis_url`` its workers
-    and routers share that prefix index."""
+    and routers share that prefix index; ``engine_fields`` / ``router_fields`` override the
+    engine's and the router's config."""
     started: list[RayCluster] = []
 
     def start(
         controller_env: dict[str, str] | None = None,
         planner: PlannerConfig | None = None,
         redis_url: str | None = None,
+        engine_fields: dict | None = None,
+        router_fields: dict | None = None,
         **cluster_fields,
     ) -> RayCluster:
-        engine = dataclasses.replace(tiny_engine_config(tiny_llama_dir), detokenize=False)
+        engine = dataclasses.replace(
+            tiny_engine_config(tiny_llama_dir), detokenize=False, **(engine_fields or {})
+        )
         redis = RedisConfig(redis_url)
         cluster = RayCluster(
             ClusterConfig(**{"port": 0, "reconcile_interval_s": 0.5, **cluster_fields}),
@@ -62,7 +67,7 @@ def start_ray_cluster(ray_instance, tiny_llama_dir) -> Iterator[Callable[..., Ra
                 model=str(tiny_llama_dir),
                 port=0,
                 http_port=0,
-                local_prefill_max_tokens=0,
+                **{"local_prefill_max_tokens": 0, **(router_fields or {})},
                 redis=redis,
             ),
             planner=planner or PlannerConfig(),
