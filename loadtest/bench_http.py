@@ -33,7 +33,7 @@ from services.launcher import LocalCluster
 _ARMS = (Backend.GRPC, Backend.OPENAI_COMPLETIONS)
 
 
-def _requests(
+def fixed_requests(
     served: ServedModel, num: int, args: argparse.Namespace, seed: int
 ) -> list[LoadRequest]:
     """``num`` distinct prompts of ``--prompt-tokens`` random regular tokens: every run the same
@@ -53,7 +53,8 @@ def _client(arm: Backend, cluster: LocalCluster, served: ServedModel) -> LoadCli
     return OpenAIClient(arm, cluster.http_url, served.name)
 
 
-def _measure(client: LoadClient, requests: list[LoadRequest], concurrency: int) -> dict[str, float]:
+def measure(client: LoadClient, requests: list[LoadRequest], concurrency: int) -> dict[str, float]:
+    """One complete closed-loop run's TTFT p50 / p90, ITL p50, output tok/s and count."""
     summary = closed_loop_summary(client, requests, concurrency)
     return {
         "ttft_p50_ms": summary.ttft_ms["p50"],
@@ -83,7 +84,7 @@ def main() -> None:
         cluster.start()
         served = served_model(cluster.router_address)
         for arm in _ARMS:  # warm-up: compiled paths, connections, the tokenizer's caches
-            _measure(_client(arm, cluster, served), _requests(served, 4, args, 10**6), 2)
+            measure(_client(arm, cluster, served), fixed_requests(served, 4, args, 10**6), 2)
         seed = 0  # run i's prompts come from seed i
         for concurrency in concurrencies:
             num = max(args.min_requests, args.requests_per_stream * concurrency)
@@ -92,8 +93,8 @@ def main() -> None:
                 order = _ARMS if round_index % 2 == 0 else _ARMS[::-1]
                 for arm in order:
                     seed += 1
-                    requests = _requests(served, num, args, seed)
-                    measured = _measure(_client(arm, cluster, served), requests, concurrency)
+                    requests = fixed_requests(served, num, args, seed)
+                    measured = measure(_client(arm, cluster, served), requests, concurrency)
                     runs[arm.value].append(measured)
             results[str(concurrency)] = runs
     finally:
@@ -101,10 +102,12 @@ def main() -> None:
     _report(results, args)
 
 
-def _report(
-    results: dict[str, dict[str, list[dict[str, float]]]], args: argparse.Namespace
-) -> None:
-    print("| streams | API | TTFT p50 ms | TTFT p90 ms | ITL p50 ms | output tok/s | completed |")
+def print_medians(
+    results: dict[str, dict[str, list[dict[str, float]]]], arm_header: str
+) -> dict[str, dict[str, dict[str, float]]]:
+    """Print, and return, each arm's median over its rounds as a Markdown table."""
+    columns = "TTFT p50 ms | TTFT p90 ms | ITL p50 ms | output tok/s | completed"
+    print(f"| streams | {arm_header} | {columns} |")
     print("|---|---|---|---|---|---|---|")
     medians: dict[str, dict[str, dict[str, float]]] = {}
     for concurrency, runs in results.items():
@@ -118,6 +121,13 @@ def _report(
                 f"{m['itl_p50_ms']:.1f} | {m['output_tokens_per_s']:.1f} | "
                 f"{m['completed']:.0f} |"
             )
+    return medians
+
+
+def _report(
+    results: dict[str, dict[str, list[dict[str, float]]]], args: argparse.Namespace
+) -> None:
+    medians = print_medians(results, "API")
     for concurrency, arms in medians.items():
         grpc, http = arms[Backend.GRPC.value], arms[Backend.OPENAI_COMPLETIONS.value]
         ttft_added_ms = http["ttft_p50_ms"] - grpc["ttft_p50_ms"]

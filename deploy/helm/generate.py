@@ -17,6 +17,7 @@ from typing import Any
 from engine.config import EngineConfig
 from services.cluster.config import ClusterConfig
 from services.cluster.planner import PlannerConfig
+from services.common.logs import LogFormat
 from services.common.redis_config import RedisConfig
 from services.common.tracing import TracingConfig
 from services.common.worker_config import WorkerConfig
@@ -243,6 +244,12 @@ def schema() -> dict[str, Any]:
         ),
         **_ENV,
         "extraArgs": {"type": "array", "items": _STRING},
+        "logging": _obj(
+            {
+                "level": {"enum": ["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"]},
+                "format": {"enum": [f.value for f in LogFormat]},
+            }
+        ),
     }
     for section in FLAG_SECTIONS:
         properties[section] = _flag_schema(section)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import time
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
@@ -33,8 +34,11 @@ from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapProp
 
 from engine.flags import flag
 
+logger = logging.getLogger(__name__)
+
 # The W3C trace context headers / metadata keys.
 TRACE_HEADERS = ("traceparent", "tracestate")
+_SHUTDOWN_TIMEOUT_S = 5.0
 _PROPAGATOR = TraceContextTextMapPropagator()
 
 
@@ -77,6 +81,7 @@ class Tracing:
         attributes: Mapping[str, str] | None = None,
     ) -> None:
         self._provider: TracerProvider | None = None
+        self._endpoint = config.otlp_traces_endpoint
         self.tracer: trace.Tracer = trace.NoOpTracer()
         if not config.enabled:
             return
@@ -155,9 +160,18 @@ class Tracing:
         span.end(end_time=epoch_ns(end_s))
 
     async def shutdown(self) -> None:
-        """Export what is buffered and stop the exporter (off the event loop)."""
-        if self._provider is not None:
-            await asyncio.to_thread(self._provider.shutdown)
+        """Export what is buffered and stop the exporter (off the event loop), waiting at most
+        ``_SHUTDOWN_TIMEOUT_S``: an unreachable collector must not hold up a process's exit."""
+        if self._provider is None:
+            return
+        try:
+            await asyncio.wait_for(asyncio.to_thread(self._provider.shutdown), _SHUTDOWN_TIMEOUT_S)
+        except TimeoutError:
+            logger.warning(
+                "spans still unexported after %.0f s are dropped (collector %s unreachable?)",
+                _SHUTDOWN_TIMEOUT_S,
+                self._endpoint,
+            )
 
 
 def extract(metadata: Iterable[tuple[str, str]]) -> Context:

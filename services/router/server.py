@@ -222,7 +222,8 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         try:
             prepared = await self._prepare(request, limits, context, max_tokens_default)
             outcome = "error"
-            span.set_attributes(request_attributes(prepared, self.config.served_name))
+            if span.is_recording():
+                span.set_attributes(request_attributes(prepared, self.config.served_name))
             log = RequestLog(
                 prepared.req_id,
                 prepared.client_request_id,

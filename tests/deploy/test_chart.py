@@ -134,7 +134,8 @@ VALUE_SETS: dict[str, dict[str, Any]] = {
 }
 
 
-# What every splitserve container gets by default: Ray's token, and caches on the writable /tmp.
+# What every splitserve container gets by default: Ray's token, caches on the writable /tmp,
+# and the log level and format (the processes `up` starts read them too).
 CHART_ENV = [
     {"name": "RAY_AUTH_MODE", "value": "token"},
     {
@@ -142,6 +143,8 @@ CHART_ENV = [
         "valueFrom": {"secretKeyRef": {"name": "prod-splitserve-ray-auth", "key": "auth_token"}},
     },
     {"name": "XDG_CACHE_HOME", "value": "/tmp/cache"},
+    {"name": "SPLITSERVE_LOG_LEVEL", "value": "INFO"},
+    {"name": "SPLITSERVE_LOG_FORMAT", "value": "text"},
 ]
 TMP_VOLUME = {"name": "tmp", "emptyDir": {}}
 TMP_MOUNT = {"name": "tmp", "mountPath": "/tmp"}

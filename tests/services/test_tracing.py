@@ -146,6 +146,9 @@ def test_http_traceparent_is_continued_and_the_request_line_carries_the_trace_id
     assert line["logger"] == "splitserve.requests" and line["output_tokens"] == 3
     assert line["req_id"] == spans["generate"].attributes["splitserve.req_id"]
     assert trace_id in line["message"]
+    for worker in (*cluster.workers("prefill"), *cluster.workers("decode")):
+        lines = list(worker.stderr_tail)
+        assert lines and all(json.loads(line)["level"] for line in lines)
 
 
 def test_a_request_without_traceparent_starts_its_own_trace(traced):

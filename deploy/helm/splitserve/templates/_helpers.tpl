@@ -141,6 +141,8 @@ name ("head", "prefill" or "decode").
 {{- $env = append $env (dict "name" "RAY_AUTH_TOKEN" "valueFrom" (dict "secretKeyRef" (dict "name" (include "splitserve.rayAuthSecretName" .root) "key" "auth_token"))) -}}
 {{- end -}}
 {{- $env = append $env (dict "name" "XDG_CACHE_HOME" "value" "/tmp/cache") -}}
+{{- $env = append $env (dict "name" "SPLITSERVE_LOG_LEVEL" "value" $v.logging.level) -}}
+{{- $env = append $env (dict "name" "SPLITSERVE_LOG_FORMAT" "value" $v.logging.format) -}}
 {{- with $v.huggingface.home -}}
 {{- $env = append $env (dict "name" "HF_HOME" "value" .) -}}
 {{- end -}}
