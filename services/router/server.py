@@ -43,6 +43,7 @@ from services.router.failure_policy import FailurePolicy
 from services.router.latency import LatencyWindow
 from services.router.pool_metrics import PoolCollector
 from services.router.request_log import RequestLog
+from services.router.request_meter import RequestMeter
 from services.router.request_prep import (
     MaxTokensDefault,
     ModelLimits,
@@ -216,7 +217,6 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         self._num_inflight += 1
         metrics.INFLIGHT.inc()
         outcome = "invalid"
-        last_token_s: float | None = None
         log: RequestLog | None = None
         span = self.tracing.start_request_span("generate", context.invocation_metadata() or (), {})
         try:
@@ -230,32 +230,12 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                 len(prepared.prompt_token_ids),
                 trace_id=trace_id_hex(span),
             )
+            meter = RequestMeter(start_s, log, self.serving_metrics, self.latency)
             async for message in self._generate(prepared, context, log, span):
-                if message.token_ids:
-                    now_s = time.perf_counter()
-                    num_tokens = len(message.token_ids)
-                    log.output_tokens += num_tokens
-                    if last_token_s is None:
-                        log.ttft_ms = (now_s - start_s) * 1000
-                        metrics.TTFT.observe(now_s - start_s)
-                        self.serving_metrics.ttft.observe(now_s - start_s)
-                        self.latency.add_ttft(now_s - start_s)
-                        self.serving_metrics.tokens_streamed(num_tokens, None)
-                    else:
-                        gap_s = now_s - last_token_s
-                        for _ in range(num_tokens):
-                            metrics.ITL.observe(gap_s / num_tokens)
-                        self.serving_metrics.tokens_streamed(num_tokens, gap_s)
-                        self.latency.add_itl(gap_s, num_tokens)
-                    last_token_s = now_s
-                metrics.GENERATION_TOKENS.inc(len(message.token_ids))
+                meter.sent(message)
                 if message.finish_reason:
                     outcome = FINISH_REASON_NAMES[message.finish_reason]
-                    log.e2e_ms = (time.perf_counter() - start_s) * 1000
-                    log.cached_tokens = message.usage.cached_tokens
-                    metrics.E2E.observe(time.perf_counter() - start_s)
-                    metrics.PROMPT_TOKENS.inc(len(prepared.prompt_token_ids))
-                    self._observe_finished(log, outcome)
+                    meter.finished(message, outcome)
                 yield message
         except (asyncio.CancelledError, GeneratorExit):
             outcome = "cancelled"
@@ -267,19 +247,6 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             if log is not None:
                 log.emit(outcome)
             end_request_span(span, log, outcome)
-
-    def _observe_finished(self, log: RequestLog, outcome: str) -> None:
-        """The standard metrics of a request that ended with ``outcome``, as the client saw
-        it (see ``serving_metrics``)."""
-        serving = self.serving_metrics
-        serving.finished(outcome, log.prompt_tokens, log.output_tokens)
-        assert log.e2e_ms is not None
-        serving.e2e.observe(log.e2e_ms / 1000)
-        if log.ttft_ms is not None:
-            decode_s = (log.e2e_ms - log.ttft_ms) / 1000
-            serving.decode_time.observe(decode_s)
-            if log.output_tokens > 1:
-                serving.tpot.observe(decode_s / (log.output_tokens - 1))
 
     async def _admit(self, context: CallContext) -> ModelLimits:
         """The model's limits if a request may start now; else abort the call (UNAVAILABLE
