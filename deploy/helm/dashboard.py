@@ -36,6 +36,15 @@ def _quantiles(metric: str) -> list[tuple[str, str]]:
     ]
 
 
+def _p90s(*metrics: tuple[str, str]) -> list[tuple[str, str]]:
+    """The p90 of each ``(histogram, what)`` per pool, one query each."""
+    queries = []
+    for metric, what in metrics:
+        expr, legend = _quantiles(metric)[1]
+        queries.append((expr, legend.replace("p90", f"{what} p90")))
+    return queries
+
+
 def _per_pool_rate(metric: str, by: str = "pool") -> list[tuple[str, str]]:
     legend = " ".join(f"{{{{{label.strip()}}}}}" for label in by.split(","))
     return [(f"sum by ({by}) (rate({metric}{{{_MODEL}}}{_RATE}))", legend)]
@@ -54,14 +63,10 @@ _ROWS: list[tuple[str, list[tuple[str, str, list[tuple[str, str]]]]]] = [
             (
                 "Prefill and decode time (p90)",
                 "s",
-                [
-                    (expr, legend.replace("p90", "prefill p90"))
-                    for expr, legend in _quantiles("vllm:request_prefill_time_seconds")[1:2]
-                ]
-                + [
-                    (expr, legend.replace("p90", "decode p90"))
-                    for expr, legend in _quantiles("vllm:request_decode_time_seconds")[1:2]
-                ],
+                _p90s(
+                    ("vllm:request_prefill_time_seconds", "prefill"),
+                    ("vllm:request_decode_time_seconds", "decode"),
+                ),
             ),
         ],
     ),
@@ -90,14 +95,10 @@ _ROWS: list[tuple[str, list[tuple[str, str, list[tuple[str, str]]]]]] = [
             (
                 "Prompt and generation length (p90)",
                 "short",
-                [
-                    (expr, legend.replace("p90", "prompt p90"))
-                    for expr, legend in _quantiles("vllm:request_prompt_tokens")[1:2]
-                ]
-                + [
-                    (expr, legend.replace("p90", "generated p90"))
-                    for expr, legend in _quantiles("vllm:request_generation_tokens")[1:2]
-                ],
+                _p90s(
+                    ("vllm:request_prompt_tokens", "prompt"),
+                    ("vllm:request_generation_tokens", "generated"),
+                ),
             ),
         ],
     ),

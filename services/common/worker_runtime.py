@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 import grpc
+from opentelemetry.trace import Span
 
 from engine.llm_engine import LLMEngine
 from kvtransfer.base import KVTransferBackend, PeerInfo
@@ -70,6 +71,12 @@ class WorkerRuntime:
                 FailureKind.SHUTDOWN,
                 "the worker is shutting down",
             )
+
+    def start_call_span(self, name: str, context: grpc.aio.ServicerContext, req_id: str) -> Span:
+        """The span of a call on ``req_id``: a child of the router's call span when the call
+        carries a trace context, else the no-op span (see ``Tracing.start_worker_span``)."""
+        metadata = context.invocation_metadata() or ()
+        return self.tracing.start_worker_span(name, metadata, {"splitserve.req_id": req_id})
 
     def info(self) -> worker_pb2.WorkerInfo:
         kernels = self.engine.kernels

@@ -60,12 +60,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         """Stream the request's tokens with ``context.write``; a write its reader leaves
         blocked for ``--stream-idle-timeout-s`` aborts the request (ABORTED, not retried).
         Traced under the router's call when it carries a trace context."""
-        span = self.runtime.tracing.start_worker_span(
-            "decode",
-            context.invocation_metadata() or (),
-            {"splitserve.req_id": request.request_id},
-        )
-        with ending(span):
+        with ending(self.runtime.start_call_span("decode", context, request.request_id)) as span:
             await self._decode(request, context, span)
 
     async def _decode(

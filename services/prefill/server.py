@@ -60,12 +60,7 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
     ) -> worker_pb2.PrefillResponse:
         """Prefill the prompt, sample its first token and lease its blocks (see the module);
         traced under the router's call when it carries a trace context."""
-        span = self.runtime.tracing.start_worker_span(
-            "prefill",
-            context.invocation_metadata() or (),
-            {"splitserve.req_id": request.request_id},
-        )
-        with ending(span):
+        with ending(self.runtime.start_call_span("prefill", context, request.request_id)) as span:
             return await self._prefill(request, context, span)
 
     async def _prefill(

@@ -28,15 +28,16 @@ CHART = REPO / "deploy" / "helm" / "splitserve"
 KUBE_VERSION = "1.31.0"
 
 
-def _load_generator() -> Any:
-    spec = importlib.util.spec_from_file_location("chart_generate", CHART.parent / "generate.py")
+def load_chart_script(name: str) -> Any:
+    """``deploy/helm/<name>.py`` as a module (deploy/ is no package)."""
+    spec = importlib.util.spec_from_file_location(f"chart_{name}", CHART.parent / f"{name}.py")
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
 
 
-GENERATE = _load_generator()
+GENERATE = load_chart_script("generate")
 
 VALUE_SETS: dict[str, dict[str, Any]] = {
     "default": {},

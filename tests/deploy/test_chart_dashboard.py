@@ -5,23 +5,12 @@ test_dashboard_metrics.py.)"""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import re
-from typing import Any
 
-from tests.deploy.test_chart import CHART, objects
+from tests.deploy.test_chart import CHART, load_chart_script, objects
 
-
-def _load_dashboard_module() -> Any:
-    spec = importlib.util.spec_from_file_location("chart_dashboard", CHART.parent / "dashboard.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-DASHBOARD_MODULE = _load_dashboard_module()
+DASHBOARD_MODULE = load_chart_script("dashboard")
 SHIPPED = CHART / "dashboards" / "splitserve.json"
 
 
