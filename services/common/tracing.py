@@ -72,7 +72,7 @@ class TracingConfig:
 class Tracing:
     """One service's tracer. Disabled (``TracingConfig.enabled`` false), every span it starts
     is the no-op ``INVALID_SPAN``, so callers need no branches; ``shutdown`` flushes what is
-    still buffered (up to the exporter's timeout)."""
+    still buffered (for ``_SHUTDOWN_TIMEOUT_S`` at most)."""
 
     def __init__(
         self,
@@ -85,7 +85,7 @@ class Tracing:
         self.tracer: trace.Tracer = trace.NoOpTracer()
         if not config.enabled:
             return
-        endpoint = config.otlp_traces_endpoint
+        endpoint = self._endpoint
         resource = Resource.create({"service.name": service_name, **(attributes or {})})
         sampler = ParentBased(TraceIdRatioBased(config.otlp_traces_sample_ratio))
         self._provider = TracerProvider(resource=resource, sampler=sampler)
