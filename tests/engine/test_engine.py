@@ -248,3 +248,36 @@ def test_check_kv_integrity_catches_a_broken_block_pool_at_the_next_step(tiny_ll
     engine.kv_cache_manager.block_pool.blocks[block_id].ref_cnt = 0  # a block freed under it
     with pytest.raises(AssertionError, match="in use 2 != 64"):
         engine.step()
+
+
+def test_phase_stamps_order_and_survive_preemption(tiny_llama_dir):
+    """arrival <= first admission (``scheduled_time_s``) <= first token on every finished
+    output, and a preempted request keeps the time it was first admitted (its queue wait ended
+    then; the metrics and traces must not count the re-admission as queueing)."""
+    engine = LLMEngine(
+        EngineConfig(
+            model=str(tiny_llama_dir),
+            dtype="float32",
+            num_kv_blocks=20,
+            max_model_len=320,
+            max_num_seqs=4,
+        )
+    )
+    params = SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True)
+    for i in range(6):
+        engine.add_request(str(i), random_prompt(40, seed=i), params)
+    first_scheduled: dict[str, float] = {}
+    finals = {}
+    while engine.has_unfinished_requests():
+        for request in [*engine.scheduler.running, *engine.scheduler.waiting]:
+            if request.scheduled_time_s is not None:
+                first_scheduled.setdefault(request.req_id, request.scheduled_time_s)
+        for out in engine.step():
+            if out.finished:
+                finals[out.req_id] = out
+    assert engine.scheduler.num_preemptions > 0
+    assert len(finals) == 6
+    for req_id, out in finals.items():
+        assert out.scheduled_time_s is not None and out.first_token_time_s is not None
+        assert out.arrival_time_s <= out.scheduled_time_s <= out.first_token_time_s
+        assert out.scheduled_time_s == first_scheduled[req_id]
