@@ -112,6 +112,7 @@ class BatchRunner:
                 generator=s.request.next_token_generator(),
                 prompt_token_ids=s.request.prompt_token_ids,
                 output_token_ids=s.request.output_token_ids,
+                matcher=s.request.matcher,
             )
             for s in sampling
         ]

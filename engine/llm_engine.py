@@ -33,6 +33,7 @@ from engine.sampler import Sampler, TokenLogprobs
 from engine.sampling_params import SamplingParams
 from engine.scheduler import KVLoad, Scheduler, SchedulerConfig, SchedulerOutput
 from engine.stats import EngineStats, make_stats
+from engine.structured_output import GrammarCompiler
 from engine.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -111,6 +112,7 @@ class LLMEngine:
         # The name clients see (WorkerInfo, Router.Status): --served-model-name, else --model.
         self.served_model_name = config.served_model_name or config.model
         self.tokenizer = Tokenizer(self.model_dir)
+        self._compiler: GrammarCompiler | None = None
         self.runner = ModelRunner(
             self.model_dir,
             self.dtype,
@@ -194,10 +196,17 @@ class LLMEngine:
         first tokens' KV must be loaded (see ``take_kv_loads`` / ``finish_kv_load``) instead of
         computed. With ``hold_kv`` the blocks outlive the request until ``release_held_kv``.
         Requests share prefix-cache blocks only when their ``cache_salt`` is the same (it goes
-        into every block hash).
+        into every block hash). A ``params.constraint`` starts the request's matcher, advanced
+        over ``output_token_ids`` (``ValueError`` if the constraint does not compile or they
+        break it).
         """
         self.validate_request(prompt_token_ids, params, output_token_ids)
         check_cache_salt(cache_salt)
+        matcher = (
+            None
+            if params.constraint is None
+            else self._grammar_compiler().matcher(params.constraint, output_token_ids)
+        )
         request = Request(
             req_id=req_id,
             prompt_token_ids=list(prompt_token_ids),
@@ -209,6 +218,7 @@ class LLMEngine:
             hold_kv=hold_kv,
             output_token_ids=list(output_token_ids),
             extra_key=cache_salt,
+            matcher=matcher,
         )
         self.scheduler.add_request(request)
         detokenizer = None
@@ -226,6 +236,15 @@ class LLMEngine:
             num_reported_tokens=len(output_token_ids),
         )
         logger.debug("req_id=%s added: %d prompt tokens", req_id, len(prompt_token_ids))
+
+    def _grammar_compiler(self) -> GrammarCompiler:
+        """The constraints' compiler for this model, built on the first constrained request
+        (it converts the whole vocabulary once, about a second)."""
+        if self._compiler is None:
+            self._compiler = GrammarCompiler(
+                self.tokenizer.backend.to_str(), self.vocab_size, self.tokenizer.eos_token_ids
+            )
+        return self._compiler
 
     def abort_requests(self, req_ids: Iterable[str]) -> list[RequestOutput]:
         """Abort requests in any state; their blocks are freed at once."""

@@ -10,6 +10,7 @@ import torch
 
 from engine.block_hash import ROOT_PARENT_HASH, BlockHash, hash_block_tokens
 from engine.sampling_params import SamplingParams
+from engine.structured_output import GuidedMatcher
 
 _MASK_63 = (1 << 63) - 1
 
@@ -104,6 +105,9 @@ class Request:
     # Why the request finished with FINISHED_ERROR (None otherwise).
     error: str | None = None
     generator: torch.Generator | None = None
+    # The request's position in its output constraint (None: unconstrained); see
+    # engine.structured_output. Kept across preemption: the tokens it has consumed stay.
+    matcher: GuidedMatcher | None = None
     _block_hashes: list[BlockHash] = field(default_factory=list)
 
     def __post_init__(self) -> None:

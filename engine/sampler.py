@@ -31,6 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.sampling_params import SamplingParams
+from engine.structured_output import GuidedMatcher, apply_bitmask, bitmask_width
 
 # Block width of the two-level argmax; vocab sizes are usually multiples of 128.
 _ARGMAX_BLOCK = 128
@@ -48,6 +49,8 @@ class SamplingInput:
     generator: torch.Generator | None
     prompt_token_ids: Sequence[int]
     output_token_ids: Sequence[int]
+    # The request's output constraint: only the tokens it allows next can be sampled.
+    matcher: GuidedMatcher | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -162,11 +165,26 @@ def _raw_token_logprobs(
     return results
 
 
+def _mask_constrained(x: torch.Tensor, rows: Sequence[SamplingInput]) -> None:
+    """Set to -inf, in place, every logit that a row's constraint forbids next (one bitmask for
+    the constrained rows; the others are not touched)."""
+    constrained = [i for i, r in enumerate(rows) if r.matcher is not None]
+    if not constrained:
+        return
+    bitmask = torch.empty((len(constrained), bitmask_width(x.shape[1])), dtype=torch.int32)
+    for row, i in enumerate(constrained):
+        matcher = rows[i].matcher
+        assert matcher is not None
+        matcher.fill_bitmask(bitmask, row)
+    apply_bitmask(x, bitmask, torch.tensor(constrained))
+
+
 class Sampler:
     """Picks one token per row of a logits batch; stateless apart from the shared generator.
 
-    Side effect: when ``logits`` is float32 it is used as scratch space and overwritten (except
-    on the all-greedy path); pass a copy if the caller still needs it. Other dtypes are copied
+    Side effect: when ``logits`` is float32 it is used as scratch space and overwritten (on the
+    all-greedy path only the rows of constrained requests, masked); pass a copy if the caller
+    still needs it. Other dtypes are copied
     to float32 first. Stop conditions are not the sampler's job.
     """
 
@@ -187,8 +205,9 @@ class Sampler:
         if logits.dim() != 2 or logits.shape[0] != len(rows):
             raise ValueError(f"logits shape {tuple(logits.shape)} does not match {len(rows)} rows")
         if all(_is_plain_greedy(r.params) for r in rows):
-            tokens = argmax_rows(logits.float().contiguous())
-            return SamplerOutput(tokens.tolist(), [None] * len(rows))
+            x = logits.float().contiguous()
+            _mask_constrained(x, rows)
+            return SamplerOutput(argmax_rows(x).tolist(), [None] * len(rows))
         return self._sample(logits.float().contiguous(), rows)
 
     def _sample(self, x: torch.Tensor, rows: Sequence[SamplingInput]) -> SamplerOutput:
@@ -198,6 +217,8 @@ class Sampler:
 
         if any(r.params.needs_penalties for r in rows):
             _apply_penalties(x, rows)
+        # After the raw logprobs: they report the model's distribution, not the constrained one.
+        _mask_constrained(x, rows)
 
         tokens = torch.empty(num_rows, dtype=torch.long, device=x.device)
         vocab = x.shape[1]

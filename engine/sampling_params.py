@@ -9,6 +9,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from engine.constraint import Constraint
+
 MAX_STOP_STRINGS = 16
 # A stop string is held back from the stream until it cannot match any more, and checked after
 # every token: its length bounds both.
@@ -52,6 +54,8 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None
     skip_special_tokens: bool = True
+    # What the output must satisfy (structured output); None: anything.
+    constraint: Constraint | None = None
 
     def __post_init__(self) -> None:
         # Accept lists from callers but store tuples so the params stay hashable and frozen.

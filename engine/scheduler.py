@@ -307,6 +307,13 @@ class Scheduler:
         if not params.ignore_eos and token_id in request.eos_token_ids:
             request.stop_reason = token_id
             return RequestStatus.FINISHED_STOPPED
+        matcher = request.matcher
+        if matcher is not None:
+            if not matcher.accept(token_id):  # the bitmask allowed it: a bug, this request's
+                request.error = f"the output constraint refused token {token_id}: {matcher.error}"
+                return RequestStatus.FINISHED_ERROR
+            if matcher.is_finished:  # the constraint is complete (its grammar's end)
+                return RequestStatus.FINISHED_STOPPED
         if token_id in params.stop_token_ids:
             request.stop_reason = token_id
             return RequestStatus.FINISHED_STOPPED

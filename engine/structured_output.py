@@ -1,18 +1,15 @@
-"""Structured output: a constraint (JSON schema, any JSON object, regex, choice, Lark grammar)
-that every sampled token must keep satisfiable, enforced with a token bitmask on the logits.
+"""Structured output: a ``Constraint`` (``engine.constraint``) that every sampled token must keep
+satisfiable, enforced with a token bitmask on the logits.
 
-Built on llguidance (its Earley parser over a lazily built token trie needs no per-schema
-precompilation pass, and its wheel has no dependency: the router validates constraints with it
+Built on llguidance: its Earley parser over a lazily built token trie needs no per-schema
+precompilation pass, and its wheel has no dependency (the router validates constraints with it
 and never imports torch). The parts:
 
-- ``Constraint``: what the client asked for, as one llguidance grammar (``grammar``);
-  ``validate`` raises ``ValueError`` with the library's message, tokenizer-free, so that the
-  router refuses a bad schema or regex before any worker is involved.
 - ``GrammarCompiler``: one per engine; holds the tokenizer in llguidance's form (built once,
-  ~1 s) and a cache of grammars by constraint; ``matcher`` starts a request's
-  ``GuidedMatcher`` and advances it over the tokens the request already has, which is how a
-  decode worker, a migration target or a recompute after preemption picks up the constraint
-  exactly where the previous sampler left it.
+  ~1 s); ``matcher`` starts a request's ``GuidedMatcher`` and advances it over the tokens the
+  request already has, which is how a decode worker or a migration target picks up the
+  constraint exactly where the previous sampler left it (a request preempted by recompute
+  keeps its matcher: its tokens stay).
 - ``GuidedMatcher``: a request's parser state; ``fill_bitmask`` writes the tokens allowed next
   into one row of a batch bitmask, ``accept`` advances over a sampled token.
 - ``apply_bitmask``: masks the constrained rows of a batch's logits in one vectorized step
@@ -21,69 +18,14 @@ and never imports torch). The parts:
 
 from __future__ import annotations
 
-import enum
-import functools
-import json
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Collection, Sequence
 
 import llguidance
 import torch
 
-# The constraints compiled per engine that are kept for reuse (a grammar string each).
-_GRAMMAR_CACHE_SIZE = 1024
+from engine.constraint import Constraint
+
 _BITS = 32
-
-
-class ConstraintKind(enum.Enum):
-    JSON_SCHEMA = "json_schema"
-    JSON_OBJECT = "json_object"
-    REGEX = "regex"
-    CHOICE = "choice"
-    GRAMMAR = "grammar"  # Lark syntax (llguidance's)
-
-
-@dataclass(frozen=True, slots=True)
-class Constraint:
-    """A request's output constraint. ``spec`` is the JSON schema text, the regex or the Lark
-    grammar (empty for ``JSON_OBJECT``); ``choices`` the allowed outputs for ``CHOICE``."""
-
-    kind: ConstraintKind
-    spec: str = ""
-    choices: tuple[str, ...] = ()
-
-    def __post_init__(self) -> None:
-        if self.kind is ConstraintKind.CHOICE and not self.choices:
-            raise ValueError("a choice constraint needs at least one choice")
-
-    def grammar(self) -> str:
-        """The constraint as an llguidance grammar (not yet checked; see ``validate``)."""
-        return _grammar(self)
-
-    def validate(self) -> None:
-        """Raise ``ValueError`` naming what is wrong (bad JSON, schema, regex or grammar)."""
-        try:
-            grammar = self.grammar()
-        except ValueError as exc:
-            raise ValueError(f"{self.kind.value}: {exc}") from None
-        error = llguidance.LLMatcher.validate_grammar(grammar)
-        if error and not error.startswith("WARNING"):
-            raise ValueError(f"{self.kind.value}: {error}")
-
-
-@functools.lru_cache(maxsize=_GRAMMAR_CACHE_SIZE)
-def _grammar(constraint: Constraint) -> str:
-    kind = constraint.kind
-    if kind is ConstraintKind.JSON_SCHEMA:
-        return llguidance.LLMatcher.grammar_from_json_schema(json.loads(constraint.spec))
-    if kind is ConstraintKind.JSON_OBJECT:
-        return llguidance.LLMatcher.grammar_from_json_schema({"type": "object"})
-    if kind is ConstraintKind.REGEX:
-        return llguidance.LLMatcher.grammar_from_regex(constraint.spec)
-    if kind is ConstraintKind.CHOICE:
-        alternatives = " | ".join(json.dumps(choice) for choice in constraint.choices)
-        return llguidance.LLMatcher.grammar_from_lark(f"start: {alternatives}")
-    return llguidance.LLMatcher.grammar_from_lark(constraint.spec)
 
 
 class GuidedMatcher:
@@ -116,7 +58,9 @@ class GrammarCompiler:
     """The constraints of one model's tokenizer: ``tokenizer_json`` is its ``tokenizer.json``
     text, ``vocab_size`` the model's logits width (at least the tokenizer's)."""
 
-    def __init__(self, tokenizer_json: str, vocab_size: int, eos_token_ids: Sequence[int]) -> None:
+    def __init__(
+        self, tokenizer_json: str, vocab_size: int, eos_token_ids: Collection[int]
+    ) -> None:
         self.vocab_size = vocab_size
         self._tokenizer = llguidance.LLTokenizer(
             tokenizer_json, n_vocab=vocab_size, eos_token=sorted(eos_token_ids)
@@ -134,7 +78,12 @@ class GrammarCompiler:
 
     def allocate_bitmask(self, num_rows: int) -> torch.Tensor:
         """A bitmask of ``num_rows`` rows, every token allowed."""
-        return torch.full((num_rows, -(-self.vocab_size // _BITS)), -1, dtype=torch.int32)
+        return torch.full((num_rows, bitmask_width(self.vocab_size)), -1, dtype=torch.int32)
+
+
+def bitmask_width(vocab_size: int) -> int:
+    """int32 words per bitmask row: one bit per token id."""
+    return -(-vocab_size // _BITS)
 
 
 _SHIFTS = torch.arange(_BITS, dtype=torch.int32)

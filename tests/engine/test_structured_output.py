@@ -14,13 +14,8 @@ import jsonschema
 import pytest
 import torch
 
-from engine.structured_output import (
-    Constraint,
-    ConstraintKind,
-    GrammarCompiler,
-    GuidedMatcher,
-    apply_bitmask,
-)
+from engine.constraint import Constraint, ConstraintKind
+from engine.structured_output import GrammarCompiler, GuidedMatcher, apply_bitmask
 from engine.tokenizer import Tokenizer
 
 MAX_TOKENS = 400
