@@ -12,11 +12,22 @@ import enum
 import functools
 import json
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import llguidance
 
+if TYPE_CHECKING:
+    from llguidance._lib import JsonCompileOptions
+
 # The constraints whose grammar is kept for reuse (a string each).
 _GRAMMAR_CACHE_SIZE = 1024
+# JSON on one line as json.dumps writes it: free whitespace lets a model pad forever (small
+# models do), never closing the value. A schema's "x-guidance" options override this.
+_JSON_LAYOUT: JsonCompileOptions = {
+    "item_separator": ", ",
+    "key_separator": ": ",
+    "whitespace_flexible": False,
+}
 
 
 class ConstraintKind(enum.Enum):
@@ -59,9 +70,12 @@ class Constraint:
 def _grammar(constraint: Constraint) -> str:
     kind = constraint.kind
     if kind is ConstraintKind.JSON_SCHEMA:
-        return llguidance.LLMatcher.grammar_from_json_schema(json.loads(constraint.spec))
+        schema = json.loads(constraint.spec)
+        return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=_JSON_LAYOUT)
     if kind is ConstraintKind.JSON_OBJECT:
-        return llguidance.LLMatcher.grammar_from_json_schema({"type": "object"})
+        return llguidance.LLMatcher.grammar_from_json_schema(
+            {"type": "object"}, defaults=_JSON_LAYOUT
+        )
     if kind is ConstraintKind.REGEX:
         return llguidance.LLMatcher.grammar_from_regex(constraint.spec)
     if kind is ConstraintKind.CHOICE:

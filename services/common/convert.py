@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from engine.constraint import Constraint, ConstraintKind
 from engine.sampling_params import SamplingParams
 from kvtransfer.base import KVRef, PeerInfo
 from splitserve.v1 import router_pb2, worker_pb2
@@ -28,9 +29,16 @@ FINISH_REASON_NAMES = {v: k for k, v in FINISH_REASONS.items() if k}
 def sampling_params_from_client(msg: router_pb2.SamplingParams) -> SamplingParams:
     """Engine params from a client's message (unset fields take the engine defaults).
 
-    Raises ``ValueError`` naming the field, as ``SamplingParams`` validation does.
+    Raises ``ValueError`` naming the field, as ``SamplingParams`` validation does; a
+    constraint is compiled here (a bad schema, regex or grammar never reaches a worker).
     """
     defaults = SamplingParams()
+    constraint = constraint_from_proto(msg.constraint) if msg.HasField("constraint") else None
+    if constraint is not None:
+        try:
+            constraint.validate()
+        except ValueError as exc:
+            raise ValueError(f"constraint.{exc}") from None
     return SamplingParams(
         max_tokens=msg.max_tokens if msg.HasField("max_tokens") else defaults.max_tokens,
         temperature=msg.temperature if msg.HasField("temperature") else defaults.temperature,
@@ -55,7 +63,37 @@ def sampling_params_from_client(msg: router_pb2.SamplingParams) -> SamplingParam
         stop_token_ids=tuple(msg.stop_token_ids),
         ignore_eos=msg.ignore_eos,
         logprobs=msg.logprobs if msg.HasField("logprobs") else None,
+        constraint=constraint,
     )
+
+
+def constraint_from_proto(msg: worker_pb2.OutputConstraint) -> Constraint:
+    """Raises ``ValueError`` naming the field when no kind is set or a choice list is empty
+    (the constraint itself is checked by ``Constraint.validate``)."""
+    kind = msg.WhichOneof("kind")
+    if kind is None:
+        raise ValueError("constraint: set one of json_schema, json_object, regex, choice, grammar")
+    if kind == "json_object":
+        if not msg.json_object:
+            raise ValueError("constraint.json_object: must be true when set")
+        return Constraint(ConstraintKind.JSON_OBJECT)
+    if kind == "choice":
+        if not msg.choice.choices:
+            raise ValueError("constraint.choice: needs at least one choice")
+        return Constraint(ConstraintKind.CHOICE, choices=tuple(msg.choice.choices))
+    return Constraint(ConstraintKind(kind), getattr(msg, kind))
+
+
+def constraint_to_proto(constraint: Constraint) -> worker_pb2.OutputConstraint:
+    kind = constraint.kind
+    if kind is ConstraintKind.JSON_OBJECT:
+        return worker_pb2.OutputConstraint(json_object=True)
+    if kind is ConstraintKind.CHOICE:
+        choices = worker_pb2.ChoiceList(choices=constraint.choices)
+        return worker_pb2.OutputConstraint(choice=choices)
+    msg = worker_pb2.OutputConstraint()
+    setattr(msg, kind.value, constraint.spec)  # json_schema, regex or grammar: a string each
+    return msg
 
 
 def sampling_params_to_worker(params: SamplingParams) -> worker_pb2.WorkerSamplingParams:
@@ -76,6 +114,8 @@ def sampling_params_to_worker(params: SamplingParams) -> worker_pb2.WorkerSampli
         msg.seed = params.seed
     if params.logprobs is not None:
         msg.logprobs = params.logprobs
+    if params.constraint is not None:
+        msg.constraint.CopyFrom(constraint_to_proto(params.constraint))
     return msg
 
 
@@ -94,6 +134,7 @@ def sampling_params_from_worker(msg: worker_pb2.WorkerSamplingParams) -> Samplin
         stop_token_ids=tuple(msg.stop_token_ids),
         ignore_eos=msg.ignore_eos,
         logprobs=msg.logprobs if msg.HasField("logprobs") else None,
+        constraint=(constraint_from_proto(msg.constraint) if msg.HasField("constraint") else None),
     )
 
 

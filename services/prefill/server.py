@@ -122,6 +122,8 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
         if final.finish_reason == "stop" or max_tokens == 1:
             response.finished = True
             response.finish_reason = final.finish_reason or "length"
+            if final.stop_reason is not None:
+                response.stop_reason = str(final.stop_reason)
             await self.runtime.loop.call(lambda e: self.leases.release(e, req_id))
             return response
         lease = self.leases.get(req_id)

@@ -317,9 +317,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                         [response.token_id],
                         [response.logprob] if response.HasField("logprob") else [],
                         finish_reason=response.finish_reason if response.finished else "",
-                        stop_reason=str(response.token_id)
-                        if response.finish_reason == "stop"
-                        else "",
+                        stop_reason=response.stop_reason,
                     )
                     routed.decode_request.output_token_ids.extend(routed.stream.output_token_ids)
                     if routed.stream.finished:

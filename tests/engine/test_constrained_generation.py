@@ -16,7 +16,7 @@ import pytest
 from engine import LLM, LLMEngine, SamplingParams
 from engine.config import EngineConfig
 from engine.constraint import Constraint, ConstraintKind
-from tests.engine.test_structured_output import random_schema
+from loadtest.schemas import random_schema
 
 
 def json_schema_params(schema: dict, max_tokens: int = 400) -> SamplingParams:

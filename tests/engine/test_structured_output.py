@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import random
 import re
-from typing import Any
 
 import jsonschema
 import pytest
@@ -17,6 +16,7 @@ import torch
 from engine.constraint import Constraint, ConstraintKind
 from engine.structured_output import GrammarCompiler, GuidedMatcher, apply_bitmask
 from engine.tokenizer import Tokenizer
+from loadtest.schemas import random_schema
 
 MAX_TOKENS = 400
 
@@ -30,36 +30,6 @@ def tokenizer(tiny_llama_dir) -> Tokenizer:
 def compiler(tiny_llama_dir, tokenizer) -> GrammarCompiler:
     vocab_size = json.loads((tiny_llama_dir / "config.json").read_text())["vocab_size"]
     return GrammarCompiler(tokenizer.backend.to_str(), vocab_size, tokenizer.eos_token_ids)
-
-
-def random_schema(rng: random.Random, depth: int = 0) -> dict[str, Any]:
-    """Objects, arrays, enums, bounded numbers and strings with patterns, nested."""
-    kinds = ["integer", "number", "string", "pattern", "enum", "boolean"]
-    if depth < 2:
-        kinds += ["object", "array"]
-    kind = rng.choice(kinds)
-    if kind == "integer":
-        low = rng.randint(-50, 50)
-        return {"type": "integer", "minimum": low, "maximum": low + rng.randint(0, 500)}
-    if kind == "number":
-        return {"type": "number", "minimum": -10.0, "maximum": 10.0}
-    if kind == "string":
-        return {"type": "string", "maxLength": rng.randint(1, 12)}
-    if kind == "pattern":
-        return {"type": "string", "pattern": rng.choice(["^[a-z]{2,5}$", "^[0-9]{3}-[A-Z]{2}$"])}
-    if kind == "enum":
-        return {"enum": rng.sample(["red", "green", "blue", "cyan", 7, None], rng.randint(1, 4))}
-    if kind == "boolean":
-        return {"type": "boolean"}
-    if kind == "array":
-        return {"type": "array", "items": random_schema(rng, depth + 1), "maxItems": 3}
-    names = rng.sample(["id", "name", "tags", "score", "kind", "meta"], rng.randint(1, 4))
-    return {
-        "type": "object",
-        "properties": {name: random_schema(rng, depth + 1) for name in names},
-        "required": names,
-        "additionalProperties": False,
-    }
 
 
 def sample_constrained(
