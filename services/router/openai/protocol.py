@@ -1,11 +1,13 @@
 """The request bodies of ``/v1/chat/completions`` and ``/v1/completions``.
 
 Fields follow OpenAI's API plus vLLM's sampling extensions (``top_k``, ``min_p``,
-``repetition_penalty``, ``ignore_eos``, ``stop_token_ids``, ``cache_salt``). Unknown fields are
-ignored, as OpenAI-compatible servers do; a value this server cannot honour (``echo``, tools,
-a structured ``response_format``, ``logit_bias``...) is refused by ``unsupported()`` with a
-400 naming the field rather than silently dropped. Ranges that the engine checks anyway
-(temperature, top_p, penalties...) are left to it, so both APIs say the same thing.
+``repetition_penalty``, ``ignore_eos``, ``stop_token_ids``, ``cache_salt``) and its structured
+output ones (``guided_json``, ``guided_regex``, ``guided_choice``, ``guided_grammar``,
+``structured_outputs``; see ``structured``). Unknown fields are ignored, as OpenAI-compatible
+servers do; a value this server cannot honour (``echo``, tools, ``logit_bias``...) is refused by
+``unsupported()`` with a 400 naming the field rather than silently dropped. Ranges that the
+engine checks anyway (temperature, top_p, penalties...) are left to it, so both APIs say the
+same thing.
 """
 
 from __future__ import annotations
@@ -66,6 +68,13 @@ class _Sampling(_Body):
     ignore_eos: bool = False
     stop_token_ids: list[TokenId] | None = None
     cache_salt: str | None = None
+    # Structured output: OpenAI's, then vLLM's (at most one of them per request).
+    response_format: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    structured_outputs: dict[str, Any] | None = None
 
     def stop_strings(self) -> list[str]:
         if self.stop is None:
@@ -88,16 +97,10 @@ class ChatCompletionRequest(_Sampling):
     top_logprobs: int | None = Field(None, ge=0, le=20)
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
-    response_format: dict[str, Any] | None = None
 
     def unsupported(self) -> tuple[str, str] | None:
         if self.tools and self.tool_choice != "none":
             return "tools", "tool calling is not supported"
-        if self.response_format and self.response_format.get("type", "text") != "text":
-            return "response_format", (
-                f"response_format type {self.response_format.get('type')!r} is not supported "
-                "(only 'text')"
-            )
         if self.top_logprobs and not self.logprobs:
             return "top_logprobs", "top_logprobs needs logprobs to be true"
         return super().unsupported()

@@ -17,6 +17,7 @@ from services.router.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
 )
+from services.router.openai.structured import output_constraint
 from services.router.request_prep import MaxTokensDefault
 from splitserve.v1 import router_pb2
 
@@ -153,6 +154,9 @@ def _sampling(
         sampling.max_tokens = max_tokens
     if logprobs is not None:
         sampling.logprobs = logprobs
+    constraint = output_constraint(body)
+    if constraint is not None:
+        sampling.constraint.CopyFrom(constraint)
     return sampling
 
 

@@ -1,0 +1,110 @@
+"""Structured output through the HTTP API with the official ``openai`` client: OpenAI's
+``response_format`` and vLLM's ``guided_*`` / ``structured_outputs`` extensions reach the
+constraint; outputs satisfy it, streamed or not; malformed or doubled constraints are 400s
+naming the field, and the server goes on serving."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import jsonschema
+import openai
+import pytest
+
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "city": {"type": "string", "maxLength": 10},
+        "rating": {"type": "integer", "minimum": 1, "maximum": 5},
+        "tags": {"type": "array", "items": {"enum": ["cheap", "quiet", "busy"]}, "maxItems": 2},
+    },
+    "required": ["city", "rating", "tags"],
+    "additionalProperties": False,
+}
+MESSAGES = [{"role": "user", "content": "Rate a city."}]
+
+
+def test_chat_response_format_json_schema_validates(sync_client, model):
+    completion = sync_client.chat.completions.create(
+        model=model,
+        messages=MESSAGES,
+        max_tokens=120,
+        temperature=0,
+        response_format={
+            "type": "json_schema",
+            "json_schema": {"name": "rating", "schema": SCHEMA, "strict": True},
+        },
+    )
+    choice = completion.choices[0]
+    assert choice.finish_reason == "stop"
+    jsonschema.validate(json.loads(choice.message.content), SCHEMA)
+
+
+def test_streamed_json_object_parses_and_sampled_choices_too(sync_client, model):
+    stream = sync_client.chat.completions.create(
+        model=model,
+        messages=MESSAGES,
+        max_tokens=200,
+        temperature=0,
+        response_format={"type": "json_object"},
+        stream=True,
+    )
+    text = "".join(chunk.choices[0].delta.content or "" for chunk in stream if chunk.choices)
+    assert isinstance(json.loads(text), dict)
+    completion = sync_client.completions.create(
+        model=model,
+        prompt="The answer is",
+        max_tokens=20,
+        temperature=1.0,
+        seed=3,
+        n=4,
+        extra_body={"guided_choice": ["yes", "no", "it depends"]},
+    )
+    assert {c.text for c in completion.choices} <= {"yes", "no", "it depends"}
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        {"guided_regex": r"[a-z]{3}-[0-9]{3}"},
+        {"structured_outputs": {"regex": r"[a-z]{3}-[0-9]{3}"}},
+    ],
+    ids=["guided_regex", "structured_outputs"],
+)
+def test_vllm_regex_extensions_hold(sync_client, model, extra):
+    completion = sync_client.completions.create(
+        model=model, prompt="Code:", max_tokens=20, temperature=0, extra_body=extra
+    )
+    assert re.fullmatch(r"[a-z]{3}-[0-9]{3}", completion.choices[0].text)
+
+
+def test_guided_json_given_as_text(sync_client, model):
+    completion = sync_client.completions.create(
+        model=model,
+        prompt="JSON:",
+        max_tokens=120,
+        temperature=0,
+        extra_body={"guided_json": json.dumps(SCHEMA)},
+    )
+    jsonschema.validate(json.loads(completion.choices[0].text), SCHEMA)
+
+
+@pytest.mark.parametrize(
+    ("extra", "param"),
+    [
+        ({"response_format": {"type": "xml"}}, "response_format.type"),
+        ({"response_format": {"type": "json_schema"}}, "response_format.json_schema"),
+        ({"guided_json": {"type": "no-such-type"}}, "constraint.json_schema"),
+        ({"guided_regex": "(unclosed"}, "constraint.regex"),
+        ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs"),
+        ({"guided_regex": "a", "guided_choice": ["b"]}, "guided_choice"),
+    ],
+    ids=["bad_type", "no_schema", "bad_schema", "bad_regex", "two_kinds", "two_fields"],
+)
+def test_bad_constraints_are_400s_naming_the_field(sync_client, model, extra, param):
+    with pytest.raises(openai.BadRequestError) as error:
+        sync_client.completions.create(model=model, prompt="x", max_tokens=5, extra_body=extra)
+    assert param in error.value.message
+    ok = sync_client.completions.create(model=model, prompt="x", max_tokens=2, temperature=0)
+    assert ok.usage.completion_tokens == 2
