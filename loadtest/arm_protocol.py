@@ -34,6 +34,8 @@ class ArmJob:
     seed: int
     # splitserve's --cpu-isa (the other systems are capped by ATEN/oneDNN env vars only).
     cpu_isa: str = "auto"
+    # "cpu" or "cuda": where splitserve and transformers run (the vLLM arm is CPU only).
+    device: str = "cpu"
 
     def write(self, path: Path) -> None:
         """Serialise to ``path`` as JSON (overwrites)."""

@@ -24,6 +24,7 @@ def run(job: ArmJob) -> ArmResult:
     llm = LLM(
         model=job.model_dir,
         dtype=job.dtype,
+        device=job.device,
         cpu_isa=job.cpu_isa,
         max_num_seqs=job.max_num_seqs,
         max_num_batched_tokens=job.max_num_batched_tokens,
@@ -54,6 +55,7 @@ def run(job: ArmJob) -> ArmResult:
         settings={
             "torch_threads": torch.get_num_threads(),
             "torch": torch.__version__,
+            "device": str(llm.engine.device),
             "kernels": llm.engine.kernels.describe(),
         },
     )

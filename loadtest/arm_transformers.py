@@ -48,8 +48,9 @@ def run(job: ArmJob) -> ArmResult:
 
     torch.set_num_threads(job.threads)
     load_start_s = time.perf_counter()
+    device = torch.device(job.device)
     model = AutoModelForCausalLM.from_pretrained(job.model_dir, dtype=getattr(torch, job.dtype))
-    model.eval()
+    model.to(device).eval()
     load_s = time.perf_counter() - load_start_s
 
     generation_config = model.generation_config
@@ -79,8 +80,8 @@ def run(job: ArmJob) -> ArmResult:
 
         with torch.inference_mode():
             out = model.generate(
-                input_ids=input_ids,
-                attention_mask=attention_mask,
+                input_ids=input_ids.to(device),
+                attention_mask=attention_mask.to(device),
                 generation_config=generation_config,
                 streamer=FirstTokenStamp(stamp_batch),
             )
@@ -97,6 +98,7 @@ def run(job: ArmJob) -> ArmResult:
             "attn_implementation": model.config._attn_implementation,
             "torch_threads": torch.get_num_threads(),
             "torch": torch.__version__,
+            "device": str(device),
         },
     )
 

@@ -26,6 +26,7 @@ import psutil
 from engine.cpu_isa import ISA_CHOICES, cpu_auto_dtype, host_isa, library_env, resolve_isa
 from loadtest.arm_protocol import ArmJob, ArmResult
 from loadtest.bench_report import ArmRun, all_pair_matches, markdown_report, system_metrics
+from loadtest.tiny_model import SHAPES, make_tiny_model
 from loadtest.workloads import Workload, random_token_workload
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -223,8 +224,9 @@ def _header(args: argparse.Namespace, model_dir: Path, workload: Workload) -> li
     return [
         f"## bench_engine: {args.model} ({args.dtype})",
         "",
-        f"- CPU level {resolve_isa(args.cpu_isa).value} (host {host_isa().value}, --cpu-isa "
-        f"{args.cpu_isa}); --dtype {args.dtype_requested} runs {args.dtype} in every system",
+        f"- device {args.device}; CPU level {resolve_isa(args.cpu_isa).value} (host "
+        f"{host_isa().value}, --cpu-isa {args.cpu_isa}); --dtype {args.dtype_requested} runs "
+        f"{args.dtype} in every system",
         f"- model dir: `{model_dir}`",
         f"- workload: {workload.num_prompts} prompts ({workload.method}, seed {workload.seed}), "
         f"prompt tokens uniform in [{args.min_prompt_tokens}, {args.max_prompt_tokens}] "
@@ -249,7 +251,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--make-tiny-model",
         type=Path,
         metavar="DIR",
-        help="write a tiny random Llama + tokenizer to DIR and exit",
+        help="write a random-weight Llama + tokenizer of --shape to DIR and exit",
+    )
+    p.add_argument(
+        "--shape",
+        choices=tuple(SHAPES),
+        default="bench",
+        help="--make-tiny-model's shape: bench (hidden 256, 4 layers) or smollm2-135m "
+        "(SmolLM2-135M's shape, random weights: for machines the real weights cannot reach)",
     )
     p.add_argument(
         "--dtype",
@@ -257,6 +266,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default="auto",
         help="auto: splitserve's choice for the CPU level (bfloat16 from avx512_bf16, else "
         "float32), given to every system",
+    )
+    p.add_argument(
+        "--device",
+        choices=("cpu", "cuda"),
+        default="cpu",
+        help="where splitserve and transformers run (vLLM's arm is vLLM CPU: leave it out on "
+        "cuda); on cuda --dtype auto is bfloat16",
     )
     p.add_argument(
         "--cpu-isa",
@@ -301,8 +317,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         p.error(f"unknown systems: {', '.join(unknown)}")
     args.systems = systems
     args.dtype_requested = args.dtype
+    if args.device == "cuda" and "vllm" in systems:
+        p.error("the vllm arm runs vLLM CPU: leave it out of --systems with --device cuda")
     if args.dtype == "auto":
-        args.dtype = cpu_auto_dtype(resolve_isa(args.cpu_isa))
+        args.dtype = (
+            "bfloat16" if args.device == "cuda" else cpu_auto_dtype(resolve_isa(args.cpu_isa))
+        )
     if args.make_tiny_model is None and not args.model:
         p.error("--model is required (or --make-tiny-model DIR)")
     return args
@@ -311,9 +331,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.make_tiny_model is not None:
-        from loadtest.tiny_model import make_tiny_llama
-
-        print(make_tiny_llama(args.make_tiny_model, seed=args.seed))
+        print(make_tiny_model(args.make_tiny_model, "llama", args.seed, SHAPES[args.shape]))
         return 0
     model_dir = resolve_model_dir(args.model)
     workload = random_token_workload(
@@ -341,6 +359,7 @@ def main(argv: list[str] | None = None) -> int:
             threads=args.threads,
             seed=args.seed,
             cpu_isa=args.cpu_isa,
+            device=args.device,
         )
         runs.append(run_arm(system, job, args, out_dir))
 

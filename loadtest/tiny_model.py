@@ -67,6 +67,7 @@ class TinyModelSpec:
     # None: HF's default (0.02). Larger spreads the logits out, so that greedy comparisons
     # against HF do not hinge on last-bit float differences between near-ties.
     initializer_range: float | None = None
+    tie_word_embeddings: bool = False
 
 
 # What the tests check the engine against HF with: small enough to build in about a second.
@@ -97,6 +98,24 @@ BENCH_SPEC = TinyModelSpec(
     rms_norm_eps=1e-6,
     pad_token_id=PAD_TOKEN_ID,
 )
+
+# SmolLM2-135M's shape with random weights: what runs where the real weights cannot travel (a
+# GPU machine reached with the working tree only). A step costs the same whatever the weights.
+SMOLLM2_SHAPE_SPEC = TinyModelSpec(
+    hidden_size=576,
+    intermediate_size=1536,
+    num_hidden_layers=30,
+    num_attention_heads=9,
+    num_key_value_heads=3,
+    max_position_embeddings=8192,
+    vocab_size=49152,
+    corpus=Corpus.STDLIB,
+    eos_token_id=IM_END_TOKEN_ID,
+    rms_norm_eps=1e-5,
+    pad_token_id=PAD_TOKEN_ID,
+    tie_word_embeddings=True,
+)
+SHAPES = {"bench": BENCH_SPEC, "smollm2-135m": SMOLLM2_SHAPE_SPEC}
 
 
 def _stdlib_text(limit_bytes: int) -> Iterator[str]:
@@ -146,7 +165,7 @@ def hf_config(arch: str, vocab_size: int, spec: TinyModelSpec = TEST_SPEC, **ove
         bos_token_id=BOS_TOKEN_ID,
         eos_token_id=spec.eos_token_id,
         pad_token_id=spec.pad_token_id,
-        tie_word_embeddings=False,
+        tie_word_embeddings=spec.tie_word_embeddings,
     )
     if spec.initializer_range is not None:
         values["initializer_range"] = spec.initializer_range
