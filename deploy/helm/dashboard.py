@@ -1,8 +1,9 @@
 """Write ``splitserve/dashboards/splitserve.json``: the Grafana dashboard the chart ships.
 
 Run ``python deploy/helm/dashboard.py`` after changing a panel; ``tests/deploy`` fails while the
-committed JSON differs from what this produces, and ``tests/services/test_dashboard_metrics.py``
-while a query names a metric that no process exports or that a short load leaves unmoved.
+committed JSON differs from what this produces, and
+``tests/services/cluster/test_dashboard_metrics.py`` while a query names a metric that no
+process exports or that a short load leaves unmoved.
 
 Every panel is per pool (``router``: the client's view; ``prefill`` and ``decode``: each worker
 pool's own), over the metrics of ``services/common/serving_metrics.py`` (vLLM's names) and the
@@ -154,7 +155,7 @@ _ROWS: list[tuple[str, list[tuple[str, str, list[tuple[str, str]]]]]] = [
                 "percentunit",
                 [
                     (
-                        f"sum(rate(splitserve_kv_pull_seconds_sum{_RATE})) / "
+                        f"sum(rate(splitserve_kv_pull_seconds_sum{{{_MODEL}}}{_RATE})) / "
                         "sum(rate(vllm:time_to_first_token_seconds_sum"
                         f'{{{_MODEL}, pool="router"}}{_RATE}))',
                         "pull time / client TTFT",
@@ -166,7 +167,8 @@ _ROWS: list[tuple[str, list[tuple[str, str, list[tuple[str, str]]]]]] = [
                 "Bps",
                 [
                     (
-                        f"sum by (backend) (rate(splitserve_kv_pulled_bytes_total{_RATE}))",
+                        "sum by (backend) "
+                        f"(rate(splitserve_kv_pulled_bytes_total{{{_MODEL}}}{_RATE}))",
                         "{{backend}}",
                     )
                 ],

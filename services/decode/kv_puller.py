@@ -87,11 +87,12 @@ class KVPullHooks:
             end_s = time.perf_counter()
             elapsed_s = end_s - start_s
             backend = self.backend.name
+            labels = (engine.served_model_name, backend)
             num_bytes = num_blocks * engine.kv_cache_spec.block_bytes if ok else 0
-            KV_PULL_SECONDS.labels(backend, "done" if ok else "failed").observe(elapsed_s)
+            KV_PULL_SECONDS.labels(*labels, "done" if ok else "failed").observe(elapsed_s)
             if ok:
-                KV_PULLED_BLOCKS.labels(backend).inc(num_blocks)
-                KV_PULLED_BYTES.labels(backend).inc(num_bytes)
+                KV_PULLED_BLOCKS.labels(*labels).inc(num_blocks)
+                KV_PULLED_BYTES.labels(*labels).inc(num_bytes)
                 logger.debug(
                     "req_id=%s pulled %d blocks in %.2f ms", req_id, num_blocks, elapsed_s * 1e3
                 )

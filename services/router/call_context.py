@@ -51,3 +51,24 @@ class HttpCallContext:
 
     async def abort(self, code: grpc.StatusCode, details: str = "") -> NoReturn:
         raise CallAborted(code, details)
+
+
+class StatusRecorder:
+    """A ``CallContext`` that remembers the status its call was ended with, for the request's
+    log line: ``code`` is None until ``abort`` is called. Everything else is ``context``'s."""
+
+    __slots__ = ("_context", "code")
+
+    def __init__(self, context: CallContext) -> None:
+        self._context = context
+        self.code: grpc.StatusCode | None = None
+
+    def invocation_metadata(self) -> Sequence[tuple[str, str]] | None:
+        return self._context.invocation_metadata()
+
+    def time_remaining(self) -> float | None:
+        return self._context.time_remaining()
+
+    async def abort(self, code: grpc.StatusCode, details: str = "") -> NoReturn:
+        self.code = code
+        await self._context.abort(code, details)

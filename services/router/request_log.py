@@ -2,8 +2,10 @@
 
 ``req_id``, the client's ``request_id``, the trace id (when traced), prompt / cached / output
 tokens, TTFT and end-to-end milliseconds, the prefill worker and the decode workers it used
-(several after a failover), and how it ended (``stop``, ``length``, ``abort``, ``cancelled``
-or ``error``). Under ``--log-format json`` each is a key of the line.
+(several after a failover), and how it ended: ``outcome`` (``stop``, ``length``, ``abort``,
+``cancelled`` or ``error``), the ``finish_reason`` (empty when it ended without one) and the
+call's ``status`` (the gRPC status code's name: ``OK``, ``CANCELLED``, ``UNAVAILABLE``, ...).
+Under ``--log-format json`` each is a key of the line.
 """
 
 from __future__ import annotations
@@ -11,9 +13,23 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 
+import grpc
+
 from services.common.logs import log_fields
 
 logger = logging.getLogger("splitserve.requests")
+_FINISH_REASONS = frozenset({"stop", "length", "abort"})
+
+
+def call_status(outcome: str, aborted_with: grpc.StatusCode | None) -> str:
+    """The status name a request's call ended with: the code it was aborted with, else
+    ``CANCELLED`` for a caller that went away, ``OK`` after a finish reason, and ``UNKNOWN``
+    for an error raised without a status."""
+    if aborted_with is not None:
+        return aborted_with.name
+    if outcome == "cancelled":
+        return grpc.StatusCode.CANCELLED.name
+    return grpc.StatusCode.OK.name if outcome in _FINISH_REASONS else grpc.StatusCode.UNKNOWN.name
 
 
 @dataclass(slots=True)
@@ -31,12 +47,14 @@ class RequestLog:
     decode_workers: list[str] = field(default_factory=list)
     trace_id: str = ""
 
-    def emit(self, outcome: str) -> None:
+    def emit(self, outcome: str, status: str) -> None:
+        """Write the line: the request ended with ``outcome`` and its call with ``status``."""
         logger.info(
-            "req_id=%s finished (%s): %d prompt tokens (%d cached), %d output tokens, "
+            "req_id=%s finished (%s, %s): %d prompt tokens (%d cached), %d output tokens, "
             "TTFT %s ms, E2E %s ms, prefill %s, decode %s%s",
             self.req_id,
             outcome,
+            status,
             self.prompt_tokens,
             self.cached_tokens,
             self.output_tokens,
@@ -50,6 +68,8 @@ class RequestLog:
                 request_id=self.request_id,
                 trace_id=self.trace_id,
                 outcome=outcome,
+                finish_reason=outcome if outcome in _FINISH_REASONS else "",
+                status=status,
                 prompt_tokens=self.prompt_tokens,
                 cached_tokens=self.cached_tokens,
                 output_tokens=self.output_tokens,

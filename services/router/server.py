@@ -36,13 +36,13 @@ from services.common.tls import TlsMaterial
 from services.common.tracing import Tracing, call_metadata, ending, trace_id_hex
 from services.router import metrics
 from services.router.auth import caller_name
-from services.router.call_context import CallContext
+from services.router.call_context import CallContext, StatusRecorder
 from services.router.config import RouterConfig
 from services.router.explain import explain_response
 from services.router.failure_policy import FailurePolicy
 from services.router.latency import LatencyWindow
 from services.router.pool_metrics import PoolCollector
-from services.router.request_log import RequestLog
+from services.router.request_log import RequestLog, call_status
 from services.router.request_meter import RequestMeter
 from services.router.request_prep import (
     MaxTokensDefault,
@@ -212,6 +212,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         on every worker and frees its blocks. ``max_tokens_default`` applies when the request
         sets no ``max_tokens``."""
         start_s = time.perf_counter()
+        context = StatusRecorder(context)
         limits = await self._admit(context)
         # Counted from here: a burst of expensive prompts is bounded while it is tokenized.
         self._num_inflight += 1
@@ -245,7 +246,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             metrics.INFLIGHT.dec()
             metrics.REQUESTS.labels(outcome).inc()
             if log is not None:
-                log.emit(outcome)
+                log.emit(outcome, call_status(outcome, context.code))
             end_request_span(span, log, outcome)
 
     async def _admit(self, context: CallContext) -> ModelLimits:

@@ -59,6 +59,29 @@ def test_regex_and_choice_hold_and_sampled_outputs_too(llm):
             assert output.text in choice.choices
 
 
+def test_grammar_and_json_object_hold_greedy_and_sampled(llm):
+    grammar = Constraint(
+        ConstraintKind.GRAMMAR,
+        'start: "(" PAIR ("," PAIR)* ")"\nPAIR: /[a-c]/ "=" /[0-9]{1,2}/\n',
+    )
+    any_object = Constraint(ConstraintKind.JSON_OBJECT)
+    params = [
+        SamplingParams(temperature=t, seed=s, max_tokens=200, constraint=c)
+        for c in (grammar, any_object)
+        for t, s in ((0.0, None), (1.0, 1), (1.0, 2))
+    ]
+    outputs = llm.generate(prompts(len(params)), params)
+    for p, output in zip(params, outputs, strict=True):
+        if p.constraint is grammar:
+            assert output.finish_reason == "stop", output.text
+            assert re.fullmatch(r"\([a-c]=[0-9]{1,2}(,[a-c]=[0-9]{1,2})*\)", output.text)
+        elif output.finish_reason == "stop":
+            assert isinstance(json.loads(output.text), dict), output.text
+        else:  # any object's strings are unbounded: noise may fill one up to max_tokens
+            assert output.finish_reason == "length" and output.text.startswith('{"')
+    assert any(o.finish_reason == "stop" for o in outputs[3:])
+
+
 def test_constrained_greedy_output_survives_preemption_and_batch_company(tiny_llama_dir, llm):
     schemas = [random_schema(random.Random(seed)) for seed in range(8)]
     params = [json_schema_params(s, max_tokens=300) for s in schemas]

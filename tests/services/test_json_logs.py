@@ -9,6 +9,7 @@ import pytest
 
 from services.common.logs import LOG_FORMAT_ENV
 from services.launcher import LocalCluster
+from splitserve.v1 import router_pb2
 from tests.services.conftest import Client, greedy, tiny_engine_config
 from tests.waiting import wait_until
 
@@ -41,6 +42,7 @@ def test_router_lines_are_json_and_a_request_is_one_line(json_cluster):
     line = wait_until(request_line, 30, "the router's line for the request")
     assert line["logger"] == "splitserve.requests" and line["level"] == "INFO"
     assert line["outcome"] == "length" and line["output_tokens"] == len(got.token_ids) == 6
+    assert line["finish_reason"] == "length" and line["status"] == "OK"
     assert line["prompt_tokens"] == len(PROMPT)
     assert line["cached_tokens"] == got.last.usage.cached_tokens
     assert 0 < line["ttft_ms"] <= line["e2e_ms"]
@@ -51,3 +53,25 @@ def test_router_lines_are_json_and_a_request_is_one_line(json_cluster):
     for worker in (prefill, decode):
         lines = list(worker.stderr_tail)
         assert lines and all(json.loads(line)["level"] for line in lines)
+
+
+def test_a_stream_the_client_cancels_is_a_line_with_its_status(json_cluster):
+    cluster, client = json_cluster
+    call = client.stub.Generate(
+        router_pb2.GenerateRequest(
+            token_ids=PROMPT, sampling=greedy(900, ignore_eos=True), request_id="goes-away"
+        ),
+        timeout=60,
+    )
+    assert next(call).token_ids
+    call.cancel()
+    router = cluster.workers("router")[0]
+
+    def request_line() -> dict | None:
+        entries = [json.loads(line) for line in list(router.stderr_tail)]
+        return next((e for e in entries if e.get("request_id") == "goes-away"), None)
+
+    line = wait_until(request_line, 30, "the router's line for the cancelled request")
+    assert line["outcome"] == "cancelled" and line["finish_reason"] == ""
+    assert line["status"] == "CANCELLED" and 0 < line["output_tokens"] < 900
+    client.wait_idle()

@@ -137,15 +137,20 @@ def test_decode_worker_holding_the_prefix_pulls_only_the_suffix(workers, offline
     assert last.num_cached_tokens == len(second_prompt)
 
 
-def test_decode_worker_exports_its_pulls(cluster, workers):
-    name, local, _ = cluster
+def test_decode_worker_exports_its_pulls(cluster, workers, offline):
+    name, local, client = cluster
+    model = ("model_name", client.status().model)
     before = scrape(local.workers("decode")[0].metrics_port)
     workers.prefill_then_decode("metrics", make_prompts(seed=5, lens=(40,))[0], 2)
     after = scrape(local.workers("decode")[0].metrics_port)
-    done = ("splitserve_kv_pull_seconds_count", (("backend", name), ("outcome", "done")))
+    done = ("splitserve_kv_pull_seconds_count", (("backend", name), model, ("outcome", "done")))
     assert after[done] - before.get(done, 0) == 1
-    blocks = ("splitserve_kv_pulled_blocks_total", (("backend", name),))
+    blocks = ("splitserve_kv_pulled_blocks_total", (("backend", name), model))
     assert after[blocks] - before.get(blocks, 0) == 3  # 40 tokens: 3 blocks, none cached
+    num_bytes = ("splitserve_kv_pulled_bytes_total", (("backend", name), model))
+    assert (
+        after[num_bytes] - before.get(num_bytes, 0) == 3 * offline.engine.kv_cache_spec.block_bytes
+    )
 
 
 def test_unpulled_lease_expires_and_frees_the_prefill_blocks(workers):

@@ -6,6 +6,7 @@ blocks the prompt fills. Logs are JSON here: the router's request line carries t
 from __future__ import annotations
 
 import json
+import signal
 
 import openai
 import pytest
@@ -92,6 +93,7 @@ def test_one_trace_spans_router_prefill_transfer_and_decode(traced):
     assert route.attributes["splitserve.route.decode_worker"] == decode_address
     assert route.attributes["splitserve.route.prefill_candidates"][0].startswith(prefill_address)
     assert route.attributes["splitserve.route.ledger"] == "in_process"
+    assert route.attributes["splitserve.route.ledger_ms"] >= 0
 
     for call, worker, service in (
         ("prefill_call", "prefill", "splitserve-prefill"),
@@ -114,6 +116,8 @@ def test_one_trace_spans_router_prefill_transfer_and_decode(traced):
         usage.prompt_tokens, block_size
     )
     assert transfer.attributes["splitserve.kv_transfer.bytes"] > 0
+    decode_info = next(w.info for w in client.status().workers if w.address == decode_address)
+    assert transfer.attributes["splitserve.kv_transfer.backend"] == decode_info.kv_transfer_backend
     assert transfer.attributes["splitserve.kv_transfer.failed"] is False
     decode = spans["engine.decode"]
     assert decode.parent_span_id == spans["decode"].span_id
@@ -168,3 +172,53 @@ def test_a_request_without_traceparent_starts_its_own_trace(traced):
     generate = wait_until(root, 60, "the router's root span")
     assert generate.parent_span_id == "" and len(got.token_ids) == 2
     wait_for_trace(receiver, generate.trace_id, {"decode"})
+
+
+@pytest.fixture(scope="module")
+def traced_pair(tiny_llama_dir):
+    """A traced cluster with two decode workers, one of which a test kills."""
+    receiver = OtlpReceiver()
+    tracing = ("--otlp-traces-endpoint", receiver.start())
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("OTEL_BSP_SCHEDULE_DELAY", "100")
+        cluster = LocalCluster(
+            engine=tiny_engine_config(tiny_llama_dir),
+            num_decode=2,
+            extra_worker_flags=tracing,
+            extra_router_flags=("--local-prefill-max-tokens", "0", *tracing),
+        )
+        try:
+            cluster.start(timeout_s=180)
+            client = Client(cluster.router_address)
+            yield cluster, client, receiver
+            client.close()
+        finally:
+            cluster.stop()
+            receiver.stop()
+
+
+def test_a_migration_is_an_event_of_the_request_span(traced_pair):
+    """The decode worker serving a stream dies: the request's one ``generate`` span records a
+    ``decode_failover`` event and has two ``decode_call`` children, one per worker."""
+    cluster, client, receiver = traced_pair
+    trace_id = "4bf92f3577b34da6a3ce929d0e0e4736"
+    call = client.stub.Generate(
+        router_pb2.GenerateRequest(token_ids=PROMPT, sampling=greedy(200, ignore_eos=True)),
+        timeout=120,
+        metadata=(("traceparent", traceparent(trace_id)),),
+    )
+    num_tokens = 0
+    killed = False
+    for message in call:
+        num_tokens += len(message.token_ids)
+        if not killed and num_tokens >= 20:
+            busy = [w for w in client.status().workers if w.role == 2 and w.load.num_running]
+            victim = next(p for p in cluster.workers("decode") if p.address == busy[0].address)
+            victim.signal(signal.SIGKILL)
+            killed = True
+    assert killed and num_tokens == 200
+    spans = wait_for_trace(receiver, trace_id, {"generate", "decode_call"})
+    generate = spans["generate"]
+    assert "decode_failover" in generate.events
+    calls = [s for s in receiver.spans(trace_id) if s.name == "decode_call"]
+    assert len(calls) == 2 and {c.parent_span_id for c in calls} == {generate.span_id}

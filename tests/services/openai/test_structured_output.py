@@ -79,6 +79,54 @@ def test_vllm_regex_extensions_hold(sync_client, model, extra):
     assert re.fullmatch(r"[a-z]{3}-[0-9]{3}", completion.choices[0].text)
 
 
+GRAMMAR = 'start: ANSWER " " NUMBER\nANSWER: "yes" | "no"\nNUMBER: /[0-9]{1,3}/\n'
+GRAMMAR_TEXT = r"(yes|no) [0-9]{1,3}"
+
+
+def holds_schema(text: str) -> None:
+    jsonschema.validate(json.loads(text), SCHEMA)
+
+
+def holds_object(text: str) -> None:
+    assert isinstance(json.loads(text), dict)
+
+
+def holds_grammar(text: str) -> None:
+    assert re.fullmatch(GRAMMAR_TEXT, text), text
+
+
+def holds_choice(text: str) -> None:
+    assert text in ("red", "green", "blue")
+
+
+@pytest.mark.parametrize(
+    ("extra", "holds"),
+    [
+        ({"guided_json": SCHEMA}, holds_schema),
+        ({"guided_grammar": GRAMMAR}, holds_grammar),
+        ({"structured_outputs": {"json": SCHEMA}}, holds_schema),
+        ({"structured_outputs": {"json_object": True}}, holds_object),
+        ({"structured_outputs": {"choice": ["red", "green", "blue"]}}, holds_choice),
+        ({"structured_outputs": {"grammar": GRAMMAR}}, holds_grammar),
+    ],
+    ids=[
+        "guided_json_object",
+        "guided_grammar",
+        "structured_outputs_json",
+        "structured_outputs_json_object",
+        "structured_outputs_choice",
+        "structured_outputs_grammar",
+    ],
+)
+def test_every_vllm_extension_reaches_the_constraint(sync_client, model, extra, holds):
+    completion = sync_client.chat.completions.create(
+        model=model, messages=MESSAGES, max_tokens=150, temperature=0, extra_body=extra
+    )
+    choice = completion.choices[0]
+    assert choice.finish_reason == "stop", choice.message.content
+    holds(choice.message.content)
+
+
 def test_guided_json_given_as_text(sync_client, model):
     completion = sync_client.completions.create(
         model=model,
