@@ -8,6 +8,7 @@ import shutil
 import signal
 import subprocess
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import redis
@@ -18,13 +19,24 @@ from services.launcher import free_port
 class RedisServer:
     """``redis-server`` without persistence (a restart loses everything, like a crash). With
     ``password`` it requires AUTH; with ``tls`` it serves TLS only, with a self-signed
-    certificate for 127.0.0.1 (``ca_file``) made by the ``openssl`` command."""
+    certificate for 127.0.0.1 (``ca_file``) made by the ``openssl`` command. ``host`` is the
+    address it binds; ``argv_prefix`` runs it under another command (``ip netns exec NS``: on a
+    test host of ``loadtest.netns_hosts``)."""
 
-    def __init__(self, work_dir: Path, password: str | None = None, tls: bool = False) -> None:
+    def __init__(
+        self,
+        work_dir: Path,
+        password: str | None = None,
+        tls: bool = False,
+        host: str = "127.0.0.1",
+        argv_prefix: Sequence[str] = (),
+    ) -> None:
         binary = shutil.which("redis-server")
         if binary is None:
             raise RuntimeError("redis-server is not installed (apt-get install -y redis-server)")
         self._binary = binary
+        self._host = host
+        self._argv_prefix = list(argv_prefix)
         self._pidfile = work_dir / "redis.pid"
         self.port = free_port()
         self.password = password
@@ -48,12 +60,13 @@ class RedisServer:
                 "--tls-key-file", str(key_file), "--tls-auth-clients", "no",
             ]  # fmt: skip
         scheme = "rediss" if tls else "redis"
-        self.url = f"{scheme}://127.0.0.1:{self.port}/0"
+        self.url = f"{scheme}://{host}:{self.port}/0"
 
     def start(self) -> None:
         subprocess.run(
             [
-                self._binary, "--bind", "127.0.0.1", "--port", str(self.port), "--save", "",
+                *self._argv_prefix, self._binary, "--bind", self._host, "--port", str(self.port),
+                "--save", "",
                 "--appendonly", "no", "--daemonize", "yes", "--pidfile", str(self._pidfile),
                 *self._extra_args,
             ],

@@ -189,6 +189,16 @@ def _pass_through(pipe: IO[bytes], tail: deque[str]) -> None:
                     view = view[os.write(2, view) :]
 
 
+@dataclass(frozen=True, slots=True)
+class Placement:
+    """Where one process of a ``LocalCluster`` runs: the address it binds and advertises
+    (gRPC, metrics, KV) and the command its own is run under (``argv_prefix``, e.g.
+    ``ip netns exec NS`` for a test host of ``loadtest.netns_hosts``)."""
+
+    host: str
+    argv_prefix: tuple[str, ...] = ()
+
+
 @dataclass(slots=True)
 class LocalCluster:
     """Router + workers on this machine. ``start()`` returns once everything is healthy."""
@@ -215,6 +225,9 @@ class LocalCluster:
     # The root of `splitserve certs`' output: every process serves (mutual) TLS with its
     # role's directory, and the launcher calls them as the controller (empty: plaintext).
     tls_dir: str = ""
+    # Where each process runs, by role and index among its role (None: all on ``host``). The
+    # ports are then picked free on loopback: each placed host has a network of its own.
+    placement: Callable[[Role, int], Placement] | None = None
     processes: list[ServiceProcess] = field(default_factory=list)
     _env: dict[str, str] = field(default_factory=dict, init=False, repr=False)
     _tls: TlsMaterial | None = field(default=None, init=False, repr=False)
@@ -255,28 +268,31 @@ class LocalCluster:
             raise ValueError(f"worker_cpu_cores needs one entry per worker ({num_workers})")
         cpu_cores = iter(self.worker_cpu_cores)
         taken = {self.port} if self.port else set()
+        probe_host = self.host if self.placement is None else "127.0.0.1"
         for role, count in ((Role.PREFILL, self.num_prefill), (Role.DECODE, self.num_decode)):
-            for _ in range(count):
-                port, metrics_port = free_port(self.host, taken), free_port(self.host, taken)
+            for i in range(count):
+                where = self.where(role, i)
+                port, metrics_port = free_port(probe_host, taken), free_port(probe_host, taken)
                 argv = [
-                    python, "-m", f"services.{role}", "--host", self.host, "--port", str(port),
-                    "--metrics-port", str(metrics_port),
+                    *where.argv_prefix, python, "-m", f"services.{role}", "--host", where.host,
+                    "--port", str(port), "--metrics-port", str(metrics_port),
                 ]  # fmt: skip
                 argv += [*worker_argv, *self._tls_flags(Identity(role))]
                 argv += self.extra_role_flags.get(role, ())
                 if self.worker_cpu_cores:
                     argv += ["--cpu-cores", next(cpu_cores)]
-                address = f"{self.host}:{port}"
+                address = f"{where.host}:{port}"
                 self.processes.append(ServiceProcess(role, address, metrics_port, argv))
         self.processes.extend(
             self._router_process(
-                self.port if i == 0 and self.port else free_port(self.host, taken),
+                self.where(Role.ROUTER, i),
+                self.port if i == 0 and self.port else free_port(probe_host, taken),
                 None
                 if self.http_port is None
                 else self.http_port + i
                 if self.http_port
-                else free_port(self.host, taken),
-                taken,
+                else free_port(probe_host, taken),
+                free_port(probe_host, taken),
             )
             for i in range(self.num_routers)
         )
@@ -334,6 +350,10 @@ class LocalCluster:
             _routes(router, self.admin_api_key, self._tls) for router in self.workers(Role.ROUTER)
         )
 
+    def where(self, role: Role, index: int) -> Placement:
+        """Where the ``index``-th process of ``role`` runs."""
+        return Placement(self.host) if self.placement is None else self.placement(role, index)
+
     def _tls_flags(self, identity: Identity) -> list[str]:
         return ["--tls-dir", identity_tls_dir(self.tls_dir, identity)] if self.tls_dir else []
 
@@ -344,21 +364,22 @@ class LocalCluster:
         if router.http_port is None:
             raise ValueError("this cluster's routers serve no HTTP API")
         scheme = "https" if self.tls_dir else "http"
-        return f"{scheme}://{self.host}:{router.http_port}"
+        return f"{scheme}://{self.where(Role.ROUTER, 0).host}:{router.http_port}"
 
-    def _router_process(self, port: int, http_port: int | None, taken: set[int]) -> ServiceProcess:
-        metrics_port = free_port(self.host, taken)
+    def _router_process(
+        self, where: Placement, port: int, http_port: int | None, metrics_port: int
+    ) -> ServiceProcess:
         http_flags = ["--no-http"] if http_port is None else ["--http-port", str(http_port)]
         return ServiceProcess(
             Role.ROUTER,
-            f"{self.host}:{port}",
+            f"{where.host}:{port}",
             metrics_port,
             [
-                sys.executable, "-m", "services.router",
+                *where.argv_prefix, sys.executable, "-m", "services.router",
                 "--model", self.engine.model,
                 *_router_model_flags(self.engine),
                 *self._tls_flags(Identity.ROUTER),
-                "--host", self.host,
+                "--host", where.host,
                 "--port", str(port),
                 "--mode", self.mode,
                 "--metrics-port", str(metrics_port),

@@ -54,7 +54,7 @@ class _WorkerActor:
         configure_logging(log_level)
         # Several actors share a node: each gets its own ports; peers dial the node's address.
         metrics_port = config.metrics_port or free_port(config.host)
-        kv_advertise_host = config.kv_advertise_host or _advertised_host(config.kv_host)
+        kv_advertise_host = config.kv_advertise_host or _advertised_host(config.kv_bind_host)
         self._config = dataclasses.replace(
             config, port=0, metrics_port=metrics_port, kv_advertise_host=kv_advertise_host
         )

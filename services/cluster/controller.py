@@ -272,6 +272,7 @@ class ClusterController:
                     else:
                         victim.state = MemberState.DRAINING
                         draining.append(victim)
+        self._note_shortages()
         used_slots = {m.slot for m in self._pools[Role.ROUTER].members}
         for slot in range(self._cluster.num_routers):
             if slot not in used_slots:
@@ -282,6 +283,22 @@ class ClusterController:
         for member in draining:
             logger.info("draining %s %s (%s)", member.role, member.name, member.address)
             member.task = asyncio.get_running_loop().create_task(self._drain(member))
+
+    def _note_shortages(self) -> None:
+        """Say, in each pool's status, when the Ray cluster's live nodes cannot hold all its
+        live members (a node lost, none added yet): those beyond the slots wait for a node."""
+        slots = ray.cluster_resources()
+        for role in POOL_ROLES:
+            pool = self._pools[role]
+            num_slots = int(slots.get(role.value, 0.0))
+            num_live = len(pool.live())
+            pool.shortage = (
+                f"{num_live - num_slots} of {num_live} workers wait for a node: the Ray "
+                f"cluster's live nodes offer {num_slots} '{role.value}' slots (a node started "
+                f"with --resources='{{\"{role.value}\": 1}}' adds one)"
+                if num_live > num_slots
+                else ""
+            )
 
     # ----------------------------------------------------------------------------- start
     def _launch(self, role: Role, slot: int = 0) -> None:

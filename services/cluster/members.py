@@ -85,6 +85,9 @@ class Pool:
     num_failed_starts: int = 0  # in a row; 0 once a start succeeds or the pool is at its size
     retry_at_s: float = 0.0  # no new start before (the event loop's clock): backoff
     last_error: str = ""  # of the last failed start; "" once one succeeds
+    # Why some live members cannot be placed now (no node has room), "" when all can: the
+    # status reports it before the last failed start (it is why the pool is short now).
+    shortage: str = ""
 
     def ready(self) -> list[Member]:
         return [m for m in self.members if m.state is MemberState.READY]
@@ -110,6 +113,6 @@ class Pool:
             num_starting=states.count(MemberState.STARTING),
             num_draining=states.count(MemberState.DRAINING),
             num_restarts=self.num_restarts,
-            last_error=self.last_error,
+            last_error=self.shortage or self.last_error,
             num_failed_starts=self.num_failed_starts,
         )

@@ -32,7 +32,9 @@ class WorkerConfig:
         "KV transfer backend (default: nixl when installed, else tcp)",
         choices=KV_TRANSFER_BACKENDS,
     )
-    kv_host: str = flag("127.0.0.1", "address the KV transfer listener binds")
+    kv_host: str | None = flag(
+        None, "address the KV transfer listener binds (default: --host, as the gRPC server)"
+    )
     kv_advertise_host: str | None = flag(
         None, "address peers use to reach this worker's KV (default: --kv-host)"
     )
@@ -74,6 +76,12 @@ class WorkerConfig:
         if not is_available(self.kv_transfer):
             extra = self.kv_transfer
             raise ValueError(f"--kv-transfer {extra} needs pip install 'splitserve[{extra}]'")
+
+    @property
+    def kv_bind_host(self) -> str:
+        """Where the KV listener binds: ``--kv-host``, else ``--host`` (a worker reachable on
+        one address must not keep its KV on another, such as loopback)."""
+        return self.kv_host or self.host
 
     def resolved_worker_id(self, role: str, port: int) -> str:
         return self.worker_id or f"{role}-{socket.gethostname()}-{port}"

@@ -109,7 +109,7 @@ def build_runtime(
     backend = make_backend(
         config.kv_transfer,
         worker_id,
-        host=config.kv_host,
+        host=config.kv_bind_host,
         advertise_host=config.kv_advertise_host,
         io_timeout_s=config.kv_io_timeout_s,
         tls=kv_tls,

@@ -69,6 +69,12 @@ class RouterConfig:
     max_decode_retries: int = flag(
         2, "times a request moves to another decode worker when its worker fails"
     )
+    decode_failover_wait_s: float = flag(
+        30.0,
+        "when a request's decode worker fails and no other one is routable: seconds the "
+        "stream waits for one (a replacement starting, a worker back from a partition) before "
+        "it ends UNAVAILABLE; bounded by the client's deadline",
+    )
     worker_call_timeout_s: float = flag(
         3600.0,
         "deadline of each call to a worker when the client set none or a later one (a worker "

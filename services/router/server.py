@@ -38,6 +38,7 @@ from services.router import metrics
 from services.router.auth import caller_name
 from services.router.call_context import CallContext, StatusRecorder
 from services.router.config import RouterConfig
+from services.router.decode_choice import DecodeCandidate
 from services.router.explain import explain_response
 from services.router.failure_policy import FailurePolicy
 from services.router.latency import LatencyWindow
@@ -396,6 +397,8 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                 candidate = self.planner.decode_chooser.choose(
                     prompt_blocks, plan.prefill.matched, exclude=tried
                 )
+                if candidate is None and tried:
+                    candidate = await self._await_decode_worker(routed, tried, context)
                 if candidate is None:
                     break
                 worker = candidate.worker
@@ -459,6 +462,33 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             request.output_token_ids.extend(stream.output_token_ids)
             routed.recompute_prompt()
         await abort(context, grpc.StatusCode.UNAVAILABLE, "no healthy decode worker")
+
+    async def _await_decode_worker(
+        self, routed: RoutedRequest, tried: set[str], context: CallContext
+    ) -> DecodeCandidate | None:
+        """A decode worker for a request whose worker failed mid-stream when none other was
+        routable: checked every health poll for ``--decode-failover-wait-s`` (at most until
+        the client's deadline); None if none came."""
+        assert routed.plan is not None
+        remaining_s = context.time_remaining()
+        wait_s = self.config.decode_failover_wait_s
+        if remaining_s is not None:
+            wait_s = min(wait_s, remaining_s)
+        logger.info(
+            "req_id=%s no other decode worker is routable; waiting up to %.1f s for one",
+            routed.req_id,
+            wait_s,
+        )
+        loop = asyncio.get_running_loop()
+        deadline_s = loop.time() + wait_s
+        while loop.time() < deadline_s:
+            await asyncio.sleep(self.config.health_check_interval_s)
+            candidate = self.planner.decode_chooser.choose(
+                len(routed.plan.prefill.block_hashes), routed.plan.prefill.matched, exclude=tried
+            )
+            if candidate is not None:
+                return candidate
+        return None
 
     def _call_span(self, parent: Span, name: str, worker: WorkerHandle) -> Span:
         """The CLIENT span of one worker call; its context goes out as the call's metadata."""

@@ -114,9 +114,11 @@ def start_cluster(tiny_llama_dir) -> Iterator[Callable[..., tuple[LocalCluster, 
         cluster.stop()
 
 
-def scrape(port: int) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+def scrape(
+    port: int, host: str = "127.0.0.1"
+) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
     """Samples of a process's /metrics as {(name, sorted labels): value}."""
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as reply:
+    with urllib.request.urlopen(f"http://{host}:{port}/metrics", timeout=10) as reply:
         text = reply.read().decode()
     return {
         (sample.name, tuple(sorted(sample.labels.items()))): sample.value

@@ -8,14 +8,14 @@ import random
 import signal
 import threading
 
-import grpc
 import pytest
 
 from engine import LLM, SamplingParams
 from kvtransfer.registry import available_backends
 from services.common.convert import sampling_params_to_worker
-from splitserve.v1 import worker_pb2, worker_pb2_grpc
+from splitserve.v1 import worker_pb2
 from tests.services.conftest import NUM_KV_BLOCKS, greedy, scrape
+from tests.services.worker_calls import Workers
 from tests.waiting import wait_until
 
 LEASE_TTL_S = 1.0
@@ -37,65 +37,10 @@ def cluster(request, start_cluster):
     return request.param, local, client
 
 
-class Workers:
-    """Direct gRPC stubs of the cluster's prefill and decode worker."""
-
-    def __init__(self, local) -> None:
-        self.prefill_process = local.workers("prefill")[0]
-        self._channels = [
-            grpc.insecure_channel(local.workers(role)[0].address) for role in ("prefill", "decode")
-        ]
-        self.prefill = worker_pb2_grpc.PrefillWorkerStub(self._channels[0])
-        self.decode = worker_pb2_grpc.DecodeWorkerStub(self._channels[1])
-
-    def prefill_then_decode(
-        self, request_id: str, prompt: list[int], max_tokens: int
-    ) -> tuple[list[int], worker_pb2.DecodeResponse]:
-        """Prefill on the prefill worker, then decode with its KV; all tokens and the last
-        decode message."""
-        sampling = sampling_params_to_worker(SamplingParams(temperature=0, max_tokens=max_tokens))
-        first = self.prefill_only(request_id, prompt, max_tokens)
-        return self.decode_with(request_id, prompt, sampling, first)
-
-    def prefill_only(
-        self, request_id: str, prompt: list[int], max_tokens: int
-    ) -> worker_pb2.PrefillResponse:
-        sampling = sampling_params_to_worker(SamplingParams(temperature=0, max_tokens=max_tokens))
-        request = worker_pb2.PrefillRequest(
-            request_id=request_id, prompt_token_ids=prompt, sampling=sampling
-        )
-        return self.prefill.Prefill(request, timeout=30)
-
-    def decode_with(
-        self,
-        request_id: str,
-        prompt: list[int],
-        sampling: worker_pb2.WorkerSamplingParams,
-        first: worker_pb2.PrefillResponse,
-    ) -> tuple[list[int], worker_pb2.DecodeResponse]:
-        request = worker_pb2.DecodeRequest(
-            request_id=request_id,
-            prompt_token_ids=prompt,
-            output_token_ids=[first.token_id],
-            sampling=sampling,
-            kv_ref=first.kv_ref,
-            kv_peer=first.kv_peer,
-        )
-        token_ids = [first.token_id]
-        last = None
-        for last in self.decode.Decode(request, timeout=60):
-            token_ids.extend(last.token_ids)
-        assert last is not None and last.finished
-        return token_ids, last
-
-    def close(self) -> None:
-        for channel in self._channels:
-            channel.close()
-
-
 @pytest.fixture(scope="module")
 def workers(cluster):
-    workers = Workers(cluster[1])
+    local = cluster[1]
+    workers = Workers(local.workers("prefill")[0], local.workers("decode")[0])
     yield workers
     workers.close()
 
