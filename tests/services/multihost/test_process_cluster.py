@@ -15,6 +15,7 @@ import time
 import pytest
 
 from engine import LLM, SamplingParams
+from kvtransfer.registry import is_available
 from loadtest.redis_server import RedisServer
 from services.common.convert import sampling_params_to_worker
 from services.common.roles import Role
@@ -56,19 +57,24 @@ def redis(hosts, tmp_path_factory):
     server.stop()
 
 
-@pytest.fixture(scope="module")
-def cluster(hosts, redis, tiny_llama_dir):
+@pytest.fixture(scope="module", params=[b for b in ("tcp", "nixl") if is_available(b)])
+def cluster(request, hosts, redis, tiny_llama_dir):
     def place(role: Role, index: int) -> Placement:
         name = {Role.ROUTER: "router", Role.PREFILL: "prefill"}.get(role, f"decode{index}")
         return Placement(hosts[name].address, tuple(hosts.argv(name, [])))
 
     redis_flags = ("--redis-url", redis.url, "--redis-password", REDIS_PASSWORD)
+    env = pytest.MonkeyPatch()
+    # Between namespaces of one machine UCX would pick shared memory: make nixl's KV cross
+    # the hosts' network as it does between machines.
+    env.setenv("UCX_TLS", "tcp,self")
     local = LocalCluster(
         engine=tiny_engine_config(tiny_llama_dir),
         num_decode=2,
         placement=place,
         extra_worker_flags=(
-            *redis_flags, "--kv-transfer", "tcp", "--kv-io-timeout-s", str(KV_IO_TIMEOUT_S),
+            *redis_flags, "--kv-transfer", request.param,
+            "--kv-io-timeout-s", str(KV_IO_TIMEOUT_S),
             "--heartbeat-ttl-s", "1", "--shutdown-grace-s", "2",
         ),
         extra_router_flags=(*redis_flags, "--local-prefill-max-tokens", "0"),
@@ -80,6 +86,7 @@ def cluster(hosts, redis, tiny_llama_dir):
         client.close()
     finally:
         local.stop()
+        env.undo()
 
 
 def connects(hosts, host: str, address: str) -> bool:
@@ -148,13 +155,17 @@ def test_every_worker_advertises_its_own_hosts_reachable_addresses(hosts, cluste
     expected = {p.address: p for p in (*local.workers("prefill"), *local.workers("decode"))}
     for worker in workers:
         ip = worker.address.rsplit(":", 1)[0]
-        kv_ip = worker.info.kv_peer.address.rsplit(":", 1)[0]
-        assert worker.address in expected and kv_ip == ip
+        assert worker.address in expected
         assert not ip.startswith("127.") and ip in {h.address for h in hosts.hosts.values()}
+        # nixl's peer address is its agent's name (its UCX addresses travel in the metadata).
+        kv_addresses = (
+            [] if worker.info.kv_transfer_backend == "nixl" else [worker.info.kv_peer.address]
+        )
+        assert all(a.rsplit(":", 1)[0] == ip for a in kv_addresses)
         others = [name for name, h in hosts.hosts.items() if h.address != ip]
         for other in others[:2]:
-            assert connects(hosts, other, worker.address), (other, worker.address)
-            assert connects(hosts, other, worker.info.kv_peer.address), (other, worker)
+            for address in (worker.address, *kv_addresses):
+                assert connects(hosts, other, address), (other, address)
     with pytest.raises(OSError):
         socket.create_connection(("127.0.0.1", int(workers[0].address.rsplit(":", 1)[1])), 1)
 
@@ -220,7 +231,8 @@ def test_the_router_cut_from_one_decode_host_only_hangs_no_stream(hosts, cluster
 
 
 def test_a_prefill_host_cut_during_the_kv_pull_is_recomputed(hosts, cluster, offline):
-    local, _ = cluster
+    """And once the link is back, the next pull from that prefill worker moves its KV."""
+    local, client = cluster
     prompt = prompt_of(6, 90)
     want = offline.generate([prompt], SamplingParams(temperature=0.0, max_tokens=10))[0]
     workers = Workers(local.workers("prefill")[0], local.workers("decode")[0])
@@ -242,6 +254,12 @@ def test_a_prefill_host_cut_during_the_kv_pull_is_recomputed(hosts, cluster, off
             return None if load.num_running else load
 
         assert wait_until(retired, 10, "the decode engine retiring the request").num_running == 0
+        healthy_again(client, local.workers("prefill")[0].address)
+        after = prompt_of(12, 50)
+        token_ids, last = workers.prefill_then_decode("after-the-cut", after, 6)
+        assert not last.kv_transfer_failed and last.num_transferred_blocks == 4
+        want = offline.generate([after], SamplingParams(temperature=0.0, max_tokens=6))[0]
+        assert token_ids == want.token_ids
     finally:
         workers.close()
 
