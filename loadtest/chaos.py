@@ -10,6 +10,11 @@ workers; stopped processes are continued; a killed router is started again) and 
 again with every worker healthy: an engine dead for good fails the run. Peak RSS per process is
 sampled throughout.
 
+With ``--hosts`` every process (and Redis) runs on a test host of its own
+(``loadtest.netns_hosts``: network namespaces, root only), KV moves over ``--kv-transfer``
+between them, and the network faults join the phases: a host's link cut (decode, prefill,
+Redis), the router cut from one decode host only, a whole decode host lost.
+
 The default model is a tiny random Llama built offline (``--model`` takes any other); the
 report is a Markdown table on stdout, and JSON with ``--out``.
 """
@@ -20,9 +25,8 @@ import argparse
 import dataclasses
 import json
 import logging
+import os
 import random
-import shutil
-import subprocess
 import sys
 import tempfile
 import threading
@@ -34,9 +38,13 @@ import grpc
 import psutil
 
 from engine import LLM, EngineConfig, SamplingParams
-from loadtest.chaos_faults import FAULT_NAMES, FAULTS, Fault, PhaseResult, Target
+from loadtest import netns_hosts
+from loadtest.chaos_faults import FAULTS, Fault, PhaseResult, Target
+from loadtest.netns_hosts import HostNetwork
+from loadtest.redis_server import RedisServer
 from services.common.grpc_server import CHANNEL_OPTIONS
-from services.launcher import LocalCluster, ProcessState, ServiceProcess, free_port, wait_healthy
+from services.common.roles import Role
+from services.launcher import LocalCluster, Placement, ProcessState, ServiceProcess, wait_healthy
 from splitserve.v1 import router_pb2, router_pb2_grpc
 
 logger = logging.getLogger(__name__)
@@ -49,36 +57,19 @@ _RSS_SAMPLE_S = 0.25
 STREAM_IDLE_TIMEOUT_S = 3.0
 
 
-class RedisProcess:
-    """A ``redis-server`` without persistence on a free loopback port."""
-
-    def __init__(self) -> None:
-        binary = shutil.which("redis-server")
-        if binary is None:
-            raise SystemExit("loadtest.chaos: needs redis-server (apt-get install redis-server)")
-        self.port = free_port()
-        self.url = f"redis://127.0.0.1:{self.port}/0"
-        self._argv = [binary, "--bind", "127.0.0.1", "--port", str(self.port), "--save", ""]
-        self._popen: subprocess.Popen[bytes] | None = None
-
-    def start(self) -> None:
-        self._popen = subprocess.Popen(
-            [*self._argv, "--appendonly", "no"], stdout=subprocess.DEVNULL
-        )
-
-    def stop(self) -> None:
-        if self._popen is not None:
-            self._popen.kill()
-            self._popen.wait()
-            self._popen = None
-
-
 class ChaosCluster:
     """The cluster under test and what the faults need to reach its processes."""
 
-    def __init__(self, local: LocalCluster, redis: RedisProcess, max_model_len: int) -> None:
+    def __init__(
+        self,
+        local: LocalCluster,
+        redis: RedisServer,
+        max_model_len: int,
+        network: HostNetwork | None = None,
+    ) -> None:
         self.local = local
         self.redis = redis
+        self.network = network
         self.max_model_len = max_model_len
         self.stream_idle_timeout_s = STREAM_IDLE_TIMEOUT_S
         self._channels = [
@@ -93,6 +84,10 @@ class ChaosCluster:
     def victim(self, target: Target) -> ServiceProcess:
         """The process a fault on ``target`` hits: always the last one of its role."""
         return self.local.workers(target.value)[-1]
+
+    def victim_host(self, target: Target) -> str:
+        """The test host of ``victim(target)`` (``--hosts`` only)."""
+        return host_name(Role(target.value), len(self.local.workers(target.value)) - 1)
 
     def channel(self, router: int) -> grpc.Channel:
         return self._channels[router]
@@ -152,6 +147,11 @@ class Load:
 
     prompts: list[list[int]]
     want: list[list[int]]
+
+
+def host_name(role: Role, index: int) -> str:
+    """The test host of the ``index``-th process of ``role`` under ``--hosts``."""
+    return f"{role.value}{index}"
 
 
 def make_load(engine: EngineConfig, num_requests: int, seed: int) -> Load:
@@ -246,27 +246,42 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", help="model directory or name (default: a tiny random Llama)")
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--num-requests", type=int, default=16, help="requests per phase")
-    parser.add_argument("--faults", default=",".join(FAULT_NAMES), help="comma-separated")
+    parser.add_argument(
+        "--faults", help="comma-separated (default: every fault this mode can inject)"
+    )
+    parser.add_argument(
+        "--hosts",
+        action="store_true",
+        help="each process on a test host of its own (root), adding the network faults",
+    )
+    parser.add_argument(
+        "--kv-transfer", default="tcp", help="the workers' KV transfer backend (tcp, nixl, ucx)"
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, help="write the results as JSON here")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
-    chosen = [f.strip() for f in args.faults.split(",") if f.strip()]
-    unknown = sorted(set(chosen) - set(FAULT_NAMES))
+    known = [f.name for f in FAULTS if args.hosts or not f.needs_hosts]
+    chosen = [f.strip() for f in (args.faults or ",".join(known)).split(",") if f.strip()]
+    unknown = sorted(set(chosen) - set(known))
     if unknown:
-        parser.error(f"--faults: unknown {unknown}; known: {', '.join(FAULT_NAMES)}")
+        parser.error(f"--faults: unknown {unknown}; known here: {', '.join(known)}")
+    if args.hosts and (reason := netns_hosts.available()) is not None:
+        parser.error(f"--hosts: {reason}")
     with tempfile.TemporaryDirectory(prefix="splitserve-chaos-") as work_dir:
         model = args.model
         if model is None:
             from loadtest.tiny_model import make_tiny_llama
 
             model = str(make_tiny_llama(Path(work_dir) / "tiny", vocab_size=2048))
-        results, peak_rss = _run(model, args.dtype, args.num_requests, chosen, args.seed)
+        results, peak_rss = _run(model, args, chosen, Path(work_dir))
     print(report(results, peak_rss))
     if args.out is not None:
         args.out.write_text(
             json.dumps(
                 {
+                    "hosts": args.hosts,
+                    "kv_transfer": args.kv_transfer,
                     "phases": [dataclasses.asdict(r) for r in results],
                     "peak_rss_bytes": peak_rss,
                 },
@@ -280,21 +295,42 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+_REDIS_PASSWORD = "chaos"  # Redis refuses clients off loopback without one
+_NUM = {Role.PREFILL: 2, Role.DECODE: 2, Role.ROUTER: 2}
+
+
 def _run(
-    model: str, dtype: str, num_requests: int, faults: list[str], seed: int
+    model: str, args: argparse.Namespace, faults: list[str], work_dir: Path
 ) -> tuple[list[PhaseResult], dict[str, int]]:
-    engine = EngineConfig(model=model, dtype=dtype, max_model_len=_MAX_MODEL_LEN, num_kv_blocks=256)
-    load = make_load(engine, num_requests, seed)
-    redis = RedisProcess()
-    redis.start()
-    redis_flags = ("--redis-url", redis.url)
+    engine = EngineConfig(
+        model=model, dtype=args.dtype, max_model_len=_MAX_MODEL_LEN, num_kv_blocks=256
+    )
+    load = make_load(engine, args.num_requests, args.seed)
+    network = placement = None
+    redis_host, redis_prefix = "127.0.0.1", ()
+    if args.hosts:
+        # Between namespaces of one machine UCX would pick shared memory: make nixl's and
+        # ucx's KV cross the hosts' network as it does between machines.
+        os.environ["UCX_TLS"] = "tcp,self"
+        names = [host_name(role, i) for role, n in _NUM.items() for i in range(n)]
+        network = HostNetwork([*names, "redis"]).create()
+        redis_host, redis_prefix = network["redis"].address, tuple(network.argv("redis", []))
+
+        def placement(role: Role, index: int) -> Placement:
+            name = host_name(role, index)
+            return Placement(network[name].address, tuple(network.argv(name, [])))
+
+    redis = RedisServer(work_dir, _REDIS_PASSWORD, host=redis_host, argv_prefix=redis_prefix)
+    redis_flags = ("--redis-url", redis.url, "--redis-password", _REDIS_PASSWORD)
     local = LocalCluster(
         engine=engine,
-        num_prefill=2,
-        num_decode=2,
-        num_routers=2,
+        num_prefill=_NUM[Role.PREFILL],
+        num_decode=_NUM[Role.DECODE],
+        num_routers=_NUM[Role.ROUTER],
+        placement=placement,
         extra_worker_flags=(
             *redis_flags,
+            "--kv-transfer", args.kv_transfer,
             "--heartbeat-ttl-s", "1",
             "--shutdown-grace-s", "2",
             "--stream-idle-timeout-s", str(STREAM_IDLE_TIMEOUT_S),
@@ -303,8 +339,9 @@ def _run(
     )  # fmt: skip
     cluster: ChaosCluster | None = None
     try:
+        redis.start()
         local.start(timeout_s=_RECOVER_TIMEOUT_S)
-        cluster = ChaosCluster(local, redis, _MAX_MODEL_LEN)
+        cluster = ChaosCluster(local, redis, _MAX_MODEL_LEN, network)
         results = []
         for fault in FAULTS:
             if fault.name in faults:
@@ -316,6 +353,8 @@ def _run(
             cluster.close()
         local.stop()
         redis.stop()
+        if network is not None:
+            network.remove()
 
 
 if __name__ == "__main__":

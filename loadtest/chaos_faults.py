@@ -9,8 +9,10 @@ readers) and returns their statuses.
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import math
+import os
 import random
 import signal
 import threading
@@ -25,6 +27,7 @@ from splitserve.v1 import router_pb2, router_pb2_grpc
 
 if TYPE_CHECKING:
     from loadtest.chaos import ChaosCluster
+    from loadtest.netns_hosts import HostNetwork
 
 GENERATE_METHOD = "/splitserve.v1.Router/Generate"
 # How long a SIGSTOPped process stays stopped: longer than the router's fencing and keepalive.
@@ -49,6 +52,7 @@ class Fault:
     recover: Callable[[ChaosCluster], None] = lambda cluster: None
     side_load: Callable[[ChaosCluster], list[str]] | None = None
     notes: str = ""
+    needs_hosts: bool = False  # a network fault: only with ``--hosts``
 
 
 def _signal(target: Target, sig: signal.Signals) -> Callable[[ChaosCluster], None]:
@@ -67,6 +71,48 @@ def _stop_then_continue(target: Target) -> Callable[[ChaosCluster], None]:
         threading.Timer(STOP_S, process.signal, (signal.SIGCONT,)).start()
 
     return inject
+
+
+def _network(cluster: ChaosCluster) -> HostNetwork:
+    assert cluster.network is not None, "a network fault needs --hosts"
+    return cluster.network
+
+
+def _cut_host(target: Target | None) -> tuple[Callable[[ChaosCluster], None], ...]:
+    """Cut the victim's host (Redis's for None) off the network; restore it after the load."""
+
+    def host(cluster: ChaosCluster) -> str:
+        return "redis" if target is None else cluster.victim_host(target)
+
+    def inject(cluster: ChaosCluster) -> None:
+        _network(cluster).cut(host(cluster))
+
+    def recover(cluster: ChaosCluster) -> None:
+        _network(cluster).restore(host(cluster))
+
+    return inject, recover
+
+
+def _partition_router_from_decode(cluster: ChaosCluster) -> None:
+    _network(cluster).cut_between(
+        cluster.victim_host(Target.ROUTER), cluster.victim_host(Target.DECODE)
+    )
+
+
+def _heal_router_from_decode(cluster: ChaosCluster) -> None:
+    _network(cluster).restore_between(
+        cluster.victim_host(Target.ROUTER), cluster.victim_host(Target.DECODE)
+    )
+
+
+def _lose_decode_host(cluster: ChaosCluster) -> None:
+    """The host goes dark and every process on it dies (a node lost); recovery brings the
+    host back and the launcher restarts its worker there (a node replaced)."""
+    network, host = _network(cluster), cluster.victim_host(Target.DECODE)
+    network.cut(host)
+    for pid in network.pids(host):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
 
 
 def _restart_redis(cluster: ChaosCluster) -> None:
@@ -167,8 +213,29 @@ FAULTS: tuple[Fault, ...] = (
     Fault("redis stop/start", _restart_redis),
     Fault("fuzzed requests", side_load=_fuzzed_requests),
     Fault("slow readers", side_load=_slow_readers),
+    Fault("decode host cut", *_cut_host(Target.DECODE), needs_hosts=True),
+    Fault(
+        "prefill host cut",
+        *_cut_host(Target.PREFILL),
+        notes="pulls from it fail within --kv-io-timeout-s and are recomputed",
+        needs_hosts=True,
+    ),
+    Fault("redis host cut", *_cut_host(None), needs_hosts=True),
+    Fault(
+        "router cut from a decode host",
+        _partition_router_from_decode,
+        _heal_router_from_decode,
+        notes="the last router and the last decode host lose each other only",
+        needs_hosts=True,
+    ),
+    Fault(
+        "decode host lost",
+        _lose_decode_host,
+        lambda cluster: _network(cluster).restore(cluster.victim_host(Target.DECODE)),
+        notes="every process of the host killed, the host cut until the load ends",
+        needs_hosts=True,
+    ),
 )
-FAULT_NAMES = tuple(f.name for f in FAULTS)
 
 
 @dataclass(slots=True)

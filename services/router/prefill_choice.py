@@ -214,4 +214,9 @@ class PrefillChooser:
         try:
             await ledger.release(reservation)
         except Exception as exc:  # it ends with this router's heartbeat or its max age
-            logger.warning("could not release reservation %s: %r", reservation.member, exc)
+            logger.warning(
+                "could not release reservation %s: %r",
+                reservation.member,
+                exc,
+                extra=rate_limited("redis"),
+            )

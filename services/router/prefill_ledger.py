@@ -29,6 +29,7 @@ import redis.asyncio as aioredis
 
 from engine.block_hash import BlockHash
 from services.common.background import BackgroundTasks
+from services.common.logs import rate_limited
 from services.common.prefix_index import MATCH_PREFIX_LUA, PrefixIndex
 from services.router.prefill_cost import (
     CandidateLoad,
@@ -368,7 +369,12 @@ class RedisPrefillLedger(PrefillLedger):
         try:
             await self._abandon(args=[self._ns, prefix, *(c.worker_id for c in candidates)])
         except Exception as exc:  # it still ends with the router's heartbeat or its max age
-            logger.warning("req_id=%s could not drop its reservation: %r", req_id, exc)
+            logger.warning(
+                "req_id=%s could not drop its reservation: %r",
+                req_id,
+                exc,
+                extra=rate_limited("redis"),
+            )
 
     async def _heartbeat_forever(self) -> None:
         key = f"{self._ns}router:{self._router_id}"
