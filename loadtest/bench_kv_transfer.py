@@ -24,6 +24,11 @@ destination, reads from it through the backend's normal path (``start_read`` / `
   share a mapping of the source's memory can beat it;
 - **first connection**: the backend's ``connection_setup_s`` and the first read's wall time.
 
+With ``--hosts`` (root) every backend runs twice: within one host, as above, then with the
+source and the reader on two test hosts (``loadtest.netns_hosts``: network namespaces joined
+by a bridge), so that the bytes cross a network stack (UCX restricted to TCP there, as between
+machines without RDMA).
+
 Before each timed read or copy the CPU caches are flushed by writing a 256 MiB buffer, so
 neither side reads cache-hot bytes. Medians of ``--repeats``. Prints a Markdown table and writes
 ``kv_transfer.json`` under ``--out``.
@@ -35,8 +40,10 @@ import argparse
 import ctypes
 import json
 import multiprocessing
+import os
 import statistics
 import time
+from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from pathlib import Path
 
@@ -49,12 +56,15 @@ from engine.sampling_params import SamplingParams
 from kvtransfer.base import KVRef, KVTransferBackend, PeerInfo, TransferState
 from kvtransfer.registry import TLS_BACKENDS, available_backends, make_backend
 from kvtransfer.tls import KVTransferTls
+from loadtest import netns_hosts
+from loadtest.netns_hosts import HostNetwork
 from services.certs import write_cluster_certs
 
 SMOLLM2_SPEC = KVCacheSpec(
     num_layers=30, num_kv_heads=3, head_dim=64, block_size=16, dtype="bfloat16"
 )
 MIB = 1 << 20
+_CLONE_NEWNET = 0x40000000
 _FLUSH = torch.empty(0, dtype=torch.uint8)
 
 
@@ -99,15 +109,41 @@ def cma_read_s(
     return elapsed_s
 
 
-def backend_for(spec: str, engine_id: str, identity: str, tls_root: Path) -> KVTransferBackend:
+@dataclass(frozen=True, slots=True)
+class Side:
+    """Where one side of a transfer runs: its address, and its test host's namespace (None:
+    this machine's own network)."""
+
+    host: str = "127.0.0.1"
+    netns: str | None = None
+
+
+def enter_netns(netns: str | None) -> None:
+    """Move the calling thread (and the threads it starts next) into the named network
+    namespace (``ip netns``); None stays. Python 3.11 has no ``os.setns``."""
+    if netns is None:
+        return
+    libc = ctypes.CDLL(None, use_errno=True)
+    fd = os.open(f"/var/run/netns/{netns}", os.O_RDONLY)
+    try:
+        if libc.setns(fd, _CLONE_NEWNET) != 0:
+            raise OSError(ctypes.get_errno(), f"setns into {netns}")
+    finally:
+        os.close(fd)
+
+
+def backend_for(
+    spec: str, engine_id: str, identity: str, tls_root: Path, host: str = "127.0.0.1"
+) -> KVTransferBackend:
     """``spec`` is a backend name, or ``NAME+tls``: then every connection is mutual TLS under
     the certificates ``splitserve certs`` wrote to ``tls_root``, as ``identity`` (``prefill`` /
-    ``decode``)."""
+    ``decode``). Socket backends listen on ``host``."""
     name, _, tls = spec.partition("+")
     if not tls:
-        return make_backend(name, engine_id)
+        return make_backend(name, engine_id, host=host)
     peer = "decode" if identity == "prefill" else "prefill"
-    return make_backend(name, engine_id, tls=KVTransferTls.from_dir(tls_root / identity, {peer}))
+    tls_config = KVTransferTls.from_dir(tls_root / identity, {peer})
+    return make_backend(name, engine_id, host=host, tls=tls_config)
 
 
 # ----------------------------------------------------------------------------- source process
@@ -118,10 +154,12 @@ def source_main(
     model: str,
     prompt_tokens: int,
     tls_root: Path,
+    side: Side,
 ) -> None:
     """Serve a synthetic cache; on ``real``, also a real engine's cache after one prefill."""
+    enter_netns(side.netns)
     torch.set_num_threads(1)
-    synthetic = backend_for(backend_name, "bench-synthetic", "prefill", tls_root)
+    synthetic = backend_for(backend_name, "bench-synthetic", "prefill", tls_root, side.host)
     cache = synthetic_cache(num_blocks)
     conn.send((synthetic.register_kv_cache(cache, SMOLLM2_SPEC), cache.data_ptr()))
     real: KVTransferBackend | None = None
@@ -130,7 +168,7 @@ def source_main(
         if command == "publish":
             conn.send(synthetic.publish(*args))
         elif command == "real":
-            real = backend_for(backend_name, "bench-real", "prefill", tls_root)
+            real = backend_for(backend_name, "bench-real", "prefill", tls_root, side.host)
             conn.send(held_prefill(real, model, prompt_tokens))
         else:
             break
@@ -188,26 +226,35 @@ def memcpy_s(num_bytes: int, repeats: int) -> float:
     return statistics.median(times)
 
 
-def bench_backend(backend_name: str, args: argparse.Namespace) -> dict:
+def bench_backend(
+    backend_name: str, args: argparse.Namespace, source_side: Side = Side(), reader: Side = Side()
+) -> dict:
+    """One backend's reads from a source process at ``source_side``; this process reads as
+    ``reader`` (entering its namespace, if any, for the rest of its life)."""
     sizes_mib = [int(s) for s in args.sizes_mib.split(",")]
     num_blocks = max(sizes_mib) * MIB // SMOLLM2_SPEC.block_bytes + 1
     ctx = multiprocessing.get_context("spawn")
     conn, child_conn = ctx.Pipe()
     source = ctx.Process(
         target=source_main,
-        args=(child_conn, backend_name, num_blocks, args.model, args.prompt_tokens, args.tls_root),
+        args=(
+            child_conn, backend_name, num_blocks, args.model, args.prompt_tokens, args.tls_root,
+            source_side,
+        ),
         daemon=True,
-    )
+    )  # fmt: skip
     source.start()
+    enter_netns(reader.netns)
     try:
         synthetic_info, src_addr = conn.recv()
         expected_rows = rows(synthetic_cache(num_blocks))
-        dst = backend_for(backend_name, "bench-dst", "decode", args.tls_root)
+        dst = backend_for(backend_name, "bench-dst", "decode", args.tls_root, reader.host)
         dst_cache = torch.zeros((num_blocks, *SMOLLM2_SPEC.block_shape), dtype=torch.bfloat16)
         dst.register_kv_cache(dst_cache, SMOLLM2_SPEC)
         dst.add_peer(synthetic_info)
         perm = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(0)).tolist()
-        result: dict = {"backend": backend_name, "sizes": []}
+        hosts = "two hosts" if source_side.netns else "one host"
+        result: dict = {"backend": backend_name, "hosts": hosts, "sizes": []}
         for size_mib in sizes_mib:
             n = max(size_mib * MIB // SMOLLM2_SPEC.block_bytes, 1)
             src_ids, dst_ids = perm[:n], perm[-n:]
@@ -244,7 +291,7 @@ def bench_backend(backend_name: str, args: argparse.Namespace) -> dict:
             )
         conn.send(("real",))
         real_info, real_addr, spec, block_ids, real_grant, prefill_s, expected = conn.recv()
-        real_dst = backend_for(backend_name, "bench-real-dst", "decode", args.tls_root)
+        real_dst = backend_for(backend_name, "bench-real-dst", "decode", args.tls_root, reader.host)
         real_cache = torch.zeros((len(block_ids), *spec.block_shape), dtype=torch.bfloat16)
         real_dst.register_kv_cache(real_cache, spec)
         real_dst.add_peer(real_info)
@@ -300,7 +347,7 @@ def to_markdown(results: list[dict]) -> str:
             bound = case["bytes"] / case["memcpy_s"] / 1e9
             cma = case["bytes"] / case["cma_s"] / 1e9
             lines.append(
-                f"| {result['backend']} | {label} | {case['read_s'] * 1e3:.2f} | {gbps:.2f} "
+                f"| {_name(result)} | {label} | {case['read_s'] * 1e3:.2f} | {gbps:.2f} "
                 f"| {bound:.2f} | {100 * gbps / bound:.0f}% | {cma:.2f} | {100 * gbps / cma:.0f}% |"
             )
     lines += [
@@ -311,11 +358,39 @@ def to_markdown(results: list[dict]) -> str:
     for result in results:
         real = result["real"]
         lines.append(
-            f"| {result['backend']} | {result['connection_setup_s'] * 1e3:.1f} "
+            f"| {_name(result)} | {result['connection_setup_s'] * 1e3:.1f} "
             f"| {result['first_read_s'] * 1e3:.1f} | {real['prefill_s']:.2f} "
             f"| {100 * real['ttft_share']:.1f}% |"
         )
     return "\n".join(lines)
+
+
+def _name(result: dict) -> str:
+    return f"{result['backend']} ({result['hosts']})"
+
+
+def _across_hosts(backend_name: str, args: argparse.Namespace) -> dict:
+    """``bench_backend`` with the source and the reader on two test hosts; the reader is a
+    child process (it enters its host's namespace for good), the hosts are made and removed
+    here."""
+    ctx = multiprocessing.get_context("spawn")
+    with HostNetwork(["source", "reader"]) as network:
+        source, reader = network["source"], network["reader"]
+        sides = (Side(source.address, source.netns), Side(reader.address, reader.netns))
+        conn, child_conn = ctx.Pipe()
+        child = ctx.Process(target=_read_on_host, args=(child_conn, backend_name, args, *sides))
+        child.start()
+        try:
+            result: dict = conn.recv()
+        finally:
+            child.join()
+    return result
+
+
+def _read_on_host(
+    conn: Connection, backend_name: str, args: argparse.Namespace, source: Side, reader: Side
+) -> None:
+    conn.send(bench_backend(backend_name, args, source, reader))
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -328,12 +403,24 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--prompt-tokens", type=int, default=2000)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--out", type=Path, default=Path("bench-out"))
+    parser.add_argument(
+        "--hosts", action="store_true", help="also across two test hosts (root; see above)"
+    )
     args = parser.parse_args(argv)
+    if args.hosts and (reason := netns_hosts.available()) is not None:
+        parser.error(f"--hosts: {reason}")
     args.tls_root = args.out / "kv-certs"
     if "+tls" in args.backends and not (args.tls_root / "ca.crt").exists():
         write_cluster_certs(args.tls_root, ["localhost", "127.0.0.1"])
     torch.set_num_threads(1)
-    results = [bench_backend(name, args) for name in args.backends.split(",")]
+    results = []
+    for name in args.backends.split(","):
+        results.append(bench_backend(name, args))
+        if args.hosts:
+            # Without RDMA, UCX between machines is TCP (on one machine it would pick shm).
+            os.environ["UCX_TLS"] = "tcp,self"
+            results.append(_across_hosts(name, args))
+            del os.environ["UCX_TLS"]
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "kv_transfer.json").write_text(json.dumps(results, indent=2))
     print(to_markdown(results))

@@ -4,6 +4,7 @@
 [--rates 0.3,0.5] [--duration 180] [--slo-ttft-ms T] [--slo-itl-ms I] [--slo-itl-percentile P]
 [--engine-flags "..."]``
 ``python -m loadtest.experiments prefix-routing --out DIR [...]``
+``python -m loadtest.experiments hosts --out DIR [...]`` (root: test hosts)
 
 - ``disaggregation``: 1 prefill + 1 decode worker against 2 colocated replicas (each runs whole
   requests) behind one router, on the ``long-mixed`` workload (long documents arriving among
@@ -12,6 +13,10 @@
 - ``prefix-routing``: 2 colocated replicas behind a router choosing by prefix cache hits and
   load (``--prefill-policy cost``) against the cache-blind round-robin baseline, on the
   ``shared-prefix`` workload. Target: prefix-aware TTFT p50 <= 0.3x round-robin.
+- ``hosts``: 1 prefill + 1 decode worker with the router, each on a test host of its own
+  (``loadtest.netns_hosts``; KV over nixl, UCX over TCP), against the same three processes on
+  one host (loopback; UCX picks shared memory), on the ``chat`` workload: what crossing a
+  network costs. Target: TTFT p50 and ITL p50 across hosts <= 1.1x one host.
 
 Both arms of an experiment run the same engine flags, with each worker pinned to its own core
 (``--cpu-cores``) on one torch thread, so that they use the same hardware; the router and the
@@ -30,7 +35,7 @@ import math
 import os
 import shlex
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -39,9 +44,11 @@ from engine.config import EngineConfig
 from engine.flags import add_flags, from_args
 from loadtest.backends import GrpcClient
 from loadtest.metrics import RequestRecord, Summary, summarize
+from loadtest.netns_hosts import HostNetwork
 from loadtest.report import RunResult, write_reports
 from loadtest.sweep import LoadSpec, ServedModel, run_sweep, served_model
-from services.launcher import LocalCluster
+from services.common.roles import POOL_ROLES, Role
+from services.launcher import LocalCluster, Placement
 
 logger = logging.getLogger(__name__)
 
@@ -55,6 +62,8 @@ class Arm:
     num_prefill: int
     num_decode: int
     router_flags: tuple[str, ...] = ()
+    worker_flags: tuple[str, ...] = ()
+    hosts: bool = False  # each process on a test host of its own (root)
 
     @property
     def slug(self) -> str:
@@ -92,6 +101,7 @@ class Experiment:
     engine_flags: tuple[str, ...] = ()  # both arms'
 
 
+_NIXL = ("--kv-transfer", "nixl")
 EXPERIMENTS = {
     "disaggregation": Experiment(
         workload="long-mixed",
@@ -124,6 +134,18 @@ EXPERIMENTS = {
         # prompts one replica gets under prefix-aware routing fit, all of them do not.
         engine_flags=("--num-kv-blocks", "200", "--max-model-len", "3200"),
     ),
+    "hosts": Experiment(
+        workload="chat",
+        arms=(
+            Arm("1P+1D across hosts", "disaggregated", 1, 1, worker_flags=_NIXL, hosts=True),
+            Arm("1P+1D on one host", "disaggregated", 1, 1, worker_flags=_NIXL),
+        ),
+        targets=(Target("ttft_ms.p50", "<=", 1.1), Target("itl_ms.p50", "<=", 1.1)),
+        default_rates=(0.5,),
+        default_slo_ttft_ms=2_000.0,
+        default_slo_itl_ms=100.0,
+        default_slo_itl_percentile=90.0,
+    ),
 }
 
 _WARMUP_REQUESTS = 4
@@ -134,13 +156,21 @@ def run_arm(
     arm: Arm, engine: EngineConfig, workload: str, spec: LoadSpec, cpu_cores: Sequence[str]
 ) -> list[RunResult]:
     """Start ``arm``'s cluster pinned to ``cpu_cores``, warm it up, run ``spec``, stop it."""
+    network = None
+    env = dict(os.environ)
+    if arm.hosts:
+        network = HostNetwork([role.value for role in (Role.ROUTER, *POOL_ROLES)]).create()
+        # Between namespaces of one machine UCX would pick shared memory: cross the network.
+        os.environ["UCX_TLS"] = "tcp,self"
     cluster = LocalCluster(
         engine=engine,
         num_prefill=arm.num_prefill,
         num_decode=arm.num_decode,
         mode=arm.mode,
         worker_cpu_cores=cpu_cores,
+        extra_worker_flags=arm.worker_flags,
         extra_router_flags=arm.router_flags,
+        placement=None if network is None else _host_per_role(network),
     )
     try:
         target = cluster.start()
@@ -150,6 +180,19 @@ def run_arm(
         return run_sweep(GrpcClient(target), spec, served, show_progress=sys.stderr.isatty())
     finally:
         cluster.stop()
+        if network is not None:
+            network.remove()
+        os.environ.clear()
+        os.environ.update(env)
+
+
+def _host_per_role(network: HostNetwork) -> Callable[[Role, int], Placement]:
+    """Every process on the test host named after its role (one process per role)."""
+
+    def place(role: Role, index: int) -> Placement:
+        return Placement(network[role.value].address, tuple(network.argv(role.value, [])))
+
+    return place
 
 
 def _warm_up(target: str, served: ServedModel, workload: str, seed: int) -> None:

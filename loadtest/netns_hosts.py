@@ -213,7 +213,7 @@ def _remove_token(token: str) -> None:
     for netns in namespaces:
         out = subprocess.run(["ip", "netns", "pids", netns], capture_output=True, text=True)
         pids += [int(p) for p in out.stdout.split()]
-    _kill_all(pids)
+    _kill_all([pid for pid in pids if pid != os.getpid()])
     for netns in namespaces:
         subprocess.run(["ip", "netns", "del", netns], capture_output=True)
     for line in subprocess.run(
