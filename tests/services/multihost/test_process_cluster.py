@@ -1,6 +1,7 @@
 """A cluster of plain processes across test hosts: the router, the prefill worker, two decode
-workers and Redis each on a host of its own, KV over tcp. Every address a worker advertises is
-its host's own and reachable from the other hosts; greedy output equals the offline engine;
+workers and Redis each on a host of its own, KV over tcp, then over nixl (UCX over TCP). Every
+address a worker advertises is its host's own and reachable from the other hosts (nixl's
+peer address is its agent's name); greedy output equals the offline engine;
 and under partitions (a decode host cut mid-stream, a prefill host cut during a KV pull, the
 Redis host cut, the router cut from one decode host only) every stream ends token-exact and
 none hangs."""
