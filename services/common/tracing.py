@@ -197,9 +197,16 @@ def trace_id_hex(span: Span) -> str:
     return trace.format_trace_id(context.trace_id) if context.is_valid else ""
 
 
+# One anchor for the process: converting each stamp against fresh clock reads would jitter by
+# the time between the two reads, and put phases that touch (a transfer's end, the decode's
+# start) out of order.
+_ANCHOR_EPOCH_NS, _ANCHOR_PERF_S = time.time_ns(), time.perf_counter()
+
+
 def epoch_ns(perf_counter_s: float) -> int:
-    """A ``time.perf_counter()`` stamp as nanoseconds since the epoch (what spans carry)."""
-    return time.time_ns() - int((time.perf_counter() - perf_counter_s) * 1e9)
+    """A ``time.perf_counter()`` stamp as nanoseconds since the epoch (what spans carry); the
+    same stamp always gives the same value, and the order of stamps is kept."""
+    return _ANCHOR_EPOCH_NS + round((perf_counter_s - _ANCHOR_PERF_S) * 1e9)
 
 
 @contextlib.contextmanager

@@ -21,13 +21,19 @@ def make_prompts(vocab_size: int, seed: int = 0) -> list[list[int]]:
 
 
 def hf_greedy(model_dir: Path, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
-    """Reference: transformers generate(do_sample=False), one prompt at a time, eos stops."""
+    """Reference: transformers generate(do_sample=False) in float32 on the CPU."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    return hf_generate(model, prompts, max_tokens)
+
+
+def hf_generate(model, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+    """transformers ``generate(do_sample=False)`` of a loaded ``model`` (on its device), one
+    prompt at a time, eos stops."""
     outs = []
     for prompt in prompts:
-        ids = torch.tensor([prompt])
+        ids = torch.tensor([prompt], device=model.device)
         with torch.no_grad():
             gen = model.generate(
                 ids,

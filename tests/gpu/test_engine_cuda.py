@@ -17,6 +17,7 @@ from engine import LLM, LLMEngine, SamplingParams
 from engine.config import EngineConfig
 from engine.constraint import Constraint, ConstraintKind
 from loadtest.tiny_model import ARCHITECTURES
+from tests.engine.test_generate_vs_hf import hf_generate
 
 pytestmark = [
     pytest.mark.gpu,
@@ -42,29 +43,12 @@ def hf_model(model_dir: Path, dtype: torch.dtype):
     return AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to("cuda").eval()
 
 
-def hf_greedy(model, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
-    """Reference: transformers generate(do_sample=False), one prompt at a time, eos stops."""
-    outs = []
-    for prompt in prompts:
-        ids = torch.tensor([prompt], device="cuda")
-        with torch.no_grad():
-            gen = model.generate(
-                ids,
-                attention_mask=torch.ones_like(ids),
-                do_sample=False,
-                max_new_tokens=max_tokens,
-                pad_token_id=0,
-            )
-        outs.append(gen[0, len(prompt) :].tolist())
-    return outs
-
-
 @pytest.fixture(scope="module", params=ARCHITECTURES)
 def arch_case(request, tiny_model_dirs):
     model_dir = tiny_model_dirs[request.param]
     llm = LLM(str(model_dir), device="cuda", dtype="float32", num_kv_blocks=256)
     prompts = make_prompts(llm.engine.vocab_size)
-    expected = hf_greedy(hf_model(model_dir, torch.float32), prompts, MAX_TOKENS)
+    expected = hf_generate(hf_model(model_dir, torch.float32), prompts, MAX_TOKENS)
     return model_dir, llm, prompts, expected
 
 

@@ -5,8 +5,10 @@ blocks the prompt fills. Logs are JSON here: the router's request line carries t
 
 from __future__ import annotations
 
+import contextlib
 import json
 import signal
+from collections.abc import Iterator
 
 import openai
 import pytest
@@ -27,11 +29,13 @@ def traceparent(trace_id: str, parent_id: str = "00f067aa0ba902b7") -> str:
     return f"00-{trace_id}-{parent_id}-01"
 
 
-@pytest.fixture(scope="module")
-def traced(tiny_llama_dir):
+@contextlib.contextmanager
+def traced_cluster(
+    tiny_llama_dir, **cluster_fields
+) -> Iterator[tuple[LocalCluster, Client, OtlpReceiver]]:
+    """A cluster whose every process traces to an OTLP receiver run here, logging JSON."""
     receiver = OtlpReceiver()
-    endpoint = receiver.start()
-    tracing = ("--otlp-traces-endpoint", endpoint)
+    tracing = ("--otlp-traces-endpoint", receiver.start())
     with pytest.MonkeyPatch.context() as env:
         env.setenv("OTEL_BSP_SCHEDULE_DELAY", "100")  # export within 0.1 s, not 5 s
         env.setenv(LOG_FORMAT_ENV, "json")
@@ -40,6 +44,7 @@ def traced(tiny_llama_dir):
             log_level="INFO",
             extra_worker_flags=tracing,
             extra_router_flags=("--local-prefill-max-tokens", "0", *tracing),
+            **cluster_fields,
         )
         try:
             cluster.start(timeout_s=180)
@@ -49,6 +54,12 @@ def traced(tiny_llama_dir):
         finally:
             cluster.stop()
             receiver.stop()
+
+
+@pytest.fixture(scope="module")
+def traced(tiny_llama_dir):
+    with traced_cluster(tiny_llama_dir) as cluster:
+        yield cluster
 
 
 def wait_for_trace(receiver: OtlpReceiver, trace_id: str, names: set[str]) -> dict:
@@ -177,24 +188,8 @@ def test_a_request_without_traceparent_starts_its_own_trace(traced):
 @pytest.fixture(scope="module")
 def traced_pair(tiny_llama_dir):
     """A traced cluster with two decode workers, one of which a test kills."""
-    receiver = OtlpReceiver()
-    tracing = ("--otlp-traces-endpoint", receiver.start())
-    with pytest.MonkeyPatch.context() as env:
-        env.setenv("OTEL_BSP_SCHEDULE_DELAY", "100")
-        cluster = LocalCluster(
-            engine=tiny_engine_config(tiny_llama_dir),
-            num_decode=2,
-            extra_worker_flags=tracing,
-            extra_router_flags=("--local-prefill-max-tokens", "0", *tracing),
-        )
-        try:
-            cluster.start(timeout_s=180)
-            client = Client(cluster.router_address)
-            yield cluster, client, receiver
-            client.close()
-        finally:
-            cluster.stop()
-            receiver.stop()
+    with traced_cluster(tiny_llama_dir, num_decode=2) as cluster:
+        yield cluster
 
 
 def test_a_migration_is_an_event_of_the_request_span(traced_pair):

@@ -12,6 +12,7 @@ import socket
 import sys
 import threading
 import time
+from collections.abc import Callable
 
 import pytest
 
@@ -181,49 +182,48 @@ def test_greedy_output_across_hosts_equals_the_offline_engine(cluster, offline):
         assert got.last.usage.prompt_tokens == len(prompt)
 
 
-def test_a_decode_host_cut_mid_stream_is_fenced_and_its_stream_moves(hosts, cluster, offline):
-    local, client = cluster
-    prompt = prompt_of(4)
+def stream_through_a_cut(
+    client: Client, local: LocalCluster, offline: LLM, seed: int, cut: Callable[[str], None]
+) -> tuple[str, str]:
+    """Stream a greedy ``STREAM_TOKENS``-token request; once 20 tokens arrived, ``cut`` the
+    host of the decode worker serving it. The stream must end token-exact without a stall
+    past ``MIGRATION_BOUND_S``; returns that worker's address and host."""
+    prompt = prompt_of(seed)
     want = offline.generate(
         [prompt], SamplingParams(temperature=0.0, max_tokens=STREAM_TOKENS, ignore_eos=True)
     )[0].token_ids
-    cut: list[tuple[str, str]] = []
+    victims: list[tuple[str, str]] = []
 
     def cut_at_20(num_tokens: int) -> None:
-        if not cut and num_tokens >= 20:
-            address, host = busy_decode_host(client, local)
-            hosts.cut(host)
-            cut.append((address, host))
+        if not victims and num_tokens >= 20:
+            victims.append(busy_decode_host(client, local))
+            cut(victims[0][1])
 
     tokens, longest_gap_s = stream(client, prompt, cut_at_20)
-    assert cut and tokens == want
+    assert victims and tokens == want
     assert longest_gap_s < MIGRATION_BOUND_S
-    address, host = cut[0]
+    return victims[0]
+
+
+def test_a_decode_host_cut_mid_stream_is_fenced_and_its_stream_moves(hosts, cluster, offline):
+    local, client = cluster
+    address, host = stream_through_a_cut(client, local, offline, 4, hosts.cut)
     assert not next(w for w in client.status().workers if w.address == address).healthy
     hosts.restore(host)
     healthy_again(client, address)
     idle(client, address)  # the stream it kept generating while cut off was aborted
-    got = client.generate(token_ids=prompt, sampling=greedy(8))
-    assert got.token_ids == want[:8]
+    prompt = prompt_of(4)
+    want = offline.generate([prompt], SamplingParams(temperature=0.0, max_tokens=8))[0]
+    assert client.generate(token_ids=prompt, sampling=greedy(8)).token_ids == want.token_ids
 
 
 def test_the_router_cut_from_one_decode_host_only_hangs_no_stream(hosts, cluster, offline):
     local, client = cluster
-    prompt = prompt_of(5)
-    want = offline.generate(
-        [prompt], SamplingParams(temperature=0.0, max_tokens=STREAM_TOKENS, ignore_eos=True)
-    )[0].token_ids
-    cut: list[tuple[str, str]] = []
 
-    def cut_at_20(num_tokens: int) -> None:
-        if not cut and num_tokens >= 20:
-            address, host = busy_decode_host(client, local)
-            hosts.cut_between("router", host)
-            cut.append((address, host))
+    def cut_from_router(host: str) -> None:
+        hosts.cut_between("router", host)
 
-    tokens, longest_gap_s = stream(client, prompt, cut_at_20)
-    assert cut and tokens == want and longest_gap_s < MIGRATION_BOUND_S
-    address, host = cut[0]
+    address, host = stream_through_a_cut(client, local, offline, 5, cut_from_router)
     # The decode host still reaches the prefill host and Redis: only the router lost it.
     assert connects(hosts, host, local.workers("prefill")[0].address)
     hosts.restore_between("router", host)
