@@ -417,10 +417,8 @@ def main(argv: list[str] | None = None) -> None:
     for name in args.backends.split(","):
         results.append(bench_backend(name, args))
         if args.hosts:
-            # Without RDMA, UCX between machines is TCP (on one machine it would pick shm).
-            os.environ["UCX_TLS"] = "tcp,self"
-            results.append(_across_hosts(name, args))
-            del os.environ["UCX_TLS"]
+            with netns_hosts.ucx_across_hosts():
+                results.append(_across_hosts(name, args))
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "kv_transfer.json").write_text(json.dumps(results, indent=2))
     print(to_markdown(results))

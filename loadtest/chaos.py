@@ -40,7 +40,7 @@ import psutil
 from engine import LLM, EngineConfig, SamplingParams
 from loadtest import netns_hosts
 from loadtest.chaos_faults import FAULTS, Fault, PhaseResult, Target
-from loadtest.netns_hosts import HostNetwork
+from loadtest.netns_hosts import UCX_ACROSS_HOSTS, HostNetwork
 from loadtest.redis_server import RedisServer
 from services.common.grpc_server import CHANNEL_OPTIONS
 from services.common.roles import Role
@@ -309,16 +309,13 @@ def _run(
     network = placement = None
     redis_host, redis_prefix = "127.0.0.1", ()
     if args.hosts:
-        # Between namespaces of one machine UCX would pick shared memory: make nixl's and
-        # ucx's KV cross the hosts' network as it does between machines.
-        os.environ["UCX_TLS"] = "tcp,self"
+        os.environ.update(UCX_ACROSS_HOSTS)  # for this run's processes, restarts included
         names = [host_name(role, i) for role, n in _NUM.items() for i in range(n)]
         network = HostNetwork([*names, "redis"]).create()
         redis_host, redis_prefix = network["redis"].address, tuple(network.argv("redis", []))
 
         def placement(role: Role, index: int) -> Placement:
-            name = host_name(role, index)
-            return Placement(network[name].address, tuple(network.argv(name, [])))
+            return network.placement(host_name(role, index))
 
     redis = RedisServer(work_dir, _REDIS_PASSWORD, host=redis_host, argv_prefix=redis_prefix)
     redis_flags = ("--redis-url", redis.url, "--redis-password", _REDIS_PASSWORD)

@@ -29,6 +29,7 @@ and ``comparison.png`` across arms.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import math
@@ -44,7 +45,7 @@ from engine.config import EngineConfig
 from engine.flags import add_flags, from_args
 from loadtest.backends import GrpcClient
 from loadtest.metrics import RequestRecord, Summary, summarize
-from loadtest.netns_hosts import HostNetwork
+from loadtest.netns_hosts import HostNetwork, ucx_across_hosts
 from loadtest.report import RunResult, write_reports
 from loadtest.sweep import LoadSpec, ServedModel, run_sweep, served_model
 from services.common.roles import POOL_ROLES, Role
@@ -157,11 +158,10 @@ def run_arm(
 ) -> list[RunResult]:
     """Start ``arm``'s cluster pinned to ``cpu_cores``, warm it up, run ``spec``, stop it."""
     network = None
-    env = dict(os.environ)
+    environment = contextlib.nullcontext()
     if arm.hosts:
         network = HostNetwork([role.value for role in (Role.ROUTER, *POOL_ROLES)]).create()
-        # Between namespaces of one machine UCX would pick shared memory: cross the network.
-        os.environ["UCX_TLS"] = "tcp,self"
+        environment = ucx_across_hosts()
     cluster = LocalCluster(
         engine=engine,
         num_prefill=arm.num_prefill,
@@ -173,7 +173,8 @@ def run_arm(
         placement=None if network is None else _host_per_role(network),
     )
     try:
-        target = cluster.start()
+        with environment:  # the processes take the environment they start with
+            target = cluster.start()
         logger.info("%s: serving on %s", arm.name, target)
         served = served_model(target)
         _warm_up(target, served, workload, spec.seed)
@@ -182,15 +183,13 @@ def run_arm(
         cluster.stop()
         if network is not None:
             network.remove()
-        os.environ.clear()
-        os.environ.update(env)
 
 
 def _host_per_role(network: HostNetwork) -> Callable[[Role, int], Placement]:
     """Every process on the test host named after its role (one process per role)."""
 
     def place(role: Role, index: int) -> Placement:
-        return Placement(network[role.value].address, tuple(network.argv(role.value, [])))
+        return network.placement(role.value)
 
     return place
 

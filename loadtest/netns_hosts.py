@@ -29,9 +29,11 @@ import secrets
 import signal
 import subprocess
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+
+from services.launcher import Placement
 
 _NETWORK = ipaddress.ip_network("198.18.0.0/15")
 # One /24 per network (a token's byte picks it), hosts from .10: 198.18.<n>.10, .11, ...
@@ -39,6 +41,9 @@ _FIRST_HOST = 10
 _PREFIX = "ssh"  # every namespace, bridge and veth this module makes starts with it
 _REGISTRY = Path("/tmp/splitserve-netns")  # <token>: the pid of the process that made it
 _NOWHERE_MAC = "02:00:00:00:00:01"  # locally administered, owned by no interface
+# Between namespaces of one machine UCX (nixl, ucx) would pick shared memory; between machines
+# without RDMA it uses TCP. Processes on test hosts get this, so that KV crosses the network.
+UCX_ACROSS_HOSTS = {"UCX_TLS": "tcp,self"}
 _KILL_WAIT_S = 5.0
 
 
@@ -118,6 +123,10 @@ class HostNetwork:
             raise
         return self
 
+    def placement(self, name: str) -> Placement:
+        """Where a ``LocalCluster`` process runs on host ``name``."""
+        return Placement(self.hosts[name].address, tuple(self.argv(name, [])))
+
     def argv(self, name: str, argv: Sequence[str]) -> list[str]:
         """``argv`` run inside host ``name`` (``ip netns exec``: the same process, exec'd)."""
         return ["ip", "netns", "exec", self.hosts[name].netns, *argv]
@@ -175,6 +184,22 @@ class HostNetwork:
 
     def _in(self, host: Host, *argv: str) -> None:
         subprocess.run(["ip", "netns", "exec", host.netns, *argv], check=True, capture_output=True)
+
+
+@contextlib.contextmanager
+def ucx_across_hosts() -> Iterator[None]:
+    """``UCX_ACROSS_HOSTS`` in this process's environment (which the processes it starts
+    inherit) until the block ends, then the environment as it was."""
+    saved = {key: os.environ.get(key) for key in UCX_ACROSS_HOSTS}
+    os.environ.update(UCX_ACROSS_HOSTS)
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
 
 
 def leftovers() -> list[str]:

@@ -286,17 +286,20 @@ class ClusterController:
 
     def _note_shortages(self) -> None:
         """Say, in each pool's status, when the Ray cluster's live nodes cannot hold all its
-        live members (a node lost, none added yet): those beyond the slots wait for a node."""
-        slots = ray.cluster_resources()
-        for role in POOL_ROLES:
-            pool = self._pools[role]
-            num_slots = int(slots.get(role.value, 0.0))
+        live members (a node lost, none added yet): those beyond the slots wait for a node.
+        Asks Ray only while a worker is starting: placed workers fit by definition."""
+        pools = [self._pools[role] for role in POOL_ROLES]
+        starting = any(m.state is MemberState.STARTING for pool in pools for m in pool.members)
+        slots = ray.cluster_resources() if starting else {}
+        for pool in pools:
+            resource = pool.role.value
+            num_slots = int(slots.get(resource, 0.0))
             num_live = len(pool.live())
             pool.shortage = (
                 f"{num_live - num_slots} of {num_live} workers wait for a node: the Ray "
-                f"cluster's live nodes offer {num_slots} '{role.value}' slots (a node started "
-                f"with --resources='{{\"{role.value}\": 1}}' adds one)"
-                if num_live > num_slots
+                f"cluster's live nodes offer {num_slots} '{resource}' slots (a node started "
+                f"with --resources='{{\"{resource}\": 1}}' adds one)"
+                if starting and num_live > num_slots
                 else ""
             )
 

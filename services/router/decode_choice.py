@@ -12,6 +12,7 @@ pull. Ties go to the lower KV usage, then to a seeded random choice.
 
 from __future__ import annotations
 
+import asyncio
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -73,3 +74,22 @@ class DecodeChooser:
     ) -> DecodeCandidate | None:
         """``pick`` over ``score``."""
         return self.pick(self.score(prompt_blocks, matched, exclude))
+
+    async def wait_for(
+        self,
+        prompt_blocks: int,
+        matched: dict[str, int],
+        exclude: set[str],
+        wait_s: float,
+        poll_s: float,
+    ) -> DecodeCandidate | None:
+        """``choose`` every ``poll_s`` (the health polls' interval: only a poll makes a worker
+        routable) until one comes or ``wait_s`` has passed (then None)."""
+        loop = asyncio.get_running_loop()
+        deadline_s = loop.time() + wait_s
+        while loop.time() < deadline_s:
+            await asyncio.sleep(poll_s)
+            candidate = self.choose(prompt_blocks, matched, exclude)
+            if candidate is not None:
+                return candidate
+        return None

@@ -15,10 +15,11 @@ from dataclasses import dataclass, field
 
 import grpc
 
+from services.common.convert import FINISH_REASON_NAMES
 from services.common.logs import log_fields
 
 logger = logging.getLogger("splitserve.requests")
-_FINISH_REASONS = frozenset({"stop", "length", "abort"})
+_FINISH_REASONS = frozenset(FINISH_REASON_NAMES.values())
 
 
 def call_status(outcome: str, aborted_with: grpc.StatusCode | None) -> str:

@@ -8,11 +8,19 @@ Ray actor wrapping it passes one that forwards to the cluster controller
 
 from __future__ import annotations
 
+import asyncio
+import logging
 from dataclasses import dataclass
 from typing import Protocol
 
+from services.common.logs import rate_limited
 from services.common.roles import Role
 from splitserve.v1 import router_pb2
+
+logger = logging.getLogger(__name__)
+
+# How long Status and the pool-size metrics wait for the orchestrator's answer.
+_SCALER_TIMEOUT_S = 5.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,3 +61,19 @@ class PoolScaler(Protocol):
     async def pools(self) -> list[PoolSize]:
         """Every pool's desired and actual size."""
         ...
+
+
+async def reported_pool_sizes(scaler: PoolScaler | None) -> list[PoolSize]:
+    """Each pool's size from the orchestrator; none without one, or when it does not answer
+    within ``_SCALER_TIMEOUT_S`` (logged, rate-limited)."""
+    if scaler is None:
+        return []
+    try:
+        return await asyncio.wait_for(scaler.pools(), _SCALER_TIMEOUT_S)
+    except TimeoutError:
+        logger.warning(
+            "the orchestrator did not report pool sizes in %.0f s",
+            _SCALER_TIMEOUT_S,
+            extra=rate_limited("scaler"),
+        )
+        return []

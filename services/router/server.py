@@ -28,7 +28,6 @@ from engine.tokenizer import Tokenizer
 from services.common.background import BackgroundTasks
 from services.common.convert import FINISH_REASON_NAMES
 from services.common.failures import abort
-from services.common.logs import rate_limited
 from services.common.prefix_index import RedisPrefixIndex
 from services.common.roles import Role
 from services.common.serving_metrics import ServingMetrics
@@ -58,7 +57,7 @@ from services.router.request_spans import (
 )
 from services.router.route_plan import PrefillPlace, build_planner
 from services.router.routed_request import RoutedRequest, release_lease
-from services.router.scaler import PoolScaler, PoolSize
+from services.router.scaler import PoolScaler, reported_pool_sizes
 from services.router.worker_pool import WorkerHandle, WorkerPool
 from splitserve.v1 import router_pb2, router_pb2_grpc, worker_pb2
 
@@ -67,8 +66,6 @@ logger = logging.getLogger(__name__)
 SERVICE_NAME = "splitserve.v1.Router"
 # How often a router drops dead workers' prefix index entries (any router may: idempotent).
 _REAP_INTERVAL_S = 10.0
-# Status answers without the pool sizes rather than wait on a busy orchestrator.
-_SCALER_TIMEOUT_S = 5.0
 # How often the pool metrics ask the orchestrator for the pools' sizes.
 _POOL_SIZES_INTERVAL_S = 5.0
 
@@ -163,7 +160,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                 await self._reap_dead_workers(self._reaped_index)
             if self.scaler is not None and loop.time() >= next_sizes_s:
                 next_sizes_s = loop.time() + _POOL_SIZES_INTERVAL_S
-                self.pool_collector.sizes = await self._pool_sizes()
+                self.pool_collector.sizes = await reported_pool_sizes(self.scaler)
 
     @staticmethod
     async def _reap_dead_workers(index: RedisPrefixIndex) -> None:
@@ -467,8 +464,8 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         self, routed: RoutedRequest, tried: set[str], context: CallContext
     ) -> DecodeCandidate | None:
         """A decode worker for a request whose worker failed mid-stream when none other was
-        routable: checked every health poll for ``--decode-failover-wait-s`` (at most until
-        the client's deadline); None if none came."""
+        routable, waited for up to ``--decode-failover-wait-s`` (at most until the client's
+        deadline); None if none came."""
         assert routed.plan is not None
         remaining_s = context.time_remaining()
         wait_s = self.config.decode_failover_wait_s
@@ -479,16 +476,14 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             routed.req_id,
             wait_s,
         )
-        loop = asyncio.get_running_loop()
-        deadline_s = loop.time() + wait_s
-        while loop.time() < deadline_s:
-            await asyncio.sleep(self.config.health_check_interval_s)
-            candidate = self.planner.decode_chooser.choose(
-                len(routed.plan.prefill.block_hashes), routed.plan.prefill.matched, exclude=tried
-            )
-            if candidate is not None:
-                return candidate
-        return None
+        prefill = routed.plan.prefill
+        return await self.planner.decode_chooser.wait_for(
+            len(prefill.block_hashes),
+            prefill.matched,
+            tried,
+            wait_s,
+            self.config.health_check_interval_s,
+        )
 
     def _call_span(self, parent: Span, name: str, worker: WorkerHandle) -> Span:
         """The CLIENT span of one worker call; its context goes out as the call's metadata."""
@@ -571,7 +566,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             )
             for w in (*self.prefill_pool.workers, *self.decode_pool.workers)
         ]
-        pools = await self._pool_sizes()
+        pools = await reported_pool_sizes(self.scaler)
         return router_pb2.StatusResponse(
             mode=self.config.mode,
             model=self.config.served_name,
@@ -581,21 +576,6 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             prefix_hit_blocks_realized=self.planner.prefill_chooser.num_hit_blocks_realized,
             pools=[p.to_proto() for p in pools],
         )
-
-    async def _pool_sizes(self) -> list[PoolSize]:
-        """Each pool's size from the orchestrator; none without one, or when it does not answer
-        within ``_SCALER_TIMEOUT_S``."""
-        if self.scaler is None:
-            return []
-        try:
-            return await asyncio.wait_for(self.scaler.pools(), _SCALER_TIMEOUT_S)
-        except TimeoutError:
-            logger.warning(
-                "the orchestrator did not report pool sizes in %.0f s",
-                _SCALER_TIMEOUT_S,
-                extra=rate_limited("scaler"),
-            )
-            return []
 
 
 def _end_call_span(span: Span, error: str) -> None:

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import grpc
 
-from loadtest.netns_hosts import HostNetwork
+from loadtest.netns_hosts import UCX_ACROSS_HOSTS, HostNetwork
 from splitserve.v1 import router_pb2, router_pb2_grpc
 
 RAY_PORT = 6379
@@ -43,9 +43,7 @@ class RayHosts:
             RAY_health_check_period_ms="1000",
             RAY_health_check_failure_threshold="3",
             RAY_health_check_timeout_ms="1000",
-            # Between namespaces of one machine UCX would pick shared memory: make the KV
-            # cross the hosts' network as it does between machines.
-            UCX_TLS="tcp,self",
+            **UCX_ACROSS_HOSTS,
         )
         self.up: subprocess.Popen[bytes] | None = None
 

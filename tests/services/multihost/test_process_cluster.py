@@ -18,6 +18,7 @@ import pytest
 
 from engine import LLM, SamplingParams
 from kvtransfer.registry import is_available
+from loadtest.netns_hosts import ucx_across_hosts
 from loadtest.redis_server import RedisServer
 from services.common.convert import sampling_params_to_worker
 from services.common.roles import Role
@@ -62,14 +63,11 @@ def redis(hosts, tmp_path_factory):
 @pytest.fixture(scope="module", params=[b for b in ("tcp", "nixl") if is_available(b)])
 def cluster(request, hosts, redis, tiny_llama_dir):
     def place(role: Role, index: int) -> Placement:
-        name = {Role.ROUTER: "router", Role.PREFILL: "prefill"}.get(role, f"decode{index}")
-        return Placement(hosts[name].address, tuple(hosts.argv(name, [])))
+        return hosts.placement(
+            {Role.ROUTER: "router", Role.PREFILL: "prefill"}.get(role, f"decode{index}")
+        )
 
     redis_flags = ("--redis-url", redis.url, "--redis-password", REDIS_PASSWORD)
-    env = pytest.MonkeyPatch()
-    # Between namespaces of one machine UCX would pick shared memory: make nixl's KV cross
-    # the hosts' network as it does between machines.
-    env.setenv("UCX_TLS", "tcp,self")
     local = LocalCluster(
         engine=tiny_engine_config(tiny_llama_dir),
         num_decode=2,
@@ -82,13 +80,13 @@ def cluster(request, hosts, redis, tiny_llama_dir):
         extra_router_flags=(*redis_flags, "--local-prefill-max-tokens", "0"),
     )  # fmt: skip
     try:
-        local.start(timeout_s=180)
+        with ucx_across_hosts():  # the processes take the environment they start with
+            local.start(timeout_s=180)
         client = Client(local.router_address)
         yield local, client
         client.close()
     finally:
         local.stop()
-        env.undo()
 
 
 def connects(hosts, host: str, address: str) -> bool:
