@@ -12,6 +12,8 @@ from engine.flags import flag
 # float32 on CPUs below (bf16 matmuls are emulated there, ~4.6x slower; BENCHMARKS.md).
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 KERNEL_BACKENDS = ("auto", "torch", "cpp")
+# vLLM's names; "fp8" is its alias of fp8_e4m3. The 8-bit ones are engine/model/kv_quant.py's.
+KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16", "fp8", "fp8_e4m3", "int8")
 
 
 @dataclass(frozen=True, slots=True)
@@ -33,6 +35,13 @@ class EngineConfig:
         "weights and KV cache dtype; auto: bfloat16 on CUDA and on CPUs with AVX-512 BF16, "
         "float32 on other CPUs",
         choices=DTYPES,
+    )
+    kv_cache_dtype: str = flag(
+        "auto",
+        "KV cache dtype: the model's dtype (auto; float32/bfloat16/float16 must equal --dtype), "
+        "or 8 bits per value with a float32 scale per token and head (int8, fp8_e4m3; fp8 is "
+        "fp8_e4m3): about half the bytes per token to read, transfer and cache",
+        choices=KV_CACHE_DTYPES,
     )
     device: str = flag("auto", "cpu, cuda, cuda:N or auto (cuda when available)")
     block_size: int = flag(16, "tokens per KV block")
@@ -79,6 +88,10 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(
+                f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}"
+            )
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")

@@ -7,16 +7,24 @@ import json
 from dataclasses import asdict, dataclass
 
 DTYPE_SIZE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+# 8-bit caches: the largest code magnitude each one uses (see QUANTIZED_KV_DTYPES' rows below).
+QUANTIZED_KV_DTYPES = {"int8": 127.0, "fp8_e4m3": 448.0}
+# Each token's K (or V) row of one head in an 8-bit cache: head_dim codes, then its float32 scale.
+KV_SCALE_BYTES = 4
 
 
 @dataclass(frozen=True, slots=True)
 class KVCacheSpec:
     """Layout of one engine's KV cache.
 
-    The cache is one tensor ``[num_blocks, num_layers, 2, num_kv_heads, block_size, head_dim]``
-    so a block is a single contiguous region across all layers: one transfer descriptor per
-    block. Two engines may exchange blocks only if their ``compat_hash()`` values are equal.
-    Torch-free so the router and the transfer layer can check compatibility cheaply.
+    The cache is one tensor ``[num_blocks, num_layers, 2, num_kv_heads, block_size, row]`` so
+    a block is a single contiguous region across all layers: one transfer descriptor per block.
+    ``row`` is ``head_dim`` elements of ``dtype``, or for an 8-bit ``dtype``
+    (``QUANTIZED_KV_DTYPES``) ``head_dim`` one-byte codes followed by the row's float32 scale
+    (``head_dim + KV_SCALE_BYTES`` bytes, the tensor is ``uint8``): each token's K and V rows
+    are quantized on their own, so appending a token never rewrites another. Two engines may
+    exchange blocks only if their ``compat_hash()`` values are equal. Torch-free so the router
+    and the transfer layer can check compatibility cheaply.
     """
 
     num_layers: int
@@ -26,20 +34,29 @@ class KVCacheSpec:
     dtype: str
 
     def __post_init__(self) -> None:
-        if self.dtype not in DTYPE_SIZE_BYTES:
-            raise ValueError(
-                f"unsupported KV dtype {self.dtype!r}; one of {list(DTYPE_SIZE_BYTES)}"
-            )
+        if self.dtype not in DTYPE_SIZE_BYTES and self.dtype not in QUANTIZED_KV_DTYPES:
+            known = [*DTYPE_SIZE_BYTES, *QUANTIZED_KV_DTYPES]
+            raise ValueError(f"unsupported KV dtype {self.dtype!r}; one of {known}")
+
+    @property
+    def quantized(self) -> bool:
+        """Whether rows hold 8-bit codes and a scale (the tensor is then ``uint8``)."""
+        return self.dtype in QUANTIZED_KV_DTYPES
+
+    @property
+    def row_size(self) -> int:
+        """Elements of one token's row of one head (bytes when ``quantized``)."""
+        return self.head_dim + KV_SCALE_BYTES if self.quantized else self.head_dim
 
     @property
     def block_shape(self) -> tuple[int, int, int, int, int]:
-        """Shape of one block: ``[num_layers, 2, num_kv_heads, block_size, head_dim]``."""
-        return (self.num_layers, 2, self.num_kv_heads, self.block_size, self.head_dim)
+        """Shape of one block: ``[num_layers, 2, num_kv_heads, block_size, row_size]``."""
+        return (self.num_layers, 2, self.num_kv_heads, self.block_size, self.row_size)
 
     @property
     def block_bytes(self) -> int:
-        n = self.num_layers * 2 * self.block_size * self.num_kv_heads * self.head_dim
-        return n * DTYPE_SIZE_BYTES[self.dtype]
+        n = self.num_layers * 2 * self.block_size * self.num_kv_heads * self.row_size
+        return n * (1 if self.quantized else DTYPE_SIZE_BYTES[self.dtype])
 
     def compat_hash(self) -> str:
         """Short stable digest of every field; equal hashes mean blocks can be copied verbatim."""

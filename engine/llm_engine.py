@@ -22,7 +22,7 @@ from engine.cpu_isa import CpuIsa, cpu_auto_dtype, host_isa, resolve_isa
 from engine.cpu_tuning import keep_freed_memory_in_heap, parse_cpu_list, pin_process_to_cpus
 from engine.detokenizer import IncrementalDetokenizer
 from engine.kv_cache_manager import KVCacheManager
-from engine.kv_cache_spec import KVCacheSpec
+from engine.kv_cache_spec import QUANTIZED_KV_DTYPES, KVCacheSpec
 from engine.loader.models import resolve_model
 from engine.model.kernel_plan import KernelPlan
 from engine.model_runner import ModelRunner
@@ -53,6 +53,21 @@ def resolve_dtype(name: str, device: torch.device, level: CpuIsa) -> str:
     if device.type == "cuda":
         return "bfloat16" if torch.cuda.is_bf16_supported() else "float16"
     return cpu_auto_dtype(level)
+
+
+def resolve_kv_cache_dtype(name: str, dtype: str) -> str:
+    """``--kv-cache-dtype`` made concrete for a model running in ``dtype``: ``auto`` is the
+    model's dtype, ``fp8`` is ``fp8_e4m3``; an unquantized cache must have the model's dtype."""
+    if name == "auto":
+        return dtype
+    if name == "fp8":
+        return "fp8_e4m3"
+    if name in QUANTIZED_KV_DTYPES or name == dtype:
+        return name
+    raise ValueError(
+        f"--kv-cache-dtype {name} with --dtype {dtype}: an unquantized KV cache has the model's "
+        f"dtype ({dtype}); choose auto, int8 or fp8_e4m3"
+    )
 
 
 def _check_kv_capacity(num_kv_blocks: int, block_size: int, max_model_len: int) -> None:
@@ -113,9 +128,11 @@ class LLMEngine:
         self.served_model_name = config.served_model_name or config.model
         self.tokenizer = Tokenizer(self.model_dir)
         self._compiler: GrammarCompiler | None = None
+        self.kv_cache_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, self.dtype)
         self.runner = ModelRunner(
             self.model_dir,
             self.dtype,
+            self.kv_cache_dtype,
             self.device,
             config.block_size,
             config.max_model_len,
@@ -146,9 +163,10 @@ class LLMEngine:
         self.last_num_scheduled_tokens = 0
         kernels = self.runner.kernels
         logger.info(
-            "engine ready: model=%s dtype=%s device=%s pid=%d",
+            "engine ready: model=%s dtype=%s kv_cache_dtype=%s device=%s pid=%d",
             self.model_dir,
             self.dtype,
+            self.kv_cache_dtype,
             self.device,
             os.getpid(),
         )

@@ -23,6 +23,7 @@ from engine.model.attention import (
 )
 from engine.model.cpu_kernels import PAGED_DECODE_SHAPES, load_cpu_kernels
 from engine.model.kernel_plan import KernelImpl, KernelPlan
+from engine.model.kv_quant import kv_quant_for
 from engine.model.ops import FusedCpuOps
 from engine.model.packed_linear import pack_linears, pack_lm_head
 from engine.model.rotary import RotaryEmbedding
@@ -37,8 +38,9 @@ FUSED_OPS_DTYPES = (torch.float32, torch.bfloat16)
 class ModelRunner:
     """Runs forward passes of one model over its KV cache.
 
-    The cache is one tensor ``[num_blocks, num_layers, 2, num_kv_heads, block_size, head_dim]``
-    (a block is contiguous across layers, for transfer); see ``PagedKVCache``. On CPU every
+    The cache is one tensor ``[num_blocks, num_layers, 2, num_kv_heads, block_size, row]``
+    (a block is contiguous across layers, for transfer; a row is ``head_dim`` values, or codes
+    and a scale in an 8-bit cache); see ``PagedKVCache`` and ``KVCacheSpec``. On CPU every
     kernel is chosen for ``cpu_isa`` (never above the host's level); ``kernels`` says which.
     """
 
@@ -46,6 +48,7 @@ class ModelRunner:
         self,
         model_dir: Path,
         dtype: str,
+        kv_cache_dtype: str,
         device: torch.device,
         block_size: int,
         max_model_len: int | None,
@@ -55,6 +58,7 @@ class ModelRunner:
         cpu_isa: CpuIsa,
     ) -> None:
         self.device = device
+        self.dtype_name = dtype
         self.dtype = TORCH_DTYPES[dtype]
         self.block_size = block_size
         self.cpu_isa = cpu_isa if device.type == "cpu" else None
@@ -67,14 +71,18 @@ class ModelRunner:
             num_kv_heads=config.num_kv_heads,
             head_dim=config.head_dim,
             block_size=block_size,
-            dtype=dtype,
+            dtype=kv_cache_dtype,
         )
         self.num_kv_blocks = num_kv_blocks or self._blocks_for_memory(kv_cache_memory_gb)
-        # Zeroed, not empty: padded block-table entries are read (then masked), and NaN * 0 = NaN.
+        quant = kv_quant_for(kv_cache_dtype)
+        # Zeroed, not empty: padded block-table entries are read (then masked), and NaN * 0 = NaN
+        # (an 8-bit row of zeros is zero codes at scale 0).
         self.kv_cache = torch.zeros(
-            (self.num_kv_blocks, *self.kv_cache_spec.block_shape), dtype=self.dtype, device=device
+            (self.num_kv_blocks, *self.kv_cache_spec.block_shape),
+            dtype=self.dtype if quant is None else torch.uint8,
+            device=device,
         )
-        self.cache = PagedKVCache(self.kv_cache)
+        self.cache = PagedKVCache(self.kv_cache, quant, self.dtype)
         self.rope = RotaryEmbedding(config, self.max_model_len, self.dtype, device)
         self.cpu_kernels = self._load_cpu_kernels(kernel_backend)
         self.decode_kernel = self._select_decode_kernel()
@@ -122,7 +130,7 @@ class ModelRunner:
     def _select_prefill_kernel(self) -> ModuleType | None:
         config = self.model_config
         if self.cpu_kernels is None or not self.cpu_kernels.paged_prefill_supported(
-            self.kv_cache_spec.dtype,
+            self.dtype_name,
             config.head_dim,
             self.block_size,
             config.num_heads // config.num_kv_heads,
@@ -218,14 +226,21 @@ class ModelRunner:
             return None
         assert self.prefill_kernel is not None
         max_blocks = max(len(blocks) for blocks, _, _, _ in chunks)
-        tables = [blocks + [0] * (max_blocks - len(blocks)) for blocks, _, _, _ in chunks]
+        tables = torch.tensor(
+            [blocks + [0] * (max_blocks - len(blocks)) for blocks, _, _, _ in chunks],
+            dtype=torch.long,
+        )
+        context_blocks = None
+        if self.cache.quant is not None:
+            context_blocks, tables = torch.unique(tables, return_inverse=True)
         return PrefillBatch(
-            block_tables=torch.tensor(tables, dtype=torch.long),
+            block_tables=tables,
             q_starts=torch.tensor([start for _, start, _, _ in chunks], dtype=torch.long),
             q_lens=torch.tensor([n for _, _, n, _ in chunks], dtype=torch.long),
             context_lens=torch.tensor([end for _, _, _, end in chunks], dtype=torch.long),
             kernel=self.prefill_kernel,
             sliding_window=self.model_config.sliding_window,
+            context_blocks=context_blocks,
         )
 
     def _decode_inputs(self, tables: list[list[int]], context_lens: list[int]) -> DecodeInputs:

@@ -36,7 +36,7 @@ def cache_rows(kv_cache: torch.Tensor, spec: KVCacheSpec) -> torch.Tensor:
         raise ValueError(
             f"kv_cache shape {tuple(kv_cache.shape)} is not [num_blocks, *{spec.block_shape}]"
         )
-    if kv_cache.dtype != _TORCH_DTYPES[spec.dtype]:
+    if kv_cache.dtype != (torch.uint8 if spec.quantized else _TORCH_DTYPES[spec.dtype]):
         raise ValueError(f"kv_cache dtype {kv_cache.dtype} does not match spec dtype {spec.dtype}")
     if not kv_cache.is_contiguous():
         raise ValueError("kv_cache must be contiguous: one block is one contiguous region")

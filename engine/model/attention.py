@@ -26,26 +26,35 @@ from types import ModuleType
 import torch
 import torch.nn.functional as F
 
+from engine.kv_cache_spec import KV_SCALE_BYTES
+from engine.model.kv_quant import KVQuant, dequantize_rows, quantize_rows
+
 
 class PagedKVCache:
     """Layer-indexed reads and writes of the engine's KV tensor.
 
-    The tensor is ``[num_blocks, num_layers, 2, num_kv_heads, block_size, head_dim]``: a block
-    is contiguous across layers (one transfer descriptor), and inside a layer the tokens of one
-    KV head are contiguous, so a gather of whole ``[block_size, head_dim]`` tiles yields
-    ``[seqs, kv_heads, tokens, head_dim]`` without a transpose. Indices are precomputed once
-    per step for layer 0 / keys and shifted by a constant per layer and for values.
+    The tensor is ``[num_blocks, num_layers, 2, num_kv_heads, block_size, row]``: a block is
+    contiguous across layers (one transfer descriptor), and inside a layer the tokens of one
+    KV head are contiguous, so a gather of whole ``[block_size, row]`` tiles yields
+    ``[seqs, kv_heads, tokens, row]`` without a transpose. A row is ``head_dim`` values, or
+    with ``quant`` (an 8-bit cache, ``uint8``) ``head_dim`` codes and their scale
+    (``kv_quant``): writes quantize, gathers dequantize to ``dtype``. Indices are precomputed
+    once per step for layer 0 / keys and shifted by a constant per layer and for values.
     """
 
-    def __init__(self, kv_cache: torch.Tensor) -> None:
-        _, num_layers, _, num_kv_heads, block_size, head_dim = kv_cache.shape
+    def __init__(
+        self, kv_cache: torch.Tensor, quant: KVQuant | None = None, dtype: torch.dtype | None = None
+    ) -> None:
+        _, num_layers, _, num_kv_heads, block_size, row_size = kv_cache.shape
         self.tensor = kv_cache
+        self.quant = quant
+        self.dtype = dtype or kv_cache.dtype  # of what gathers return
         self.num_layers = num_layers
         self.num_kv_heads = num_kv_heads
         self.block_size = block_size
-        self.head_dim = head_dim
-        self._slots = kv_cache.view(-1, head_dim)  # one row per (block, layer, k|v, head, slot)
-        self._tiles = kv_cache.view(-1, block_size, head_dim)  # per (block, layer, k|v, head)
+        self.head_dim = row_size - KV_SCALE_BYTES if quant is not None else row_size
+        self._slots = kv_cache.view(-1, row_size)  # one row per (block, layer, k|v, head, slot)
+        self._tiles = kv_cache.view(-1, block_size, row_size)  # per (block, layer, k|v, head)
 
     def slot_rows(self, block_ids: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
         """[T, KVH] rows of layer 0's key slots for tokens at (block, offset)."""
@@ -62,18 +71,30 @@ class PagedKVCache:
     def write(self, layer: int, slot_rows: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store new tokens' ``k``/``v`` [T, KVH, D] at ``slot_rows`` (from ``slot_rows``)."""
         key_rows = (slot_rows + layer * 2 * self.num_kv_heads * self.block_size).flatten()
-        self._slots.index_copy_(0, key_rows, k.reshape(-1, self.head_dim))
         value_rows = key_rows + self.num_kv_heads * self.block_size
-        self._slots.index_copy_(0, value_rows, v.reshape(-1, self.head_dim))
+        if self.quant is not None:
+            k, v = quantize_rows(k, self.quant), quantize_rows(v, self.quant)
+        self._slots.index_copy_(0, key_rows, k.reshape(len(key_rows), -1))
+        self._slots.index_copy_(0, value_rows, v.reshape(len(value_rows), -1))
 
     def gather(self, layer: int, tile_rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values [B, KVH, num_blocks * block_size, D] of ``tile_rows`` [B, KVH, nb]."""
         b, kvh, nb = tile_rows.shape
         key_rows = (tile_rows + layer * 2 * kvh).flatten()
-        shape = (b, kvh, nb * self.block_size, self.head_dim)
+        shape = (b, kvh, nb * self.block_size, self._tiles.shape[-1])
         keys = self._tiles.index_select(0, key_rows).view(shape)
         values = self._tiles.index_select(0, key_rows + kvh).view(shape)
+        if self.quant is not None:
+            keys = dequantize_rows(keys, self.quant, self.dtype)
+            values = dequantize_rows(values, self.quant, self.dtype)
         return keys, values
+
+    def dequantized_layer(self, layer: int, block_ids: torch.Tensor) -> torch.Tensor:
+        """``[len(block_ids), 1, 2, KVH, block_size, D]`` in ``dtype``: one layer of the given
+        blocks, dequantized, in the cache's layout (a scratch cache for the prefill kernel)."""
+        assert self.quant is not None
+        rows = self.tensor[block_ids, layer]  # [n, 2, KVH, BS, row]
+        return dequantize_rows(rows, self.quant, self.dtype).unsqueeze(1)
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,6 +122,9 @@ class PrefillBatch:
     context_lens: torch.Tensor  # [S] long
     kernel: ModuleType
     sliding_window: int | None
+    # 8-bit cache: the blocks the chunks read; ``block_tables`` index into this list, and each
+    # layer runs over these blocks dequantized (``PagedKVCache.dequantized_layer``).
+    context_blocks: torch.Tensor | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -176,14 +200,17 @@ def paged_attention(
     if num_decode:
         out[:num_decode] = _decode(layer, q[:num_decode], cache, meta)
     if batch is not None:
+        context, context_layer = cache.tensor, layer
+        if batch.context_blocks is not None:
+            context, context_layer = cache.dequantized_layer(layer, batch.context_blocks), 0
         batch.kernel.paged_prefill(
             q,
-            cache.tensor,
+            context,
             batch.block_tables,
             batch.q_starts,
             batch.q_lens,
             batch.context_lens,
-            layer,
+            context_layer,
             q.shape[-1] ** -0.5,
             batch.sliding_window or -1,
             out,
@@ -198,6 +225,17 @@ def _decode(
 ) -> torch.Tensor:
     inputs = meta.decode
     num_seqs, num_heads, head_dim = q.shape
+    if inputs.kernel is not None and cache.quant is not None:
+        return inputs.kernel.paged_decode_quantized(
+            q.contiguous(),
+            cache.tensor,
+            inputs.block_tables,
+            inputs.context_lens,
+            layer,
+            head_dim**-0.5,
+            inputs.sliding_window or -1,
+            cache.quant.kernel_id,
+        )
     if inputs.kernel is not None:
         return inputs.kernel.paged_decode(
             q.contiguous(),

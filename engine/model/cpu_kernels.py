@@ -3,6 +3,9 @@
 - ``paged_decode`` reads K/V tiles in place through the block tables, where the torch path
   must first gather them into a padded copy. Any dtype; bfloat16 on AVX-512 BF16 hosts uses
   pair dot products and a vectorized softmax.
+- ``paged_decode_quantized``: the same over an 8-bit cache (int8 or fp8 e4m3 codes with a
+  float32 scale per row, ``kv_quant``), codes widened per tile, scales folded into the scores
+  and the softmax weights.
 - ``paged_prefill`` (bfloat16 from AVX512_BF16, float32 from AVX2; head_dim 32, 64 or 128)
   runs every prefill chunk of a step in one call, reading each chunk's context in place: about
   4x the throughput of SDPA's CPU flash kernel in bfloat16 on SmolLM2's shapes
@@ -35,6 +38,7 @@ CSRC_DIR = Path(__file__).parent / "csrc"
 SOURCES = (
     "paged_decode.cpp",
     "paged_decode_avx2.cpp",
+    "paged_decode_quantized.cpp",
     "paged_prefill.cpp",
     "paged_prefill_avx2.cpp",
     "fused_ops.cpp",

@@ -1,0 +1,189 @@
+"""8-bit KV cache rows (``kv_quant``): quantize/dequantize bounds, the cache's writes and
+gathers, and the compiled decode and prefill paths at every level against the torch reference."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.kv_cache_spec import KVCacheSpec
+from engine.model.attention import (
+    AttentionMetadata,
+    DecodeInputs,
+    PagedKVCache,
+    PrefillBatch,
+    decode_bias,
+    paged_attention,
+)
+from engine.model.kv_quant import KVQuant, dequantize_rows, kv_quant_for, quantize_rows
+from tests.engine.model.test_cpu_kernels import sdpa_reference, torch_reference
+
+
+def rows_of(shape: tuple[int, ...], seed: int, decades: tuple[int, int] = (-3, 2)) -> torch.Tensor:
+    """Rows scaled over ``decades`` orders of magnitude, a zero row and a row of one value."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(shape, generator=gen) * torch.logspace(*decades, shape[0])[:, None]
+    x[0] = 0.0
+    x[1] = -7.25
+    return x
+
+
+def test_int8_round_trip_is_within_half_a_step_of_each_row():
+    x = rows_of((64, 64), 0)
+    rows = quantize_rows(x, KVQuant.INT8)
+    assert rows.dtype == torch.uint8 and rows.shape == (64, 68)
+    back = dequantize_rows(rows, KVQuant.INT8, torch.float32)
+    step = x.abs().amax(-1, keepdim=True) / 127
+    assert torch.all((back - x).abs() <= step / 2 * (1 + 1e-5) + 1e-30)
+    assert torch.equal(back[0], torch.zeros(64))
+    torch.testing.assert_close(back[1], x[1])  # a row's absmax is exact
+
+
+def test_fp8_round_trip_is_within_e4m3_rounding():
+    x = rows_of((64, 64), 1)
+    back = dequantize_rows(quantize_rows(x, KVQuant.FP8_E4M3), KVQuant.FP8_E4M3, torch.float32)
+    scale = x.abs().amax(-1, keepdim=True) / 448
+    # 3 mantissa bits: half a step is 2**-4 of the value; subnormal codes step by 2**-9 * scale.
+    bound = torch.maximum(x.abs() * 2**-4, scale * 2**-10) * (1 + 1e-5)
+    assert torch.all((back - x).abs() <= bound)
+    assert torch.equal(back[0], torch.zeros(64))
+
+
+def test_bfloat16_input_quantizes_like_its_float32_value():
+    x = rows_of((8, 32), 2).to(torch.bfloat16)
+    for quant in KVQuant:
+        assert torch.equal(quantize_rows(x, quant), quantize_rows(x.float(), quant))
+
+
+def test_spec_of_an_8bit_cache_has_about_half_the_bytes_and_its_own_hash():
+    shape = {"num_layers": 30, "num_kv_heads": 3, "head_dim": 64, "block_size": 16}
+    bf16 = KVCacheSpec(**shape, dtype="bfloat16")
+    int8 = KVCacheSpec(**shape, dtype="int8")
+    fp8 = KVCacheSpec(**shape, dtype="fp8_e4m3")
+    assert int8.block_shape == (30, 2, 3, 16, 68) and int8.quantized and not bf16.quantized
+    assert int8.block_bytes == fp8.block_bytes == bf16.block_bytes * 68 // 128
+    assert len({bf16.compat_hash(), int8.compat_hash(), fp8.compat_hash()}) == 3
+    assert kv_quant_for("bfloat16") is None and kv_quant_for("fp8_e4m3") is KVQuant.FP8_E4M3
+    with pytest.raises(ValueError, match="unsupported KV dtype 'int4'"):
+        KVCacheSpec(**shape, dtype="int4")
+
+
+def quantized_cache(quant, dtype, num_blocks, num_layers, kv_heads, head_dim, seed):
+    data = rows_of((num_blocks * num_layers * 2 * kv_heads * 16, head_dim), seed, (-1, 1))
+    rows = quantize_rows(data, quant).view(num_blocks, num_layers, 2, kv_heads, 16, head_dim + 4)
+    return PagedKVCache(rows.contiguous(), quant, dtype)
+
+
+@pytest.mark.parametrize("quant", list(KVQuant), ids=lambda q: q.value)
+def test_cache_write_then_gather_returns_the_dequantized_tokens(quant):
+    cache = quantized_cache(quant, torch.float32, 8, 2, 3, 32, 3)
+    gen = torch.Generator().manual_seed(4)
+    k, v = torch.randn(5, 3, 32, generator=gen), torch.randn(5, 3, 32, generator=gen)
+    blocks, offsets = torch.tensor([2, 2, 5, 7, 7]), torch.tensor([0, 15, 3, 8, 9])
+    cache.write(1, cache.slot_rows(blocks, offsets), k, v)
+    for i, (b, o) in enumerate(zip(blocks.tolist(), offsets.tolist(), strict=True)):
+        keys, values = cache.gather(1, cache.tile_rows(torch.tensor([[b]])))
+        want_k = dequantize_rows(quantize_rows(k[i], quant), quant, torch.float32)
+        want_v = dequantize_rows(quantize_rows(v[i], quant), quant, torch.float32)
+        assert torch.equal(keys[0, :, o], want_k) and torch.equal(values[0, :, o], want_v)
+    layer = cache.dequantized_layer(1, torch.tensor([7, 2]))
+    keys, values = cache.gather(1, cache.tile_rows(torch.tensor([[7, 2]])))
+    assert torch.equal(layer[:, 0, 0].transpose(0, 1).reshape(3, 32, 32), keys[0])
+    assert torch.equal(layer[:, 0, 1].transpose(0, 1).reshape(3, 32, 32), values[0])
+
+
+@pytest.mark.parametrize("quant", list(KVQuant), ids=lambda q: q.value)
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-4), (torch.bfloat16, 1e-2)])
+@pytest.mark.parametrize("head_dim", [16, 32, 64, 128])
+@pytest.mark.parametrize("window", [None, 20])
+def test_quantized_decode_kernel_matches_torch_path(kernels, quant, dtype, tol, head_dim, window):
+    """The kernel against the torch path over the same rows; the reference runs in float32
+    (the torch path's bfloat16 matmuls round more than the kernel's float32 math)."""
+    num_blocks, num_layers, kv_heads, group = 64, 2, 2, 3
+    cache = quantized_cache(quant, dtype, num_blocks, num_layers, kv_heads, head_dim, head_dim)
+    reference = PagedKVCache(cache.tensor, quant, torch.float32)
+    gen = torch.Generator().manual_seed(5)
+    lens = torch.tensor([1, 15, 16, 17, 40, 95])
+    max_blocks = -(-int(lens.max()) // 16)
+    tables = torch.stack([torch.randperm(num_blocks, generator=gen)[:max_blocks] for _ in lens])
+    q = torch.randn(len(lens), kv_heads * group, head_dim, generator=gen).to(dtype)
+    for layer in range(num_layers):
+        want = torch_reference(layer, q.float(), reference, tables, lens, window)
+        got = kernels.paged_decode_quantized(
+            q, cache.tensor, tables, lens, layer, head_dim**-0.5, window or -1, quant.kernel_id
+        )
+        assert got.dtype == dtype
+        torch.testing.assert_close(got.float(), want, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("quant", list(KVQuant), ids=lambda q: q.value)
+@pytest.mark.parametrize("dtype,atol", [(torch.bfloat16, 2e-2), (torch.float32, 2e-5)])
+def test_prefill_over_a_quantized_cache_matches_sdpa(kernels, quant, dtype, atol):
+    """The compiled prefill kernel reads a step's context blocks dequantized into a scratch
+    cache (``PrefillBatch.context_blocks``); SDPA over the gathered context is the reference."""
+    dtype_name = str(dtype).removeprefix("torch.")
+    if not kernels.paged_prefill_supported(dtype_name, 64, 16, 3):
+        pytest.skip(f"the paged prefill kernel is not built for {dtype_name} at this level")
+    num_blocks, kv_heads, group, head_dim = 48, 2, 3, 64
+    cache = quantized_cache(quant, dtype, num_blocks, 2, kv_heads, head_dim, 6)
+    gen = torch.Generator().manual_seed(7)
+    chunks = [(37, 37), (5, 100), (16, 32), (20, 53)]
+    q_lens = torch.tensor([n for n, _ in chunks])
+    context_lens = torch.tensor([ctx for _, ctx in chunks])
+    q_starts = torch.cumsum(q_lens, 0) - q_lens
+    max_blocks = -(-int(context_lens.max()) // 16)
+    tables = torch.randperm(num_blocks, generator=gen)[: len(chunks) * max_blocks]
+    tables = tables.view(len(chunks), max_blocks).contiguous()
+    q = torch.randn(int(q_lens.sum()), kv_heads * group, head_dim, generator=gen).to(dtype)
+    context_blocks, local_tables = torch.unique(tables, return_inverse=True)
+    batch = PrefillBatch(
+        local_tables, q_starts, q_lens, context_lens, kernels, None, context_blocks
+    )
+    for layer in range(2):
+        want = sdpa_reference(layer, q, cache, tables, q_starts, q_lens, context_lens, None)
+        got = torch.zeros_like(want)
+        context = cache.dequantized_layer(layer, batch.context_blocks)
+        kernels.paged_prefill(
+            q, context, local_tables, q_starts, q_lens, context_lens, 0, head_dim**-0.5, -1, got
+        )
+        torch.testing.assert_close(got.float(), want.float(), atol=atol, rtol=atol)
+
+
+def test_paged_attention_writes_quantized_rows_then_reads_them_back(kernels):
+    """One decode step through ``paged_attention``: the new token's K/V are quantized into the
+    cache, and the kernel's output equals the torch path's over the same cache."""
+    quant, dtype, head_dim = KVQuant.INT8, torch.float32, 64
+    outs = []
+    for kernel in (kernels, None):
+        cache = quantized_cache(quant, dtype, 16, 1, 3, head_dim, 8)
+        gen = torch.Generator().manual_seed(9)
+        q = torch.randn(2, 9, head_dim, generator=gen)
+        k, v = (
+            torch.randn(2, 3, head_dim, generator=gen),
+            torch.randn(2, 3, head_dim, generator=gen),
+        )
+        tables, lens = torch.tensor([[3, 4], [9, 0]]), torch.tensor([20, 5])
+        decode = DecodeInputs(tables, lens, None, None, kernel, None)
+        if kernel is None:
+            decode = DecodeInputs(
+                tables,
+                lens,
+                cache.tile_rows(tables),
+                decode_bias(lens, 32, None, dtype),
+                None,
+                None,
+            )
+        meta = AttentionMetadata(
+            slot_rows=cache.slot_rows(torch.tensor([4, 9]), torch.tensor([3, 4])),
+            num_decode_tokens=2,
+            decode=decode,
+            prefills=(),
+            prefill_batch=None,
+            cos=torch.empty(0),
+            sin=torch.empty(0),
+        )
+        outs.append(paged_attention(0, q, k, v, cache, meta))
+        keys, _ = cache.gather(0, cache.tile_rows(torch.tensor([[4]])))
+        want_k = dequantize_rows(quantize_rows(k[0], quant), quant, dtype)
+        assert torch.equal(keys[0, :, 3], want_k)
+    torch.testing.assert_close(outs[0], outs[1], atol=1e-5, rtol=0)
