@@ -32,15 +32,16 @@ class EngineConfig:
     )
     dtype: str = flag(
         "auto",
-        "weights and KV cache dtype; auto: bfloat16 on CUDA and on CPUs with AVX-512 BF16, "
+        "weights and activations dtype; auto: bfloat16 on CUDA and on CPUs with AVX-512 BF16, "
         "float32 on other CPUs",
         choices=DTYPES,
     )
     kv_cache_dtype: str = flag(
         "auto",
-        "KV cache dtype: the model's dtype (auto; float32/bfloat16/float16 must equal --dtype), "
-        "or 8 bits per value with a float32 scale per token and head (int8, fp8_e4m3; fp8 is "
-        "fp8_e4m3): about half the bytes per token to read, transfer and cache",
+        "KV cache dtype: 8 bits per value with a float32 scale per token and head (int8, "
+        "fp8_e4m3; fp8 is fp8_e4m3: about half the bytes per token to read, transfer and cache) "
+        "or the model's dtype (float32/bfloat16/float16, must equal --dtype); auto: int8 for a "
+        "bfloat16 model on CPU, else the model's dtype",
         choices=KV_CACHE_DTYPES,
     )
     device: str = flag("auto", "cpu, cuda, cuda:N or auto (cuda when available)")

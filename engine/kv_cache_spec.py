@@ -58,6 +58,14 @@ class KVCacheSpec:
         n = self.num_layers * 2 * self.block_size * self.num_kv_heads * self.row_size
         return n * (1 if self.quantized else DTYPE_SIZE_BYTES[self.dtype])
 
+    def describe(self) -> str:
+        """One line naming every field, e.g. ``int8 KV cache: 30 layers x 3 KV heads x
+        head_dim 64, 16-token blocks``: what a refused peer's error shows of each side."""
+        return (
+            f"{self.dtype} KV cache: {self.num_layers} layers x {self.num_kv_heads} KV heads x "
+            f"head_dim {self.head_dim}, {self.block_size}-token blocks"
+        )
+
     def compat_hash(self) -> str:
         """Short stable digest of every field; equal hashes mean blocks can be copied verbatim."""
         blob = json.dumps(asdict(self), sort_keys=True).encode()

@@ -55,11 +55,18 @@ def resolve_dtype(name: str, device: torch.device, level: CpuIsa) -> str:
     return cpu_auto_dtype(level)
 
 
-def resolve_kv_cache_dtype(name: str, dtype: str) -> str:
-    """``--kv-cache-dtype`` made concrete for a model running in ``dtype``: ``auto`` is the
-    model's dtype, ``fp8`` is ``fp8_e4m3``; an unquantized cache must have the model's dtype."""
+def resolve_kv_cache_dtype(name: str, dtype: str, device: torch.device) -> str:
+    """``--kv-cache-dtype`` made concrete for a model running in ``dtype`` on ``device``.
+
+    ``auto``: int8 for a bfloat16 model on CPU, else the model's dtype. The rule comes from
+    ``loadtest.kv_cache_quality`` (BENCHMARKS.md): int8's distance from a bfloat16 cache is
+    bfloat16's own distance from float32 (greedy agreement, top-1, NLL), so it costs nothing a
+    bfloat16 model had not already given up; a float32 model keeps its exactness (token for
+    token with Hugging Face); CUDA has no 8-bit attention kernel yet. ``fp8`` is ``fp8_e4m3``;
+    an unquantized cache must have the model's dtype.
+    """
     if name == "auto":
-        return dtype
+        return "int8" if dtype == "bfloat16" and device.type == "cpu" else dtype
     if name == "fp8":
         return "fp8_e4m3"
     if name in QUANTIZED_KV_DTYPES or name == dtype:
@@ -128,7 +135,7 @@ class LLMEngine:
         self.served_model_name = config.served_model_name or config.model
         self.tokenizer = Tokenizer(self.model_dir)
         self._compiler: GrammarCompiler | None = None
-        self.kv_cache_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, self.dtype)
+        self.kv_cache_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, self.dtype, self.device)
         self.runner = ModelRunner(
             self.model_dir,
             self.dtype,

@@ -54,6 +54,7 @@ class PeerInfo:
     compat_hash: str
     version: int = KV_TRANSFER_VERSION
     metadata: bytes = b""
+    kv_layout: str = ""  # KVCacheSpec.describe(): names the layout when hashes differ
 
 
 @dataclass(frozen=True, slots=True)

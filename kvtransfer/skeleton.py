@@ -61,6 +61,7 @@ class BackendSkeleton(KVTransferBackend):
         self._num_blocks = 0
         self._block_bytes = 0
         self._compat_hash = ""
+        self._kv_layout = ""
         self._published = PublishedBlocks()
         self._reads = ReadStates()
         # req_id -> (engine_id, src req_id, grant): where each read came from, for release.
@@ -79,6 +80,7 @@ class BackendSkeleton(KVTransferBackend):
         rows = cache_rows(kv_cache, spec)
         self._num_blocks, self._block_bytes = rows.shape
         self._compat_hash = spec.compat_hash()
+        self._kv_layout = spec.describe()
         address, metadata = self._expose(kv_cache, rows)
         self._registered = True
         return PeerInfo(
@@ -87,6 +89,7 @@ class BackendSkeleton(KVTransferBackend):
             address=address,
             compat_hash=self._compat_hash,
             metadata=metadata,
+            kv_layout=self._kv_layout,
         )
 
     def add_peer(self, peer: PeerInfo) -> None:
@@ -108,8 +111,10 @@ class BackendSkeleton(KVTransferBackend):
             )
         if peer.compat_hash != self._compat_hash:
             raise KVTransferError(
-                f"peer {peer.engine_id!r} has KV cache compat_hash {peer.compat_hash!r}, "
-                f"ours is {self._compat_hash!r}: the KV cache layouts differ"
+                f"peer {peer.engine_id!r} has KV cache compat_hash {peer.compat_hash!r} "
+                f"({peer.kv_layout or 'layout not sent'}), ours is {self._compat_hash!r} "
+                f"({self._kv_layout}): the KV cache layouts differ (--kv-cache-dtype, --dtype, "
+                "--block-size or the model)"
             )
         self._check_peer_info(peer)
         with self._lock:

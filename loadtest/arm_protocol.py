@@ -36,6 +36,8 @@ class ArmJob:
     cpu_isa: str = "auto"
     # "cpu" or "cuda": where splitserve and transformers run (the vLLM arm is CPU only).
     device: str = "cpu"
+    # --kv-cache-dtype of splitserve and vLLM (transformers keeps its own cache).
+    kv_cache_dtype: str = "auto"
 
     def write(self, path: Path) -> None:
         """Serialise to ``path`` as JSON (overwrites)."""

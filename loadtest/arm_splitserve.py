@@ -24,6 +24,7 @@ def run(job: ArmJob) -> ArmResult:
     llm = LLM(
         model=job.model_dir,
         dtype=job.dtype,
+        kv_cache_dtype=job.kv_cache_dtype,
         device=job.device,
         cpu_isa=job.cpu_isa,
         max_num_seqs=job.max_num_seqs,

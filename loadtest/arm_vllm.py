@@ -33,6 +33,7 @@ def run(job: ArmJob) -> ArmResult:
     llm = LLM(
         model=job.model_dir,
         dtype=job.dtype,
+        kv_cache_dtype=job.kv_cache_dtype,
         enforce_eager=True,
         max_num_seqs=job.max_num_seqs,
         max_num_batched_tokens=job.max_num_batched_tokens,

@@ -226,7 +226,7 @@ def _header(args: argparse.Namespace, model_dir: Path, workload: Workload) -> li
         "",
         f"- device {args.device}; CPU level {resolve_isa(args.cpu_isa).value} (host "
         f"{host_isa().value}, --cpu-isa {args.cpu_isa}); --dtype {args.dtype_requested} runs "
-        f"{args.dtype} in every system",
+        f"{args.dtype} in every system; --kv-cache-dtype {args.kv_cache_dtype} (splitserve, vLLM)",
         f"- model dir: `{model_dir}`",
         f"- workload: {workload.num_prompts} prompts ({workload.method}, seed {workload.seed}), "
         f"prompt tokens uniform in [{args.min_prompt_tokens}, {args.max_prompt_tokens}] "
@@ -266,6 +266,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default="auto",
         help="auto: splitserve's choice for the CPU level (bfloat16 from avx512_bf16, else "
         "float32), given to every system",
+    )
+    p.add_argument(
+        "--kv-cache-dtype",
+        choices=("auto", "fp8", "fp8_e4m3", "int8"),
+        default="auto",
+        help="splitserve's and vLLM's --kv-cache-dtype (auto: each system's default; vLLM CPU "
+        "has fp8 but no int8)",
     )
     p.add_argument(
         "--device",
@@ -360,6 +367,7 @@ def main(argv: list[str] | None = None) -> int:
             seed=args.seed,
             cpu_isa=args.cpu_isa,
             device=args.device,
+            kv_cache_dtype=args.kv_cache_dtype,
         )
         runs.append(run_arm(system, job, args, out_dir))
 

@@ -3,7 +3,8 @@
 ``python -m loadtest.kv_cache_quality --model smollm2-135m [--dtype auto] [--cpu-isa auto]
 [--kv-cache-dtypes int8,fp8_e4m3] [--out bench-out/kv-quality]``
 
-Two measurements per 8-bit dtype, each against an unquantized cache in the same run:
+Two measurements per 8-bit dtype, each against a cache in the model's dtype in the same run
+(and, for a bfloat16 model, the float32 model's own distance from it, for scale):
 
 - **Greedy agreement** over ``bench_engine``'s workload (the same seeded random-token prompts,
   greedy, ``ignore_eos``): the share of requests whose whole output is identical, and the
@@ -32,7 +33,7 @@ import torch
 from engine.config import EngineConfig
 from engine.cpu_isa import ISA_CHOICES, resolve_isa
 from engine.llm import LLM
-from engine.llm_engine import LLMEngine
+from engine.llm_engine import LLMEngine, resolve_dtype
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledRequest
 from loadtest.bench_engine import resolve_model_dir
@@ -195,19 +196,19 @@ def main(argv: list[str] | None = None) -> int:
     quantized = [d.strip() for d in args.kv_cache_dtypes.split(",") if d.strip()]
 
     blocks = args.num_texts * -(-args.text_tokens // BLOCK_SIZE)
-    ref_engine = _engine(args, "auto", blocks)
-    args.dtype = ref_engine.dtype
+    args.dtype = resolve_dtype(args.dtype, torch.device("cpu"), resolve_isa(args.cpu_isa))
+    ref_engine = _engine(args, args.dtype, blocks)
     texts = doc_texts(ref_engine.tokenizer.encode, args.num_texts, args.text_tokens)
     ref_steps = forced_logprobs(ref_engine, texts, args.prefix_tokens)
     del ref_engine
-    ref_greedy = greedy_outputs(args, "auto")
+    ref_greedy = greedy_outputs(args, args.dtype)
     greedy, likelihoods = [], []
     ref_nll = 0.0
     # (row name, kv cache dtype, model dtype): the 8-bit caches, then for scale the float32
     # model's own distance from a bfloat16 one.
     rows = [(d, d, args.dtype) for d in quantized]
     if args.dtype != "float32":
-        rows.append(("float32 model and cache", "auto", "float32"))
+        rows.append(("float32 model and cache", "float32", "float32"))
     for name, kv_cache_dtype, dtype in rows:
         engine = _engine(args, kv_cache_dtype, blocks, dtype)
         got = forced_logprobs(engine, texts, args.prefix_tokens)

@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.kv_cache_spec import KV_SCALE_BYTES
-from engine.model.kv_quant import KVQuant, dequantize_rows, quantize_rows
+from engine.model.kv_quant import KVQuant, dequantize_rows, key_rotation, quantize_rows
 
 
 class PagedKVCache:
@@ -53,6 +53,9 @@ class PagedKVCache:
         self.num_kv_heads = num_kv_heads
         self.block_size = block_size
         self.head_dim = row_size - KV_SCALE_BYTES if quant is not None else row_size
+        # Keys are stored multiplied by this (kv_quant.key_rotation), on the cache's device.
+        rotation = key_rotation(quant, self.head_dim)
+        self.key_rotation = None if rotation is None else rotation.to(kv_cache.device)
         self._slots = kv_cache.view(-1, row_size)  # one row per (block, layer, k|v, head, slot)
         self._tiles = kv_cache.view(-1, block_size, row_size)  # per (block, layer, k|v, head)
 
@@ -72,6 +75,8 @@ class PagedKVCache:
         """Store new tokens' ``k``/``v`` [T, KVH, D] at ``slot_rows`` (from ``slot_rows``)."""
         key_rows = (slot_rows + layer * 2 * self.num_kv_heads * self.block_size).flatten()
         value_rows = key_rows + self.num_kv_heads * self.block_size
+        if self.key_rotation is not None:
+            k = k.float() @ self.key_rotation
         if self.quant is not None:
             k, v = quantize_rows(k, self.quant), quantize_rows(v, self.quant)
         self._slots.index_copy_(0, key_rows, k.reshape(len(key_rows), -1))
@@ -85,16 +90,24 @@ class PagedKVCache:
         keys = self._tiles.index_select(0, key_rows).view(shape)
         values = self._tiles.index_select(0, key_rows + kvh).view(shape)
         if self.quant is not None:
-            keys = dequantize_rows(keys, self.quant, self.dtype)
+            keys = self._dequantize_keys(keys)
             values = dequantize_rows(values, self.quant, self.dtype)
         return keys, values
+
+    def _dequantize_keys(self, rows: torch.Tensor) -> torch.Tensor:
+        assert self.quant is not None
+        if self.key_rotation is None:
+            return dequantize_rows(rows, self.quant, self.dtype)
+        return (dequantize_rows(rows, self.quant, torch.float32) @ self.key_rotation).to(self.dtype)
 
     def dequantized_layer(self, layer: int, block_ids: torch.Tensor) -> torch.Tensor:
         """``[len(block_ids), 1, 2, KVH, block_size, D]`` in ``dtype``: one layer of the given
         blocks, dequantized, in the cache's layout (a scratch cache for the prefill kernel)."""
         assert self.quant is not None
         rows = self.tensor[block_ids, layer]  # [n, 2, KVH, BS, row]
-        return dequantize_rows(rows, self.quant, self.dtype).unsqueeze(1)
+        keys = self._dequantize_keys(rows[:, 0])
+        values = dequantize_rows(rows[:, 1], self.quant, self.dtype)
+        return torch.stack([keys, values], dim=1).unsqueeze(1)
 
 
 @dataclass(frozen=True, slots=True)
@@ -226,8 +239,10 @@ def _decode(
     inputs = meta.decode
     num_seqs, num_heads, head_dim = q.shape
     if inputs.kernel is not None and cache.quant is not None:
-        return inputs.kernel.paged_decode_quantized(
-            q.contiguous(),
+        # Rotated keys take a rotated query (kv_quant), in float32: the kernel's own precision.
+        rotation = cache.key_rotation
+        out = inputs.kernel.paged_decode_quantized(
+            q.contiguous() if rotation is None else q.float() @ rotation,
             cache.tensor,
             inputs.block_tables,
             inputs.context_lens,
@@ -236,6 +251,7 @@ def _decode(
             inputs.sliding_window or -1,
             cache.quant.kernel_id,
         )
+        return out.to(q.dtype)
     if inputs.kernel is not None:
         return inputs.kernel.paged_decode(
             q.contiguous(),
@@ -266,7 +282,9 @@ def _prefill(
 ) -> torch.Tensor:
     end = seq.q_start + seq.q_len
     qs = q[seq.q_start : end].transpose(0, 1).unsqueeze(0)  # [1, H, q_len, D]
-    if seq.num_context_tokens == seq.q_len:
+    # A whole prompt attends to its own new K/V, except over an 8-bit cache: there every
+    # attention reads K/V as stored, so that a prefix hit and a recomputation agree.
+    if seq.num_context_tokens == seq.q_len and cache.quant is None:
         keys = k[seq.q_start : end].transpose(0, 1).unsqueeze(0)  # [1, KVH, q_len, D]
         values = v[seq.q_start : end].transpose(0, 1).unsqueeze(0)
     else:

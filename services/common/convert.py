@@ -155,6 +155,7 @@ def peer_info_to_proto(info: PeerInfo) -> worker_pb2.KVPeerInfo:
         metadata=info.metadata,
         compat_hash=info.compat_hash,
         version=info.version,
+        kv_layout=info.kv_layout,
     )
 
 
@@ -166,6 +167,7 @@ def peer_info_from_proto(msg: worker_pb2.KVPeerInfo) -> PeerInfo:
         compat_hash=msg.compat_hash,
         version=msg.version,
         metadata=msg.metadata,
+        kv_layout=msg.kv_layout,
     )
 
 

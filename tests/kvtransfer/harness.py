@@ -3,6 +3,7 @@ and a destination backend in the test process."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import multiprocessing
 import os
@@ -14,6 +15,7 @@ from multiprocessing.process import BaseProcess
 import torch
 
 from engine.kv_cache_spec import KVCacheSpec
+from engine.model.kv_quant import KVQuant, quantize_rows
 from kvtransfer.base import KVRef, KVTransferBackend, PeerInfo, TransferState
 from kvtransfer.registry import make_backend
 from kvtransfer.tls import KVTransferTls
@@ -21,13 +23,21 @@ from tests.waiting import wait_until
 
 SMALL_SPEC = KVCacheSpec(num_layers=2, num_kv_heads=2, head_dim=32, block_size=8, dtype="bfloat16")
 BIG_SPEC = KVCacheSpec(num_layers=4, num_kv_heads=4, head_dim=64, block_size=16, dtype="bfloat16")
+# SMALL_SPEC's shape with 8-bit rows (codes and a scale): what --kv-cache-dtype int8 registers.
+INT8_SPEC = dataclasses.replace(SMALL_SPEC, dtype="int8")
 NUM_BLOCKS = 64  # small: 64 x 4 KiB; big: 64 x 64 KiB = 4 MiB
 DONE, FAILED, PENDING = TransferState.DONE, TransferState.FAILED, TransferState.PENDING
 
 
 def make_cache(spec: KVCacheSpec, seed: int) -> torch.Tensor:
-    """The random bf16 cache a source process fills; the same seed gives the same bytes."""
+    """The random cache a source process fills (bf16, or quantized rows for an 8-bit spec);
+    the same seed gives the same bytes."""
     generator = torch.Generator().manual_seed(seed)
+    if spec.quantized:
+        values = torch.randn(
+            (NUM_BLOCKS, *spec.block_shape[:-1], spec.head_dim), generator=generator
+        )
+        return quantize_rows(values, KVQuant(spec.dtype)).contiguous()
     return torch.randn((NUM_BLOCKS, *spec.block_shape), generator=generator).to(torch.bfloat16)
 
 
@@ -192,7 +202,8 @@ def make_dst(
     """A registered destination backend over a zeroed cache of ``NUM_BLOCKS`` blocks."""
     backend = make_backend(backend_name, engine_id, io_timeout_s=io_timeout_s, tls=tls)
     shape = (NUM_BLOCKS, *spec.block_shape)
-    kv_cache = torch.zeros(shape, dtype=torch.bfloat16, device=device)
+    dtype = torch.uint8 if spec.quantized else torch.bfloat16
+    kv_cache = torch.zeros(shape, dtype=dtype, device=device)
     backend.register_kv_cache(kv_cache, spec)
     return backend, kv_cache
 

@@ -18,6 +18,7 @@ from tests.kvtransfer.harness import (
     BIG_SPEC,
     DONE,
     FAILED,
+    INT8_SPEC,
     NUM_BLOCKS,
     PENDING,
     SMALL_SPEC,
@@ -45,7 +46,10 @@ def sources(backend_name: str) -> Iterator[dict[str, SourceProcess]]:
     """Three source processes started together (their imports overlap): ``shared`` serves a
     small and a big engine; ``hung`` and ``killed`` are stopped or killed by one test each."""
     procs = {
-        "shared": SourceProcess(backend_name, [("small", SMALL_SPEC, 1), ("big", BIG_SPEC, 2)]),
+        "shared": SourceProcess(
+            backend_name,
+            [("small", SMALL_SPEC, 1), ("big", BIG_SPEC, 2), ("small_int8", INT8_SPEC, 5)],
+        ),
         "hung": SourceProcess(backend_name, [("hung", SMALL_SPEC, 3)]),
         "killed": SourceProcess(backend_name, [("killed", SMALL_SPEC, 4)]),
     }
@@ -89,6 +93,28 @@ def test_four_mib_read_is_bit_exact(backend_name, sources):
         assert torch.equal(rows(dst_cache), rows(make_cache(BIG_SPEC, seed=2))[src_ids])
     finally:
         dst.close()
+
+
+def test_an_8bit_cache_moves_bit_exact_codes_and_scales(backend_name, sources):
+    """An int8 cache's blocks are opaque bytes to every backend: codes and scales arrive as
+    they were, in about half a bfloat16 block's bytes."""
+    dst, dst_cache = make_dst(backend_name, INT8_SPEC)
+    try:
+        dst.add_peer(sources["shared"].info("small_int8"))
+        src_ids, dst_ids = [9, 3, 60, 0], [1, 2, 3, 40]
+        grant = sources["shared"].publish("small_int8", "q", src_ids)
+        assert read(dst, "q", KVRef("small_int8", "q", tuple(src_ids), 32, grant), dst_ids) is DONE
+        assert torch.equal(dst_cache[dst_ids], make_cache(INT8_SPEC, seed=5)[src_ids])
+        assert INT8_SPEC.block_bytes == SMALL_SPEC.block_bytes * (32 + 4) // 64
+    finally:
+        dst.close()
+
+
+def test_a_peer_with_another_kv_cache_dtype_is_refused_naming_both(sources, dst_small):
+    dst, _ = dst_small
+    refusal = r"int8 KV cache.*bfloat16 KV cache.*--kv-cache-dtype"
+    with pytest.raises(KVTransferError, match=refusal):
+        dst.add_peer(sources["shared"].info("small_int8"))
 
 
 def test_unpublished_request_or_block_is_refused_and_the_pair_survives(sources, dst_small):

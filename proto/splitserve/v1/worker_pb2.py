@@ -24,15 +24,15 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1asplitserve/v1/worker.proto\x12\rsplitserve.v1\"\xde\x02\n\x14WorkerSamplingParams\x12\x12\n\nmax_tokens\x18\x01 \x01(\x05\x12\x13\n\x0btemperature\x18\x02 \x01(\x02\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\r\n\x05top_k\x18\x04 \x01(\x05\x12\r\n\x05min_p\x18\x05 \x01(\x02\x12\x11\n\x04seed\x18\x06 \x01(\x03H\x00\x88\x01\x01\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\x05\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x12\x15\n\x08logprobs\x18\t \x01(\x05H\x01\x88\x01\x01\x12\x1a\n\x12repetition_penalty\x18\n \x01(\x02\x12\x18\n\x10presence_penalty\x18\x0b \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x0c \x01(\x02\x12\x33\n\nconstraint\x18\r \x01(\x0b\x32\x1f.splitserve.v1.OutputConstraintB\x07\n\x05_seedB\x0b\n\t_logprobs\"\x99\x01\n\x10OutputConstraint\x12\x15\n\x0bjson_schema\x18\x01 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x02 \x01(\x08H\x00\x12\x0f\n\x05regex\x18\x03 \x01(\tH\x00\x12+\n\x06\x63hoice\x18\x04 \x01(\x0b\x32\x19.splitserve.v1.ChoiceListH\x00\x12\x11\n\x07grammar\x18\x05 \x01(\tH\x00\x42\x06\n\x04kind\"\x1d\n\nChoiceList\x12\x0f\n\x07\x63hoices\x18\x01 \x03(\t\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"g\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x0c\n\x04rank\x18\x03 \x01(\x05\x12&\n\x03top\x18\x04 \x03(\x0b\x32\x19.splitserve.v1.TopLogprob\"y\n\nKVPeerInfo\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\x0f\n\x07\x62\x61\x63kend\x18\x02 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x03 \x01(\t\x12\x10\n\x08metadata\x18\x04 \x01(\x0c\x12\x13\n\x0b\x63ompat_hash\x18\x05 \x01(\t\x12\x0f\n\x07version\x18\x06 \x01(\r\"`\n\x05KVRef\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\x0e\n\x06req_id\x18\x02 \x01(\t\x12\x11\n\tblock_ids\x18\x03 \x03(\r\x12\x12\n\nnum_tokens\x18\x04 \x01(\r\x12\r\n\x05grant\x18\x05 \x01(\x0c\"\x89\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12\x35\n\x08sampling\x18\x03 \x01(\x0b\x32#.splitserve.v1.WorkerSamplingParams\x12\x12\n\ncache_salt\x18\x04 \x01(\t\"\x94\x02\n\x0fPrefillResponse\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12,\n\x07logprob\x18\x02 \x01(\x0b\x32\x1b.splitserve.v1.TokenLogprob\x12\x10\n\x08\x66inished\x18\x03 \x01(\x08\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12\x19\n\x11num_cached_tokens\x18\x05 \x01(\r\x12$\n\x06kv_ref\x18\x06 \x01(\x0b\x32\x14.splitserve.v1.KVRef\x12*\n\x07kv_peer\x18\x07 \x01(\x0b\x32\x19.splitserve.v1.KVPeerInfo\x12\x16\n\x0eprefill_time_s\x18\x08 \x01(\x01\x12\x13\n\x0bstop_reason\x18\t \x01(\t\"$\n\x0eReleaseRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"#\n\x0fReleaseResponse\x12\x10\n\x08released\x18\x01 \x01(\x08\"\xf4\x01\n\rDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12\x18\n\x10output_token_ids\x18\x03 \x03(\x05\x12\x35\n\x08sampling\x18\x04 \x01(\x0b\x32#.splitserve.v1.WorkerSamplingParams\x12$\n\x06kv_ref\x18\x05 \x01(\x0b\x32\x14.splitserve.v1.KVRef\x12*\n\x07kv_peer\x18\x06 \x01(\x0b\x32\x19.splitserve.v1.KVPeerInfo\x12\x12\n\ncache_salt\x18\x07 \x01(\t\"\xe7\x01\n\x0e\x44\x65\x63odeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12-\n\x08logprobs\x18\x02 \x03(\x0b\x32\x1b.splitserve.v1.TokenLogprob\x12\x10\n\x08\x66inished\x18\x03 \x01(\x08\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12\x13\n\x0bstop_reason\x18\x05 \x01(\t\x12\x19\n\x11num_cached_tokens\x18\x06 \x01(\r\x12\x1e\n\x16num_transferred_blocks\x18\x07 \x01(\r\x12\x1a\n\x12kv_transfer_failed\x18\x08 \x01(\x08\"\x10\n\x0eGetInfoRequest\"\xab\x02\n\nWorkerInfo\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\'\n\x04role\x18\x02 \x01(\x0e\x32\x19.splitserve.v1.WorkerRole\x12\r\n\x05model\x18\x03 \x01(\t\x12\x12\n\nvocab_size\x18\x04 \x01(\r\x12\x15\n\rmax_model_len\x18\x05 \x01(\r\x12\x12\n\nblock_size\x18\x06 \x01(\r\x12*\n\x07kv_peer\x18\x07 \x01(\x0b\x32\x19.splitserve.v1.KVPeerInfo\x12\x1b\n\x13kv_transfer_backend\x18\x08 \x01(\t\x12\r\n\x05\x64type\x18\t \x01(\t\x12\x0f\n\x07\x63pu_isa\x18\n \x01(\t\x12\x0f\n\x07kernels\x18\x0b \x01(\t\x12\x19\n\x11served_model_name\x18\x0c \x01(\t\"\x10\n\x0eGetLoadRequest\"\xd6\x02\n\nWorkerLoad\x12\x13\n\x0bnum_running\x18\x01 \x01(\r\x12\x13\n\x0bnum_waiting\x18\x02 \x01(\r\x12\x1a\n\x12num_waiting_for_kv\x18\x03 \x01(\r\x12\x15\n\rnum_kv_leases\x18\x04 \x01(\r\x12\x18\n\x10num_total_blocks\x18\x05 \x01(\r\x12\x17\n\x0fnum_used_blocks\x18\x06 \x01(\r\x12\x19\n\x11num_cached_blocks\x18\x07 \x01(\r\x12\x10\n\x08kv_usage\x18\x08 \x01(\x02\x12!\n\x19num_queued_prefill_tokens\x18\t \x01(\x04\x12\x17\n\x0fnum_preemptions\x18\n \x01(\x04\x12\x1c\n\x14num_transfers_failed\x18\x0b \x01(\x04\x12\x1a\n\x12num_leases_expired\x18\x0c \x01(\x04\x12\x15\n\rshutting_down\x18\r \x01(\x08*Z\n\nWorkerRole\x12\x1b\n\x17WORKER_ROLE_UNSPECIFIED\x10\x00\x12\x17\n\x13WORKER_ROLE_PREFILL\x10\x01\x12\x16\n\x12WORKER_ROLE_DECODE\x10\x02\x32\xad\x02\n\rPrefillWorker\x12H\n\x07Prefill\x12\x1d.splitserve.v1.PrefillRequest\x1a\x1e.splitserve.v1.PrefillResponse\x12H\n\x07Release\x12\x1d.splitserve.v1.ReleaseRequest\x1a\x1e.splitserve.v1.ReleaseResponse\x12\x43\n\x07GetInfo\x12\x1d.splitserve.v1.GetInfoRequest\x1a\x19.splitserve.v1.WorkerInfo\x12\x43\n\x07GetLoad\x12\x1d.splitserve.v1.GetLoadRequest\x1a\x19.splitserve.v1.WorkerLoad2\xe1\x01\n\x0c\x44\x65\x63odeWorker\x12G\n\x06\x44\x65\x63ode\x12\x1c.splitserve.v1.DecodeRequest\x1a\x1d.splitserve.v1.DecodeResponse0\x01\x12\x43\n\x07GetInfo\x12\x1d.splitserve.v1.GetInfoRequest\x1a\x19.splitserve.v1.WorkerInfo\x12\x43\n\x07GetLoad\x12\x1d.splitserve.v1.GetLoadRequest\x1a\x19.splitserve.v1.WorkerLoadb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1asplitserve/v1/worker.proto\x12\rsplitserve.v1\"\xde\x02\n\x14WorkerSamplingParams\x12\x12\n\nmax_tokens\x18\x01 \x01(\x05\x12\x13\n\x0btemperature\x18\x02 \x01(\x02\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\r\n\x05top_k\x18\x04 \x01(\x05\x12\r\n\x05min_p\x18\x05 \x01(\x02\x12\x11\n\x04seed\x18\x06 \x01(\x03H\x00\x88\x01\x01\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\x05\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x12\x15\n\x08logprobs\x18\t \x01(\x05H\x01\x88\x01\x01\x12\x1a\n\x12repetition_penalty\x18\n \x01(\x02\x12\x18\n\x10presence_penalty\x18\x0b \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x0c \x01(\x02\x12\x33\n\nconstraint\x18\r \x01(\x0b\x32\x1f.splitserve.v1.OutputConstraintB\x07\n\x05_seedB\x0b\n\t_logprobs\"\x99\x01\n\x10OutputConstraint\x12\x15\n\x0bjson_schema\x18\x01 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x02 \x01(\x08H\x00\x12\x0f\n\x05regex\x18\x03 \x01(\tH\x00\x12+\n\x06\x63hoice\x18\x04 \x01(\x0b\x32\x19.splitserve.v1.ChoiceListH\x00\x12\x11\n\x07grammar\x18\x05 \x01(\tH\x00\x42\x06\n\x04kind\"\x1d\n\nChoiceList\x12\x0f\n\x07\x63hoices\x18\x01 \x03(\t\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"g\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x0c\n\x04rank\x18\x03 \x01(\x05\x12&\n\x03top\x18\x04 \x03(\x0b\x32\x19.splitserve.v1.TopLogprob\"\x8c\x01\n\nKVPeerInfo\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\x0f\n\x07\x62\x61\x63kend\x18\x02 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x03 \x01(\t\x12\x10\n\x08metadata\x18\x04 \x01(\x0c\x12\x13\n\x0b\x63ompat_hash\x18\x05 \x01(\t\x12\x0f\n\x07version\x18\x06 \x01(\r\x12\x11\n\tkv_layout\x18\x07 \x01(\t\"`\n\x05KVRef\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\x0e\n\x06req_id\x18\x02 \x01(\t\x12\x11\n\tblock_ids\x18\x03 \x03(\r\x12\x12\n\nnum_tokens\x18\x04 \x01(\r\x12\r\n\x05grant\x18\x05 \x01(\x0c\"\x89\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12\x35\n\x08sampling\x18\x03 \x01(\x0b\x32#.splitserve.v1.WorkerSamplingParams\x12\x12\n\ncache_salt\x18\x04 \x01(\t\"\x94\x02\n\x0fPrefillResponse\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12,\n\x07logprob\x18\x02 \x01(\x0b\x32\x1b.splitserve.v1.TokenLogprob\x12\x10\n\x08\x66inished\x18\x03 \x01(\x08\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12\x19\n\x11num_cached_tokens\x18\x05 \x01(\r\x12$\n\x06kv_ref\x18\x06 \x01(\x0b\x32\x14.splitserve.v1.KVRef\x12*\n\x07kv_peer\x18\x07 \x01(\x0b\x32\x19.splitserve.v1.KVPeerInfo\x12\x16\n\x0eprefill_time_s\x18\x08 \x01(\x01\x12\x13\n\x0bstop_reason\x18\t \x01(\t\"$\n\x0eReleaseRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"#\n\x0fReleaseResponse\x12\x10\n\x08released\x18\x01 \x01(\x08\"\xf4\x01\n\rDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12\x18\n\x10output_token_ids\x18\x03 \x03(\x05\x12\x35\n\x08sampling\x18\x04 \x01(\x0b\x32#.splitserve.v1.WorkerSamplingParams\x12$\n\x06kv_ref\x18\x05 \x01(\x0b\x32\x14.splitserve.v1.KVRef\x12*\n\x07kv_peer\x18\x06 \x01(\x0b\x32\x19.splitserve.v1.KVPeerInfo\x12\x12\n\ncache_salt\x18\x07 \x01(\t\"\xe7\x01\n\x0e\x44\x65\x63odeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12-\n\x08logprobs\x18\x02 \x03(\x0b\x32\x1b.splitserve.v1.TokenLogprob\x12\x10\n\x08\x66inished\x18\x03 \x01(\x08\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12\x13\n\x0bstop_reason\x18\x05 \x01(\t\x12\x19\n\x11num_cached_tokens\x18\x06 \x01(\r\x12\x1e\n\x16num_transferred_blocks\x18\x07 \x01(\r\x12\x1a\n\x12kv_transfer_failed\x18\x08 \x01(\x08\"\x10\n\x0eGetInfoRequest\"\xab\x02\n\nWorkerInfo\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\'\n\x04role\x18\x02 \x01(\x0e\x32\x19.splitserve.v1.WorkerRole\x12\r\n\x05model\x18\x03 \x01(\t\x12\x12\n\nvocab_size\x18\x04 \x01(\r\x12\x15\n\rmax_model_len\x18\x05 \x01(\r\x12\x12\n\nblock_size\x18\x06 \x01(\r\x12*\n\x07kv_peer\x18\x07 \x01(\x0b\x32\x19.splitserve.v1.KVPeerInfo\x12\x1b\n\x13kv_transfer_backend\x18\x08 \x01(\t\x12\r\n\x05\x64type\x18\t \x01(\t\x12\x0f\n\x07\x63pu_isa\x18\n \x01(\t\x12\x0f\n\x07kernels\x18\x0b \x01(\t\x12\x19\n\x11served_model_name\x18\x0c \x01(\t\"\x10\n\x0eGetLoadRequest\"\xd6\x02\n\nWorkerLoad\x12\x13\n\x0bnum_running\x18\x01 \x01(\r\x12\x13\n\x0bnum_waiting\x18\x02 \x01(\r\x12\x1a\n\x12num_waiting_for_kv\x18\x03 \x01(\r\x12\x15\n\rnum_kv_leases\x18\x04 \x01(\r\x12\x18\n\x10num_total_blocks\x18\x05 \x01(\r\x12\x17\n\x0fnum_used_blocks\x18\x06 \x01(\r\x12\x19\n\x11num_cached_blocks\x18\x07 \x01(\r\x12\x10\n\x08kv_usage\x18\x08 \x01(\x02\x12!\n\x19num_queued_prefill_tokens\x18\t \x01(\x04\x12\x17\n\x0fnum_preemptions\x18\n \x01(\x04\x12\x1c\n\x14num_transfers_failed\x18\x0b \x01(\x04\x12\x1a\n\x12num_leases_expired\x18\x0c \x01(\x04\x12\x15\n\rshutting_down\x18\r \x01(\x08*Z\n\nWorkerRole\x12\x1b\n\x17WORKER_ROLE_UNSPECIFIED\x10\x00\x12\x17\n\x13WORKER_ROLE_PREFILL\x10\x01\x12\x16\n\x12WORKER_ROLE_DECODE\x10\x02\x32\xad\x02\n\rPrefillWorker\x12H\n\x07Prefill\x12\x1d.splitserve.v1.PrefillRequest\x1a\x1e.splitserve.v1.PrefillResponse\x12H\n\x07Release\x12\x1d.splitserve.v1.ReleaseRequest\x1a\x1e.splitserve.v1.ReleaseResponse\x12\x43\n\x07GetInfo\x12\x1d.splitserve.v1.GetInfoRequest\x1a\x19.splitserve.v1.WorkerInfo\x12\x43\n\x07GetLoad\x12\x1d.splitserve.v1.GetLoadRequest\x1a\x19.splitserve.v1.WorkerLoad2\xe1\x01\n\x0c\x44\x65\x63odeWorker\x12G\n\x06\x44\x65\x63ode\x12\x1c.splitserve.v1.DecodeRequest\x1a\x1d.splitserve.v1.DecodeResponse0\x01\x12\x43\n\x07GetInfo\x12\x1d.splitserve.v1.GetInfoRequest\x1a\x19.splitserve.v1.WorkerInfo\x12\x43\n\x07GetLoad\x12\x1d.splitserve.v1.GetLoadRequest\x1a\x19.splitserve.v1.WorkerLoadb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'splitserve.v1.worker_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_WORKERROLE']._serialized_start=2618
-  _globals['_WORKERROLE']._serialized_end=2708
+  _globals['_WORKERROLE']._serialized_start=2638
+  _globals['_WORKERROLE']._serialized_end=2728
   _globals['_WORKERSAMPLINGPARAMS']._serialized_start=46
   _globals['_WORKERSAMPLINGPARAMS']._serialized_end=396
   _globals['_OUTPUTCONSTRAINT']._serialized_start=399
@@ -43,32 +43,32 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TOPLOGPROB']._serialized_end=632
   _globals['_TOKENLOGPROB']._serialized_start=634
   _globals['_TOKENLOGPROB']._serialized_end=737
-  _globals['_KVPEERINFO']._serialized_start=739
-  _globals['_KVPEERINFO']._serialized_end=860
-  _globals['_KVREF']._serialized_start=862
-  _globals['_KVREF']._serialized_end=958
-  _globals['_PREFILLREQUEST']._serialized_start=961
-  _globals['_PREFILLREQUEST']._serialized_end=1098
-  _globals['_PREFILLRESPONSE']._serialized_start=1101
-  _globals['_PREFILLRESPONSE']._serialized_end=1377
-  _globals['_RELEASEREQUEST']._serialized_start=1379
-  _globals['_RELEASEREQUEST']._serialized_end=1415
-  _globals['_RELEASERESPONSE']._serialized_start=1417
-  _globals['_RELEASERESPONSE']._serialized_end=1452
-  _globals['_DECODEREQUEST']._serialized_start=1455
-  _globals['_DECODEREQUEST']._serialized_end=1699
-  _globals['_DECODERESPONSE']._serialized_start=1702
-  _globals['_DECODERESPONSE']._serialized_end=1933
-  _globals['_GETINFOREQUEST']._serialized_start=1935
-  _globals['_GETINFOREQUEST']._serialized_end=1951
-  _globals['_WORKERINFO']._serialized_start=1954
-  _globals['_WORKERINFO']._serialized_end=2253
-  _globals['_GETLOADREQUEST']._serialized_start=2255
-  _globals['_GETLOADREQUEST']._serialized_end=2271
-  _globals['_WORKERLOAD']._serialized_start=2274
-  _globals['_WORKERLOAD']._serialized_end=2616
-  _globals['_PREFILLWORKER']._serialized_start=2711
-  _globals['_PREFILLWORKER']._serialized_end=3012
-  _globals['_DECODEWORKER']._serialized_start=3015
-  _globals['_DECODEWORKER']._serialized_end=3240
+  _globals['_KVPEERINFO']._serialized_start=740
+  _globals['_KVPEERINFO']._serialized_end=880
+  _globals['_KVREF']._serialized_start=882
+  _globals['_KVREF']._serialized_end=978
+  _globals['_PREFILLREQUEST']._serialized_start=981
+  _globals['_PREFILLREQUEST']._serialized_end=1118
+  _globals['_PREFILLRESPONSE']._serialized_start=1121
+  _globals['_PREFILLRESPONSE']._serialized_end=1397
+  _globals['_RELEASEREQUEST']._serialized_start=1399
+  _globals['_RELEASEREQUEST']._serialized_end=1435
+  _globals['_RELEASERESPONSE']._serialized_start=1437
+  _globals['_RELEASERESPONSE']._serialized_end=1472
+  _globals['_DECODEREQUEST']._serialized_start=1475
+  _globals['_DECODEREQUEST']._serialized_end=1719
+  _globals['_DECODERESPONSE']._serialized_start=1722
+  _globals['_DECODERESPONSE']._serialized_end=1953
+  _globals['_GETINFOREQUEST']._serialized_start=1955
+  _globals['_GETINFOREQUEST']._serialized_end=1971
+  _globals['_WORKERINFO']._serialized_start=1974
+  _globals['_WORKERINFO']._serialized_end=2273
+  _globals['_GETLOADREQUEST']._serialized_start=2275
+  _globals['_GETLOADREQUEST']._serialized_end=2291
+  _globals['_WORKERLOAD']._serialized_start=2294
+  _globals['_WORKERLOAD']._serialized_end=2636
+  _globals['_PREFILLWORKER']._serialized_start=2731
+  _globals['_PREFILLWORKER']._serialized_end=3032
+  _globals['_DECODEWORKER']._serialized_start=3035
+  _globals['_DECODEWORKER']._serialized_end=3260
 # @@protoc_insertion_point(module_scope)

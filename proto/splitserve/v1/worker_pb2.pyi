@@ -87,20 +87,22 @@ class TokenLogprob(_message.Message):
     def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[float] = ..., rank: _Optional[int] = ..., top: _Optional[_Iterable[_Union[TopLogprob, _Mapping]]] = ...) -> None: ...
 
 class KVPeerInfo(_message.Message):
-    __slots__ = ("engine_id", "backend", "address", "metadata", "compat_hash", "version")
+    __slots__ = ("engine_id", "backend", "address", "metadata", "compat_hash", "version", "kv_layout")
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     BACKEND_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     METADATA_FIELD_NUMBER: _ClassVar[int]
     COMPAT_HASH_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
+    KV_LAYOUT_FIELD_NUMBER: _ClassVar[int]
     engine_id: str
     backend: str
     address: str
     metadata: bytes
     compat_hash: str
     version: int
-    def __init__(self, engine_id: _Optional[str] = ..., backend: _Optional[str] = ..., address: _Optional[str] = ..., metadata: _Optional[bytes] = ..., compat_hash: _Optional[str] = ..., version: _Optional[int] = ...) -> None: ...
+    kv_layout: str
+    def __init__(self, engine_id: _Optional[str] = ..., backend: _Optional[str] = ..., address: _Optional[str] = ..., metadata: _Optional[bytes] = ..., compat_hash: _Optional[str] = ..., version: _Optional[int] = ..., kv_layout: _Optional[str] = ...) -> None: ...
 
 class KVRef(_message.Message):
     __slots__ = ("engine_id", "req_id", "block_ids", "num_tokens", "grant")

@@ -15,7 +15,13 @@ from engine.model.attention import (
     decode_bias,
     paged_attention,
 )
-from engine.model.kv_quant import KVQuant, dequantize_rows, kv_quant_for, quantize_rows
+from engine.model.kv_quant import (
+    KVQuant,
+    dequantize_rows,
+    key_rotation,
+    kv_quant_for,
+    quantize_rows,
+)
 from tests.engine.model.test_cpu_kernels import sdpa_reference, torch_reference
 
 
@@ -68,6 +74,30 @@ def test_spec_of_an_8bit_cache_has_about_half_the_bytes_and_its_own_hash():
         KVCacheSpec(**shape, dtype="int4")
 
 
+def stored_key(k: torch.Tensor, quant: KVQuant) -> torch.Tensor:
+    """What a gather returns of key ``k`` written to a float32 cache of ``quant``: int8 keys
+    are quantized rotated (``key_rotation``) and rotated back."""
+    rotation = key_rotation(quant, k.shape[-1])
+    if rotation is None:
+        return dequantize_rows(quantize_rows(k, quant), quant, torch.float32)
+    return dequantize_rows(quantize_rows(k @ rotation, quant), quant, torch.float32) @ rotation
+
+
+def test_int8_keys_are_stored_rotated_and_the_rotation_is_its_own_inverse():
+    rotation = key_rotation(KVQuant.INT8, 64)
+    assert rotation is not None
+    torch.testing.assert_close(rotation @ rotation, torch.eye(64), atol=1e-6, rtol=0)
+    assert key_rotation(KVQuant.FP8_E4M3, 64) is None and key_rotation(KVQuant.INT8, 80) is None
+    # One outlier channel sets a row's absmax: rotated, the other channels keep their precision.
+    k = torch.randn(256, 64, generator=torch.Generator().manual_seed(10))
+    k[:, 5] *= 30
+    plain = dequantize_rows(quantize_rows(k, KVQuant.INT8), KVQuant.INT8, torch.float32)
+    others = [c for c in range(64) if c != 5]
+    plain_err = (plain - k)[:, others].pow(2).mean()
+    rotated_err = (stored_key(k, KVQuant.INT8) - k)[:, others].pow(2).mean()
+    assert rotated_err < plain_err / 4
+
+
 def quantized_cache(quant, dtype, num_blocks, num_layers, kv_heads, head_dim, seed):
     data = rows_of((num_blocks * num_layers * 2 * kv_heads * 16, head_dim), seed, (-1, 1))
     rows = quantize_rows(data, quant).view(num_blocks, num_layers, 2, kv_heads, 16, head_dim + 4)
@@ -83,7 +113,7 @@ def test_cache_write_then_gather_returns_the_dequantized_tokens(quant):
     cache.write(1, cache.slot_rows(blocks, offsets), k, v)
     for i, (b, o) in enumerate(zip(blocks.tolist(), offsets.tolist(), strict=True)):
         keys, values = cache.gather(1, cache.tile_rows(torch.tensor([[b]])))
-        want_k = dequantize_rows(quantize_rows(k[i], quant), quant, torch.float32)
+        want_k = stored_key(k[i], quant)
         want_v = dequantize_rows(quantize_rows(v[i], quant), quant, torch.float32)
         assert torch.equal(keys[0, :, o], want_k) and torch.equal(values[0, :, o], want_v)
     layer = cache.dequantized_layer(1, torch.tensor([7, 2]))
@@ -97,11 +127,13 @@ def test_cache_write_then_gather_returns_the_dequantized_tokens(quant):
 @pytest.mark.parametrize("head_dim", [16, 32, 64, 128])
 @pytest.mark.parametrize("window", [None, 20])
 def test_quantized_decode_kernel_matches_torch_path(kernels, quant, dtype, tol, head_dim, window):
-    """The kernel against the torch path over the same rows; the reference runs in float32
-    (the torch path's bfloat16 matmuls round more than the kernel's float32 math)."""
+    """The kernel against the torch path over the same rows, read as stored (the caller
+    rotates the query for rotated keys, see the next test); the reference runs in float32 (the
+    torch path's bfloat16 matmuls round more than the kernel's float32 math)."""
     num_blocks, num_layers, kv_heads, group = 64, 2, 2, 3
     cache = quantized_cache(quant, dtype, num_blocks, num_layers, kv_heads, head_dim, head_dim)
     reference = PagedKVCache(cache.tensor, quant, torch.float32)
+    reference.key_rotation = None
     gen = torch.Generator().manual_seed(5)
     lens = torch.tensor([1, 15, 16, 17, 40, 95])
     max_blocks = -(-int(lens.max()) // 16)
@@ -184,6 +216,5 @@ def test_paged_attention_writes_quantized_rows_then_reads_them_back(kernels):
         )
         outs.append(paged_attention(0, q, k, v, cache, meta))
         keys, _ = cache.gather(0, cache.tile_rows(torch.tensor([[4]])))
-        want_k = dequantize_rows(quantize_rows(k[0], quant), quant, dtype)
-        assert torch.equal(keys[0, :, 3], want_k)
+        torch.testing.assert_close(keys[0, :, 3], stored_key(k[0], quant), atol=1e-6, rtol=0)
     torch.testing.assert_close(outs[0], outs[1], atol=1e-5, rtol=0)
