@@ -29,8 +29,10 @@ import torch
 import torch.nn.functional as F
 
 from engine.cpu_isa import ISA_CHOICES, CpuIsa, resolve_isa
+from engine.kv_cache_spec import KV_SCALE_BYTES
 from engine.model.attention import DecodeInputs, PagedKVCache, _decode, decode_bias
 from engine.model.cpu_kernels import load_cpu_kernels
+from engine.model.kv_quant import kv_quant_for, quantize_rows
 from engine.model.ops import FusedCpuOps, TorchOps
 from engine.model.packed_linear import PackedLinear, packing_supported
 from engine.model.rotary import RotaryEmbedding
@@ -111,40 +113,64 @@ def bench_linears(args: argparse.Namespace, level: CpuIsa, dtype: torch.dtype) -
     print()
 
 
-def bench_decode(args: argparse.Namespace, kernels, cache: PagedKVCache) -> None:
+def decode_cache(args: argparse.Namespace, kv_cache_dtype: str, dtype: torch.dtype) -> PagedKVCache:
+    """A cache of the engine's default size in ``kv_cache_dtype`` (the model's, or 8-bit rows
+    quantized from the same random values), built a slice at a time."""
+    quant = kv_quant_for(kv_cache_dtype)
+    row = args.head_dim + (KV_SCALE_BYTES if quant else 0)
+    shape = (args.num_kv_blocks, args.layers, 2, args.kv_heads, 16)
+    tensor = torch.empty((*shape, row), dtype=torch.uint8 if quant else dtype)
+    gen = torch.Generator().manual_seed(1)
+    for first in range(0, args.num_kv_blocks, 256):
+        n = min(256, args.num_kv_blocks - first)
+        part = torch.randn((n, *shape[1:], args.head_dim), generator=gen)
+        tensor[first : first + n] = quantize_rows(part, quant) if quant else part.to(dtype)
+    return PagedKVCache(tensor, quant, dtype)
+
+
+def bench_decode(args: argparse.Namespace, kernels, dtype: torch.dtype) -> None:
+    """Per KV cache dtype: the decode kernel over a step's batch, all layers, against a plain
+    read of the same bytes (``read_kv_blocks``); the torch gather path for the model's dtype."""
     gen = torch.Generator().manual_seed(0)
     batch, heads, dim = args.decode_batch, args.heads, args.head_dim
     lens = torch.randint(130, 641, (batch,), generator=gen)
     max_blocks = -(-int(lens.max()) // 16)
-    tables = torch.randperm(cache.tensor.shape[0], generator=gen)[: batch * max_blocks]
+    tables = torch.randperm(args.num_kv_blocks, generator=gen)[: batch * max_blocks]
     tables = tables.view(batch, max_blocks).contiguous()
-    dtype = cache.tensor.dtype
     q = torch.randn(batch, heads, dim, generator=gen).to(dtype)
-    layers = cache.num_layers
-    inputs = DecodeInputs(
-        tables,
-        lens,
-        cache.tile_rows(tables),
-        decode_bias(lens, max_blocks * 16, None, dtype),
-        None,
-        None,
+    layers = args.layers
+    blocks_read = int(sum(-(-int(n) // 16) for n in lens))
+    print(f"\ndecode, {batch} sequences x {layers} layers, {args.dtype} queries")
+    print(
+        "| KV cache | MB of K/V per step | kernel ms | plain read ms | kernel / read | "
+        "torch gather ms |\n|---|---|---|---|---|---|"
     )
-    meta = type("Meta", (), {"decode": inputs})()
+    for kv_cache_dtype in args.kv_cache_dtypes:
+        name = args.dtype if kv_cache_dtype == "auto" else kv_cache_dtype
+        cache = decode_cache(args, name, dtype)
+        meta = type("Meta", (), {"decode": DecodeInputs(tables, lens, None, None, kernels, None)})()
 
-    def kernel() -> None:
-        for layer in range(layers):
-            kernels.paged_decode(q, cache.tensor, tables, lens, layer, dim**-0.5, -1)
+        def kernel(cache: PagedKVCache = cache, meta=meta) -> None:
+            for layer in range(layers):
+                _decode(layer, q, cache, meta)
 
-    def reference() -> None:
-        for layer in range(layers):
-            _decode(layer, q, cache, meta)
+        def plain_read(cache: PagedKVCache = cache) -> None:
+            for layer in range(layers):
+                kernels.read_kv_blocks(cache.tensor, tables, lens, layer)
 
-    kv_bytes = int(lens.sum()) * layers * 2 * args.kv_heads * dim * cache.tensor.element_size()
-    ms = [best_ms(fn, args.repeats) for fn in (kernel, reference)]
-    print(f"\ndecode, {batch} sequences x {layers} layers, {kv_bytes / 1e6:.0f} MB of K/V read")
-    print("| path | ms per step | GB/s of K/V |\n|---|---|---|")
-    for name, m in zip(("kernel", "torch gather"), ms, strict=True):
-        print(f"| {name} | {m:.1f} | {kv_bytes / m / 1e6:.1f} |")
+        ms = [best_ms(fn, args.repeats) for fn in (kernel, plain_read)]
+        gather_ms = "-"
+        if cache.quant is None:
+            bias = decode_bias(lens, max_blocks * 16, None, dtype)
+            inputs = DecodeInputs(tables, lens, cache.tile_rows(tables), bias, None, None)
+            ref_meta = type("Meta", (), {"decode": inputs})()
+            gather_ms = f"{best_ms(functools.partial(kernel, cache, ref_meta), 2):.1f}"
+        layer_bytes = cache.tensor[0, 0].numel() * cache.tensor.element_size()
+        mb = blocks_read * layers * layer_bytes / 1e6
+        print(
+            f"| {name} | {mb:.0f} | {ms[0]:.1f} | {ms[1]:.1f} | {ms[0] / ms[1]:.2f} | {gather_ms} |"
+        )
+        del cache
 
 
 def bench_ops(args: argparse.Namespace, kernels, dtype: torch.dtype) -> None:
@@ -186,7 +212,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--decode-batch", type=int, default=62)
     p.add_argument("--tokens", type=int, default=4096)
     p.add_argument("--repeats", type=int, default=5)
+    p.add_argument(
+        "--kv-cache-dtypes",
+        default="auto,int8,fp8_e4m3",
+        help="the decode benchmark's caches (auto: the model's --dtype)",
+    )
+    p.add_argument(
+        "--only", choices=("all", "decode"), default="all", help="decode: the decode table only"
+    )
     args = p.parse_args(argv)
+    args.kv_cache_dtypes = [d.strip() for d in args.kv_cache_dtypes.split(",") if d.strip()]
     torch.set_num_threads(args.threads)
     level = resolve_isa(args.cpu_isa)
     dtype = DTYPES[args.dtype]
@@ -194,16 +229,16 @@ def main(argv: list[str] | None = None) -> int:
     if kernels is None:
         raise SystemExit(f"the CPU kernels do not build for {level.value} here")
     print(f"CPU level {level.value}, {args.dtype}, {args.threads} threads\n")
-    shape = (args.num_kv_blocks, args.layers, 2, args.kv_heads, 16, args.head_dim)
-    cache = PagedKVCache(torch.randn(shape).to(dtype))
     with torch.inference_mode():
-        bench_linears(args, level, dtype)
-        if kernels.paged_prefill_supported(args.dtype, args.head_dim, 16, 1):
-            bench_prefill(args, kernels, cache)
-        else:
-            print(f"prefill: no paged prefill kernel for {args.dtype} at {level.value} (SDPA runs)")
-        bench_decode(args, kernels, cache)
-        bench_ops(args, kernels, dtype)
+        if args.only == "all":
+            bench_linears(args, level, dtype)
+            if kernels.paged_prefill_supported(args.dtype, args.head_dim, 16, 1):
+                bench_prefill(args, kernels, decode_cache(args, args.dtype, dtype))
+            else:
+                print(f"prefill: no paged prefill kernel for {args.dtype} at {level.value}")
+        bench_decode(args, kernels, dtype)
+        if args.only == "all":
+            bench_ops(args, kernels, dtype)
     return 0
 
 

@@ -269,10 +269,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     p.add_argument(
         "--kv-cache-dtype",
-        choices=("auto", "fp8", "fp8_e4m3", "int8"),
+        choices=("auto", "bfloat16", "float32", "fp8", "fp8_e4m3", "int8"),
         default="auto",
         help="splitserve's and vLLM's --kv-cache-dtype (auto: each system's default; vLLM CPU "
-        "has fp8 but no int8)",
+        "has fp8 but no int8; bfloat16/float32 must be --dtype)",
     )
     p.add_argument(
         "--device",

@@ -1,8 +1,8 @@
 """KV transfer throughput per backend between two processes, beside a memcpy bound.
 
 ``python -m loadtest.bench_kv_transfer [--backends nixl,ucx,tcp,ucx+tls,tcp+tls]
-[--sizes-mib 1,16,64,256] [--model smollm2-135m] [--prompt-tokens 2000] [--repeats 5]
-[--out DIR]``
+[--sizes-mib 1,16,64,256] [--model smollm2-135m] [--prompt-tokens 2000]
+[--kv-cache-dtype bfloat16|int8|fp8_e4m3] [--repeats 5] [--out DIR]``
 
 ``NAME+tls`` runs backend NAME with mutual TLS on every connection (``kvtransfer.tls``), under
 certificates ``splitserve certs`` writes to ``DIR/kv-certs``.
@@ -13,8 +13,9 @@ destination, reads from it through the backend's normal path (``start_read`` / `
 
 - **sizes**: 1, 16, 64 and 256 MiB as whole blocks at scattered source and destination ids
   (a randomly permuted block pool, the layout after churn); each read's bytes are checked;
-- **real KV**: the source loads ``--model``, prefills one ``--prompt-tokens`` prompt with its
-  KV held (what a prefill worker does), publishes its blocks, and the destination reads them;
+- **real KV**: the source loads ``--model`` in bfloat16 with a ``--kv-cache-dtype`` cache,
+  prefills one ``--prompt-tokens`` prompt with its KV held (what a prefill worker does),
+  publishes its blocks, and the destination reads them;
   ``transfer share of TTFT`` = read time / (prefill time + read time);
 - **memcpy bound**: in the same run, a torch copy of the same number of bytes between two
   preallocated buffers of this process;
@@ -169,7 +170,7 @@ def source_main(
             conn.send(synthetic.publish(*args))
         elif command == "real":
             real = backend_for(backend_name, "bench-real", "prefill", tls_root, side.host)
-            conn.send(held_prefill(real, model, prompt_tokens))
+            conn.send(held_prefill(real, model, prompt_tokens, args[0]))
         else:
             break
     synthetic.close()
@@ -178,12 +179,14 @@ def source_main(
 
 
 def held_prefill(
-    backend: KVTransferBackend, model: str, prompt_tokens: int
+    backend: KVTransferBackend, model: str, prompt_tokens: int, kv_cache_dtype: str
 ) -> tuple[PeerInfo, int, KVCacheSpec, list[int], bytes, float, torch.Tensor]:
-    """Load ``model``, register its cache, prefill one random prompt with its KV held and
-    publish it as ``real``: (info, cache address, spec, block ids, the publication's grant,
-    prefill seconds, the blocks' bytes)."""
-    engine = LLMEngine(EngineConfig(model=model, dtype="bfloat16", num_threads=1))
+    """Load ``model`` (bfloat16, a ``kv_cache_dtype`` cache), register its cache, prefill one
+    random prompt with its KV held and publish it as ``real``: (info, cache address, spec,
+    block ids, the publication's grant, prefill seconds, the blocks' bytes)."""
+    engine = LLMEngine(
+        EngineConfig(model=model, dtype="bfloat16", kv_cache_dtype=kv_cache_dtype, num_threads=1)
+    )
     info = backend.register_kv_cache(engine.kv_cache, engine.kv_cache_spec)
     prompt = torch.randint(100, engine.vocab_size, (prompt_tokens,)).tolist()
     start_s = time.perf_counter()
@@ -289,10 +292,11 @@ def bench_backend(
                     "cma_s": statistics.median(cma_times),
                 }
             )
-        conn.send(("real",))
+        conn.send(("real", args.kv_cache_dtype))
         real_info, real_addr, spec, block_ids, real_grant, prefill_s, expected = conn.recv()
         real_dst = backend_for(backend_name, "bench-real-dst", "decode", args.tls_root, reader.host)
-        real_cache = torch.zeros((len(block_ids), *spec.block_shape), dtype=torch.bfloat16)
+        real_dtype = torch.uint8 if spec.quantized else torch.bfloat16
+        real_cache = torch.zeros((len(block_ids), *spec.block_shape), dtype=real_dtype)
         real_dst.register_kv_cache(real_cache, spec)
         real_dst.add_peer(real_info)
         real_dst_ids = list(range(len(block_ids)))
@@ -314,6 +318,7 @@ def bench_backend(
                 cma_read_s(source.pid, real_addr, rows(real_cache), block_ids, real_dst_ids)
             )
         result["real"] = {
+            "kv_cache_dtype": spec.dtype,
             "prompt_tokens": args.prompt_tokens,
             "blocks": len(block_ids),
             "bytes": num_bytes,
@@ -341,7 +346,7 @@ def to_markdown(results: list[dict]) -> str:
     for result in results:
         cases = [(f"{s['mib']} MiB", s) for s in result["sizes"]]
         real = result["real"]
-        cases.append((f"SmolLM2 KV, {real['prompt_tokens']} tokens", real))
+        cases.append((f"SmolLM2 {real['kv_cache_dtype']} KV, {real['prompt_tokens']} tokens", real))
         for label, case in cases:
             gbps = case["bytes"] / case["read_s"] / 1e9
             bound = case["bytes"] / case["memcpy_s"] / 1e9
@@ -401,6 +406,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--sizes-mib", default="1,16,64,256")
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--prompt-tokens", type=int, default=2000)
+    parser.add_argument(
+        "--kv-cache-dtype",
+        choices=("bfloat16", "int8", "fp8_e4m3"),
+        default="bfloat16",
+        help="the real KV's cache dtype (the prefill worker's --kv-cache-dtype)",
+    )
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--out", type=Path, default=Path("bench-out"))
     parser.add_argument(

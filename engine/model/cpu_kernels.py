@@ -39,6 +39,7 @@ SOURCES = (
     "paged_decode.cpp",
     "paged_decode_avx2.cpp",
     "paged_decode_quantized.cpp",
+    "read_floor.cpp",
     "paged_prefill.cpp",
     "paged_prefill_avx2.cpp",
     "fused_ops.cpp",

@@ -23,6 +23,8 @@ def test_prints_every_table(capsys, level, dtype):
     out = capsys.readouterr().out
     assert f"CPU level {level.value}, {dtype}" in out
     assert "decode, 3 sequences x 2 layers" in out
+    for kv_cache_dtype in (dtype, "int8", "fp8_e4m3"):
+        assert f"\n| {kv_cache_dtype} | " in out
     prefill_from = CpuIsa.AVX512_BF16 if dtype == "bfloat16" else CpuIsa.AVX2
     has_prefill_kernel = level >= prefill_from
     assert (out.count("| 1024 |") == 1) == has_prefill_kernel

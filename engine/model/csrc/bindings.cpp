@@ -7,6 +7,8 @@ at::Tensor paged_decode(at::Tensor q, at::Tensor kv_cache, at::Tensor block_tabl
 at::Tensor paged_decode_quantized(at::Tensor q, at::Tensor kv_cache, at::Tensor block_tables,
                                   at::Tensor context_lens, int64_t layer, double scale,
                                   int64_t sliding_window, int64_t kind);
+int64_t read_kv_blocks(at::Tensor kv_cache, at::Tensor block_tables, at::Tensor context_lens,
+                       int64_t layer);
 bool paged_prefill_supported(const std::string& dtype, int64_t head_dim, int64_t block_size,
                              int64_t group);
 void paged_prefill(at::Tensor q, at::Tensor kv_cache, at::Tensor block_tables, at::Tensor q_starts,
@@ -21,6 +23,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode", &paged_decode, "paged-attention decode over block tables (CPU)");
   m.def("paged_decode_quantized", &paged_decode_quantized,
         "paged-attention decode over an 8-bit (int8 | fp8 e4m3) cache, read in place (CPU)");
+  m.def("read_kv_blocks", &read_kv_blocks,
+        "read the bytes paged decode reads for one layer, nothing else (a benchmark's floor)");
   m.def("paged_prefill_supported", &paged_prefill_supported,
         "whether paged_prefill is built for this dtype ('bfloat16', 'float32') and shape");
   m.def("paged_prefill", &paged_prefill,
