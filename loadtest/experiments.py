@@ -5,6 +5,8 @@
 [--engine-flags "..."]``
 ``python -m loadtest.experiments prefix-routing --out DIR [...]``
 ``python -m loadtest.experiments hosts --out DIR [...]`` (root: test hosts)
+``python -m loadtest.experiments vs-vllm --out DIR [...]`` (``loadtest.vs_vllm``: against
+``vllm serve`` over the OpenAI HTTP API)
 
 - ``disaggregation``: 1 prefill + 1 decode worker against 2 colocated replicas (each runs whole
   requests) behind one router, on the ``long-mixed`` workload (long documents arriving among
@@ -335,6 +337,12 @@ def comparison_plot(experiment: Experiment, runs: dict[str, list[RunResult]], pa
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["vs-vllm"]:
+        # Its own module (three arms, one of them vLLM's server), which imports this one.
+        from loadtest import vs_vllm
+
+        return vs_vllm.main(argv[1:])
     parser = argparse.ArgumentParser(prog="python -m loadtest.experiments", description=__doc__)
     parser.add_argument("experiment", choices=sorted(EXPERIMENTS))
     parser.add_argument("--out", type=Path, required=True)
@@ -378,7 +386,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     engine_flags = [*experiment.engine_flags, *shlex.split(args.engine_flags)]
     engine = _engine_config(args.model, args.dtype, engine_flags)
-    command = "python -m loadtest.experiments " + shlex.join(sys.argv[1:] if argv is None else argv)
+    command = "python -m loadtest.experiments " + shlex.join(argv)
     runs: dict[str, list[RunResult]] = {}
     for arm in experiment.arms:
         if args.report_only:

@@ -11,11 +11,16 @@ Each layer first writes the new tokens' K/V into their cache slots, then
   through padded block tables (the query heads sharing a KV head form the rows of one matmul,
   so GQA needs no K/V copy) with Hugging Face's eager score math (matmul, scale, mask, float32
   softmax);
-- prefill chunks run either all at once in the compiled bfloat16 CPU kernel (``cpu_kernels``:
+- prefill chunks run either all at once in the compiled CPU kernel (``cpu_kernels``:
   each chunk's whole context read in place, causal and sliding-window masks computed inside) or
   one by one through SDPA (FlashAttention on CUDA) over their own context: the new tokens alone
   with ``is_causal`` when nothing was cached before them, else cached + new tokens with an
   explicit bottom-right causal mask.
+
+Over an 8-bit cache (``kv_quant``) writes quantize; decodes run in the compiled 8-bit kernel
+(scales folded in, the query rotated like int8 keys) or over dequantized gathers; prefill
+chunks read their context dequantized (the compiled kernel from a per-layer scratch of the
+step's blocks), a whole prompt included, so that every attention sees K/V as stored.
 """
 
 from __future__ import annotations

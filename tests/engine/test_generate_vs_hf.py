@@ -169,6 +169,7 @@ def test_bfloat16_cpu_kernels_agree_with_torch_path(tmp_path, arch, overrides):
         llm = LLM(
             str(model_dir),
             dtype="bfloat16",
+            kv_cache_dtype="bfloat16",  # the bf16 kernels (test_kv_cache_dtype: the 8-bit ones)
             num_kv_blocks=256,
             max_num_batched_tokens=24,
             kernel_backend=backend,
