@@ -82,9 +82,9 @@ class ModelRunner:
             dtype=self.dtype if quant is None else torch.uint8,
             device=device,
         )
-        self.cache = PagedKVCache(self.kv_cache, quant, self.dtype)
         self.rope = RotaryEmbedding(config, self.max_model_len, self.dtype, device)
         self.cpu_kernels = self._load_cpu_kernels(kernel_backend)
+        self.cache = PagedKVCache(self.kv_cache, quant, self.dtype, self.cpu_kernels)
         self.decode_kernel = self._select_decode_kernel()
         self.prefill_kernel = self._select_prefill_kernel()
         fused_ops = self.cpu_kernels is not None and self.dtype in FUSED_OPS_DTYPES

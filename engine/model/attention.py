@@ -48,7 +48,11 @@ class PagedKVCache:
     """
 
     def __init__(
-        self, kv_cache: torch.Tensor, quant: KVQuant | None = None, dtype: torch.dtype | None = None
+        self,
+        kv_cache: torch.Tensor,
+        quant: KVQuant | None = None,
+        dtype: torch.dtype | None = None,
+        kernels: ModuleType | None = None,
     ) -> None:
         _, num_layers, _, num_kv_heads, block_size, row_size = kv_cache.shape
         self.tensor = kv_cache
@@ -61,6 +65,8 @@ class PagedKVCache:
         # Keys are stored multiplied by this (kv_quant.key_rotation), on the cache's device.
         rotation = key_rotation(quant, self.head_dim)
         self.key_rotation = None if rotation is None else rotation.to(kv_cache.device)
+        # The compiled 8-bit writes and dequantization (csrc/kv_quant.cpp), else torch's.
+        self.kernels = kernels if quant is not None else None
         self._slots = kv_cache.view(-1, row_size)  # one row per (block, layer, k|v, head, slot)
         self._tiles = kv_cache.view(-1, block_size, row_size)  # per (block, layer, k|v, head)
 
@@ -78,6 +84,18 @@ class PagedKVCache:
 
     def write(self, layer: int, slot_rows: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store new tokens' ``k``/``v`` [T, KVH, D] at ``slot_rows`` (from ``slot_rows``)."""
+        if self.kernels is not None:
+            assert self.quant is not None
+            self.kernels.kv_write_quantized(
+                self.tensor,
+                slot_rows,
+                k.contiguous(),
+                v.contiguous(),
+                layer,
+                self.quant.kernel_id,
+                self.key_rotation is not None,
+            )
+            return
         key_rows = (slot_rows + layer * 2 * self.num_kv_heads * self.block_size).flatten()
         value_rows = key_rows + self.num_kv_heads * self.block_size
         if self.key_rotation is not None:
@@ -109,6 +127,18 @@ class PagedKVCache:
         """``[len(block_ids), 1, 2, KVH, block_size, D]`` in ``dtype``: one layer of the given
         blocks, dequantized, in the cache's layout (a scratch cache for the prefill kernel)."""
         assert self.quant is not None
+        if self.kernels is not None:
+            shape = (len(block_ids), 1, 2, self.num_kv_heads, self.block_size, self.head_dim)
+            out = torch.empty(shape, dtype=self.dtype)
+            self.kernels.dequantize_kv_blocks(
+                self.tensor,
+                block_ids,
+                layer,
+                self.quant.kernel_id,
+                self.key_rotation is not None,
+                out,
+            )
+            return out
         rows = self.tensor[block_ids, layer]  # [n, 2, KVH, BS, row]
         keys = self._dequantize_keys(rows[:, 0])
         values = dequantize_rows(rows[:, 1], self.quant, self.dtype)

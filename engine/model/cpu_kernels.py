@@ -5,7 +5,8 @@
   pair dot products and a vectorized softmax.
 - ``paged_decode_quantized``: the same over an 8-bit cache (int8 or fp8 e4m3 codes with a
   float32 scale per row, ``kv_quant``), codes widened per tile, scales folded into the scores
-  and the softmax weights.
+  and the softmax weights; ``kv_write_quantized`` and ``dequantize_kv_blocks`` write and
+  widen 8-bit rows in one pass each.
 - ``paged_prefill`` (bfloat16 from AVX512_BF16, float32 from AVX2; head_dim 32, 64 or 128)
   runs every prefill chunk of a step in one call, reading each chunk's context in place: about
   4x the throughput of SDPA's CPU flash kernel in bfloat16 on SmolLM2's shapes
@@ -39,6 +40,7 @@ SOURCES = (
     "paged_decode.cpp",
     "paged_decode_avx2.cpp",
     "paged_decode_quantized.cpp",
+    "kv_quant.cpp",
     "read_floor.cpp",
     "paged_prefill.cpp",
     "paged_prefill_avx2.cpp",

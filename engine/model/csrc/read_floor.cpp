@@ -16,7 +16,8 @@ int64_t read_kv_blocks(at::Tensor kv_cache, at::Tensor block_tables, at::Tensor 
   TORCH_CHECK(kv_cache.is_contiguous() && block_tables.is_contiguous());
   TORCH_CHECK(block_tables.scalar_type() == at::kLong && context_lens.scalar_type() == at::kLong);
   const int64_t layers = kv_cache.size(1), bs = kv_cache.size(4);
-  const int64_t layer_bytes = kv_cache.numel() / kv_cache.size(0) / layers * kv_cache.element_size();
+  const int64_t layer_bytes =
+      kv_cache.numel() / kv_cache.size(0) / layers * kv_cache.element_size();
   const int64_t block_bytes = layer_bytes * layers;
   TORCH_CHECK(layer_bytes % 64 == 0, "read_kv_blocks: a layer's region is not whole cache lines");
   const auto* base = static_cast<const uint8_t*>(kv_cache.data_ptr());
@@ -28,7 +29,13 @@ int64_t read_kv_blocks(at::Tensor kv_cache, at::Tensor block_tables, at::Tensor 
     for (int64_t b = begin; b < end; ++b) {
       uint64_t acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
       for (int64_t blk = 0; blk * bs < lens[b]; ++blk) {
-        const uint8_t* region = base + tables[b * max_blocks + blk] * block_bytes + layer * layer_bytes;
+        const int64_t* table = tables + b * max_blocks;
+        const uint8_t* region = base + table[blk] * block_bytes + layer * layer_bytes;
+        if ((blk + 1) * bs < lens[b]) {
+          // Scattered blocks: fetch the next one while this one is read, as the kernels do.
+          const uint8_t* next = base + table[blk + 1] * block_bytes + layer * layer_bytes;
+          for (int64_t off = 0; off < layer_bytes; off += 64) __builtin_prefetch(next + off);
+        }
         for (int64_t off = 0; off < layer_bytes; off += 64) {
           uint64_t words[8];
           std::memcpy(words, region + off, 64);

@@ -218,3 +218,45 @@ def test_paged_attention_writes_quantized_rows_then_reads_them_back(kernels):
         keys, _ = cache.gather(0, cache.tile_rows(torch.tensor([[4]])))
         torch.testing.assert_close(keys[0, :, 3], stored_key(k[0], quant), atol=1e-6, rtol=0)
     torch.testing.assert_close(outs[0], outs[1], atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("quant", list(KVQuant), ids=lambda q: q.value)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("head_dim", [32, 64, 80])
+def test_compiled_write_and_dequantize_match_the_torch_reference(kernels, quant, dtype, head_dim):
+    """``kv_write_quantized`` and ``dequantize_kv_blocks`` against ``PagedKVCache``'s torch
+    writes and gathers: the same scales, codes at most one step apart (the Hadamard transform
+    and the division round differently from torch's matmul), and the same dequantized values
+    to within that step."""
+    shape = (12, 2, 2, 3, 16, head_dim + 4)
+    compiled = PagedKVCache(torch.zeros(shape, dtype=torch.uint8), quant, dtype, kernels)
+    reference = PagedKVCache(torch.zeros(shape, dtype=torch.uint8), quant, dtype)
+    gen = torch.Generator().manual_seed(head_dim)
+    k = torch.randn(40, 3, head_dim, generator=gen) * torch.logspace(-2, 1, 40)[:, None, None]
+    v = torch.randn(40, 3, head_dim, generator=gen)
+    k[0] = 0.0
+    blocks = torch.randperm(12, generator=gen)[:3].repeat_interleave(16)[:40]
+    slots = compiled.slot_rows(blocks, torch.arange(40) % 16)
+    for cache in (compiled, reference):
+        cache.write(1, slots, k.to(dtype), v.to(dtype))
+    got, want = compiled.tensor, reference.tensor
+    torch.testing.assert_close(
+        got[..., head_dim:].contiguous().view(torch.float32),
+        want[..., head_dim:].contiguous().view(torch.float32),
+        rtol=1e-5,
+        atol=0,
+    )
+    codes_got = got[..., :head_dim].contiguous().view(quant.code_dtype).float()
+    codes_want = want[..., :head_dim].contiguous().view(quant.code_dtype).float()
+    step = 1.0 if quant is KVQuant.INT8 else codes_want.abs() * 2**-3 + 2**-9
+    assert torch.all((codes_got - codes_want).abs() <= step * 1.0001)
+    used = torch.unique(blocks)
+    layer = compiled.dequantized_layer(1, used)
+    assert layer.dtype == dtype and layer.shape == (3, 1, 2, 3, 16, head_dim)
+    # Dequantizing the same rows: the compiled path against the torch one over ``got``.
+    torch.testing.assert_close(
+        layer.float(),
+        PagedKVCache(got, quant, dtype).dequantized_layer(1, used).float(),
+        atol=1e-5 if dtype == torch.float32 else 2e-2,
+        rtol=1e-5 if dtype == torch.float32 else 1e-2,
+    )
