@@ -4,7 +4,7 @@
 [--duration 90] [--slo-ttft-ms 2000] [--slo-itl-ms 100] [--slo-itl-percentile 90]
 [--vllm-python /opt/vllm-venv/bin/python]``
 
-Three arms on the same two cores, each fed the same seeded open-loop ``chat`` workload through
+Four arms on the same two cores, each fed the same seeded open-loop ``chat`` workload through
 the same load generator over the OpenAI HTTP API (``/v1/completions``, token-id prompts,
 greedy, ``ignore_eos``, streamed):
 
@@ -12,7 +12,9 @@ greedy, ``ignore_eos``, streamed):
   threads, ``VLLM_CPU_KVCACHE_SPACE`` 2 GiB like splitserve's default cache, tcmalloc and
   Intel OpenMP preloaded as vLLM asks);
 - splitserve colocated: 2 replicas behind the router, each pinned to one core;
-- splitserve disaggregated: 1 prefill + 1 decode worker, each pinned to one core.
+- splitserve disaggregated: 1 prefill + 1 decode worker, each pinned to one core;
+- splitserve on both cores: one colocated worker with a torch thread per core, the shape
+  vLLM runs in (every step on both cores).
 
 Every arm runs its engine defaults at the same model dtype (``--dtype``, default the host
 level's auto); the router and the load generator share the cores in every arm. Per rate:
@@ -25,6 +27,7 @@ its completed rate). Under ``--out``: one report per arm (``<arm>/results.json``
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import math
@@ -66,6 +69,7 @@ class ServingArm:
     num_prefill: int = 0
     num_decode: int = 0
     mode: str = ""  # splitserve's --mode; empty for vLLM
+    shared_cores: bool = False  # one worker on every core (torch threads = cores), like vLLM
 
     @property
     def slug(self) -> str:
@@ -76,6 +80,7 @@ ARMS = (
     ServingArm("vllm serve"),
     ServingArm("splitserve colocated 2x", 0, 2, "colocated"),
     ServingArm("splitserve 1P+1D", 1, 1, "disaggregated"),
+    ServingArm("splitserve 1x on both cores", 0, 1, "colocated", shared_cores=True),
 )
 
 
@@ -141,8 +146,11 @@ def _wait_healthy(url: str, proc: subprocess.Popen, timeout_s: float, log_path: 
 
 @contextmanager
 def splitserve_server(arm: ServingArm, engine: EngineConfig, cores: Sequence[str]) -> Iterator[str]:
-    """A local splitserve cluster of ``arm``'s shape, workers pinned one per core; yields the
-    router's HTTP base URL once every worker is routable."""
+    """A local splitserve cluster of ``arm``'s shape, workers pinned one per core (or one worker
+    on all of them); yields the router's HTTP base URL once every worker is routable."""
+    if arm.shared_cores:
+        engine = dataclasses.replace(engine, num_threads=len(cores))
+        cores = [",".join(cores)]
     cluster = LocalCluster(
         engine=engine,
         num_prefill=arm.num_prefill,
@@ -152,7 +160,7 @@ def splitserve_server(arm: ServingArm, engine: EngineConfig, cores: Sequence[str
     )
     try:
         cluster.start()
-        yield cluster.http_url()
+        yield cluster.http_url
     finally:
         cluster.stop()
 

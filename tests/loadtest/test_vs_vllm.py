@@ -25,6 +25,7 @@ def test_ratios_against_vllm_and_the_rate_vllm_meets_the_slos_up_to():
         ARMS[1].name: [at_rate(1.0, 0.2, 0), at_rate(2.0, 0.4, 0)],
         # Each stream stalls 20 times in 100 gaps: its p90 gap is 1 s, over the ITL SLO.
         ARMS[2].name: [at_rate(1.0, 0.2, 20), at_rate(2.0, 0.2, 20)],
+        ARMS[3].name: [at_rate(1.0, 0.5, 0), at_rate(2.0, 0.5, 0)],
     }
     assert highest_rate_vllm_meets(runs[ARMS[0].name]) == 1.0
     markdown, summary = comparison(runs, SPEC, "cmd")
