@@ -45,7 +45,7 @@ from typing import Any
 
 from engine.config import EngineConfig
 from engine.flags import add_flags, from_args
-from loadtest.backends import GrpcClient
+from loadtest.backends import GrpcClient, LoadClient
 from loadtest.metrics import RequestRecord, Summary, summarize
 from loadtest.netns_hosts import HostNetwork, ucx_across_hosts
 from loadtest.report import RunResult, write_reports
@@ -179,8 +179,9 @@ def run_arm(
             target = cluster.start()
         logger.info("%s: serving on %s", arm.name, target)
         served = served_model(target)
-        _warm_up(target, served, workload, spec.seed)
-        return run_sweep(GrpcClient(target), spec, served, show_progress=sys.stderr.isatty())
+        client = GrpcClient(target)
+        warm_up(client, served, workload, spec.seed)
+        return run_sweep(client, spec, served, show_progress=sys.stderr.isatty())
     finally:
         cluster.stop()
         if network is not None:
@@ -196,9 +197,9 @@ def _host_per_role(network: HostNetwork) -> Callable[[Role, int], Placement]:
     return place
 
 
-def _warm_up(target: str, served: ServedModel, workload: str, seed: int) -> None:
-    """A few requests of another seed, so that neither arm pays first-call costs (the compiled
-    kernel's load, allocator growth) inside the measured runs."""
+def warm_up(client: LoadClient, served: ServedModel, workload: str, seed: int) -> None:
+    """A few requests of another seed through ``client``, so that no arm pays first-call costs
+    (the compiled kernel's load, allocator growth) inside the measured runs."""
     spec = LoadSpec(
         workload,
         concurrency=2,
@@ -206,9 +207,9 @@ def _warm_up(target: str, served: ServedModel, workload: str, seed: int) -> None
         duration_s=600.0,
         seed=seed + _WARMUP_SEED_OFFSET,
     )
-    (warm_up,) = run_sweep(GrpcClient(target), spec, served, show_progress=False)
-    if warm_up.summary.errors:
-        raise RuntimeError(f"warm-up requests failed: {warm_up.summary.errors}")
+    (result,) = run_sweep(client, spec, served, show_progress=False)
+    if result.summary.errors:
+        raise RuntimeError(f"warm-up requests failed: {result.summary.errors}")
 
 
 def compare(experiment: Experiment, runs: dict[str, list[RunResult]]) -> list[dict[str, Any]]:

@@ -47,7 +47,7 @@ from engine.config import EngineConfig
 from engine.cpu_isa import cpu_auto_dtype, host_isa
 from loadtest.backends import Backend
 from loadtest.bench_engine import resolve_model_dir, vllm_ld_preload
-from loadtest.experiments import load_runs
+from loadtest.experiments import load_runs, warm_up
 from loadtest.openai_http import OpenAIClient
 from loadtest.report import RunResult, write_reports
 from loadtest.sweep import LoadSpec, ServedModel, load_served_model, run_sweep
@@ -58,7 +58,6 @@ logger = logging.getLogger(__name__)
 WORKLOAD = "chat"
 MAX_MODEL_LEN = 4096
 _SLO_MET_SHARE = 0.9  # vLLM "meets the SLOs" at a rate where >= 90% of completions meet them
-_WARMUP_SEED_OFFSET = 10_000
 
 
 @dataclass(frozen=True, slots=True)
@@ -181,13 +180,7 @@ def run_arm(
     with server as url:
         logger.info("%s: serving on %s", arm.name, url)
         client = OpenAIClient(Backend.OPENAI_COMPLETIONS, url, served.name)
-        warm_up = LoadSpec(
-            WORKLOAD, concurrency=2, num_requests=4, duration_s=600.0,
-            seed=spec.seed + _WARMUP_SEED_OFFSET,
-        )  # fmt: skip
-        (warm,) = run_sweep(client, warm_up, served, show_progress=False)
-        if warm.summary.errors:
-            raise RuntimeError(f"{arm.name}: warm-up requests failed: {warm.summary.errors}")
+        warm_up(client, served, WORKLOAD, spec.seed)
         return run_sweep(client, spec, served, show_progress=sys.stderr.isatty())
 
 

@@ -273,30 +273,21 @@ def _decode(
 ) -> torch.Tensor:
     inputs = meta.decode
     num_seqs, num_heads, head_dim = q.shape
-    if inputs.kernel is not None and cache.quant is not None:
+    if inputs.kernel is not None:
+        args = (
+            cache.tensor,
+            inputs.block_tables,
+            inputs.context_lens,
+            layer,
+            head_dim**-0.5,
+            inputs.sliding_window or -1,
+        )
+        if cache.quant is None:
+            return inputs.kernel.paged_decode(q.contiguous(), *args)
         # Rotated keys take a rotated query (kv_quant), in float32: the kernel's own precision.
         rotation = cache.key_rotation
-        out = inputs.kernel.paged_decode_quantized(
-            q.contiguous() if rotation is None else q.float() @ rotation,
-            cache.tensor,
-            inputs.block_tables,
-            inputs.context_lens,
-            layer,
-            head_dim**-0.5,
-            inputs.sliding_window or -1,
-            cache.quant.kernel_id,
-        )
-        return out.to(q.dtype)
-    if inputs.kernel is not None:
-        return inputs.kernel.paged_decode(
-            q.contiguous(),
-            cache.tensor,
-            inputs.block_tables,
-            inputs.context_lens,
-            layer,
-            head_dim**-0.5,
-            inputs.sliding_window or -1,
-        )
+        q_in = q.contiguous() if rotation is None else q.float() @ rotation
+        return inputs.kernel.paged_decode_quantized(q_in, *args, cache.quant.kernel_id).to(q.dtype)
     group = num_heads // cache.num_kv_heads
     assert inputs.tile_rows is not None and inputs.bias is not None  # built for the torch path
     keys, values = cache.gather(layer, inputs.tile_rows)  # [B, KVH, L, D]

@@ -90,6 +90,18 @@ inline __m512 exp512(__m512 x) {
   return _mm512_scalef_ps(p, n);
 }
 
+// One block's step of the online softmax for one query head: s holds the block's 16 scores,
+// valid its live lanes. Updates the running max m and sum l, sets correction (what the
+// accumulator is to be multiplied by) and returns the block's weights (0 on dead lanes).
+inline __m512 online_softmax16(__m512 s, __mmask16 valid, float& m, float& l, float& correction) {
+  const float m_new = std::max(m, _mm512_reduce_max_ps(s));
+  correction = exp_scalar(m - m_new);
+  const __m512 e = _mm512_maskz_mov_ps(valid, exp512(_mm512_sub_ps(s, _mm512_set1_ps(m_new))));
+  l = l * correction + _mm512_reduce_add_ps(e);
+  m = m_new;
+  return e;
+}
+
 // Lane i of the result is the sum of the 16 lanes of v[i]: a transpose-and-add tree, 45
 // instructions for 16 horizontal sums instead of 16 separate reductions.
 inline __m512 hsum16(const __m512* v) {

@@ -20,6 +20,7 @@
 #include <limits>
 
 #include "avx512_bf16.h"
+#include "decode_softmax.h"
 
 #if defined(__AVX2__)
 #include <immintrin.h>
@@ -27,7 +28,7 @@
 
 namespace {
 
-constexpr int64_t kMaxGroup = 16;  // query heads per KV head
+constexpr int64_t kMaxGroup = splitserve::kMaxDecodeGroup;
 constexpr int64_t kScaleBytes = 4;
 
 enum class Codes : int64_t { kInt8 = 0, kFp8E4M3 = 1 };
@@ -101,27 +102,17 @@ template <typename T, Codes kind, int64_t dim, int64_t bs>
 void decode_one(const T* q, const uint8_t* cache, const int64_t* table, int64_t ctx, int64_t start,
                 int64_t head_offset, int64_t block_stride, int64_t kv_stride, int64_t group,
                 float scale, T* out) {
-  alignas(64) float qf[kMaxGroup][dim];
-  alignas(64) float acc[kMaxGroup][dim];
+  splitserve::GroupSoftmax<dim, bs> softmax;
   alignas(64) float kf[bs * dim];
   alignas(64) float vf[bs * dim];
-  alignas(64) float s[kMaxGroup][bs];
   float k_scale[bs];
   float v_scale[bs];
-  float m[kMaxGroup];
-  float l[kMaxGroup];
   constexpr int64_t tile_bytes = bs * (dim + kScaleBytes);
   for (int64_t g = 0; g < group; ++g) {
-    for (int64_t d = 0; d < dim; ++d) {
-      qf[g][d] = load_float(q[g * dim + d]) * scale;
-      acc[g][d] = 0.f;
-    }
-    m[g] = -std::numeric_limits<float>::infinity();
-    l[g] = 0.f;
+    for (int64_t d = 0; d < dim; ++d) softmax.qf[g][d] = load_float(q[g * dim + d]) * scale;
   }
+  softmax.reset(group);
   for (int64_t blk = start / bs; blk * bs < ctx; ++blk) {
-    const int64_t t0 = std::max<int64_t>(start - blk * bs, 0);
-    const int64_t t1 = std::min(bs, ctx - blk * bs);
     const uint8_t* k = cache + table[blk] * block_stride + head_offset;
     if ((blk + 1) * bs < ctx) {
       // Blocks are scattered: fetch the next K/V tiles while this one is computed.
@@ -133,38 +124,10 @@ void decode_one(const T* q, const uint8_t* cache, const int64_t* table, int64_t 
     }
     widen_tile<kind, dim, bs>(k, kf, k_scale);
     widen_tile<kind, dim, bs>(k + kv_stride, vf, v_scale);
-    for (int64_t g = 0; g < group; ++g) {
-      float* sg = s[g];
-      const float* qg = qf[g];
-      for (int64_t t = 0; t < bs; ++t) {
-        const float* kr = kf + t * dim;
-        float dot = 0.f;
-        for (int64_t d = 0; d < dim; ++d) dot += qg[d] * kr[d];
-        sg[t] = (t >= t0 && t < t1) ? dot * k_scale[t] : -std::numeric_limits<float>::infinity();
-      }
-      float m_new = m[g];
-      for (int64_t t = 0; t < bs; ++t) m_new = std::max(m_new, sg[t]);
-      const float correction = splitserve::exp_scalar(m[g] - m_new);
-      float sum = 0.f;
-      for (int64_t t = 0; t < bs; ++t) {
-        sg[t] = (t >= t0 && t < t1) ? splitserve::exp_scalar(sg[t] - m_new) : 0.f;
-        sum += sg[t];
-      }
-      l[g] = l[g] * correction + sum;
-      float* ag = acc[g];
-      for (int64_t d = 0; d < dim; ++d) ag[d] *= correction;
-      for (int64_t t = t0; t < t1; ++t) {
-        const float p = sg[t] * v_scale[t];
-        const float* vr = vf + t * dim;
-        for (int64_t d = 0; d < dim; ++d) ag[d] += p * vr[d];
-      }
-      m[g] = m_new;
-    }
+    softmax.template block<true>(kf, vf, k_scale, v_scale, std::max<int64_t>(start - blk * bs, 0),
+                                 std::min(bs, ctx - blk * bs));
   }
-  for (int64_t g = 0; g < group; ++g) {
-    const float inv = 1.f / l[g];
-    for (int64_t d = 0; d < dim; ++d) out[g * dim + d] = static_cast<T>(acc[g][d] * inv);
-  }
+  softmax.finish(out);
 }
 
 #if SPLITSERVE_AVX512_BF16
@@ -255,12 +218,8 @@ void decode_seq(const float* q, const uint8_t* cache, const int64_t* table, int6
           dots[t] = dot;
         }
         const __m512 s = _mm512_mask_mul_ps(neg_inf, valid, splitserve::hsum16(dots), ks);
-        const float m_new = std::max(m[h], _mm512_reduce_max_ps(s));
-        const float correction = splitserve::exp_scalar(m[h] - m_new);
-        const __m512 e =
-            _mm512_maskz_mov_ps(valid, splitserve::exp512(_mm512_sub_ps(s, _mm512_set1_ps(m_new))));
-        l[h] = l[h] * correction + _mm512_reduce_add_ps(e);
-        m[h] = m_new;
+        float correction;
+        const __m512 e = splitserve::online_softmax16(s, valid, m[h], l[h], correction);
         _mm512_store_ps(p, _mm512_mul_ps(e, vs));
         __m512 a[kVecs];
         const __m512 corr_v = _mm512_set1_ps(correction);
