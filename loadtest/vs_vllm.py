@@ -33,7 +33,6 @@ import logging
 import math
 import os
 import shlex
-import socket
 import subprocess
 import sys
 import time
@@ -51,7 +50,7 @@ from loadtest.experiments import load_runs, warm_up
 from loadtest.openai_http import OpenAIClient
 from loadtest.report import RunResult, write_reports
 from loadtest.sweep import LoadSpec, ServedModel, load_served_model, run_sweep
-from services.launcher import LocalCluster
+from services.launcher import LocalCluster, free_port
 
 logger = logging.getLogger(__name__)
 
@@ -86,7 +85,7 @@ ARMS = (
 @contextmanager
 def vllm_server(args: argparse.Namespace, model_dir: Path, cores: Sequence[str]) -> Iterator[str]:
     """``vllm serve`` on a free port, bound to ``cores``; yields its base URL once healthy."""
-    port = _free_port()
+    port = free_port()
     env = dict(os.environ)
     env.update(
         VLLM_CPU_KVCACHE_SPACE="2",
@@ -120,12 +119,6 @@ def vllm_server(args: argparse.Namespace, model_dir: Path, cores: Sequence[str])
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _wait_healthy(url: str, proc: subprocess.Popen, timeout_s: float, log_path: Path) -> None:

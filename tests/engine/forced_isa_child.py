@@ -1,9 +1,10 @@
 """Child process of ``test_forced_cpu_isa``: greedy token ids at a forced CPU level.
 
 ``python -m tests.engine.forced_isa_child MODEL_DIR LEVEL`` prints one JSON object: the token
-ids of ``make_prompts`` in float32 and bfloat16 (chunked prefill, mixed steps), each engine's
-kernel plan, and the level torch's own kernels run at. Run with ``library_env(LEVEL)`` set,
-as an operator reproducing a smaller host would.
+ids of ``make_prompts`` in float32 and bfloat16 (chunked prefill, mixed steps; bfloat16's
+``auto`` cache is int8), in float32 over an int8 cache by the compiled and the torch paths,
+each engine's kernel plan, and the level torch's own kernels run at. Run with
+``library_env(LEVEL)`` set, as an operator reproducing a smaller host would.
 """
 
 from __future__ import annotations
@@ -27,6 +28,18 @@ def main(model_dir: str, level: str) -> None:
         outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS))
         result[dtype] = [out.token_ids for out in outs]
         result[f"{dtype}_kernels"] = llm.engine.runner.kernels.describe()
+    for backend in ("cpp", "torch"):
+        llm = LLM(
+            model_dir,
+            dtype="float32",
+            kv_cache_dtype="int8",
+            kernel_backend=backend,
+            cpu_isa=level,
+            num_kv_blocks=256,
+            max_num_batched_tokens=24,
+        )
+        outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS))
+        result[f"int8_{backend}"] = [out.token_ids for out in outs]
     print(json.dumps(result))
 
 

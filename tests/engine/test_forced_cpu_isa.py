@@ -80,6 +80,9 @@ def test_generation_at_forced_level_matches_hf(model_dir, hf_expected, level):
     assert result["float32"] == hf_expected
     agree = sum(g[:2] == e[:2] for g, e in zip(result["bfloat16"], hf_expected, strict=True))
     assert agree >= len(hf_expected) - 1
+    # An int8 cache: the level's compiled writes, decode and prefill scratch give the torch
+    # reference paths' tokens.
+    assert result["int8_cpp"] == result["int8_torch"]
 
 
 @pytest.mark.parametrize("level", FORCED, ids=lambda level: level.value)

@@ -14,40 +14,12 @@
 #include <cstdint>
 #include <cstring>
 
+#include "kv_rows.h"
+
 namespace {
 
-constexpr int64_t kScaleBytes = 4;
+constexpr int64_t kScaleBytes = splitserve::kKvScaleBytes;
 constexpr int64_t kMaxDim = 256;
-
-inline uint32_t float_bits(float f) {
-  uint32_t bits;
-  std::memcpy(&bits, &f, sizeof(bits));
-  return bits;
-}
-
-inline float bits_float(uint32_t bits) {
-  float f;
-  std::memcpy(&f, &bits, sizeof(f));
-  return f;
-}
-
-// |x| <= 448 to fp8 e4m3fn, rounding to nearest even (as torch's conversion).
-inline uint8_t float_to_e4m3(float x) {
-  const uint32_t bits = float_bits(x);
-  const uint8_t sign = static_cast<uint8_t>((bits >> 24) & 0x80u);
-  const float a = std::fabs(x);
-  if (a >= 448.f) return sign | 0x7E;
-  if (a < 0x1p-6f) return sign | static_cast<uint8_t>(std::nearbyint(a * 512.f));
-  const uint32_t mag = bits & 0x7FFFFFFFu;
-  const uint32_t rounded = (mag + 0x7FFFFu + ((mag >> 20) & 1u)) >> 20;
-  return sign | static_cast<uint8_t>(rounded - (120u << 3));
-}
-
-inline float e4m3_to_float(uint8_t c) {
-  const uint32_t em = c & 0x7Fu;
-  const float mag = em < 8 ? static_cast<float>(em) * 0x1p-9f : bits_float((em << 20) + (120u << 23));
-  return (c & 0x80u) ? -mag : mag;
-}
 
 // x <- H x / sqrt(n), H Sylvester's Hadamard matrix of order n (a power of two).
 inline void hadamard(float* x, int64_t n) {
@@ -81,7 +53,9 @@ void quantize_row(const T* src, int64_t dim, bool int8, bool rotate, uint8_t* ro
       row[d] = static_cast<uint8_t>(static_cast<int8_t>(std::clamp(q, -127.f, 127.f)));
     }
   } else {
-    for (int64_t d = 0; d < dim; ++d) row[d] = float_to_e4m3(std::clamp(x[d] / scale, -448.f, 448.f));
+    for (int64_t d = 0; d < dim; ++d) {
+      row[d] = splitserve::float_to_e4m3(std::clamp(x[d] / scale, -448.f, 448.f));
+    }
   }
   std::memcpy(row + dim, &scale, sizeof(float));
 }
@@ -92,7 +66,9 @@ void dequantize_row(const uint8_t* row, int64_t dim, bool int8, bool rotate, T* 
   float scale;
   std::memcpy(&scale, row + dim, sizeof(float));
   for (int64_t d = 0; d < dim; ++d) {
-    x[d] = (int8 ? static_cast<float>(static_cast<int8_t>(row[d])) : e4m3_to_float(row[d])) * scale;
+    const float code =
+        int8 ? static_cast<float>(static_cast<int8_t>(row[d])) : splitserve::e4m3_to_float(row[d]);
+    x[d] = code * scale;
   }
   if (rotate) hadamard(x, dim);
   for (int64_t d = 0; d < dim; ++d) dst[d] = static_cast<T>(x[d]);

@@ -21,6 +21,7 @@
 
 #include "avx512_bf16.h"
 #include "decode_softmax.h"
+#include "kv_rows.h"
 
 #if defined(__AVX2__)
 #include <immintrin.h>
@@ -29,24 +30,9 @@
 namespace {
 
 constexpr int64_t kMaxGroup = splitserve::kMaxDecodeGroup;
-constexpr int64_t kScaleBytes = 4;
+constexpr int64_t kScaleBytes = splitserve::kKvScaleBytes;
 
 enum class Codes : int64_t { kInt8 = 0, kFp8E4M3 = 1 };
-
-inline float bits_to_float(uint32_t bits) {
-  float f;
-  std::memcpy(&f, &bits, sizeof(f));
-  return f;
-}
-
-// fp8 e4m3fn (bias 7, no infinities; the codes written never hold its NaN) to float, exactly:
-// normals move their exponent and mantissa into float's fields and rebias by 120; subnormals
-// are m * 2^-9.
-inline float fp8_e4m3_to_float(uint8_t c) {
-  const uint32_t em = c & 0x7Fu;
-  const float mag = em < 8 ? static_cast<float>(em) * 0x1p-9f : bits_to_float((em << 20) + (120u << 23));
-  return (c & 0x80u) ? -mag : mag;
-}
 
 #if defined(__F16C__)
 // 8 fp8 e4m3 codes as float16 bits worth 2^-8 of their value (sign to bit 15, exponent and
@@ -81,7 +67,7 @@ inline void widen_tile(const uint8_t* tile, float* values, float* scales) {
     if constexpr (kind == Codes::kInt8) {
       for (int64_t d = 0; d < dim; ++d) out[d] = static_cast<float>(static_cast<int8_t>(r[d]));
     } else {
-      for (int64_t d = 0; d < dim; ++d) out[d] = fp8_e4m3_to_float(r[d]);
+      for (int64_t d = 0; d < dim; ++d) out[d] = splitserve::e4m3_to_float(r[d]);
     }
 #endif
   }
