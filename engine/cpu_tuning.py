@@ -6,6 +6,10 @@ import ctypes
 import ctypes.util
 import logging
 import os
+import threading
+from dataclasses import dataclass, field
+
+import torch
 
 logger = logging.getLogger(__name__)
 
@@ -75,3 +79,35 @@ def _thread_ids() -> list[int]:
         return [int(tid) for tid in os.listdir("/proc/self/task")]
     except FileNotFoundError:  # no procfs: the calling thread only
         return [0]
+
+
+@dataclass(slots=True)
+class BuildThread:
+    """The thread an engine was built (and warmed up) on: where its CPU steps belong.
+
+    libgomp, PyTorch's OpenMP on Linux, keeps a pool of worker threads per thread that opens
+    parallel regions. Once the pools together hold more threads than the process has CPUs,
+    libgomp cuts every pool's spin-wait to about a hundred spins, so each parallel region wakes
+    its workers through the kernel: an engine built on one thread and stepped on another, with
+    as many torch threads as cores, ran its decode steps 1.7x slower (BENCHMARKS.md, "One
+    OpenMP pool"). ``check`` logs that once; it changes nothing else.
+    """
+
+    ident: int = field(default_factory=threading.get_ident)
+    _warned: bool = False
+
+    def check(self) -> None:
+        """Warn once when called on another thread than the builder's with more than one
+        torch thread there (then a second OpenMP pool throttles both)."""
+        if self._warned or threading.get_ident() == self.ident:
+            return
+        self._warned = True
+        if torch.get_num_threads() > 1:
+            logger.warning(
+                "the engine built on thread %d steps on thread %d with %d torch threads: "
+                "OpenMP keeps a pool per thread and two pools on these cores throttle each "
+                "other; build the engine on the thread that steps it",
+                self.ident,
+                threading.get_ident(),
+                torch.get_num_threads(),
+            )

@@ -19,7 +19,12 @@ from engine.block_hash import BlockHash
 from engine.block_pool import KVCacheEvent
 from engine.config import EngineConfig
 from engine.cpu_isa import CpuIsa, cpu_auto_dtype, host_isa, resolve_isa
-from engine.cpu_tuning import keep_freed_memory_in_heap, parse_cpu_list, pin_process_to_cpus
+from engine.cpu_tuning import (
+    BuildThread,
+    keep_freed_memory_in_heap,
+    parse_cpu_list,
+    pin_process_to_cpus,
+)
 from engine.detokenizer import IncrementalDetokenizer
 from engine.kv_cache_manager import KVCacheManager
 from engine.kv_cache_spec import QUANTIZED_KV_DTYPES, KVCacheSpec
@@ -117,6 +122,8 @@ class LLMEngine:
         if num_threads:
             torch.set_num_threads(num_threads)
         self.device = resolve_device(config.device)
+        # Steps on CPU belong on this thread (see BuildThread); None on other devices.
+        self.build_thread = BuildThread() if self.device.type == "cpu" else None
         if self.device.type == "cpu":
             keep_freed_memory_in_heap()
         cpu_isa = resolve_isa(config.cpu_isa)
@@ -347,6 +354,8 @@ class LLMEngine:
         raises on its own) finishes those with ``finish_reason == "error"`` and the rest of the
         batch goes on; ``EngineBrokenError`` means no request can run here any more.
         """
+        if self.build_thread is not None:
+            self.build_thread.check()
         sched = self.scheduler.schedule()
         self._kv_loads.extend(sched.kv_loads)
         self.last_num_scheduled_tokens = sched.total_num_scheduled_tokens

@@ -19,9 +19,10 @@ greedy, ``ignore_eos``, streamed):
 Every arm runs its engine defaults at the same model dtype (``--dtype``, default the host
 level's auto); the router and the load generator share the cores in every arm. Per rate:
 TTFT and ITL p50/p99, output tok/s, goodput under the SLOs; then each splitserve arm's goodput
-over vLLM's, and the highest rate at which vLLM still meets the SLOs (goodput at least 90% of
-its completed rate). Under ``--out``: one report per arm (``<arm>/results.json``, plots), and
-``comparison.md``, ``comparison.json`` and ``comparison.png``.
+over vLLM's, and the highest rate at which each arm still meets the SLOs (goodput at least 90%
+of its completed rate), over vLLM's. Under ``--out``: one report per arm
+(``<arm>/results.json``, plots), and ``comparison.md``, ``comparison.json`` and
+``comparison.png``.
 """
 
 from __future__ import annotations
@@ -186,8 +187,9 @@ def output_tokens_per_s(result: RunResult) -> float:
     return sum(r.output_tokens for r in done) / (end - start)
 
 
-def highest_rate_vllm_meets(results: list[RunResult]) -> float | None:
-    """The highest offered rate at which at least 90% of vLLM's completions met the SLOs."""
+def highest_rate_meeting_slos(results: list[RunResult]) -> float | None:
+    """The highest offered rate at which at least 90% of an arm's completions met the SLOs
+    (the rate it sustains under them: DistServe's goodput), or None."""
     met = [
         r.offered_rate_per_s
         for r in results
@@ -236,9 +238,22 @@ def comparison(runs: dict[str, list[RunResult]], spec: LoadSpec, command: str) -
             )  # fmt: skip
             shown = f"{goodput_ratio:.2f}x" if math.isfinite(goodput_ratio) else "- (vLLM 0)"
             lines.append(f"| {ours.label} | {arm.name} | {shown} | {tok_ratio:.2f}x |")
-    rate = highest_rate_vllm_meets(vllm)
+    rate = highest_rate_meeting_slos(vllm)
     lines += ["", f"Highest rate at which vLLM meets the SLOs: {rate if rate else 'none'}."]
-    return "\n".join(lines) + "\n", {"ratios": rows, "vllm_meets_slos_up_to": rate}
+    sustained = {arm.name: highest_rate_meeting_slos(runs[arm.name]) for arm in ARMS}
+    lines += [
+        "",
+        "Highest offered rate at which each arm meets the SLOs (at least 90% of its completions):",
+        "",
+        "| arm | req/s | / vLLM's |",
+        "|---|---|---|",
+    ]
+    for arm in ARMS:
+        arm_rate = sustained[arm.name]
+        ratio = f"{arm_rate / rate:.2f}x" if arm_rate and rate else "-"
+        lines.append(f"| {arm.name} | {arm_rate if arm_rate else 'none'} | {ratio} |")
+    summary = {"ratios": rows, "vllm_meets_slos_up_to": rate, "meets_slos_up_to": sustained}
+    return "\n".join(lines) + "\n", summary
 
 
 def comparison_plot(runs: dict[str, list[RunResult]], path: Path) -> None:

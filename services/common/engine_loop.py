@@ -1,7 +1,8 @@
 """Run one ``LLMEngine`` on its own thread and stream its outputs to asyncio callers.
 
 The engine is single-threaded and its steps are long (milliseconds to seconds), so it gets a
-dedicated thread; gRPC handlers live on the asyncio loop. The two sides talk through:
+dedicated thread (an ``EngineThread``, the one that built it); gRPC handlers live on the asyncio
+loop. The two sides talk through:
 
 - a command queue (asyncio → engine thread): add, abort, any call that touches engine state;
 - one ``call_soon_threadsafe`` per step (engine thread → asyncio) carrying that step's outputs,
@@ -25,6 +26,7 @@ from engine.block_pool import KVCacheEvent
 from engine.llm_engine import LLMEngine
 from engine.outputs import RequestOutput
 from engine.stats import EngineStats
+from services.common.engine_thread import EngineThread
 from services.common.output_stream import OutputStream
 
 logger = logging.getLogger(__name__)
@@ -103,23 +105,28 @@ class EngineLoop:
         self._wakeup = threading.Event()
         self._streams: dict[str, OutputStream] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._thread: threading.Thread | None = None
+        self._thread: EngineThread | None = None
+        self._running: concurrent.futures.Future[None] | None = None
         self._stopping = False
         self._error: BaseException | None = None
         self._pending: set[concurrent.futures.Future[Any]] = set()
         self._stats = engine.stats()
 
-    def start(self) -> None:
+    def start(self, thread: EngineThread | None = None) -> None:
+        """Start stepping on ``thread``: the one the engine was built on (``EngineThread``
+        explains why), else a new one."""
         self._loop = asyncio.get_running_loop()
-        self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
-        self._thread.start()
+        self._thread = thread or EngineThread()
+        self._running = self._thread.submit(self._run)
 
     def shutdown(self) -> None:
         """Stop the engine thread after its current step. Idempotent."""
         self._stopping = True
         self._wakeup.set()
+        if self._running is not None:
+            concurrent.futures.wait([self._running], timeout=30)
         if self._thread is not None:
-            self._thread.join(timeout=30)
+            self._thread.shutdown()
 
     @property
     def stats(self) -> EngineStats:
@@ -128,7 +135,7 @@ class EngineLoop:
 
     @property
     def is_alive(self) -> bool:
-        return self._thread is not None and self._thread.is_alive() and self._error is None
+        return self._running is not None and not self._running.done() and self._error is None
 
     # ----------------------------------------------------------------------------- asyncio side
     async def call(self, fn: Callable[[LLMEngine], T]) -> T:

@@ -19,6 +19,7 @@ from kvtransfer.tls import KVTransferTls
 from services.common.background import BackgroundTasks
 from services.common.convert import peer_info_to_proto
 from services.common.engine_loop import EngineHooks, EngineLoop
+from services.common.engine_thread import EngineThread
 from services.common.failures import FailureKind, abort_with
 from services.common.grpc_server import ServingServer, serve_until_signal, start_server
 from services.common.kv_events import KVEventPublisher
@@ -210,7 +211,13 @@ async def start_worker(
     ``add_to_server`` is the generated ``add_<Service>Servicer_to_server``.
     """
     tls = read_tls_dir(config.tls_dir)  # before the model loads: a bad path fails at once
-    runtime = await asyncio.to_thread(build_runtime, config, role, config.port, make_hooks)
+    # The engine is built on the thread that will step it (see engine_thread).
+    engine_thread = EngineThread()
+    try:
+        runtime = await engine_thread.run(build_runtime, config, role, config.port, make_hooks)
+    except BaseException:
+        engine_thread.shutdown()
+        raise
     servicer = make_servicer(runtime)
     serving = await start_server(
         config.host,
@@ -238,7 +245,7 @@ async def start_worker(
         background.spawn(serving.set_not_serving())
 
     runtime.loop.on_dead = on_engine_dead
-    runtime.loop.start()
+    runtime.loop.start(engine_thread)
     if publisher is not None:
         publisher.start()
     await serving.set_serving((service_name,))

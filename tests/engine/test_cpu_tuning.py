@@ -68,3 +68,27 @@ def test_pinning_refuses_cores_the_process_cannot_use():
     )
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
     assert result.returncode != 0 and f"CPU cores {missing} are not available" in result.stderr
+
+
+def test_an_engine_stepped_off_its_build_thread_warns_once():
+    script = textwrap.dedent("""
+        import logging, threading, torch
+        from engine.cpu_tuning import BuildThread
+
+        logging.basicConfig(format="%(levelname)s %(message)s")
+        built = BuildThread()
+        built.check()  # on the builder's thread: silent
+        def step():
+            torch.set_num_threads(2)
+            built.check()
+            built.check()
+        other = threading.Thread(target=step)
+        other.start()
+        other.join()
+    """)
+    result = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=60, check=True
+    )
+    warnings = [line for line in result.stderr.splitlines() if line.startswith("WARNING")]
+    assert len(warnings) == 1
+    assert "steps on thread" in warnings[0] and "with 2 torch threads" in warnings[0]
