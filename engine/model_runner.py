@@ -129,6 +129,10 @@ class ModelRunner:
 
     def _select_prefill_kernel(self) -> ModuleType | None:
         config = self.model_config
+        # At amx, torch's SDPA runs bfloat16 attention on oneDNN's AMX matmuls: 1.4x the
+        # compiled kernel's speed at 128 prompt tokens, 3.4x at 1024 (BENCHMARKS.md).
+        if self.cpu_isa is CpuIsa.AMX and self.dtype == torch.bfloat16:
+            return None
         if self.cpu_kernels is None or not self.cpu_kernels.paged_prefill_supported(
             self.dtype_name,
             config.head_dim,

@@ -92,3 +92,15 @@ def test_kernel_tests_pass_at_forced_level(level):
     proc = run_at_level(level, *args)
     assert proc.returncode == 0, proc.stdout[-3000:]
     assert " passed" in proc.stdout
+
+
+@pytest.mark.skipif(host_isa() < CpuIsa.AVX512_BF16, reason="bfloat16 prefill is SDPA below")
+def test_bfloat16_prefill_is_compiled_at_avx512_bf16_and_sdpa_at_amx(model_dir):
+    """The compiled prefill kernel (AVX-512 BF16 dot products) from avx512_bf16; at amx,
+    SDPA, whose matmuls oneDNN runs on AMX tiles."""
+    from engine import LLM
+
+    for level in (CpuIsa.AVX512_BF16, host_isa()):
+        llm = LLM(str(model_dir), dtype="bfloat16", cpu_isa=level.value, num_kv_blocks=64)
+        want = "sdpa" if level is CpuIsa.AMX else "cpp"
+        assert f"prefill={want}" in llm.engine.kernels.describe()
