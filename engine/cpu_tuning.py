@@ -9,8 +9,6 @@ import os
 import threading
 from dataclasses import dataclass, field
 
-import torch
-
 logger = logging.getLogger(__name__)
 
 _M_TRIM_THRESHOLD = -1
@@ -102,6 +100,8 @@ class BuildThread:
         if self._warned or threading.get_ident() == self.ident:
             return
         self._warned = True
+        import torch  # here: routers import this module (for the CPU list) and not torch
+
         if torch.get_num_threads() > 1:
             logger.warning(
                 "the engine built on thread %d steps on thread %d with %d torch threads: "
