@@ -1,13 +1,8 @@
 """The one thread that builds a worker's engine and then steps it.
 
-PyTorch's CPU ops run on OpenMP, which on Linux is libgomp. libgomp keeps one pool of worker
-threads per thread that opens parallel regions, and once all pools together hold more threads
-than the process has CPUs it throttles every pool's spin-wait to about a hundred spins: each
-parallel region then wakes its workers through the kernel instead of finding them spinning.
-A model loaded and warmed up on one thread and stepped on another holds two pools, so a
-worker with as many torch threads as cores crossed that line: its decode steps took 1.7x as
-long as the same engine's on one thread (BENCHMARKS.md, "One OpenMP pool"). Building the
-engine on the thread that steps it keeps a single pool.
+An engine loaded on one thread and stepped on another holds two OpenMP pools, which throttle
+each other once they outnumber the CPUs (``engine.cpu_tuning.BuildThread`` says how, and what
+it cost); building the engine on the thread that steps it keeps a single pool.
 """
 
 from __future__ import annotations
