@@ -10,6 +10,7 @@ from types import ModuleType
 import torch
 
 from engine.cpu_isa import CpuIsa
+from engine.cpu_tuning import advise_huge_pages
 from engine.kv_cache_spec import KVCacheSpec
 from engine.loader.hf import load_model
 from engine.model.attention import (
@@ -77,11 +78,14 @@ class ModelRunner:
         quant = kv_quant_for(kv_cache_dtype)
         # Zeroed, not empty: padded block-table entries are read (then masked), and NaN * 0 = NaN
         # (an 8-bit row of zeros is zero codes at scale 0).
-        self.kv_cache = torch.zeros(
+        self.kv_cache = torch.empty(
             (self.num_kv_blocks, *self.kv_cache_spec.block_shape),
             dtype=self.dtype if quant is None else torch.uint8,
             device=device,
         )
+        if device.type == "cpu":
+            advise_huge_pages(self.kv_cache.data_ptr(), self.kv_cache.nbytes)
+        self.kv_cache.zero_()
         self.rope = RotaryEmbedding(config, self.max_model_len, self.dtype, device)
         self.cpu_kernels = self._load_cpu_kernels(kernel_backend)
         self.cache = PagedKVCache(self.kv_cache, quant, self.dtype, self.cpu_kernels)

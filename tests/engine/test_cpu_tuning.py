@@ -1,4 +1,4 @@
-"""CPU pinning: the core list parser, and that pinning reaches every thread of the process."""
+"""CPU tuning: the core list parser, pinning every thread of the process, and huge pages."""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 
@@ -92,3 +93,47 @@ def test_an_engine_stepped_off_its_build_thread_warns_once():
     warnings = [line for line in result.stderr.splitlines() if line.startswith("WARNING")]
     assert len(warnings) == 1
     assert "steps on thread" in warnings[0] and "with 2 torch threads" in warnings[0]
+
+
+def _thp_mode() -> str | None:
+    try:
+        text = Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text()
+    except OSError:
+        return None
+    return text.split("[", 1)[1].split("]", 1)[0]
+
+
+def _vm_flags(address: int) -> set[str]:
+    """The VmFlags of the mapping in /proc/self/smaps that holds ``address``."""
+    inside = False
+    with open("/proc/self/smaps") as smaps:
+        for line in smaps:
+            head = line.split()[0]
+            if "-" in head and not head.endswith(":"):
+                low, high = (int(x, 16) for x in head.split("-"))
+                inside = low <= address < high
+            elif inside and head == "VmFlags:":
+                return set(line.split()[1:])
+    return set()
+
+
+@pytest.mark.skipif(_thp_mode() in (None, "never"), reason="no transparent huge pages here")
+def test_advise_huge_pages_marks_the_whole_pages_inside_the_range():
+    import torch
+
+    from engine.cpu_tuning import advise_huge_pages
+
+    buffer = torch.empty(16 * 2**20, dtype=torch.uint8)
+    assert advise_huge_pages(buffer.data_ptr(), buffer.nbytes)
+    first_whole_page = -(-buffer.data_ptr() // 2**21) * 2**21
+    assert "hg" in _vm_flags(first_whole_page)
+    assert not advise_huge_pages(buffer.data_ptr() + 1, 2**20)  # no whole page inside
+
+
+@pytest.mark.skipif(_thp_mode() in (None, "never"), reason="no transparent huge pages here")
+def test_the_cpu_kv_cache_is_advised_huge_pages(tiny_llama_dir):
+    from engine.llm import LLM
+
+    cache = LLM(model=str(tiny_llama_dir), num_kv_blocks=16384).engine.kv_cache
+    assert "hg" in _vm_flags(-(-cache.data_ptr() // 2**21) * 2**21)
+    assert not cache.any()  # still zeroed

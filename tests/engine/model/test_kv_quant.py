@@ -260,3 +260,23 @@ def test_compiled_write_and_dequantize_match_the_torch_reference(kernels, quant,
         atol=1e-5 if dtype == torch.float32 else 2e-2,
         rtol=1e-5 if dtype == torch.float32 else 1e-2,
     )
+
+
+@pytest.mark.parametrize("quant", list(KVQuant), ids=lambda q: q.value)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gather_with_compiled_kernels_matches_the_torch_gather(kernels, quant, dtype):
+    """``PagedKVCache.gather`` widens 8-bit rows with the compiled kernel when it has one: the
+    same [B, KVH, tokens, D] keys and values as the torch gather of the same rows, for
+    several sequences of several blocks each."""
+    rows = quantized_cache(quant, torch.float32, 12, 3, 3, 64, 11).tensor
+    compiled = PagedKVCache(rows, quant, dtype, kernels)
+    reference = PagedKVCache(rows, quant, dtype)
+    tile_rows = compiled.tile_rows(torch.tensor([[7, 2, 11], [0, 5, 5]]))
+    for layer in (0, 2):
+        got = compiled.gather(layer, tile_rows)
+        want = reference.gather(layer, tile_rows)
+        for g, w in zip(got, want, strict=True):
+            assert g.shape == w.shape == (2, 3, 48, 64) and g.dtype == dtype
+            torch.testing.assert_close(
+                g.float(), w.float(), atol=1e-5 if dtype == torch.float32 else 2e-2, rtol=1e-2
+            )
