@@ -9,6 +9,7 @@
 #include <c10/util/Exception.h>
 #include <c10/util/Optional.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -19,7 +20,12 @@
 
 namespace {
 
-constexpr int64_t kRowsPerTask = 64;
+// Elements per parallel task: a decode step's 64 rows are still split over the threads.
+constexpr int64_t kElementsPerTask = 16384;
+
+inline int64_t rows_per_task(int64_t width) {
+  return std::max<int64_t>(1, kElementsPerTask / std::max<int64_t>(width, 1));
+}
 
 using splitserve::to_dtype;
 using splitserve::to_float;
@@ -29,6 +35,33 @@ template <typename T>
 inline float round_to(float v) {
   return to_float(to_dtype<T>(v));
 }
+
+#if SPLITSERVE_AVX512_BF16
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const uint16_t* p) { return splitserve::load_bf16(p); }
+inline void store16(float* p, __m512 x) { _mm512_storeu_ps(p, x); }
+inline void store16(uint16_t* p, __m512 x) { splitserve::store_bf16(p, x); }
+
+template <typename T>
+inline __m512 round_to(__m512 v) {
+  if constexpr (std::is_same_v<T, float>) {
+    return v;
+  } else {
+    const __m256bh packed = _mm512_cvtneps_pbh(v);
+    const __m256i bits = reinterpret_cast<const __m256i&>(packed);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+  }
+}
+
+// x * sigmoid(x) with e = exp(-|x|) <= 1, exp512's range: x / (1 + e) for x >= 0 and
+// x * e / (1 + e) below (the scalar loop's x / (1 + exp(-x)), without its overflow).
+inline __m512 silu512(__m512 x) {
+  const __m512 e = splitserve::exp512(_mm512_sub_ps(_mm512_setzero_ps(), _mm512_abs_ps(x)));
+  const __mmask16 negative = _mm512_cmp_ps_mask(x, _mm512_setzero_ps(), _CMP_LT_OQ);
+  const __m512 num = _mm512_mask_mul_ps(x, negative, x, e);
+  return _mm512_div_ps(num, _mm512_add_ps(_mm512_set1_ps(1.f), e));
+}
+#endif
 
 template <typename T>
 const T* ptr(const at::Tensor& t);
@@ -93,7 +126,7 @@ at::Tensor rms_norm(at::Tensor x, at::Tensor weight, double eps,
     const T* wp = ptr<T>(weight);
     T* res = residual.has_value() ? mut<T>(*residual) : nullptr;
     T* op = mut<T>(out);
-    at::parallel_for(0, rows, kRowsPerTask, [&](int64_t begin, int64_t end) {
+    at::parallel_for(0, rows, rows_per_task(hidden), [&](int64_t begin, int64_t end) {
       std::vector<float> row(hidden);
       for (int64_t r = begin; r < end; ++r) {
         const T* xr = xp + r * x_stride;
@@ -129,12 +162,19 @@ at::Tensor silu_and_mul(at::Tensor gate_up) {
     using T = std::remove_pointer_t<decltype(tag)>;
     const T* gp = ptr<T>(gate_up);
     T* op = mut<T>(out);
-    at::parallel_for(0, rows, kRowsPerTask, [&](int64_t begin, int64_t end) {
+    at::parallel_for(0, rows, rows_per_task(width), [&](int64_t begin, int64_t end) {
       for (int64_t r = begin; r < end; ++r) {
         const T* g = gp + r * stride;
         const T* u = g + width;
         T* o = op + r * width;
-        for (int64_t i = 0; i < width; ++i) {
+        int64_t i = 0;
+#if SPLITSERVE_AVX512_BF16
+        for (; i + 16 <= width; i += 16) {
+          const __m512 silu = round_to<T>(silu512(load16(g + i)));
+          store16(o + i, _mm512_mul_ps(silu, load16(u + i)));
+        }
+#endif
+        for (; i < width; ++i) {
           const float x = to_float(g[i]);
           const float silu = round_to<T>(x / (1.f + splitserve::exp_any(-x)));
           o[i] = to_dtype<T>(silu * to_float(u[i]));
@@ -162,7 +202,7 @@ void rotary_(at::Tensor x, at::Tensor cos, at::Tensor sin, int64_t num_heads) {
     T* xp = mut<T>(x);
     const T* cp = ptr<T>(cos);
     const T* sp = ptr<T>(sin);
-    at::parallel_for(0, tokens, kRowsPerTask, [&](int64_t begin, int64_t end) {
+    at::parallel_for(0, tokens, rows_per_task(num_heads * dim), [&](int64_t begin, int64_t end) {
       std::vector<float> v(dim);
       for (int64_t t = begin; t < end; ++t) {
         const T* c = cp + t * dim;
