@@ -2,14 +2,15 @@
 
 Levels, each including the ones below it (x86-64; any other CPU is ``PORTABLE``)::
 
-    PORTABLE < AVX2 (+FMA, F16C) < AVX512 (F, BW, VL, DQ) < AVX512_BF16 < AMX (AMX-BF16 tiles)
+    PORTABLE < AVX2 (+FMA, F16C) < AVX512 (F, BW, VL, DQ) < AVX512_BF16 (+VNNI) < AMX (tiles)
 
 What depends on the level:
 
 - the compiled CPU kernels (``model/cpu_kernels.py``) are built for the level, not for
   ``-march=native``, so a lower level forced on a better host runs the lower level's code;
 - oneDNN-packed bfloat16 linears need AVX512 (oneDNN's bf16 reorder refuses AVX2 hosts);
-- the compiled paged prefill kernel and the pair-dot-product decode path need AVX512_BF16;
+- the compiled paged prefill kernel, the pair-dot-product decode path and the integer key
+  scores of int8 caches (VNNI, which every AVX-512 BF16 CPU has) need AVX512_BF16;
 - ``--dtype auto`` is bfloat16 from AVX512_BF16 up (native bf16 dot products), float32 below
   (bf16 is emulated there: see BENCHMARKS.md).
 
@@ -69,7 +70,7 @@ ISA_CHOICES = (AUTO, *(level.value for level in _ORDER))
 _REQUIRED_FLAGS = {
     CpuIsa.AVX2: {"avx2", "fma", "f16c"},
     CpuIsa.AVX512: {"avx512f", "avx512bw", "avx512vl", "avx512dq"},
-    CpuIsa.AVX512_BF16: {"avx512_bf16"},
+    CpuIsa.AVX512_BF16: {"avx512_bf16", "avx512_vnni"},
     CpuIsa.AMX: {"amx_bf16", "amx_tile"},
 }
 _X86_64_V4 = ("-march=x86-64-v4",)
@@ -77,8 +78,8 @@ _COMPILER_FLAGS = {
     CpuIsa.PORTABLE: ("-march=x86-64",),
     CpuIsa.AVX2: ("-march=x86-64-v3",),
     CpuIsa.AVX512: _X86_64_V4,
-    CpuIsa.AVX512_BF16: (*_X86_64_V4, "-mavx512bf16"),
-    CpuIsa.AMX: (*_X86_64_V4, "-mavx512bf16", "-mamx-tile", "-mamx-bf16"),
+    CpuIsa.AVX512_BF16: (*_X86_64_V4, "-mavx512bf16", "-mavx512vnni"),
+    CpuIsa.AMX: (*_X86_64_V4, "-mavx512bf16", "-mavx512vnni", "-mamx-tile", "-mamx-bf16"),
 }
 _ONEDNN_ISA = {
     CpuIsa.PORTABLE: "SSE41",

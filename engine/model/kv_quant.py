@@ -15,9 +15,11 @@ gathers (the torch paths, the prefill scratch) rotate keys back. fp8's error is 
 each value, which a rotation does not improve, and values gain little (0.67% to 0.59%).
 
 The compiled decode kernel (``csrc/paged_decode_quantized.cpp``) reads the same rows in place
-and folds each row's scale into its score (K) or its softmax weight (V); ``csrc/kv_quant.cpp``
-writes rows and widens a step's context into a scratch cache for the compiled prefill kernel
-(``PagedKVCache.write``, ``.dequantized_layer``), as the functions below do in torch.
+and folds each row's scale into its score (K) or its softmax weight (V); from AVX512_BF16 it
+scores int8 keys by integer dot products against the query as int16 codes (``vpdpwssd``).
+``csrc/kv_quant.cpp`` writes rows and widens a step's context into a scratch cache for the
+compiled prefill kernel (``PagedKVCache.write``, ``.dequantized_layer``), as the functions
+below do in torch.
 """
 
 from __future__ import annotations

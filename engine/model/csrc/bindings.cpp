@@ -7,6 +7,7 @@ at::Tensor paged_decode(at::Tensor q, at::Tensor kv_cache, at::Tensor block_tabl
 at::Tensor paged_decode_quantized(at::Tensor q, at::Tensor kv_cache, at::Tensor block_tables,
                                   at::Tensor context_lens, int64_t layer, double scale,
                                   int64_t sliding_window, int64_t kind);
+int64_t int8_decode_query_bits(int64_t head_dim);
 void kv_write_quantized(at::Tensor kv_cache, at::Tensor slot_rows, at::Tensor k, at::Tensor v,
                         int64_t layer, int64_t kind, bool rotate_keys);
 void dequantize_kv_blocks(at::Tensor kv_cache, at::Tensor block_ids, int64_t layer, int64_t kind,
@@ -27,6 +28,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode", &paged_decode, "paged-attention decode over block tables (CPU)");
   m.def("paged_decode_quantized", &paged_decode_quantized,
         "paged-attention decode over an 8-bit (int8 | fp8 e4m3) cache, read in place (CPU)");
+  m.def("int8_decode_query_bits", &int8_decode_query_bits,
+        "16 where paged_decode_quantized scores int8 keys against int16 query codes, else 0");
   m.def("kv_write_quantized", &kv_write_quantized,
         "quantize a step's new K/V into their 8-bit cache rows (int8 keys Hadamard-rotated)");
   m.def("dequantize_kv_blocks", &dequantize_kv_blocks,

@@ -134,12 +134,64 @@ inline __m512 widen16(const uint8_t* p) {
   }
 }
 
+#if defined(__AVX512VNNI__)
+// int8 keys are scored by integer dot products (vpdpwssd): key codes widened to int16 once per
+// tile, the query heads quantized to int16 (scale absmax / 32767: a relative error near 2^-16,
+// below the bfloat16 the query was computed in), int32 sums exact (64 x 127 x 32767 < 2^31).
+// Half the widening stores of float keys and half the multiplies.
+constexpr bool kIntegerKeyScores = true;
+#else
+constexpr bool kIntegerKeyScores = false;
+#endif
+
+// Lane i of the result is the sum of the 16 int32 lanes of v[i] (hsum16's tree, in integers).
+inline __m512i hsum16_epi32(const __m512i* v) {
+  __m512i x[8];
+  for (int i = 0; i < 8; ++i) {
+    x[i] = _mm512_add_epi32(_mm512_unpacklo_epi32(v[2 * i], v[2 * i + 1]),
+                            _mm512_unpackhi_epi32(v[2 * i], v[2 * i + 1]));
+  }
+  __m512i y[4];
+  for (int i = 0; i < 4; ++i) {
+    y[i] = _mm512_add_epi32(_mm512_unpacklo_epi64(x[2 * i], x[2 * i + 1]),
+                            _mm512_unpackhi_epi64(x[2 * i], x[2 * i + 1]));
+  }
+  const __m512i z01 = _mm512_add_epi32(_mm512_shuffle_i32x4(y[0], y[1], 0x88),
+                                       _mm512_shuffle_i32x4(y[0], y[1], 0xDD));
+  const __m512i z23 = _mm512_add_epi32(_mm512_shuffle_i32x4(y[2], y[3], 0x88),
+                                       _mm512_shuffle_i32x4(y[2], y[3], 0xDD));
+  return _mm512_add_epi32(_mm512_shuffle_i32x4(z01, z23, 0x88),
+                          _mm512_shuffle_i32x4(z01, z23, 0xDD));
+}
+
+// The query heads as int16 codes, and each head's value per code times the softmax scale.
+template <int64_t dim>
+struct QueryCodes {
+  static constexpr int64_t kChunks = dim / 32;  // 32 int16 codes per vector
+  alignas(64) int16_t codes[kMaxHeads][dim];
+  float unit[kMaxHeads];
+
+  void fill(const float* q, int64_t heads, float scale) {
+    for (int64_t h = 0; h < heads; ++h) {
+      const float* qh = q + h * dim;
+      float absmax = 0.f;
+      for (int64_t d = 0; d < dim; ++d) absmax = std::max(absmax, std::fabs(qh[d]));
+      const float step = absmax > 0.f ? absmax / 32767.f : 1.f;
+      for (int64_t d = 0; d < dim; ++d) {
+        const float code = std::clamp(std::nearbyint(qh[d] / step), -32767.f, 32767.f);
+        codes[h][d] = static_cast<int16_t>(code);
+      }
+      unit[h] = step * scale;
+    }
+  }
+};
+
 // One task per sequence, as the bfloat16 path of paged_decode.cpp: per block, the layer's K and
 // V tiles of every KV head are one contiguous run, prefetched kPrefetchBlocks ahead. Per KV
-// head the K and V tiles are widened to float once and shared by its query heads; a block's 16
-// scores come from 16 float dot products summed by one transpose tree (hsum16), then the row
-// scales and the online softmax are applied in one vector; in p.V each V row's scale is folded
-// into its weight.
+// head the K and V tiles are widened once (to float; int8 keys with VNNI to int16) and shared by
+// its query heads; a block's 16 scores come from 16 dot products summed by one transpose tree
+// (hsum16, or hsum16_epi32 for integer scores), then the row scales and the online softmax are
+// applied in one vector; in p.V each V row's scale is folded into its weight.
 template <Codes kind, int64_t dim>
 void decode_seq(const float* q, const uint8_t* cache, const int64_t* table, int64_t ctx,
                 int64_t start, int64_t layer_offset, int64_t block_stride, int64_t kv_heads,
@@ -159,6 +211,10 @@ void decode_seq(const float* q, const uint8_t* cache, const int64_t* table, int6
   alignas(64) float v_scale[bs];
   float m[kMaxHeads];
   float l[kMaxHeads];
+  constexpr bool kIntegerScores = kind == Codes::kInt8 && kIntegerKeyScores;
+  constexpr int64_t kChunks = QueryCodes<dim>::kChunks;
+  QueryCodes<dim> qc;
+  if constexpr (kIntegerScores) qc.fill(q, heads, scale);
   for (int64_t h = 0; h < heads; ++h) {
     for (int64_t d = 0; d < dim; ++d) acc[h][d] = 0.f;
     m[h] = -std::numeric_limits<float>::infinity();
@@ -180,10 +236,20 @@ void decode_seq(const float* q, const uint8_t* cache, const int64_t* table, int6
     for (int64_t kvh = 0; kvh < kv_heads; ++kvh) {
       const uint8_t* k = block + kvh * tile;
       const uint8_t* v = block + (kv_heads + kvh) * tile;
+      alignas(64) int16_t kw[kIntegerScores ? bs : 1][dim];
       for (int64_t t = 0; t < bs; ++t) {
         for (int64_t c = 0; c < kVecs; ++c) {
-          _mm512_store_ps(kf[t] + 16 * c, widen16<kind>(k + t * row + 16 * c));
+          if constexpr (!kIntegerScores) {
+            _mm512_store_ps(kf[t] + 16 * c, widen16<kind>(k + t * row + 16 * c));
+          }
           _mm512_store_ps(vf[t] + 16 * c, widen16<kind>(v + t * row + 16 * c));
+        }
+        if constexpr (kIntegerScores) {
+          for (int64_t c = 0; c < kChunks; ++c) {
+            const __m256i codes =
+                _mm256_loadu_si256(reinterpret_cast<const __m256i*>(k + t * row + 32 * c));
+            _mm512_store_si512(kw[t] + 32 * c, _mm512_cvtepi8_epi16(codes));
+          }
         }
         std::memcpy(k_scale + t, k + t * row + dim, sizeof(float));
         std::memcpy(v_scale + t, v + t * row + dim, sizeof(float));
@@ -191,19 +257,35 @@ void decode_seq(const float* q, const uint8_t* cache, const int64_t* table, int6
       const __m512 ks = _mm512_mul_ps(_mm512_load_ps(k_scale), _mm512_set1_ps(code_unit));
       const __m512 vs = _mm512_mul_ps(_mm512_load_ps(v_scale), _mm512_set1_ps(code_unit));
       for (int64_t h = kvh * group; h < (kvh + 1) * group; ++h) {
-        __m512 qv[kVecs];
-        for (int64_t c = 0; c < kVecs; ++c) {
-          qv[c] = _mm512_mul_ps(_mm512_loadu_ps(q + h * dim + 16 * c), _mm512_set1_ps(scale));
-        }
-        __m512 dots[bs];
-        for (int64_t t = 0; t < bs; ++t) {
-          __m512 dot = _mm512_mul_ps(qv[0], _mm512_load_ps(kf[t]));
-          for (int64_t c = 1; c < kVecs; ++c) {
-            dot = _mm512_fmadd_ps(qv[c], _mm512_load_ps(kf[t] + 16 * c), dot);
+        __m512 raw;
+        if constexpr (kIntegerScores) {
+          __m512i qv[kChunks];
+          for (int64_t c = 0; c < kChunks; ++c) qv[c] = _mm512_load_si512(qc.codes[h] + 32 * c);
+          __m512i dots[bs];
+          for (int64_t t = 0; t < bs; ++t) {
+            __m512i dot = _mm512_madd_epi16(qv[0], _mm512_load_si512(kw[t]));
+            for (int64_t c = 1; c < kChunks; ++c) {
+              dot = _mm512_dpwssd_epi32(dot, qv[c], _mm512_load_si512(kw[t] + 32 * c));
+            }
+            dots[t] = dot;
           }
-          dots[t] = dot;
+          raw = _mm512_mul_ps(_mm512_cvtepi32_ps(hsum16_epi32(dots)), _mm512_set1_ps(qc.unit[h]));
+        } else {
+          __m512 qv[kVecs];
+          for (int64_t c = 0; c < kVecs; ++c) {
+            qv[c] = _mm512_mul_ps(_mm512_loadu_ps(q + h * dim + 16 * c), _mm512_set1_ps(scale));
+          }
+          __m512 dots[bs];
+          for (int64_t t = 0; t < bs; ++t) {
+            __m512 dot = _mm512_mul_ps(qv[0], _mm512_load_ps(kf[t]));
+            for (int64_t c = 1; c < kVecs; ++c) {
+              dot = _mm512_fmadd_ps(qv[c], _mm512_load_ps(kf[t] + 16 * c), dot);
+            }
+            dots[t] = dot;
+          }
+          raw = splitserve::hsum16(dots);
         }
-        const __m512 s = _mm512_mask_mul_ps(neg_inf, valid, splitserve::hsum16(dots), ks);
+        const __m512 s = _mm512_mask_mul_ps(neg_inf, valid, raw, ks);
         float correction;
         const __m512 e = splitserve::online_softmax16(s, valid, m[h], l[h], correction);
         _mm512_store_ps(p, _mm512_mul_ps(e, vs));
@@ -354,4 +436,14 @@ at::Tensor paged_decode_quantized(at::Tensor q, at::Tensor kv_cache, at::Tensor 
     run<at::BFloat16>(q, kv_cache, tables, lens, max_blocks, layer, s, sliding_window, codes, out);
   }
   return out;
+}
+
+// The bits of the query codes int8 keys are scored against at this head_dim (16: int16 codes,
+// kIntegerKeyScores), or 0 where scores are float products; a reference quantizes its query
+// the same way to match this build bit for bit.
+int64_t int8_decode_query_bits(int64_t head_dim) {
+#if SPLITSERVE_AVX512_BF16
+  if (kIntegerKeyScores && (head_dim == 32 || head_dim == 64 || head_dim == 128)) return 16;
+#endif
+  return 0;
 }
