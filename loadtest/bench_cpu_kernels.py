@@ -29,6 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.cpu_isa import ISA_CHOICES, CpuIsa, resolve_isa
+from engine.cpu_tuning import advise_huge_pages
 from engine.kv_cache_spec import KV_SCALE_BYTES
 from engine.model.attention import DecodeInputs, PagedKVCache, _decode, decode_bias
 from engine.model.cpu_kernels import load_cpu_kernels
@@ -115,11 +116,13 @@ def bench_linears(args: argparse.Namespace, level: CpuIsa, dtype: torch.dtype) -
 
 def decode_cache(args: argparse.Namespace, kv_cache_dtype: str, dtype: torch.dtype) -> PagedKVCache:
     """A cache of the engine's default size in ``kv_cache_dtype`` (the model's, or 8-bit rows
-    quantized from the same random values), built a slice at a time."""
+    quantized from the same random values), built a slice at a time, on huge pages where the
+    engine's would be."""
     quant = kv_quant_for(kv_cache_dtype)
     row = args.head_dim + (KV_SCALE_BYTES if quant else 0)
     shape = (args.num_kv_blocks, args.layers, 2, args.kv_heads, 16)
     tensor = torch.empty((*shape, row), dtype=torch.uint8 if quant else dtype)
+    advise_huge_pages(tensor.data_ptr(), tensor.nbytes)  # as the engine's cache
     gen = torch.Generator().manual_seed(1)
     for first in range(0, args.num_kv_blocks, 256):
         n = min(256, args.num_kv_blocks - first)
