@@ -1,0 +1,173 @@
+"""Where an offline engine run spends its time, per kind of step and per part of the model.
+
+``python -m loadtest.profile_engine [--model smollm2-135m] [--kv-cache-dtype auto]
+[--cpu-isa auto] [--threads 2]``
+
+Runs ``bench_engine``'s workload (the same seeded random-token prompts, greedy, ``ignore_eos``)
+through ``engine.LLM`` in this process, with ``perf_counter`` timers wrapped around each step's
+``ModelRunner.execute`` and, inside it, around the parts that dominate on CPU: the linear
+layers (oneDNN-packed, the LM head included), decode attention, the prefill chunks' SDPA, the
+8-bit cache's gathers and every K/V write. Steps are split into decode steps (one new token per
+request) and mixed steps (any prefill chunk). "Other" is the rest of ``execute``: the fused
+elementwise ops, embedding, the step's metadata and Python. Timers add a few microseconds per
+call, so compare runs of this tool with each other, and ``bench_engine`` for throughput.
+
+Parts are only counted where they run through the wrapped functions: unpacked linears
+(``F.linear``) count as "other", and at levels where prefill runs the compiled kernel its
+attention is "other" too.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import enum
+import time
+from collections import defaultdict
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import torch
+
+from engine.cpu_isa import ISA_CHOICES
+from engine.llm import LLM
+from engine.model import attention
+from engine.model.packed_linear import PackedLinear
+from engine.model_runner import ModelRunner
+from engine.sampling_params import SamplingParams
+from engine.scheduler import ScheduledRequest
+from loadtest.bench_engine import resolve_model_dir
+from loadtest.workloads import random_token_workload
+
+
+class Step(enum.Enum):
+    DECODE = "decode"
+    MIXED = "mixed"
+
+
+PARTS = ("linears", "decode attention", "prefill SDPA", "8-bit gathers", "K/V writes")
+
+
+class StepTimers:
+    """Seconds per (step kind, part), and steps and ``execute`` seconds per step kind."""
+
+    def __init__(self) -> None:
+        self.seconds: defaultdict[tuple[Step, str], float] = defaultdict(float)
+        self.steps: defaultdict[Step, int] = defaultdict(int)
+        self.current = Step.MIXED
+
+    def timed(self, part: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+        """``fn`` with its wall time added to ``part`` of the current step kind."""
+
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            start_s = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.seconds[(self.current, part)] += time.perf_counter() - start_s
+
+        return wrapper
+
+    def table(self) -> str:
+        """Markdown: one row per step kind, its parts and "other" in seconds."""
+        lines = [
+            "| steps | count | execute (s) | " + " | ".join(PARTS) + " | other |",
+            "|---|---|---|" + "---|" * (len(PARTS) + 1),
+        ]
+        for kind in Step:
+            total = self.seconds[(kind, "execute")]
+            parts = [self.seconds[(kind, part)] for part in PARTS]
+            cells = " | ".join(f"{s:.2f}" for s in [*parts, total - sum(parts)])
+            lines.append(f"| {kind.value} | {self.steps[kind]} | {total:.2f} | {cells} |")
+        return "\n".join(lines)
+
+
+@contextlib.contextmanager
+def step_timers() -> Iterator[StepTimers]:
+    """Wrap the engine's parts with timers for the duration of the block; restores them."""
+    timers = StepTimers()
+    execute = ModelRunner.execute
+
+    def timed_execute(runner: ModelRunner, scheduled: Sequence[ScheduledRequest]) -> Any:
+        decode = all(s.num_new_tokens == 1 for s in scheduled)
+        timers.current = Step.DECODE if decode else Step.MIXED
+        timers.steps[timers.current] += 1
+        return timers.timed("execute", execute)(runner, scheduled)
+
+    patches: list[tuple[object, str, Any]] = [
+        (ModelRunner, "execute", timed_execute),
+        (PackedLinear, "forward", timers.timed("linears", PackedLinear.forward)),
+        (attention, "_decode", timers.timed("decode attention", attention._decode)),
+        (attention, "_sdpa", timers.timed("prefill SDPA", attention._sdpa)),
+        (
+            attention.PagedKVCache,
+            "_gather_compiled",
+            timers.timed("8-bit gathers", attention.PagedKVCache._gather_compiled),
+        ),
+        (
+            attention.PagedKVCache,
+            "write",
+            timers.timed("K/V writes", attention.PagedKVCache.write),
+        ),
+    ]
+    saved = [(owner, name, getattr(owner, name)) for owner, name, _ in patches]
+    for owner, name, replacement in patches:
+        setattr(owner, name, replacement)
+    try:
+        yield timers
+    finally:
+        for owner, name, original in saved:
+            setattr(owner, name, original)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m loadtest.profile_engine", description=__doc__)
+    p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--kv-cache-dtype", default="auto")
+    p.add_argument("--cpu-isa", choices=ISA_CHOICES, default="auto")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--num-prompts", type=int, default=64)
+    p.add_argument("--min-prompt-tokens", type=int, default=128)
+    p.add_argument("--max-prompt-tokens", type=int, default=512)
+    p.add_argument("--output-tokens", type=int, default=128)
+    p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--max-num-batched-tokens", type=int, default=4096)
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    model_dir = resolve_model_dir(args.model)
+    workload = random_token_workload(
+        model_dir,
+        args.num_prompts,
+        args.min_prompt_tokens,
+        args.max_prompt_tokens,
+        args.output_tokens,
+        args.seed,
+    )
+    llm = LLM(
+        model=str(model_dir),
+        dtype=args.dtype,
+        kv_cache_dtype=args.kv_cache_dtype,
+        cpu_isa=args.cpu_isa,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+    )
+    params = SamplingParams(max_tokens=args.output_tokens, temperature=0.0, ignore_eos=True)
+    with step_timers() as timers:
+        start_s = time.perf_counter()
+        for _ in llm.generate_stream(workload.prompt_token_ids, params):
+            pass
+        wall_s = time.perf_counter() - start_s
+    engine = llm.engine
+    print(
+        f"{args.model}: {engine.kernels.describe()}, KV cache {engine.kv_cache_spec.dtype}, "
+        f"{torch.get_num_threads()} threads; {workload.num_prompts} prompts, "
+        f"{args.output_tokens} output tokens each; generation wall {wall_s:.2f} s\n"
+    )
+    print(timers.table())
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
