@@ -302,10 +302,11 @@ def _decode(
         )
         if cache.quant is None:
             return inputs.kernel.paged_decode(q.contiguous(), *args)
-        # Rotated keys take a rotated query (kv_quant), in float32: the kernel's own precision.
-        rotation = cache.key_rotation
-        q_in = q.contiguous() if rotation is None else q.float() @ rotation
-        return inputs.kernel.paged_decode_quantized(q_in, *args, cache.quant.kernel_id).to(q.dtype)
+        # Rotated keys take a rotated query (kv_quant): the kernel rotates it.
+        rotate = cache.key_rotation is not None
+        return inputs.kernel.paged_decode_quantized(
+            q.contiguous(), *args, cache.quant.kernel_id, rotate
+        )
     group = num_heads // cache.num_kv_heads
     assert inputs.tile_rows is not None and inputs.bias is not None  # built for the torch path
     keys, values = cache.gather(layer, inputs.tile_rows)  # [B, KVH, L, D]

@@ -6,7 +6,7 @@ at::Tensor paged_decode(at::Tensor q, at::Tensor kv_cache, at::Tensor block_tabl
                         int64_t sliding_window);
 at::Tensor paged_decode_quantized(at::Tensor q, at::Tensor kv_cache, at::Tensor block_tables,
                                   at::Tensor context_lens, int64_t layer, double scale,
-                                  int64_t sliding_window, int64_t kind);
+                                  int64_t sliding_window, int64_t kind, bool rotate_query);
 int64_t int8_decode_query_bits(int64_t head_dim);
 void kv_write_quantized(at::Tensor kv_cache, at::Tensor slot_rows, at::Tensor k, at::Tensor v,
                         int64_t layer, int64_t kind, bool rotate_keys);

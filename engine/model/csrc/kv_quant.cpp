@@ -21,21 +21,6 @@ namespace {
 constexpr int64_t kScaleBytes = splitserve::kKvScaleBytes;
 constexpr int64_t kMaxDim = 256;
 
-// x <- H x / sqrt(n), H Sylvester's Hadamard matrix of order n (a power of two).
-inline void hadamard(float* x, int64_t n) {
-  for (int64_t len = 1; len < n; len <<= 1) {
-    for (int64_t i = 0; i < n; i += 2 * len) {
-      for (int64_t j = i; j < i + len; ++j) {
-        const float a = x[j], b = x[j + len];
-        x[j] = a + b;
-        x[j + len] = a - b;
-      }
-    }
-  }
-  const float norm = 1.f / std::sqrt(static_cast<float>(n));
-  for (int64_t i = 0; i < n; ++i) x[i] *= norm;
-}
-
 inline float load(const float* p, int64_t i) { return p[i]; }
 inline float load(const c10::BFloat16* p, int64_t i) { return static_cast<float>(p[i]); }
 
@@ -43,7 +28,7 @@ template <typename T>
 void quantize_row(const T* src, int64_t dim, bool int8, bool rotate, uint8_t* row) {
   float x[kMaxDim];
   for (int64_t d = 0; d < dim; ++d) x[d] = load(src, d);
-  if (rotate) hadamard(x, dim);
+  if (rotate) splitserve::hadamard(x, dim);
   float absmax = 0.f;
   for (int64_t d = 0; d < dim; ++d) absmax = std::max(absmax, std::fabs(x[d]));
   const float scale = absmax > 0.f ? absmax / (int8 ? 127.f : 448.f) : 1.f;
@@ -70,7 +55,7 @@ void dequantize_row(const uint8_t* row, int64_t dim, bool int8, bool rotate, T* 
         int8 ? static_cast<float>(static_cast<int8_t>(row[d])) : splitserve::e4m3_to_float(row[d]);
     x[d] = code * scale;
   }
-  if (rotate) hadamard(x, dim);
+  if (rotate) splitserve::hadamard(x, dim);
   for (int64_t d = 0; d < dim; ++d) dst[d] = static_cast<T>(x[d]);
 }
 

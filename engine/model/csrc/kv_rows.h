@@ -45,4 +45,20 @@ inline uint8_t float_to_e4m3(float x) {
   return sign | static_cast<uint8_t>(rounded - (120u << 3));
 }
 
+// x <- H x / sqrt(n), H Sylvester's Hadamard matrix of order n (a power of two): the fast
+// Walsh-Hadamard transform, its own inverse (kv_quant.key_rotation in torch).
+inline void hadamard(float* x, int64_t n) {
+  for (int64_t len = 1; len < n; len <<= 1) {
+    for (int64_t i = 0; i < n; i += 2 * len) {
+      for (int64_t j = i; j < i + len; ++j) {
+        const float a = x[j], b = x[j + len];
+        x[j] = a + b;
+        x[j + len] = a - b;
+      }
+    }
+  }
+  const float norm = 1.f / std::sqrt(static_cast<float>(n));
+  for (int64_t i = 0; i < n; ++i) x[i] *= norm;
+}
+
 }  // namespace splitserve

@@ -404,10 +404,11 @@ void run(const at::Tensor& q, const at::Tensor& kv_cache, const int64_t* tables,
 
 // q: [B, H, D] float32 or bfloat16, contiguous; kv_cache: uint8 [NB, L, 2, KVH, 16, D + 4]
 // contiguous; block_tables: [B, max_blocks] int64; context_lens: [B] int64 (>= 1);
-// kind: 0 int8, 1 fp8 e4m3. Returns [B, H, D] in q's dtype.
+// kind: 0 int8, 1 fp8 e4m3; rotate_query: the keys are stored Hadamard-rotated (int8), so the
+// query is rotated too (in float32, on a copy). Returns [B, H, D] in q's dtype.
 at::Tensor paged_decode_quantized(at::Tensor q, at::Tensor kv_cache, at::Tensor block_tables,
                                   at::Tensor context_lens, int64_t layer, double scale,
-                                  int64_t sliding_window, int64_t kind) {
+                                  int64_t sliding_window, int64_t kind, bool rotate_query) {
   TORCH_CHECK(q.is_contiguous() && kv_cache.is_contiguous() && block_tables.is_contiguous());
   TORCH_CHECK(block_tables.scalar_type() == at::kLong && context_lens.scalar_type() == at::kLong);
   TORCH_CHECK(kv_cache.scalar_type() == at::kByte, "paged_decode_quantized: cache must be uint8");
@@ -418,24 +419,32 @@ at::Tensor paged_decode_quantized(at::Tensor q, at::Tensor kv_cache, at::Tensor 
   TORCH_CHECK(kv_cache.size(5) == dim + kScaleBytes, "paged_decode_quantized: row is not D + 4");
   TORCH_CHECK(heads % kv_heads == 0 && heads / kv_heads <= kMaxGroup,
               "paged_decode_quantized: unsupported query heads per KV head");
+  const at::ScalarType out_dtype = q.scalar_type();
+  if (rotate_query) {
+    TORCH_CHECK((dim & (dim - 1)) == 0, "paged_decode_quantized: rotation needs a power-of-two D");
+    q = q.to(at::kFloat, /*non_blocking=*/false, /*copy=*/true);
+    float* rows = q.data_ptr<float>();
+    at::parallel_for(0, q.numel() / dim, 64, [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r) splitserve::hadamard(rows + r * dim, dim);
+    });
+  }
   auto out = at::empty_like(q);
   const Codes codes = static_cast<Codes>(kind);
   const float s = static_cast<float>(scale);
   const int64_t max_blocks = block_tables.size(1);
   const int64_t* tables = block_tables.data_ptr<int64_t>();
   const int64_t* lens = context_lens.data_ptr<int64_t>();
+  bool done = false;
 #if SPLITSERVE_AVX512_BF16
-  if (decode_avx512(q, kv_cache, tables, lens, max_blocks, layer, s, sliding_window, codes, out)) {
-    return out;
-  }
+  done = decode_avx512(q, kv_cache, tables, lens, max_blocks, layer, s, sliding_window, codes, out);
 #endif
-  if (q.scalar_type() == at::kFloat) {
+  if (!done && q.scalar_type() == at::kFloat) {
     run<float>(q, kv_cache, tables, lens, max_blocks, layer, s, sliding_window, codes, out);
-  } else {
+  } else if (!done) {
     TORCH_CHECK(q.scalar_type() == at::kBFloat16, "paged_decode_quantized: q float32 or bf16");
     run<at::BFloat16>(q, kv_cache, tables, lens, max_blocks, layer, s, sliding_window, codes, out);
   }
-  return out;
+  return out.scalar_type() == out_dtype ? out : out.to(out_dtype);
 }
 
 // The bits of the query codes int8 keys are scored against at this head_dim (16: int16 codes,

@@ -135,10 +135,11 @@ def int16_query(q: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize("head_dim", [16, 32, 64, 128])
 @pytest.mark.parametrize("window", [None, 20])
 def test_quantized_decode_kernel_matches_torch_path(kernels, quant, dtype, tol, head_dim, window):
-    """The kernel against the torch path over the same rows, read as stored (the caller
-    rotates the query for rotated keys, see the next test); the reference runs in float32 (the
-    torch path's bfloat16 matmuls round more than the kernel's float32 math), with the query
-    the kernel scores int8 keys against (``int16_query``) where it quantizes one."""
+    """The kernel against the torch path over the same rows, read as stored (unrotated: the
+    kernel's query rotation is checked through ``paged_attention`` below); the reference runs
+    in float32 (the torch path's bfloat16 matmuls round more than the kernel's float32 math),
+    with the query the kernel scores int8 keys against (``int16_query``) where it quantizes
+    one."""
     num_blocks, num_layers, kv_heads, group = 64, 2, 2, 3
     cache = quantized_cache(quant, dtype, num_blocks, num_layers, kv_heads, head_dim, head_dim)
     reference = PagedKVCache(cache.tensor, quant, torch.float32)
@@ -154,7 +155,15 @@ def test_quantized_decode_kernel_matches_torch_path(kernels, quant, dtype, tol, 
     for layer in range(num_layers):
         want = torch_reference(layer, q_ref, reference, tables, lens, window)
         got = kernels.paged_decode_quantized(
-            q, cache.tensor, tables, lens, layer, head_dim**-0.5, window or -1, quant.kernel_id
+            q,
+            cache.tensor,
+            tables,
+            lens,
+            layer,
+            head_dim**-0.5,
+            window or -1,
+            quant.kernel_id,
+            False,
         )
         assert got.dtype == dtype
         torch.testing.assert_close(got.float(), want, atol=tol, rtol=tol)
