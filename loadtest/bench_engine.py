@@ -27,7 +27,7 @@ from engine.cpu_isa import ISA_CHOICES, cpu_auto_dtype, host_isa, library_env, r
 from loadtest.arm_protocol import ArmJob, ArmResult
 from loadtest.bench_report import ArmRun, all_pair_matches, markdown_report, system_metrics
 from loadtest.tiny_model import SHAPES, make_tiny_model
-from loadtest.workloads import Workload, random_token_workload
+from loadtest.workloads import Workload, add_workload_flags, workload_from_args
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 SYSTEMS = ("splitserve", "transformers", "vllm")
@@ -288,10 +288,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="run every system at this CPU level: splitserve's --cpu-isa plus torch's and "
         "oneDNN's env caps (vLLM's own compiled kernels pick theirs from the real CPU)",
     )
-    p.add_argument("--num-prompts", type=int, default=64)
-    p.add_argument("--min-prompt-tokens", type=int, default=128)
-    p.add_argument("--max-prompt-tokens", type=int, default=512)
-    p.add_argument("--output-tokens", type=int, default=128)
+    add_workload_flags(p)
     p.add_argument(
         "--systems",
         default=",".join(SYSTEMS),
@@ -316,7 +313,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
     p.add_argument("--arm-timeout-s", type=float, default=1800.0)
     p.add_argument("--out", type=Path, default=Path("bench-out/engine"))
-    p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
     systems = [s.strip() for s in args.systems.split(",") if s.strip()]
     unknown = sorted(set(systems) - set(SYSTEMS))
@@ -341,14 +337,7 @@ def main(argv: list[str] | None = None) -> int:
         print(make_tiny_model(args.make_tiny_model, "llama", args.seed, SHAPES[args.shape]))
         return 0
     model_dir = resolve_model_dir(args.model)
-    workload = random_token_workload(
-        model_dir,
-        args.num_prompts,
-        args.min_prompt_tokens,
-        args.max_prompt_tokens,
-        args.output_tokens,
-        args.seed,
-    )
+    workload = workload_from_args(model_dir, args)
     out_dir = args.out.resolve()
     out_dir.mkdir(parents=True, exist_ok=True)
     runs: list[ArmRun] = []

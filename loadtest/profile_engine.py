@@ -37,10 +37,12 @@ from engine.model_runner import ModelRunner
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledRequest
 from loadtest.bench_engine import resolve_model_dir
-from loadtest.workloads import random_token_workload
+from loadtest.workloads import add_workload_flags, workload_from_args
 
 
 class Step(enum.Enum):
+    """A step's kind: decode (one new token per request) or mixed (any prefill chunk)."""
+
     DECODE = "decode"
     MIXED = "mixed"
 
@@ -127,24 +129,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--kv-cache-dtype", default="auto")
     p.add_argument("--cpu-isa", choices=ISA_CHOICES, default="auto")
     p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--num-prompts", type=int, default=64)
-    p.add_argument("--min-prompt-tokens", type=int, default=128)
-    p.add_argument("--max-prompt-tokens", type=int, default=512)
-    p.add_argument("--output-tokens", type=int, default=128)
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-num-batched-tokens", type=int, default=4096)
-    p.add_argument("--seed", type=int, default=0)
+    add_workload_flags(p)
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     model_dir = resolve_model_dir(args.model)
-    workload = random_token_workload(
-        model_dir,
-        args.num_prompts,
-        args.min_prompt_tokens,
-        args.max_prompt_tokens,
-        args.output_tokens,
-        args.seed,
-    )
+    workload = workload_from_args(model_dir, args)
     llm = LLM(
         model=str(model_dir),
         dtype=args.dtype,

@@ -9,6 +9,7 @@ max_prompt_tokens]``. Everything derives from ``seed``.
 
 from __future__ import annotations
 
+import argparse
 import json
 import random
 from dataclasses import dataclass
@@ -82,3 +83,25 @@ def random_token_workload(
     if len(prompts) < num_prompts:
         raise ValueError("cannot draw enough distinct prompts; widen the length range")
     return Workload(prompt_token_ids=tuple(prompts), output_tokens=output_tokens, seed=seed)
+
+
+def add_workload_flags(parser: argparse.ArgumentParser) -> None:
+    """The flags of ``random_token_workload`` (``workload_from_args`` reads them); the defaults
+    are the standard offline workload: 64 prompts of 128-512 tokens, 128 output tokens."""
+    parser.add_argument("--num-prompts", type=int, default=64)
+    parser.add_argument("--min-prompt-tokens", type=int, default=128)
+    parser.add_argument("--max-prompt-tokens", type=int, default=512)
+    parser.add_argument("--output-tokens", type=int, default=128)
+    parser.add_argument("--seed", type=int, default=0)
+
+
+def workload_from_args(model_dir: Path, args: argparse.Namespace) -> Workload:
+    """``random_token_workload`` of ``model_dir`` with the flags of ``add_workload_flags``."""
+    return random_token_workload(
+        model_dir,
+        args.num_prompts,
+        args.min_prompt_tokens,
+        args.max_prompt_tokens,
+        args.output_tokens,
+        args.seed,
+    )
