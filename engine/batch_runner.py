@@ -93,17 +93,18 @@ class BatchRunner:
         """One forward pass and sampling; rows whose logits are not finite are left out of the
         samples and returned as errors."""
         logits = self.runner.execute(scheduled)
-        sampling = [s for s in scheduled if s.samples]
+        # One row per sample: an item with drafts has several (``num_sample_rows``).
+        sampling = [s for s in scheduled for _ in range(s.num_sample_rows)]
         errors: dict[str, str] = {}
         if sampling:
             finite = torch.isfinite(logits.amax(dim=-1)).tolist()
             if not all(finite):
-                keep = [i for i, ok in enumerate(finite) if ok]
                 errors = {
                     s.request.req_id: NON_FINITE_LOGITS
                     for s, ok in zip(sampling, finite, strict=True)
                     if not ok
                 }
+                keep = [i for i, s in enumerate(sampling) if s.request.req_id not in errors]
                 logits = logits[keep]
                 sampling = [sampling[i] for i in keep]
         rows = [

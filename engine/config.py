@@ -79,6 +79,14 @@ class EngineConfig:
         "torch)",
         choices=KERNEL_BACKENDS,
     )
+    num_speculative_tokens: int = flag(
+        3,
+        "draft tokens per greedy decode step, found by prompt lookup (vLLM's ngram method): "
+        "the target model scores them with the step's token and keeps those that match its own "
+        "argmax, so outputs are unchanged; 0 turns speculation off",
+    )
+    prompt_lookup_max: int = flag(4, "longest suffix n-gram the prompt lookup matches")
+    prompt_lookup_min: int = flag(1, "shortest suffix n-gram the prompt lookup matches")
     cpu_isa: str = flag(
         "auto",
         "CPU instruction-set level the kernels may use: auto (the host's), or a lower one to "
@@ -99,6 +107,15 @@ class EngineConfig:
         threshold = self.long_prefill_token_threshold
         if threshold < 0:
             raise ValueError(f"long_prefill_token_threshold must be >= 0, got {threshold}")
+        if self.num_speculative_tokens < 0:
+            raise ValueError(
+                f"num_speculative_tokens must be >= 0, got {self.num_speculative_tokens}"
+            )
+        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
+            raise ValueError(
+                "need 1 <= prompt_lookup_min <= prompt_lookup_max, got "
+                f"{self.prompt_lookup_min} and {self.prompt_lookup_max}"
+            )
         resolve_isa(self.cpu_isa)
         if self.cpu_cores is not None:
             parse_cpu_list(self.cpu_cores)

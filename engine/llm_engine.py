@@ -6,6 +6,7 @@ prefill and decode workers) own the loop and the threading; the engine itself is
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import time
@@ -31,6 +32,7 @@ from engine.kv_cache_spec import QUANTIZED_KV_DTYPES, KVCacheSpec
 from engine.loader.models import resolve_model
 from engine.model.kernel_plan import KernelPlan
 from engine.model_runner import ModelRunner
+from engine.ngram_proposer import NgramProposer
 from engine.outputs import RequestOutput
 from engine.request import Request, RequestStatus
 from engine.request_limits import check_cache_salt, check_request_limits
@@ -168,6 +170,15 @@ class LLMEngine:
                 long_prefill_token_threshold=config.long_prefill_token_threshold,
             ),
             self.kv_cache_manager,
+            proposer=(
+                NgramProposer(
+                    config.num_speculative_tokens,
+                    config.prompt_lookup_min,
+                    config.prompt_lookup_max,
+                )
+                if config.num_speculative_tokens
+                else None
+            ),
         )
         self.sampler = Sampler(config.seed)
         self.batch_runner = BatchRunner(self.runner, self.sampler)
@@ -369,26 +380,22 @@ class LLMEngine:
                 preempted_req_ids=sched.preempted_req_ids,
                 kv_loads=sched.kv_loads,
             )
+        # Each sampling request's logprobs are its first row's (requests with drafts have none).
+        row_counts = [s.num_sample_rows for s in sched.scheduled if s.num_sample_rows]
+        first_rows = list(itertools.accumulate(row_counts, initial=0))[:-1]
+        request_logprobs = [sampled.logprobs[i] for i in first_rows]
         updated, finished = self.scheduler.update_from_output(sched, sampled.sampled_token_ids)
         now = time.perf_counter()
         finished_ids = {r.req_id for r in finished}
         detokenize_errors: dict[str, str] = {}
-        for request, logprobs in zip(updated, sampled.logprobs, strict=True):
+        for request, logprobs in zip(updated, request_logprobs, strict=True):
             state = self._states[request.req_id]
             if state.first_token_time_s is None:
                 state.first_token_time_s = now
             if state.logprobs is not None and logprobs is not None:
                 state.logprobs.append(logprobs)
-            # Like vLLM, the eos / stop token that ended a request adds no text.
-            stopped_by_token = request.req_id in finished_ids and isinstance(
-                request.stop_reason, int
-            )
             try:
-                stop = (
-                    None
-                    if stopped_by_token or state.detokenizer is None
-                    else state.detokenizer.update([request.output_token_ids[-1]])
-                )
+                stop = self._detokenize(state, request.req_id in finished_ids)
             except Exception as exc:  # confined to this request
                 detokenize_errors[request.req_id] = f"detokenizing failed: {exc!r}"
                 continue
@@ -403,6 +410,33 @@ class LLMEngine:
         if self.config.check_kv_integrity:
             self.kv_cache_manager.check_integrity()
         return outputs
+
+    def _detokenize(self, state: _RequestState, finished: bool) -> str | None:
+        """Feed the request's tokens of this step to its detokenizer, one at a time; return the
+        stop string that matched, else None.
+
+        Like vLLM, the eos / stop token that ended a request adds no text. On a stop string the
+        output is cut after the token that completed it: tokens a step accepted past it (drafts)
+        are dropped, as if generation had stopped there.
+        """
+        request = state.request
+        if state.detokenizer is None:
+            return None
+        new_ids = request.output_token_ids[state.num_reported_tokens :]
+        if finished and isinstance(request.stop_reason, int):
+            new_ids = new_ids[:-1]
+        for i, token_id in enumerate(new_ids):
+            stop = state.detokenizer.update([token_id])
+            if stop is not None:
+                num_dropped = request.num_output_tokens - state.num_reported_tokens - i - 1
+                if num_dropped:
+                    del request.output_token_ids[-num_dropped:]
+                    del request.all_token_ids[-num_dropped:]
+                    if finished:  # by a token the stop string came before
+                        request.status = RequestStatus.FINISHED_STOPPED
+                        request.stop_reason = stop
+                return stop
+        return None
 
     def _fail_requests(self, errors: dict[str, str]) -> list[RequestOutput]:
         """Finish the requests in ``errors`` with FINISHED_ERROR (their blocks leave the prefix

@@ -159,7 +159,8 @@ class ModelRunner:
     def execute(self, scheduled: Sequence[ScheduledRequest]) -> torch.Tensor:
         """Compute the scheduled tokens; return float32 logits [num_sampling, vocab].
 
-        Rows follow ``scheduled`` order, one per request whose step ends at its last token.
+        Rows follow ``scheduled`` order: ``num_sample_rows`` per item (one per request whose
+        step ends at its last token, one more per draft token).
         Side effect: the tokens' K/V are written into the cache.
         """
         input_ids, meta, sample_idx = self._prepare(scheduled)
@@ -188,16 +189,17 @@ class ModelRunner:
             start, n = request.num_computed_tokens, item.num_new_tokens
             end = start + n
             q_start = len(token_ids)
-            token_ids.extend(request.all_token_ids[start:end])
+            token_ids.extend(item.token_ids)
             positions.extend(range(start, end))
             blocks = item.block_ids
             slot_blocks.extend(blocks[p // bs] for p in range(start, end))
-            if item.samples:
-                sample_idx.append(len(token_ids) - 1)
-            if n == 1:
-                assert not prefills, "single-token items must precede prefill chunks"
-                decode_tables.append(blocks)
-                decode_lens.append(end)
+            sample_idx.extend(range(q_start + n - item.num_sample_rows, q_start + n))
+            if item.is_decode:
+                assert not prefills and not prefill_chunks, "decodes must precede prefill chunks"
+                # A decode with drafts is one decode row per token, each seeing the tokens
+                # up to itself.
+                decode_tables.extend([blocks] * n)
+                decode_lens.extend(range(start + 1, end + 1))
                 continue
             if self.prefill_kernel is not None:
                 prefill_chunks.append((blocks[: -(-end // bs)], q_start, n, end))

@@ -119,3 +119,14 @@ class SamplingParams:
             or self.presence_penalty != 0.0
             or self.frequency_penalty != 0.0
         )
+
+    @property
+    def accepts_drafts(self) -> bool:
+        """Whether speculative draft tokens can be checked for this request: greedy with no
+        penalty, logprobs or constraint, so each token is the argmax of its logits alone."""
+        return (
+            self.greedy
+            and self.logprobs is None
+            and not self.needs_penalties
+            and self.constraint is None
+        )

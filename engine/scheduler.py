@@ -4,6 +4,10 @@ Each step every request catches ``num_computed_tokens`` up towards ``num_tokens`
 budget: a long prompt is cut into chunks (chunked prefill), prefix hits skip computed blocks, and
 prompt chunks share a step with single-token decodes. When the pool runs dry the newest running
 request is preempted and later recomputed from scratch (its cached blocks usually still hit).
+
+With a ``proposer`` a greedy decode also carries draft tokens (``engine.ngram_proposer``): the
+step computes its last token and the drafts together, and ``update_from_output`` keeps the
+drafts that match the samples, plus the sample after the last match.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from engine.kv_cache_manager import KVCacheManager
+from engine.ngram_proposer import NgramProposer
 from engine.request import Request, RequestStatus
 
 
@@ -31,16 +36,41 @@ class SchedulerConfig:
 
 @dataclass(frozen=True, slots=True)
 class ScheduledRequest:
-    """One request's share of a step: compute tokens [num_computed_tokens, + num_new_tokens)."""
+    """One request's share of a step: compute tokens [num_computed_tokens, + num_new_tokens).
+
+    With ``spec_token_ids`` (a decode's drafts) the last ``len(spec_token_ids)`` of those
+    tokens are the drafts, which follow the request's real tokens.
+    """
 
     request: Request
     num_new_tokens: int
     block_ids: list[int]
+    spec_token_ids: tuple[int, ...] = ()
 
     @property
     def samples(self) -> bool:
         """Whether this step's logits produce the request's next token."""
-        return self.request.num_computed_tokens + self.num_new_tokens == self.request.num_tokens
+        num_real_tokens = self.num_new_tokens - len(self.spec_token_ids)
+        return self.request.num_computed_tokens + num_real_tokens == self.request.num_tokens
+
+    @property
+    def is_decode(self) -> bool:
+        """One real token (plus drafts, if any): the decode attention path computes it."""
+        return self.num_new_tokens - len(self.spec_token_ids) == 1
+
+    @property
+    def num_sample_rows(self) -> int:
+        """Logits rows this item produces: one per draft plus one, if it samples, else none."""
+        return 1 + len(self.spec_token_ids) if self.samples else 0
+
+    @property
+    def token_ids(self) -> list[int]:
+        """The ids of the tokens this step computes, drafts last."""
+        start = self.request.num_computed_tokens
+        num_real_tokens = self.num_new_tokens - len(self.spec_token_ids)
+        return self.request.all_token_ids[start : start + num_real_tokens] + list(
+            self.spec_token_ids
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,7 +89,8 @@ class KVLoad:
 
 @dataclass(slots=True)
 class SchedulerOutput:
-    """What one step computes. Invariant: every single-token item precedes every longer one."""
+    """What one step computes. Invariant: every decode item (``is_decode``) precedes every
+    prefill chunk."""
 
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     preempted_req_ids: list[str] = field(default_factory=list)
@@ -77,9 +108,15 @@ class SchedulerOutput:
 class Scheduler:
     """Owns the waiting queue, the running batch and the KV cache manager of one engine."""
 
-    def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager) -> None:
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        kv_cache_manager: KVCacheManager,
+        proposer: NgramProposer | None = None,
+    ) -> None:
         self.config = config
         self.kv_cache_manager = kv_cache_manager
+        self.proposer = proposer
         self.block_size = kv_cache_manager.block_size
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()
@@ -90,6 +127,9 @@ class Scheduler:
         # Running requests whose reader fell behind: they keep their blocks, get no new tokens.
         self.paused: set[str] = set()
         self.num_preemptions = 0
+        # Speculation counters (vLLM's spec_decode_num_draft_tokens / _num_accepted_tokens).
+        self.num_draft_tokens = 0
+        self.num_accepted_tokens = 0
 
     # ----------------------------------------------------------------------------- requests
     def add_request(self, request: Request) -> None:
@@ -192,22 +232,25 @@ class Scheduler:
                 budget,
                 self.config.max_chunk_tokens,
             )
-            while not self.kv_cache_manager.allocate_slots(request, num_new):
+            draft = self._draft(request, budget - num_new) if num_new == 1 else []
+            if draft and not self.kv_cache_manager.allocate_slots(request, num_new + len(draft)):
+                draft = []
+            while not draft and not self.kv_cache_manager.allocate_slots(request, num_new):
                 victim = self.running.pop()
                 self._preempt(victim)
                 out.preempted_req_ids.append(victim.req_id)
                 if victim is request:
                     break
             else:
-                item = self._scheduled(request, num_new)
-                (decodes if num_new == 1 else prefills).append(item)
-                budget -= num_new
+                item = self._scheduled(request, num_new + len(draft), tuple(draft))
+                (decodes if item.is_decode else prefills).append(item)
+                budget -= item.num_new_tokens
                 i += 1
 
         if not out.preempted_req_ids:
             admitted = self._admit_waiting(budget, out.kv_loads)
             for item in admitted:
-                (decodes if item.num_new_tokens == 1 else prefills).append(item)
+                (decodes if item.is_decode else prefills).append(item)
         out.scheduled = decodes + prefills
         return out
 
@@ -261,10 +304,24 @@ class Scheduler:
         )
         return True
 
-    def _scheduled(self, request: Request, num_new_tokens: int) -> ScheduledRequest:
-        return ScheduledRequest(
-            request, num_new_tokens, self.kv_cache_manager.get_block_ids(request.req_id)
+    def _scheduled(
+        self, request: Request, num_new_tokens: int, spec_token_ids: tuple[int, ...] = ()
+    ) -> ScheduledRequest:
+        block_ids = self.kv_cache_manager.get_block_ids(request.req_id)
+        return ScheduledRequest(request, num_new_tokens, block_ids, spec_token_ids)
+
+    def _draft(self, request: Request, budget: int) -> list[int]:
+        """Draft tokens for a decode of ``request`` in this step ([] when it takes none): at
+        most ``budget``, and few enough that accepting all of them plus the bonus token stays
+        within ``max_tokens`` and ``max_model_len``."""
+        if self.proposer is None or not request.sampling_params.accepts_drafts:
+            return []
+        max_tokens = min(
+            budget,
+            request.sampling_params.max_tokens - request.num_output_tokens - 1,
+            self.config.max_model_len - request.num_tokens - 1,
         )
+        return self.proposer.propose(request, max_tokens)
 
     def _preempt(self, request: Request) -> None:
         self.kv_cache_manager.free(request)
@@ -287,19 +344,29 @@ class Scheduler:
         samples = iter(sampled_token_ids)
         for item in output.scheduled:
             request = item.request
-            samples_now = item.samples
-            request.num_computed_tokens += item.num_new_tokens
-            if not samples_now:
+            num_rows = item.num_sample_rows
+            spec = item.spec_token_ids
+            request.num_computed_tokens += item.num_new_tokens - len(spec)
+            if not num_rows:
                 continue
-            token_id = next(samples)
-            request.append_output_token(token_id)
+            tokens = [next(samples) for _ in range(num_rows)]
+            # A draft stands when the sample before it is that draft; its KV is then valid.
+            num_accepted = 0
+            while num_accepted < len(spec) and tokens[num_accepted] == spec[num_accepted]:
+                num_accepted += 1
+            request.num_computed_tokens += num_accepted
+            self.num_draft_tokens += len(spec)
+            self.num_accepted_tokens += num_accepted
             updated.append(request)
-            status = self._check_stop(request, token_id)
-            if status is not None:
-                self.requests.pop(request.req_id)
-                self.running.remove(request)
-                self._finish(request, status)
-                finished.append(request)
+            for token_id in tokens[: num_accepted + 1]:
+                request.append_output_token(token_id)
+                status = self._check_stop(request, token_id)
+                if status is not None:
+                    self.requests.pop(request.req_id)
+                    self.running.remove(request)
+                    self._finish(request, status)
+                    finished.append(request)
+                    break
         return updated, finished
 
     def _check_stop(self, request: Request, token_id: int) -> RequestStatus | None:
@@ -327,6 +394,8 @@ class Scheduler:
     def _finish(self, request: Request, status: RequestStatus) -> None:
         request.status = status
         self.paused.discard(request.req_id)
+        if self.proposer is not None:
+            self.proposer.forget(request.req_id)
         if status is RequestStatus.FINISHED_ERROR:
             self.kv_cache_manager.free(request, uncache=True)
         elif request.hold_kv and status is not RequestStatus.FINISHED_ABORTED:

@@ -91,7 +91,7 @@ def step_timers() -> Iterator[StepTimers]:
     execute = ModelRunner.execute
 
     def timed_execute(runner: ModelRunner, scheduled: Sequence[ScheduledRequest]) -> Any:
-        decode = all(s.num_new_tokens == 1 for s in scheduled)
+        decode = all(s.is_decode for s in scheduled)
         timers.current = Step.DECODE if decode else Step.MIXED
         timers.steps[timers.current] += 1
         return timers.timed("execute", execute)(runner, scheduled)
@@ -131,11 +131,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-num-batched-tokens", type=int, default=4096)
+    p.add_argument(
+        "--num-speculative-tokens", type=int, help="draft tokens per step (default: the engine's)"
+    )
     add_workload_flags(p)
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     model_dir = resolve_model_dir(args.model)
     workload = workload_from_args(model_dir, args)
+    speculative = {}
+    if args.num_speculative_tokens is not None:
+        speculative["num_speculative_tokens"] = args.num_speculative_tokens
     llm = LLM(
         model=str(model_dir),
         dtype=args.dtype,
@@ -143,6 +149,7 @@ def main(argv: list[str] | None = None) -> int:
         cpu_isa=args.cpu_isa,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
+        **speculative,
     )
     params = SamplingParams(max_tokens=args.output_tokens, temperature=0.0, ignore_eos=True)
     with step_timers() as timers:

@@ -9,6 +9,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from engine.kv_cache_manager import KVCacheManager, cdiv
+from engine.ngram_proposer import NgramProposer
 from engine.request import Request, RequestStatus
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
@@ -34,6 +35,7 @@ class Req:
     hold_kv: bool = False
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    temperature: float = 1.0
 
     def build(self) -> Request:
         return Request(
@@ -43,6 +45,7 @@ class Req:
                 max_tokens=self.max_tokens,
                 stop_token_ids=self.stop_token_ids,
                 ignore_eos=self.ignore_eos,
+                temperature=self.temperature,
             ),
             eos_token_ids=frozenset({EOS}),
             block_size=BLOCK_SIZE,
@@ -97,6 +100,7 @@ def make_scheduler(
     max_model_len: int = 64,
     long_prefill_token_threshold: int = 0,
     enable_prefix_caching: bool = True,
+    proposer: NgramProposer | None = None,
 ) -> Scheduler:
     config = SchedulerConfig(
         max_num_seqs=max_num_seqs,
@@ -104,14 +108,16 @@ def make_scheduler(
         max_model_len=max_model_len,
         long_prefill_token_threshold=long_prefill_token_threshold,
     )
-    return Scheduler(config, KVCacheManager(num_blocks, BLOCK_SIZE, enable_prefix_caching))
+    kv_cache_manager = KVCacheManager(num_blocks, BLOCK_SIZE, enable_prefix_caching)
+    return Scheduler(config, kv_cache_manager, proposer)
 
 
 def check_batch(scheduler: Scheduler, out: SchedulerOutput) -> None:
     """Invariants of any step's output, checked before the update."""
     sizes = [s.num_new_tokens for s in out.scheduled]
     assert all(n >= 1 for n in sizes), sizes
-    assert sizes == sorted(sizes, key=lambda n: n > 1), f"a longer item precedes a decode: {sizes}"
+    decodes = [s.is_decode for s in out.scheduled]
+    assert decodes == sorted(decodes, reverse=True), f"a prefill precedes a decode: {sizes}"
     assert out.total_num_scheduled_tokens <= scheduler.config.max_num_batched_tokens
     assert len(scheduler.running) <= scheduler.config.max_num_seqs
     scheduled_ids = [s.request.req_id for s in out.scheduled]
@@ -121,7 +127,8 @@ def check_batch(scheduler: Scheduler, out: SchedulerOutput) -> None:
         request = item.request
         assert request.status is RequestStatus.RUNNING
         assert item.num_new_tokens <= scheduler.config.max_chunk_tokens
-        assert request.num_computed_tokens + item.num_new_tokens <= request.num_tokens
+        num_real_tokens = item.num_new_tokens - len(item.spec_token_ids)
+        assert request.num_computed_tokens + num_real_tokens <= request.num_tokens
         # The blocks handed to the model cover every position it writes this step.
         needed = cdiv(request.num_computed_tokens + item.num_new_tokens, BLOCK_SIZE)
         assert len(item.block_ids) >= needed, (request.req_id, item.block_ids)

@@ -18,6 +18,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <vector>
 
 #include "avx512_bf16.h"
 #include "decode_softmax.h"
@@ -117,8 +118,26 @@ void decode_one(const T* q, const uint8_t* cache, const int64_t* table, int64_t 
 }
 
 #if SPLITSERVE_AVX512_BF16
-constexpr int64_t kMaxHeads = 64;  // query heads of one sequence on the AVX-512 path
+constexpr int64_t kMaxHeads = 64;  // query vectors (rows x heads) of one task, AVX-512 path
 constexpr int64_t kPrefetchBlocks = 2;
+
+// Rows [firsts[i], firsts[i + 1]) of a batch are one sequence's consecutive query positions
+// (a decode with draft tokens has one row per token): the same block table, context lengths
+// n, n + 1, ...; at most max_rows per run. The last entry is batch.
+std::vector<int64_t> shared_table_runs(const int64_t* tables, const int64_t* lens, int64_t batch,
+                                       int64_t max_blocks, int64_t max_rows) {
+  std::vector<int64_t> firsts;
+  firsts.reserve(batch + 1);
+  for (int64_t b = 0; b < batch; ++b) {
+    const int64_t first = firsts.empty() ? -1 : firsts.back();
+    const bool joins = first >= 0 && b - first < max_rows && lens[b] == lens[b - 1] + 1 &&
+                       std::memcmp(tables + b * max_blocks, tables + first * max_blocks,
+                                   sizeof(int64_t) * ((lens[b] + 15) / 16)) == 0;
+    if (!joins) firsts.push_back(b);
+  }
+  firsts.push_back(batch);
+  return firsts;
+}
 
 // 16 codes of a row as 16 floats (fp8: 2^-8 of their value, see fp8_e4m3_as_half).
 template <Codes kind>
@@ -192,15 +211,21 @@ struct QueryCodes {
 // its query heads; a block's 16 scores come from 16 dot products summed by one transpose tree
 // (hsum16, or hsum16_epi32 for integer scores), then the row scales and the online softmax are
 // applied in one vector; in p.V each V row's scale is folded into its weight.
+//
+// ``rows`` consecutive query positions of one sequence (a decode with draft tokens) share the
+// task: row r sees the first ctx + r tokens, and each block is widened once for all of them.
 template <Codes kind, int64_t dim>
 void decode_seq(const float* q, const uint8_t* cache, const int64_t* table, int64_t ctx,
-                int64_t start, int64_t layer_offset, int64_t block_stride, int64_t kv_heads,
-                int64_t group, float scale, float* out) {
+                int64_t rows, int64_t sliding_window, int64_t layer_offset, int64_t block_stride,
+                int64_t kv_heads, int64_t group, float scale, float* out) {
   constexpr int64_t bs = 16;
   constexpr int64_t row = dim + kScaleBytes;
   constexpr int64_t kVecs = dim / 16;
   constexpr float code_unit = kind == Codes::kInt8 ? 1.f : 256.f;
-  const int64_t heads = kv_heads * group;
+  const int64_t seq_heads = kv_heads * group;
+  const int64_t heads = rows * seq_heads;  // query vectors: row r's head h is r * seq_heads + h
+  const int64_t start = sliding_window > 0 ? std::max<int64_t>(0, ctx - sliding_window) : 0;
+  const int64_t last_ctx = ctx + rows - 1;
   const int64_t tile = bs * row;
   const int64_t layer_bytes = 2 * kv_heads * tile;
   alignas(64) float acc[kMaxHeads][dim];
@@ -221,7 +246,7 @@ void decode_seq(const float* q, const uint8_t* cache, const int64_t* table, int6
     l[h] = 0.f;
   }
   const __m512 neg_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-  const int64_t end_blk = (ctx + bs - 1) / bs;
+  const int64_t end_blk = (last_ctx + bs - 1) / bs;
   for (int64_t blk = start / bs; blk < end_blk; ++blk) {
     if (blk + kPrefetchBlocks < end_blk) {
       const uint8_t* ahead = cache + table[blk + kPrefetchBlocks] * block_stride + layer_offset;
@@ -229,9 +254,6 @@ void decode_seq(const float* q, const uint8_t* cache, const int64_t* table, int6
         _mm_prefetch(reinterpret_cast<const char*>(ahead + off), _MM_HINT_T0);
       }
     }
-    const int64_t t0 = std::max<int64_t>(start - blk * bs, 0);
-    const int64_t t1 = std::min(bs, ctx - blk * bs);
-    const __mmask16 valid = static_cast<__mmask16>(((1u << t1) - 1) & ~((1u << t0) - 1));
     const uint8_t* block = cache + table[blk] * block_stride + layer_offset;
     for (int64_t kvh = 0; kvh < kv_heads; ++kvh) {
       const uint8_t* k = block + kvh * tile;
@@ -256,7 +278,16 @@ void decode_seq(const float* q, const uint8_t* cache, const int64_t* table, int6
       }
       const __m512 ks = _mm512_mul_ps(_mm512_load_ps(k_scale), _mm512_set1_ps(code_unit));
       const __m512 vs = _mm512_mul_ps(_mm512_load_ps(v_scale), _mm512_set1_ps(code_unit));
-      for (int64_t h = kvh * group; h < (kvh + 1) * group; ++h) {
+      for (int64_t qi = 0; qi < rows * group; ++qi) {
+        const int64_t r = qi / group;
+        const int64_t h = r * seq_heads + kvh * group + qi % group;
+        const int64_t row_ctx = ctx + r;
+        const int64_t row_start =
+            sliding_window > 0 ? std::max<int64_t>(0, row_ctx - sliding_window) : 0;
+        const int64_t t0 = std::max<int64_t>(row_start - blk * bs, 0);
+        const int64_t t1 = std::min(bs, row_ctx - blk * bs);
+        if (t1 <= t0) continue;  // this row sees none of the block
+        const __mmask16 valid = static_cast<__mmask16>(((1u << t1) - 1) & ~((1u << t0) - 1));
         __m512 raw;
         if constexpr (kIntegerScores) {
           __m512i qv[kChunks];
@@ -327,7 +358,7 @@ bool decode_avx512(const at::Tensor& q, const at::Tensor& kv_cache, const int64_
   const int64_t layer_offset = layer * 2 * kv_heads * bs * row;
   const int64_t group = heads / kv_heads;
   using Fn = void (*)(const float*, const uint8_t*, const int64_t*, int64_t, int64_t, int64_t,
-                      int64_t, int64_t, int64_t, float, float*);
+                      int64_t, int64_t, int64_t, int64_t, float, float*);
   Fn run;
   if (kind == Codes::kInt8) {
     run = dim == 32 ? decode_seq<Codes::kInt8, 32>
@@ -339,12 +370,15 @@ bool decode_avx512(const at::Tensor& q, const at::Tensor& kv_cache, const int64_
   const float* qp = qf.data_ptr<float>();
   const uint8_t* cp = kv_cache.data_ptr<uint8_t>();
   float* op = of.data_ptr<float>();
-  at::parallel_for(0, batch, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t b = begin; b < end; ++b) {
-      const int64_t ctx = lens[b];
-      const int64_t start = sliding_window > 0 ? std::max<int64_t>(0, ctx - sliding_window) : 0;
-      run(qp + b * heads * dim, cp, tables + b * max_blocks, ctx, start, layer_offset, block_stride,
-          kv_heads, group, scale, op + b * heads * dim);
+  const std::vector<int64_t> firsts = shared_table_runs(tables, lens, batch, max_blocks,
+                                                        kMaxHeads / heads);
+  const int64_t num_tasks = static_cast<int64_t>(firsts.size()) - 1;
+  at::parallel_for(0, num_tasks, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t b = firsts[i];
+      run(qp + b * heads * dim, cp, tables + b * max_blocks, lens[b], firsts[i + 1] - b,
+          sliding_window, layer_offset, block_stride, kv_heads, group, scale,
+          op + b * heads * dim);
     }
   });
   if (!of.is_same(out)) out.copy_(of);

@@ -170,6 +170,34 @@ def test_quantized_decode_kernel_matches_torch_path(kernels, quant, dtype, tol, 
 
 
 @pytest.mark.parametrize("quant", list(KVQuant), ids=lambda q: q.value)
+@pytest.mark.parametrize("head_dim", [32, 64])
+@pytest.mark.parametrize("window", [None, 20])
+def test_quantized_decode_rows_of_one_sequence_equal_each_row_alone(
+    kernels, quant, head_dim, window
+):
+    """A decode with draft tokens is one row per token: the same block table, context lengths
+    n, n + 1, ... (the AVX-512 path computes such a run in one task, each block read once).
+    Every row's result is bit for bit the row computed alone, across block edges and runs
+    longer than a task holds (9 heads: 7 rows)."""
+    num_blocks, kv_heads, group = 64, 3, 3
+    cache = quantized_cache(quant, torch.float32, num_blocks, 1, kv_heads, head_dim, 11)
+    gen = torch.Generator().manual_seed(12)
+    table = torch.randperm(num_blocks, generator=gen)[:8]
+    other = torch.randperm(num_blocks, generator=gen)[:8]
+    # Runs of 4 (crossing the 16/17 edge), 1, 9 (split in tasks) and a lone row of another table.
+    lens = [14, 15, 16, 17, 40, *range(100, 109), 101]
+    tables = torch.stack([table] * (len(lens) - 1) + [other])
+    q = torch.randn(len(lens), kv_heads * group, head_dim, generator=gen)
+    args = (0, head_dim**-0.5, window or -1, quant.kernel_id, False)
+    got = kernels.paged_decode_quantized(q, cache.tensor, tables, torch.tensor(lens), *args)
+    for i, n in enumerate(lens):
+        alone = kernels.paged_decode_quantized(
+            q[i : i + 1], cache.tensor, tables[i : i + 1], torch.tensor([n]), *args
+        )
+        assert torch.equal(got[i : i + 1], alone), (i, n)
+
+
+@pytest.mark.parametrize("quant", list(KVQuant), ids=lambda q: q.value)
 @pytest.mark.parametrize("dtype,atol", [(torch.bfloat16, 2e-2), (torch.float32, 2e-5)])
 def test_prefill_over_a_quantized_cache_matches_sdpa(kernels, quant, dtype, atol):
     """The compiled prefill kernel reads a step's context blocks dequantized into a scratch
