@@ -14,6 +14,8 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 KERNEL_BACKENDS = ("auto", "torch", "cpp")
 # vLLM's names; "fp8" is its alias of fp8_e4m3. The 8-bit ones are engine/model/kv_quant.py's.
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16", "fp8", "fp8_e4m3", "int8")
+# Draft tokens per greedy decode step (BENCHMARKS.md, "Speculative decoding").
+DEFAULT_NUM_SPECULATIVE_TOKENS = 3
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,13 +82,17 @@ class EngineConfig:
         choices=KERNEL_BACKENDS,
     )
     num_speculative_tokens: int = flag(
-        3,
+        DEFAULT_NUM_SPECULATIVE_TOKENS,
         "draft tokens per greedy decode step, found by prompt lookup (vLLM's ngram method): "
         "the target model scores them with the step's token and keeps those that match its own "
         "argmax, so outputs are unchanged; 0 turns speculation off",
     )
     prompt_lookup_max: int = flag(4, "longest suffix n-gram the prompt lookup matches")
-    prompt_lookup_min: int = flag(1, "shortest suffix n-gram the prompt lookup matches")
+    prompt_lookup_min: int = flag(
+        2,
+        "shortest suffix n-gram the prompt lookup matches (1 drafts after any repeated token: "
+        "more drafts, fewer accepted)",
+    )
     cpu_isa: str = flag(
         "auto",
         "CPU instruction-set level the kernels may use: auto (the host's), or a lower one to "

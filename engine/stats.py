@@ -20,6 +20,9 @@ class EngineStats:
     num_cached_blocks: int
     num_queued_prefill_tokens: int
     num_preemptions: int
+    # Speculative decoding: draft tokens proposed and accepted since the engine started.
+    num_draft_tokens: int = 0
+    num_accepted_draft_tokens: int = 0
 
     @property
     def kv_usage(self) -> float:
@@ -39,4 +42,6 @@ def make_stats(scheduler: Scheduler) -> EngineStats:
         num_cached_blocks=pool.num_cached_blocks,
         num_queued_prefill_tokens=scheduler.num_queued_prefill_tokens,
         num_preemptions=scheduler.num_preemptions,
+        num_draft_tokens=scheduler.num_draft_tokens,
+        num_accepted_draft_tokens=scheduler.num_accepted_tokens,
     )

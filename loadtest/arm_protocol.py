@@ -38,6 +38,9 @@ class ArmJob:
     device: str = "cpu"
     # --kv-cache-dtype of splitserve and vLLM (transformers keeps its own cache).
     kv_cache_dtype: str = "auto"
+    # Prompt-lookup (ngram) draft tokens per step in splitserve and vLLM (0: none); None: each
+    # system's default (splitserve drafts, vLLM does not).
+    num_speculative_tokens: int | None = None
 
     def write(self, path: Path) -> None:
         """Serialise to ``path`` as JSON (overwrites)."""

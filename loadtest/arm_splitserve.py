@@ -20,6 +20,9 @@ def run(job: ArmJob) -> ArmResult:
     from engine.sampling_params import SamplingParams
 
     torch.set_num_threads(job.threads)
+    speculative = {}
+    if job.num_speculative_tokens is not None:
+        speculative["num_speculative_tokens"] = job.num_speculative_tokens
     load_start_s = time.perf_counter()
     llm = LLM(
         model=job.model_dir,
@@ -29,6 +32,7 @@ def run(job: ArmJob) -> ArmResult:
         cpu_isa=job.cpu_isa,
         max_num_seqs=job.max_num_seqs,
         max_num_batched_tokens=job.max_num_batched_tokens,
+        **speculative,
     )
     load_s = time.perf_counter() - load_start_s
 
@@ -58,6 +62,9 @@ def run(job: ArmJob) -> ArmResult:
             "torch": torch.__version__,
             "device": str(llm.engine.device),
             "kernels": llm.engine.kernels.describe(),
+            "num_speculative_tokens": llm.engine.config.num_speculative_tokens,
+            "draft_tokens": llm.engine.scheduler.num_draft_tokens,
+            "accepted_draft_tokens": llm.engine.scheduler.num_accepted_tokens,
         },
     )
 

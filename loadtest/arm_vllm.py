@@ -29,6 +29,15 @@ def run(job: ArmJob) -> ArmResult:
     from vllm.inputs import TokensPrompt
     from vllm.sampling_params import RequestOutputKind
 
+    # vLLM's ngram drafts with splitserve's lookup defaults (n-grams of 2 to 4 tokens).
+    speculative = {}
+    if job.num_speculative_tokens:
+        speculative["speculative_config"] = {
+            "method": "ngram",
+            "num_speculative_tokens": job.num_speculative_tokens,
+            "prompt_lookup_min": 2,
+            "prompt_lookup_max": 4,
+        }
     load_start_s = time.perf_counter()
     llm = LLM(
         model=job.model_dir,
@@ -39,6 +48,7 @@ def run(job: ArmJob) -> ArmResult:
         max_num_batched_tokens=job.max_num_batched_tokens,
         max_model_len=job.max_model_len,
         seed=job.seed,
+        **speculative,
     )
     load_s = time.perf_counter() - load_start_s
 
@@ -69,6 +79,7 @@ def run(job: ArmJob) -> ArmResult:
         output_token_ids,
         settings={
             "enforce_eager": True,
+            "speculative_config": speculative.get("speculative_config"),
             "env": {k: os.environ[k] for k in _RECORDED_ENV if k in os.environ},
         },
     )

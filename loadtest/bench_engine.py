@@ -23,6 +23,7 @@ from pathlib import Path
 
 import psutil
 
+from engine.config import DEFAULT_NUM_SPECULATIVE_TOKENS
 from engine.cpu_isa import ISA_CHOICES, cpu_auto_dtype, host_isa, library_env, resolve_isa
 from loadtest.arm_protocol import ArmJob, ArmResult
 from loadtest.bench_report import ArmRun, all_pair_matches, markdown_report, system_metrics
@@ -227,6 +228,14 @@ def _header(args: argparse.Namespace, model_dir: Path, workload: Workload) -> li
         f"- device {args.device}; CPU level {resolve_isa(args.cpu_isa).value} (host "
         f"{host_isa().value}, --cpu-isa {args.cpu_isa}); --dtype {args.dtype_requested} runs "
         f"{args.dtype} in every system; --kv-cache-dtype {args.kv_cache_dtype} (splitserve, vLLM)",
+        "- speculation (prompt lookup): "
+        + (
+            "each system's default (splitserve: "
+            f"{DEFAULT_NUM_SPECULATIVE_TOKENS} draft tokens, "
+            "vLLM: none)"
+            if args.num_speculative_tokens is None
+            else f"{args.num_speculative_tokens} draft tokens in splitserve and vLLM"
+        ),
         f"- model dir: `{model_dir}`",
         f"- workload: {workload.num_prompts} prompts ({workload.method}, seed {workload.seed}), "
         f"prompt tokens uniform in [{args.min_prompt_tokens}, {args.max_prompt_tokens}] "
@@ -309,6 +318,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-num-batched-tokens", type=int, default=4096)
+    p.add_argument(
+        "--num-speculative-tokens",
+        type=int,
+        help="prompt-lookup (ngram) draft tokens per step in splitserve and vLLM alike (0: "
+        "none); default: each system's own (splitserve drafts, vLLM does not)",
+    )
     p.add_argument("--hf-batch-size", type=int, default=16)
     p.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
     p.add_argument("--arm-timeout-s", type=float, default=1800.0)
@@ -357,6 +372,7 @@ def main(argv: list[str] | None = None) -> int:
             cpu_isa=args.cpu_isa,
             device=args.device,
             kv_cache_dtype=args.kv_cache_dtype,
+            num_speculative_tokens=args.num_speculative_tokens,
         )
         runs.append(run_arm(system, job, args, out_dir))
 

@@ -210,6 +210,8 @@ def load_to_proto(
         kv_usage=stats.kv_usage,
         num_queued_prefill_tokens=stats.num_queued_prefill_tokens,
         num_preemptions=stats.num_preemptions,
+        num_draft_tokens=stats.num_draft_tokens,
+        num_accepted_draft_tokens=stats.num_accepted_draft_tokens,
         num_transfers_failed=num_transfers_failed,
         num_leases_expired=num_leases_expired,
         shutting_down=shutting_down,

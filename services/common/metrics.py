@@ -33,6 +33,20 @@ _COUNTERS = {
     "num_preemptions": ("preemptions", "requests preempted for lack of KV blocks"),
     "num_transfers_failed": ("kv_transfers_failed", "KV pulls that failed (prompt recomputed)"),
     "num_leases_expired": ("kv_leases_expired", "KV leases that expired without a pull"),
+    "num_draft_tokens": ("spec_decode_draft_tokens", "speculative draft tokens proposed"),
+    "num_accepted_draft_tokens": (
+        "spec_decode_accepted_tokens",
+        "speculative draft tokens the model accepted",
+    ),
+}
+# vLLM's names of the same counters (prometheus_client adds the _total suffix).
+_STANDARD_COUNTERS = {
+    "vllm:num_preemptions": ("num_preemptions", "requests preempted for lack of KV blocks"),
+    "vllm:spec_decode_num_draft_tokens": ("num_draft_tokens", "draft tokens proposed"),
+    "vllm:spec_decode_num_accepted_tokens": (
+        "num_accepted_draft_tokens",
+        "draft tokens accepted",
+    ),
 }
 
 
@@ -46,7 +60,9 @@ def start_metrics_server(host: str, port: int) -> None:
 class WorkerLoadCollector(Collector):
     """Exports ``splitserve_worker_*`` from ``load()`` at each scrape, and vLLM's gauges of the
     same load (``vllm:num_requests_running``, ``vllm:num_requests_waiting``,
-    ``vllm:kv_cache_usage_perc``, ``vllm:num_preemptions_total``; see ``serving_metrics``)."""
+    ``vllm:kv_cache_usage_perc``, ``vllm:num_preemptions_total``,
+    ``vllm:spec_decode_num_draft_tokens_total`` and ``..._num_accepted_tokens_total``; see
+    ``serving_metrics``)."""
 
     def __init__(
         self,
@@ -86,11 +102,10 @@ class WorkerLoadCollector(Collector):
             gauge = GaugeMetricFamily(name, help_text, labels=names)
             gauge.add_metric(values, value)
             yield gauge
-        preemptions = CounterMetricFamily(
-            "vllm:num_preemptions", "requests preempted for lack of KV blocks", labels=names
-        )
-        preemptions.add_metric(values, load.num_preemptions)
-        yield preemptions
+        for name, (field, help_text) in _STANDARD_COUNTERS.items():
+            counter = CounterMetricFamily(name, help_text, labels=names)
+            counter.add_metric(values, getattr(load, field))
+            yield counter
 
 
 def register_worker_metrics(

@@ -281,6 +281,13 @@ def test_prometheus_metrics_agree_with_status(cluster):
         assert samples[("splitserve_worker_num_cached_blocks", labels)] == (
             worker.load.num_cached_blocks
         )
+        drafts = samples[("splitserve_worker_spec_decode_draft_tokens_total", labels)]
+        accepted = samples[("splitserve_worker_spec_decode_accepted_tokens_total", labels)]
+        assert (drafts, accepted) == (
+            worker.load.num_draft_tokens,
+            worker.load.num_accepted_draft_tokens,
+        )
+        assert 0 <= accepted <= drafts
 
 
 def test_every_server_offers_reflection(cluster):

@@ -239,7 +239,7 @@ class GetLoadRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerLoad(_message.Message):
-    __slots__ = ("num_running", "num_waiting", "num_waiting_for_kv", "num_kv_leases", "num_total_blocks", "num_used_blocks", "num_cached_blocks", "kv_usage", "num_queued_prefill_tokens", "num_preemptions", "num_transfers_failed", "num_leases_expired", "shutting_down")
+    __slots__ = ("num_running", "num_waiting", "num_waiting_for_kv", "num_kv_leases", "num_total_blocks", "num_used_blocks", "num_cached_blocks", "kv_usage", "num_queued_prefill_tokens", "num_preemptions", "num_transfers_failed", "num_leases_expired", "shutting_down", "num_draft_tokens", "num_accepted_draft_tokens")
     NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
     NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
     NUM_WAITING_FOR_KV_FIELD_NUMBER: _ClassVar[int]
@@ -253,6 +253,8 @@ class WorkerLoad(_message.Message):
     NUM_TRANSFERS_FAILED_FIELD_NUMBER: _ClassVar[int]
     NUM_LEASES_EXPIRED_FIELD_NUMBER: _ClassVar[int]
     SHUTTING_DOWN_FIELD_NUMBER: _ClassVar[int]
+    NUM_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_ACCEPTED_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     num_running: int
     num_waiting: int
     num_waiting_for_kv: int
@@ -266,4 +268,6 @@ class WorkerLoad(_message.Message):
     num_transfers_failed: int
     num_leases_expired: int
     shutting_down: bool
-    def __init__(self, num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_waiting_for_kv: _Optional[int] = ..., num_kv_leases: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., num_used_blocks: _Optional[int] = ..., num_cached_blocks: _Optional[int] = ..., kv_usage: _Optional[float] = ..., num_queued_prefill_tokens: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., num_transfers_failed: _Optional[int] = ..., num_leases_expired: _Optional[int] = ..., shutting_down: _Optional[bool] = ...) -> None: ...
+    num_draft_tokens: int
+    num_accepted_draft_tokens: int
+    def __init__(self, num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_waiting_for_kv: _Optional[int] = ..., num_kv_leases: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., num_used_blocks: _Optional[int] = ..., num_cached_blocks: _Optional[int] = ..., kv_usage: _Optional[float] = ..., num_queued_prefill_tokens: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., num_transfers_failed: _Optional[int] = ..., num_leases_expired: _Optional[int] = ..., shutting_down: _Optional[bool] = ..., num_draft_tokens: _Optional[int] = ..., num_accepted_draft_tokens: _Optional[int] = ...) -> None: ...
