@@ -210,7 +210,8 @@ struct QueryCodes {
 // head the K and V tiles are widened once (to float; int8 keys with VNNI to int16) and shared by
 // its query heads; a block's 16 scores come from 16 dot products summed by one transpose tree
 // (hsum16, or hsum16_epi32 for integer scores), then the row scales and the online softmax are
-// applied in one vector; in p.V each V row's scale is folded into its weight.
+// applied in one vector; in p.V each V row's scale is folded into its weight, and the query
+// vectors of a KV head go kTile at a time, so that each V row is loaded once per tile.
 //
 // ``rows`` consecutive query positions of one sequence (a decode with draft tokens) share the
 // task: row r sees the first ctx + r tokens, and each block is widened once for all of them.
@@ -231,13 +232,14 @@ void decode_seq(const float* q, const uint8_t* cache, const int64_t* table, int6
   alignas(64) float acc[kMaxHeads][dim];
   alignas(64) float kf[bs][dim];
   alignas(64) float vf[bs][dim];
-  alignas(64) float p[bs];
   alignas(64) float k_scale[bs];
   alignas(64) float v_scale[bs];
   float m[kMaxHeads];
   float l[kMaxHeads];
   constexpr bool kIntegerScores = kind == Codes::kInt8 && kIntegerKeyScores;
   constexpr int64_t kChunks = QueryCodes<dim>::kChunks;
+  // Query vectors whose p.V shares each V row load: kTile x kVecs accumulators in registers.
+  constexpr int64_t kTile = kVecs >= 8 ? 2 : 4;
   QueryCodes<dim> qc;
   if constexpr (kIntegerScores) qc.fill(q, heads, scale);
   for (int64_t h = 0; h < heads; ++h) {
@@ -278,60 +280,87 @@ void decode_seq(const float* q, const uint8_t* cache, const int64_t* table, int6
       }
       const __m512 ks = _mm512_mul_ps(_mm512_load_ps(k_scale), _mm512_set1_ps(code_unit));
       const __m512 vs = _mm512_mul_ps(_mm512_load_ps(v_scale), _mm512_set1_ps(code_unit));
-      for (int64_t qi = 0; qi < rows * group; ++qi) {
-        const int64_t r = qi / group;
-        const int64_t h = r * seq_heads + kvh * group + qi % group;
-        const int64_t row_ctx = ctx + r;
-        const int64_t row_start =
-            sliding_window > 0 ? std::max<int64_t>(0, row_ctx - sliding_window) : 0;
-        const int64_t t0 = std::max<int64_t>(row_start - blk * bs, 0);
-        const int64_t t1 = std::min(bs, row_ctx - blk * bs);
-        if (t1 <= t0) continue;  // this row sees none of the block
-        const __mmask16 valid = static_cast<__mmask16>(((1u << t1) - 1) & ~((1u << t0) - 1));
-        __m512 raw;
-        if constexpr (kIntegerScores) {
-          __m512i qv[kChunks];
-          for (int64_t c = 0; c < kChunks; ++c) qv[c] = _mm512_load_si512(qc.codes[h] + 32 * c);
-          __m512i dots[bs];
-          for (int64_t t = 0; t < bs; ++t) {
-            __m512i dot = _mm512_madd_epi16(qv[0], _mm512_load_si512(kw[t]));
-            for (int64_t c = 1; c < kChunks; ++c) {
-              dot = _mm512_dpwssd_epi32(dot, qv[c], _mm512_load_si512(kw[t] + 32 * c));
+      // Query vectors of this KV head (rows x group) in tiles of kTile: scores and softmax per
+      // vector, then p.V for the whole tile, each V row loaded once into registers.
+      for (int64_t q0 = 0; q0 < rows * group; q0 += kTile) {
+        const int64_t nt = std::min(kTile, rows * group - q0);
+        int64_t hs[kTile];
+        float correction[kTile];
+        alignas(64) float pw[kTile][bs];
+        int64_t lo = bs, hi = 0;  // the tokens some vector of the tile sees
+        for (int64_t n = 0; n < nt; ++n) {
+          const int64_t qi = q0 + n;
+          const int64_t r = qi / group;
+          const int64_t h = r * seq_heads + kvh * group + qi % group;
+          hs[n] = h;
+          const int64_t row_ctx = ctx + r;
+          const int64_t row_start =
+              sliding_window > 0 ? std::max<int64_t>(0, row_ctx - sliding_window) : 0;
+          const int64_t t0 = std::max<int64_t>(row_start - blk * bs, 0);
+          const int64_t t1 = std::min(bs, row_ctx - blk * bs);
+          if (t1 <= t0) {  // this row sees none of the block
+            correction[n] = 1.f;
+            _mm512_store_ps(pw[n], _mm512_setzero_ps());
+            continue;
+          }
+          lo = std::min(lo, t0);
+          hi = std::max(hi, t1);
+          const __mmask16 valid = static_cast<__mmask16>(((1u << t1) - 1) & ~((1u << t0) - 1));
+          __m512 raw;
+          if constexpr (kIntegerScores) {
+            __m512i qv[kChunks];
+            for (int64_t c = 0; c < kChunks; ++c) qv[c] = _mm512_load_si512(qc.codes[h] + 32 * c);
+            __m512i dots[bs];
+            for (int64_t t = 0; t < bs; ++t) {
+              __m512i dot = _mm512_madd_epi16(qv[0], _mm512_load_si512(kw[t]));
+              for (int64_t c = 1; c < kChunks; ++c) {
+                dot = _mm512_dpwssd_epi32(dot, qv[c], _mm512_load_si512(kw[t] + 32 * c));
+              }
+              dots[t] = dot;
             }
-            dots[t] = dot;
-          }
-          raw = _mm512_mul_ps(_mm512_cvtepi32_ps(hsum16_epi32(dots)), _mm512_set1_ps(qc.unit[h]));
-        } else {
-          __m512 qv[kVecs];
-          for (int64_t c = 0; c < kVecs; ++c) {
-            qv[c] = _mm512_mul_ps(_mm512_loadu_ps(q + h * dim + 16 * c), _mm512_set1_ps(scale));
-          }
-          __m512 dots[bs];
-          for (int64_t t = 0; t < bs; ++t) {
-            __m512 dot = _mm512_mul_ps(qv[0], _mm512_load_ps(kf[t]));
-            for (int64_t c = 1; c < kVecs; ++c) {
-              dot = _mm512_fmadd_ps(qv[c], _mm512_load_ps(kf[t] + 16 * c), dot);
+            raw = _mm512_mul_ps(_mm512_cvtepi32_ps(hsum16_epi32(dots)), _mm512_set1_ps(qc.unit[h]));
+          } else {
+            __m512 qv[kVecs];
+            for (int64_t c = 0; c < kVecs; ++c) {
+              qv[c] = _mm512_mul_ps(_mm512_loadu_ps(q + h * dim + 16 * c), _mm512_set1_ps(scale));
             }
-            dots[t] = dot;
+            __m512 dots[bs];
+            for (int64_t t = 0; t < bs; ++t) {
+              __m512 dot = _mm512_mul_ps(qv[0], _mm512_load_ps(kf[t]));
+              for (int64_t c = 1; c < kVecs; ++c) {
+                dot = _mm512_fmadd_ps(qv[c], _mm512_load_ps(kf[t] + 16 * c), dot);
+              }
+              dots[t] = dot;
+            }
+            raw = splitserve::hsum16(dots);
           }
-          raw = splitserve::hsum16(dots);
+          const __m512 s = _mm512_mask_mul_ps(neg_inf, valid, raw, ks);
+          const __m512 e = splitserve::online_softmax16(s, valid, m[h], l[h], correction[n]);
+          // Dead lanes stay exactly 0 whatever their scale bytes hold.
+          _mm512_store_ps(pw[n], _mm512_maskz_mul_ps(valid, e, vs));
         }
-        const __m512 s = _mm512_mask_mul_ps(neg_inf, valid, raw, ks);
-        float correction;
-        const __m512 e = splitserve::online_softmax16(s, valid, m[h], l[h], correction);
-        _mm512_store_ps(p, _mm512_mul_ps(e, vs));
-        __m512 a[kVecs];
-        const __m512 corr_v = _mm512_set1_ps(correction);
-        for (int64_t c = 0; c < kVecs; ++c) {
-          a[c] = _mm512_mul_ps(_mm512_load_ps(acc[h] + 16 * c), corr_v);
-        }
-        for (int64_t t = t0; t < t1; ++t) {
-          const __m512 pt = _mm512_set1_ps(p[t]);
+        if (hi <= lo) continue;
+        __m512 a[kTile][kVecs];
+        for (int64_t n = 0; n < kTile; ++n) {
+          if (n >= nt) break;
+          const __m512 corr_v = _mm512_set1_ps(correction[n]);
           for (int64_t c = 0; c < kVecs; ++c) {
-            a[c] = _mm512_fmadd_ps(pt, _mm512_load_ps(vf[t] + 16 * c), a[c]);
+            a[n][c] = _mm512_mul_ps(_mm512_load_ps(acc[hs[n]] + 16 * c), corr_v);
           }
         }
-        for (int64_t c = 0; c < kVecs; ++c) _mm512_store_ps(acc[h] + 16 * c, a[c]);
+        for (int64_t t = lo; t < hi; ++t) {
+          __m512 v[kVecs];
+          for (int64_t c = 0; c < kVecs; ++c) v[c] = _mm512_load_ps(vf[t] + 16 * c);
+          for (int64_t n = 0; n < kTile; ++n) {
+            if (n >= nt) break;
+            const __m512 pt = _mm512_set1_ps(pw[n][t]);
+            for (int64_t c = 0; c < kVecs; ++c) a[n][c] = _mm512_fmadd_ps(pt, v[c], a[n][c]);
+          }
+        }
+        for (int64_t n = 0; n < kTile; ++n) {
+          if (n >= nt) break;
+          for (int64_t c = 0; c < kVecs; ++c) _mm512_store_ps(acc[hs[n]] + 16 * c, a[n][c]);
+        }
       }
     }
   }
