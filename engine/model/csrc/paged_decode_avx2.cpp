@@ -1,8 +1,8 @@
 // The AVX2 + FMA path of paged-attention decode (float32 and bfloat16), built at every level
 // from AVX2 up; paged_decode.cpp calls it where the AVX-512 BF16 path does not apply.
 //
-// One task per sequence (or per (sequence, KV head) when there are fewer sequences than
-// threads): per block, the layer's K and V tiles of its KV heads are one contiguous run (see
+// One task per sequence, or per run of a sequence's rows (a decode with draft tokens), or per
+// (sequence, KV head) when there are fewer of those than threads: per block, the layer's K and V tiles of its KV heads are one contiguous run (see
 // the cache layout), read in place front to back and prefetched kPrefetchBlocks ahead, since
 // scattered blocks make decode latency-bound. q.k runs as 8-wide FMAs over head_dim, giving a
 // block's 16 scores in two vectors after a horizontal-add tree; the online softmax is
@@ -19,8 +19,10 @@
 #include <algorithm>
 #include <cstdint>
 #include <limits>
+#include <vector>
 
 #include "avx512_bf16.h"
+#include "decode_runs.h"
 
 namespace {
 
@@ -40,46 +42,58 @@ inline __m256 lane_mask(int64_t base, int64_t t0, int64_t t1) {
       _mm256_and_si256(_mm256_cmpgt_epi32(idx, lo), _mm256_cmpgt_epi32(hi, idx)));
 }
 
-// Decode of KV heads [kvh0, kvh1) of one sequence: q and out point at its first query head.
+// Decode of KV heads [kvh0, kvh1) of ``rows`` consecutive query positions of one sequence
+// (one, or a decode with draft tokens): row r sees the first ctx + r tokens, and its query and
+// output heads follow row r - 1's; q and out point at row 0's first head.
 template <typename T, int64_t dim>
-void decode_heads(const T* q, const T* cache, const int64_t* table, int64_t ctx, int64_t start,
-                  int64_t layer_offset, int64_t block_stride, int64_t kv_heads, int64_t kvh0,
-                  int64_t kvh1, int64_t group, float scale, T* out) {
+void decode_heads(const T* q, const T* cache, const int64_t* table, int64_t ctx, int64_t rows,
+                  int64_t sliding_window, int64_t layer_offset, int64_t block_stride,
+                  int64_t kv_heads, int64_t kvh0, int64_t kvh1, int64_t group, float scale,
+                  T* out) {
   constexpr int64_t bs = kBlockSize;
   constexpr int64_t kVecs = dim / 8;
   const int64_t tile = bs * dim;
   const int64_t layer_bytes = 2 * kv_heads * tile * static_cast<int64_t>(sizeof(T));
-  const int64_t h0 = kvh0 * group, h1 = kvh1 * group;
-  alignas(32) float qf[kMaxHeads][dim];  // q * scale, widened once
+  const int64_t seq_heads = kv_heads * group;
+  const int64_t start = sliding_window > 0 ? std::max<int64_t>(0, ctx - sliding_window) : 0;
+  alignas(32) float qf[kMaxHeads][dim];  // q * scale, widened once; row r's head h: r * H + h
   alignas(32) float acc[kMaxHeads][dim];
   alignas(32) float p[bs];
   float m[kMaxHeads];
   float l[kMaxHeads];
-  for (int64_t h = h0; h < h1; ++h) {
-    for (int64_t d = 0; d < dim; ++d) {
-      qf[h][d] = to_float(q[h * dim + d]) * scale;
-      acc[h][d] = 0.f;
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t h = r * seq_heads + kvh0 * group; h < r * seq_heads + kvh1 * group; ++h) {
+      for (int64_t d = 0; d < dim; ++d) {
+        qf[h][d] = to_float(q[h * dim + d]) * scale;
+        acc[h][d] = 0.f;
+      }
+      m[h] = -std::numeric_limits<float>::infinity();
+      l[h] = 0.f;
     }
-    m[h] = -std::numeric_limits<float>::infinity();
-    l[h] = 0.f;
   }
   const __m256 neg_inf = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
-  const int64_t end_blk = (ctx + bs - 1) / bs;
+  const int64_t end_blk = (ctx + rows - 1 + bs - 1) / bs;
   for (int64_t blk = start / bs; blk < end_blk; ++blk) {
     if (blk + kPrefetchBlocks < end_blk) {
       const char* ahead = reinterpret_cast<const char*>(
           cache + table[blk + kPrefetchBlocks] * block_stride + layer_offset);
       for (int64_t off = 0; off < layer_bytes; off += 64) _mm_prefetch(ahead + off, _MM_HINT_T0);
     }
-    const int64_t t0 = std::max<int64_t>(start - blk * bs, 0);
-    const int64_t t1 = std::min(bs, ctx - blk * bs);
-    const __m256 valid_lo = lane_mask(0, t0, t1);
-    const __m256 valid_hi = lane_mask(8, t0, t1);
     const T* block = cache + table[blk] * block_stride + layer_offset;
     for (int64_t kvh = kvh0; kvh < kvh1; ++kvh) {
       const T* k = block + kvh * tile;
       const T* v = block + (kv_heads + kvh) * tile;
-      for (int64_t h = kvh * group; h < (kvh + 1) * group; ++h) {
+      for (int64_t qi = 0; qi < rows * group; ++qi) {
+        const int64_t r = qi / group;
+        const int64_t h = r * seq_heads + kvh * group + qi % group;
+        const int64_t row_ctx = ctx + r;
+        const int64_t row_start =
+            sliding_window > 0 ? std::max<int64_t>(0, row_ctx - sliding_window) : 0;
+        const int64_t t0 = std::max<int64_t>(row_start - blk * bs, 0);
+        const int64_t t1 = std::min(bs, row_ctx - blk * bs);
+        if (t1 <= t0) continue;  // this row sees none of the block
+        const __m256 valid_lo = lane_mask(0, t0, t1);
+        const __m256 valid_hi = lane_mask(8, t0, t1);
         __m256 dots[bs];
         for (int64_t t = 0; t < bs; ++t) {
           __m256 dot = _mm256_setzero_ps();
@@ -114,9 +128,11 @@ void decode_heads(const T* q, const T* cache, const int64_t* table, int64_t ctx,
       }
     }
   }
-  for (int64_t h = h0; h < h1; ++h) {
-    const float inv = 1.f / l[h];
-    for (int64_t d = 0; d < dim; ++d) out[h * dim + d] = to_dtype<T>(acc[h][d] * inv);
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t h = r * seq_heads + kvh0 * group; h < r * seq_heads + kvh1 * group; ++h) {
+      const float inv = 1.f / l[h];
+      for (int64_t d = 0; d < dim; ++d) out[h * dim + d] = to_dtype<T>(acc[h][d] * inv);
+    }
   }
 }
 
@@ -128,18 +144,21 @@ void run(const T* qp, const T* cp, const int64_t* tables, const int64_t* lens, i
   auto heads_fn = dim == 32   ? decode_heads<T, 32>
                   : dim == 64 ? decode_heads<T, 64>
                               : decode_heads<T, 128>;
-  // Whole sequences keep each block's K/V one contiguous read; split by KV head only when
-  // there are too few sequences to keep every thread busy.
-  const int64_t per_seq = batch < at::get_num_threads() ? kv_heads : 1;
-  at::parallel_for(0, batch * per_seq, 1, [&](int64_t begin, int64_t end) {
+  // One task per run of a sequence's rows (decode_runs.h). Whole runs keep each block's K/V
+  // one contiguous read; split by KV head only when there are too few runs to keep every
+  // thread busy.
+  const std::vector<int64_t> firsts = splitserve::shared_table_runs(
+      tables, lens, batch, max_blocks, kBlockSize, kMaxHeads / heads);
+  const int64_t num_runs = static_cast<int64_t>(firsts.size()) - 1;
+  const int64_t per_seq = num_runs < at::get_num_threads() ? kv_heads : 1;
+  at::parallel_for(0, num_runs * per_seq, 1, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
-      const int64_t b = i / per_seq;
+      const int64_t b = firsts[i / per_seq];
       const int64_t kvh0 = per_seq == 1 ? 0 : i % per_seq;
       const int64_t kvh1 = per_seq == 1 ? kv_heads : kvh0 + 1;
-      const int64_t ctx = lens[b];
-      const int64_t start = sliding_window > 0 ? std::max<int64_t>(0, ctx - sliding_window) : 0;
-      heads_fn(qp + b * heads * dim, cp, tables + b * max_blocks, ctx, start, layer_offset,
-               block_stride, kv_heads, kvh0, kvh1, group, scale, op + b * heads * dim);
+      heads_fn(qp + b * heads * dim, cp, tables + b * max_blocks, lens[b],
+               firsts[i / per_seq + 1] - b, sliding_window, layer_offset, block_stride, kv_heads,
+               kvh0, kvh1, group, scale, op + b * heads * dim);
     }
   });
 }

@@ -21,6 +21,7 @@
 #include <vector>
 
 #include "avx512_bf16.h"
+#include "decode_runs.h"
 #include "decode_softmax.h"
 #include "kv_rows.h"
 
@@ -120,24 +121,6 @@ void decode_one(const T* q, const uint8_t* cache, const int64_t* table, int64_t 
 #if SPLITSERVE_AVX512_BF16
 constexpr int64_t kMaxHeads = 64;  // query vectors (rows x heads) of one task, AVX-512 path
 constexpr int64_t kPrefetchBlocks = 2;
-
-// Rows [firsts[i], firsts[i + 1]) of a batch are one sequence's consecutive query positions
-// (a decode with draft tokens has one row per token): the same block table, context lengths
-// n, n + 1, ...; at most max_rows per run. The last entry is batch.
-std::vector<int64_t> shared_table_runs(const int64_t* tables, const int64_t* lens, int64_t batch,
-                                       int64_t max_blocks, int64_t max_rows) {
-  std::vector<int64_t> firsts;
-  firsts.reserve(batch + 1);
-  for (int64_t b = 0; b < batch; ++b) {
-    const int64_t first = firsts.empty() ? -1 : firsts.back();
-    const bool joins = first >= 0 && b - first < max_rows && lens[b] == lens[b - 1] + 1 &&
-                       std::memcmp(tables + b * max_blocks, tables + first * max_blocks,
-                                   sizeof(int64_t) * ((lens[b] + 15) / 16)) == 0;
-    if (!joins) firsts.push_back(b);
-  }
-  firsts.push_back(batch);
-  return firsts;
-}
 
 // 16 codes of a row as 16 floats (fp8: 2^-8 of their value, see fp8_e4m3_as_half).
 template <Codes kind>
@@ -399,8 +382,8 @@ bool decode_avx512(const at::Tensor& q, const at::Tensor& kv_cache, const int64_
   const float* qp = qf.data_ptr<float>();
   const uint8_t* cp = kv_cache.data_ptr<uint8_t>();
   float* op = of.data_ptr<float>();
-  const std::vector<int64_t> firsts = shared_table_runs(tables, lens, batch, max_blocks,
-                                                        kMaxHeads / heads);
+  const std::vector<int64_t> firsts =
+      splitserve::shared_table_runs(tables, lens, batch, max_blocks, bs, kMaxHeads / heads);
   const int64_t num_tasks = static_cast<int64_t>(firsts.size()) - 1;
   at::parallel_for(0, num_tasks, 1, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {

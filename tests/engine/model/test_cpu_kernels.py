@@ -59,6 +59,34 @@ def test_kernel_matches_torch_path(kernels, dtype, atol, head_dim, window, conte
         torch.testing.assert_close(got.float(), want.float(), atol=atol, rtol=0)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("window", [None, 20])
+@pytest.mark.parametrize("num_other_seqs", [0, 4], ids=["split-by-head", "whole-runs"])
+def test_decode_rows_of_one_sequence_equal_each_row_alone(kernels, dtype, window, num_other_seqs):
+    """A decode with draft tokens is one row per token: the same block table, context lengths
+    n, n + 1, ... (the AVX2 path computes such a run in one task, each block read once). Every
+    row's result is bit for bit the row computed alone: across block edges, in runs longer than
+    a task holds (6 heads: 10 rows), beside other sequences or alone (split by KV head)."""
+    gen = torch.Generator().manual_seed(21)
+    num_blocks, kv_heads, group, head_dim, bs = 64, 2, 3, 64, 16
+    data = torch.randn(num_blocks, 1, 2, kv_heads, bs, head_dim, generator=gen).to(dtype)
+    table = torch.randperm(num_blocks, generator=gen)[:8]
+    # Alone: one run, fewer than the threads (split by KV head); else also a run of 12.
+    lens = [14, 15, 16, 17] if num_other_seqs == 0 else [14, 15, 16, 17, *range(100, 112)]
+    tables = [table] * len(lens)
+    for i in range(num_other_seqs):
+        lens.append(30 + i)
+        tables.append(torch.randperm(num_blocks, generator=gen)[:8])
+    q = torch.randn(len(lens), kv_heads * group, head_dim, generator=gen).to(dtype)
+    args = (0, head_dim**-0.5, window or -1)
+    got = kernels.paged_decode(q, data, torch.stack(tables), torch.tensor(lens), *args)
+    for i, n in enumerate(lens):
+        alone = kernels.paged_decode(
+            q[i : i + 1], data, tables[i][None], torch.tensor([n]), *args
+        )
+        assert torch.equal(got[i : i + 1], alone), (i, n)
+
+
 def sdpa_reference(layer, q, cache, tables, q_starts, q_lens, context_lens, window):
     """The SDPA path's output for each chunk, from the same cache (K/V already written)."""
     out = torch.zeros_like(q)
