@@ -81,9 +81,7 @@ def test_decode_rows_of_one_sequence_equal_each_row_alone(kernels, dtype, window
     args = (0, head_dim**-0.5, window or -1)
     got = kernels.paged_decode(q, data, torch.stack(tables), torch.tensor(lens), *args)
     for i, n in enumerate(lens):
-        alone = kernels.paged_decode(
-            q[i : i + 1], data, tables[i][None], torch.tensor([n]), *args
-        )
+        alone = kernels.paged_decode(q[i : i + 1], data, tables[i][None], torch.tensor([n]), *args)
         assert torch.equal(got[i : i + 1], alone), (i, n)
 
 
