@@ -124,3 +124,26 @@ def test_stop_ids_and_max_tokens_cut_as_without_drafts(spec_llm, plain_llm):
             want.finish_reason,
             want.stop_reason,
         )
+
+
+def test_drafts_under_preemption_and_chunked_prefill_keep_outputs_and_blocks(tiny_llama_dir):
+    """A pool too small for the batch (preemptions, recomputation) and prompts cut into
+    chunks, with drafts accepted and rejected: the outputs are the reference's and every
+    block comes back."""
+    params = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
+    common = {
+        "dtype": "float32",
+        "max_num_batched_tokens": 24,
+        "max_model_len": 128,
+        "check_kv_integrity": True,
+    }
+    plain = LLM(str(tiny_llama_dir), num_speculative_tokens=0, num_kv_blocks=256, **common)
+    reference = generate(plain, params)
+    tight = LLM(str(tiny_llama_dir), num_speculative_tokens=4, num_kv_blocks=10, **common)
+    proposer = OracleProposer(reference, wrong_every=2)
+    tight.engine.scheduler.proposer = proposer
+    assert generate(tight, params) == reference
+    scheduler = tight.engine.scheduler
+    assert scheduler.num_preemptions > 0 and scheduler.num_accepted_tokens > 0
+    pool = tight.engine.kv_cache_manager.block_pool
+    assert pool.num_free_blocks == pool.num_blocks
