@@ -4,8 +4,8 @@ A request's last ``n`` tokens (``n`` from ``prompt_lookup_max`` down to ``prompt
 are looked up among its earlier tokens, prompt and output alike; the tokens that followed the
 latest earlier occurrence are the draft. The target model then scores the last token and every
 draft token in one step (``Scheduler``); a greedy request keeps the drafts that match its own
-argmax, plus the token it samples after the last match, so its output is exactly what it would
-be without drafts.
+argmax, plus the token it samples after the last match, so its output is what it would be
+without drafts (in bfloat16, up to near-ties that a differently shaped batch can flip).
 
 Lookups are O(1): each request keeps an index from every n-gram it has seen to the position
 after its latest occurrence, extended by the tokens appended since the last lookup.

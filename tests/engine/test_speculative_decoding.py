@@ -51,6 +51,12 @@ def generate(llm: LLM, params: SamplingParams) -> dict[tuple[int, ...], list[int
         pytest.param({"dtype": "float32", "kernel_backend": "torch"}, id="float32-torch"),
         pytest.param({"dtype": "bfloat16", "kv_cache_dtype": "int8"}, id="bf16-int8-cpp"),
         pytest.param({"dtype": "float32", "kv_cache_dtype": "fp8_e4m3"}, id="float32-fp8-cpp"),
+        # The lower levels' kernels: AVX2 float32 (runs share a task), 8-bit and portable loops.
+        pytest.param({"dtype": "float32", "cpu_isa": "avx2"}, id="float32-avx2"),
+        pytest.param(
+            {"dtype": "float32", "kv_cache_dtype": "int8", "cpu_isa": "avx2"}, id="int8-avx2"
+        ),
+        pytest.param({"dtype": "float32", "cpu_isa": "portable"}, id="float32-portable"),
     ],
 )
 def test_greedy_output_is_the_same_with_and_without_drafts(tiny_llama_dir, engine_kwargs):

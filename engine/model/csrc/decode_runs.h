@@ -3,8 +3,10 @@
 // each K/V block once for all of its rows.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <utility>
 #include <vector>
 
 namespace splitserve {
@@ -28,6 +30,16 @@ inline std::vector<int64_t> shared_table_runs(const int64_t* tables, const int64
   }
   firsts.push_back(batch);
   return firsts;
+}
+
+// The tokens [t0, t1) of the block starting at token blk_start that a query row seeing the
+// first row_ctx tokens attends to (within sliding_window when it is > 0); empty when t1 <= t0.
+inline std::pair<int64_t, int64_t> row_tokens_in_block(int64_t row_ctx, int64_t sliding_window,
+                                                       int64_t blk_start, int64_t block_size) {
+  const int64_t row_start =
+      sliding_window > 0 ? std::max<int64_t>(0, row_ctx - sliding_window) : 0;
+  return {std::max<int64_t>(row_start - blk_start, 0),
+          std::min(block_size, row_ctx - blk_start)};
 }
 
 }  // namespace splitserve

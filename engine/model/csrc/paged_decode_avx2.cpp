@@ -2,11 +2,12 @@
 // from AVX2 up; paged_decode.cpp calls it where the AVX-512 BF16 path does not apply.
 //
 // One task per sequence, or per run of a sequence's rows (a decode with draft tokens), or per
-// (sequence, KV head) when there are fewer of those than threads: per block, the layer's K and V tiles of its KV heads are one contiguous run (see
-// the cache layout), read in place front to back and prefetched kPrefetchBlocks ahead, since
-// scattered blocks make decode latency-bound. q.k runs as 8-wide FMAs over head_dim, giving a
-// block's 16 scores in two vectors after a horizontal-add tree; the online softmax is
-// vectorized; p.V accumulates in float32 registers.
+// (sequence, KV head) when there are fewer of those than threads: per block, the layer's K and
+// V tiles of its KV heads are one contiguous run (see the cache layout), read in place front
+// to back and prefetched kPrefetchBlocks ahead, since scattered blocks make decode
+// latency-bound. q.k runs as 8-wide FMAs over head_dim, giving a block's 16 scores in two
+// vectors after a horizontal-add tree; the online softmax is vectorized; p.V accumulates in
+// float32 registers.
 #include "paged_decode_avx2.h"
 
 #include "avx2.h"
@@ -86,11 +87,8 @@ void decode_heads(const T* q, const T* cache, const int64_t* table, int64_t ctx,
       for (int64_t qi = 0; qi < rows * group; ++qi) {
         const int64_t r = qi / group;
         const int64_t h = r * seq_heads + kvh * group + qi % group;
-        const int64_t row_ctx = ctx + r;
-        const int64_t row_start =
-            sliding_window > 0 ? std::max<int64_t>(0, row_ctx - sliding_window) : 0;
-        const int64_t t0 = std::max<int64_t>(row_start - blk * bs, 0);
-        const int64_t t1 = std::min(bs, row_ctx - blk * bs);
+        const auto [t0, t1] =
+            splitserve::row_tokens_in_block(ctx + r, sliding_window, blk * bs, bs);
         if (t1 <= t0) continue;  // this row sees none of the block
         const __m256 valid_lo = lane_mask(0, t0, t1);
         const __m256 valid_hi = lane_mask(8, t0, t1);

@@ -276,11 +276,8 @@ void decode_seq(const float* q, const uint8_t* cache, const int64_t* table, int6
           const int64_t r = qi / group;
           const int64_t h = r * seq_heads + kvh * group + qi % group;
           hs[n] = h;
-          const int64_t row_ctx = ctx + r;
-          const int64_t row_start =
-              sliding_window > 0 ? std::max<int64_t>(0, row_ctx - sliding_window) : 0;
-          const int64_t t0 = std::max<int64_t>(row_start - blk * bs, 0);
-          const int64_t t1 = std::min(bs, row_ctx - blk * bs);
+          const auto [t0, t1] =
+              splitserve::row_tokens_in_block(ctx + r, sliding_window, blk * bs, bs);
           if (t1 <= t0) {  // this row sees none of the block
             correction[n] = 1.f;
             _mm512_store_ps(pw[n], _mm512_setzero_ps());
