@@ -157,7 +157,7 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, scheduled: Sequence[ScheduledRequest]) -> torch.Tensor:
-        """Compute the scheduled tokens; return float32 logits [num_sampling, vocab].
+        """Compute the scheduled tokens; return logits [num_sampling, vocab] in the model's dtype.
 
         Rows follow ``scheduled`` order: ``num_sample_rows`` per item (one per request whose
         step ends at its last token, one more per draft token).

@@ -184,8 +184,9 @@ class Sampler:
 
     Side effect: when ``logits`` is float32 it is used as scratch space and overwritten (on the
     all-greedy path only the rows of constrained requests, masked); pass a copy if the caller
-    still needs it. Other dtypes are copied
-    to float32 first. Stop conditions are not the sampler's job.
+    still needs it. Other dtypes are widened to float32 first, except on the all-greedy path
+    without constraints: an argmax is the same in the model's dtype, and the widening copy of a
+    decode batch's logits cost more than the argmax. Stop conditions are not the sampler's job.
     """
 
     def __init__(self, seed: int | None = None) -> None:
@@ -205,8 +206,11 @@ class Sampler:
         if logits.dim() != 2 or logits.shape[0] != len(rows):
             raise ValueError(f"logits shape {tuple(logits.shape)} does not match {len(rows)} rows")
         if all(_is_plain_greedy(r.params) for r in rows):
-            x = logits.float().contiguous()
-            _mask_constrained(x, rows)
+            if any(r.matcher is not None for r in rows):
+                x = logits.float().contiguous()
+                _mask_constrained(x, rows)
+            else:
+                x = logits.contiguous()
             return SamplerOutput(argmax_rows(x).tolist(), [None] * len(rows))
         return self._sample(logits.float().contiguous(), rows)
 

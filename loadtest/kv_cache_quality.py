@@ -145,13 +145,13 @@ def forced_logprobs(
         ScheduledRequest(_Forced(t, 0, prefix_tokens), prefix_tokens, tables[i])  # type: ignore[arg-type]
         for i, t in enumerate(texts)
     ]
-    steps.append(torch.log_softmax(engine.runner.execute(items), dim=-1))
+    steps.append(torch.log_softmax(engine.runner.execute(items).float(), dim=-1))
     for pos in range(prefix_tokens, len(texts[0]) - 1):
         items = [
             ScheduledRequest(_Forced(t, pos, pos + 1), 1, tables[i])  # type: ignore[arg-type]
             for i, t in enumerate(texts)
         ]
-        steps.append(torch.log_softmax(engine.runner.execute(items), dim=-1))
+        steps.append(torch.log_softmax(engine.runner.execute(items).float(), dim=-1))
     return steps
 
 

@@ -119,11 +119,13 @@ class LlamaForCausalLM(nn.Module):
         return residual if pending is None else residual.add_(pending)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Float32 logits [N, vocab] for the selected rows of the final hidden states."""
+        """Logits [N, vocab] in the model's dtype for the selected rows of the final hidden
+        states: the LM head's output as it is, so that a greedy batch takes its argmax without
+        widening 49,152 values a row to float32 (the sampler widens the rows that need it)."""
         normed = self.ops.rms_norm(hidden, self.model.norm, self.config.rms_norm_eps)
         if self.logits_proj is not None:
-            return self.logits_proj(normed).float()
-        return F.linear(normed, self.lm_head.weight).float()
+            return self.logits_proj(normed)
+        return F.linear(normed, self.lm_head.weight)
 
     def use_ops(self, ops: TorchOps) -> None:
         """Run every elementwise op of the model through ``ops`` from now on."""

@@ -73,14 +73,18 @@ def test_argmax_rows_equals_torch_argmax(vocab: int, dtype: torch.dtype) -> None
     x[2, vocab // 2] = x[2, vocab - 1] = 100.0  # tie across blocks
     x[3] = float("-inf")
     x[4, vocab // 3] = float("nan")
-    assert torch.equal(argmax_rows(x.float()), x.float().argmax(dim=-1))
+    assert torch.equal(argmax_rows(x), x.float().argmax(dim=-1))
 
 
-def test_greedy_is_argmax_and_leaves_logits_alone() -> None:
-    logits = torch.randn(33, 49152, generator=_seeded(1))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_greedy_is_argmax_and_leaves_logits_alone(dtype: torch.dtype) -> None:
+    """An all-greedy batch of bfloat16 logits (the LM head's output as is) takes the argmax
+    the widened float32 logits would give."""
+    logits = torch.randn(33, 49152, generator=_seeded(1)).to(dtype)
+    logits[5, 100] = logits[5, 40000] = 50.0  # a tie: the first index
     before = logits.clone()
     out = Sampler(seed=0)(logits, [_row(temperature=0.0) for _ in range(33)])
-    assert out.sampled_token_ids == before.argmax(dim=-1).tolist()
+    assert out.sampled_token_ids == before.float().argmax(dim=-1).tolist()
     assert out.logprobs == [None] * 33
     assert torch.equal(logits, before)
 
