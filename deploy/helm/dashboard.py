@@ -8,8 +8,9 @@ process exports or that a short load leaves unmoved.
 Every panel is per pool (``router``: the client's view; ``prefill`` and ``decode``: each worker
 pool's own), over the metrics of ``services/common/serving_metrics.py`` (vLLM's names) and the
 ``splitserve_*`` ones: latency quantiles, throughput, queue depth, KV usage, prefix hit rate,
-the KV transfer's share of TTFT, routing accuracy (predicted vs realized prefix hits), pool
-sizes and the orchestrator's target (a step is a planner decision or a ``Scale`` call).
+the KV transfer's share of TTFT, routing accuracy (predicted vs realized prefix hits), the
+draft acceptance rate of speculative decoding, pool sizes and the orchestrator's target (a step
+is a planner decision or a ``Scale`` call).
 """
 
 from __future__ import annotations
@@ -186,6 +187,40 @@ _ROWS: list[tuple[str, list[tuple[str, str, list[tuple[str, str]]]]]] = [
         ],
     ),
     (
+        "Speculative decoding",
+        [
+            (
+                "Draft acceptance rate",
+                "percentunit",
+                [
+                    (
+                        "sum by (pool) "
+                        f"(rate(vllm:spec_decode_num_accepted_tokens_total{{{_MODEL}}}{_RATE})) / "
+                        "sum by (pool) "
+                        f"(rate(vllm:spec_decode_num_draft_tokens_total{{{_MODEL}}}{_RATE}))",
+                        "{{pool}} accepted / proposed",
+                    )
+                ],
+            ),
+            (
+                "Draft tokens per second",
+                "short",
+                [
+                    (
+                        "sum by (pool) "
+                        f"(rate(vllm:spec_decode_num_draft_tokens_total{{{_MODEL}}}{_RATE}))",
+                        "{{pool}} proposed",
+                    ),
+                    (
+                        "sum by (pool) "
+                        f"(rate(vllm:spec_decode_num_accepted_tokens_total{{{_MODEL}}}{_RATE}))",
+                        "{{pool}} accepted",
+                    ),
+                ],
+            ),
+        ],
+    ),
+    (
         "Pools",
         [
             (
@@ -269,7 +304,8 @@ def dashboard() -> dict[str, Any]:
         "uid": "splitserve",
         "title": "splitserve",
         "description": "Disaggregated serving per pool: latency, throughput, load, prefix "
-        "cache, routing, KV transfer, pool sizes (github.com/splitserve/splitserve).",
+        "cache, routing, KV transfer, speculative decoding, pool sizes "
+        "(github.com/splitserve/splitserve).",
         "tags": ["splitserve", "llm", "vllm"],
         "schemaVersion": 39,
         "version": 1,

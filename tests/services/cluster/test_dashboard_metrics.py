@@ -1,8 +1,9 @@
 """Every metric the shipped Grafana dashboard queries is exported by the cluster's processes
 and moves under a short load: a Ray cluster (so that the orchestrator's pool sizes exist too)
 whose KV cache is small enough for preemptions and a queue, a prefill worker killed once (a
-restart), repeated prompts (prefix hits, routing predictions) and a short one (a prefill on the
-decode worker)."""
+restart), repeated prompts (prefix hits, routing predictions), a short one (a prefill on the
+decode worker) and constant ones, whose greedy continuations on the tiny model repeat a token
+(prompt-lookup drafts proposed and accepted)."""
 
 from __future__ import annotations
 
@@ -86,7 +87,7 @@ def test_every_dashboard_metric_is_exported_and_moves(start_ray_cluster):
     wait_for_pools(client, prefill=1, decode=1)
 
     shared = [(5 * j) % 400 + 3 for j in range(48)]
-    prompts = [[*shared, i + 3] for i in range(6)] + [[7, 8, 9]]
+    prompts = [[*shared, i + 3] for i in range(6)] + [[7, 8, 9], [5] * 32, [7] * 16]
 
     def generate(prompt: list[int]) -> int:
         return len(
