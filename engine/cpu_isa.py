@@ -71,7 +71,7 @@ _REQUIRED_FLAGS = {
     CpuIsa.AVX2: {"avx2", "fma", "f16c"},
     CpuIsa.AVX512: {"avx512f", "avx512bw", "avx512vl", "avx512dq"},
     CpuIsa.AVX512_BF16: {"avx512_bf16", "avx512_vnni"},
-    CpuIsa.AMX: {"amx_bf16", "amx_tile"},
+    CpuIsa.AMX: {"amx_bf16", "amx_int8", "amx_tile"},
 }
 _X86_64_V4 = ("-march=x86-64-v4",)
 _COMPILER_FLAGS = {
@@ -79,7 +79,14 @@ _COMPILER_FLAGS = {
     CpuIsa.AVX2: ("-march=x86-64-v3",),
     CpuIsa.AVX512: _X86_64_V4,
     CpuIsa.AVX512_BF16: (*_X86_64_V4, "-mavx512bf16", "-mavx512vnni"),
-    CpuIsa.AMX: (*_X86_64_V4, "-mavx512bf16", "-mavx512vnni", "-mamx-tile", "-mamx-bf16"),
+    CpuIsa.AMX: (
+        *_X86_64_V4,
+        "-mavx512bf16",
+        "-mavx512vnni",
+        "-mamx-tile",
+        "-mamx-bf16",
+        "-mamx-int8",
+    ),
 }
 _ONEDNN_ISA = {
     CpuIsa.PORTABLE: "SSE41",

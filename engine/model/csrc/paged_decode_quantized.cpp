@@ -22,6 +22,7 @@
 
 #include "avx512_bf16.h"
 #include "decode_runs.h"
+#include "paged_decode_amx.h"
 #include "decode_softmax.h"
 #include "kv_rows.h"
 
@@ -356,7 +357,7 @@ void decode_seq(const float* q, const uint8_t* cache, const int64_t* table, int6
 // widened first, a few KB), head_dim 32, 64 or 128.
 bool decode_avx512(const at::Tensor& q, const at::Tensor& kv_cache, const int64_t* tables,
                    const int64_t* lens, int64_t max_blocks, int64_t layer, float scale,
-                   int64_t sliding_window, Codes kind, at::Tensor& out) {
+                   int64_t sliding_window, Codes kind, bool bf16_model, at::Tensor& out) {
   const int64_t batch = q.size(0), heads = q.size(1), dim = q.size(2);
   const int64_t layers = kv_cache.size(1), kv_heads = kv_cache.size(3), bs = kv_cache.size(4);
   if (bs != 16 || (dim != 32 && dim != 64 && dim != 128) || heads > kMaxHeads) return false;
@@ -379,12 +380,29 @@ bool decode_avx512(const at::Tensor& q, const at::Tensor& kv_cache, const int64_
   const float* qp = qf.data_ptr<float>();
   const uint8_t* cp = kv_cache.data_ptr<uint8_t>();
   float* op = of.data_ptr<float>();
+#if defined(SPLITSERVE_AMX_DECODE)
+  static_assert(kMaxHeads <= splitserve::kAmxMaxQueryHeads, "decode_seq_amx's tiles are sized");
+  const bool amx = bf16_model && kind == Codes::kInt8 && dim == splitserve::kAmxDim &&
+                   kv_heads <= splitserve::kAmxMaxKvHeads && sliding_window <= 0 &&
+                   splitserve::amx_tiles_enabled();
+#else
+  const bool amx = false;
+  (void)bf16_model;
+#endif
   const std::vector<int64_t> firsts =
       splitserve::shared_table_runs(tables, lens, batch, max_blocks, bs, kMaxHeads / heads);
   const int64_t num_tasks = static_cast<int64_t>(firsts.size()) - 1;
   at::parallel_for(0, num_tasks, 1, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       const int64_t b = firsts[i];
+#if defined(SPLITSERVE_AMX_DECODE)
+      if (amx) {
+        splitserve::decode_seq_amx(qp + b * heads * dim, cp, tables + b * max_blocks, lens[b],
+                                   firsts[i + 1] - b, layer_offset, block_stride, kv_heads,
+                                   group, scale, op + b * heads * dim);
+        continue;
+      }
+#endif
       run(qp + b * heads * dim, cp, tables + b * max_blocks, lens[b], firsts[i + 1] - b,
           sliding_window, layer_offset, block_stride, kv_heads, group, scale,
           op + b * heads * dim);
@@ -479,7 +497,8 @@ at::Tensor paged_decode_quantized(at::Tensor q, at::Tensor kv_cache, at::Tensor 
   const int64_t* lens = context_lens.data_ptr<int64_t>();
   bool done = false;
 #if SPLITSERVE_AVX512_BF16
-  done = decode_avx512(q, kv_cache, tables, lens, max_blocks, layer, s, sliding_window, codes, out);
+  done = decode_avx512(q, kv_cache, tables, lens, max_blocks, layer, s, sliding_window, codes,
+                       out_dtype == at::kBFloat16, out);
 #endif
   if (!done && q.scalar_type() == at::kFloat) {
     run<float>(q, kv_cache, tables, lens, max_blocks, layer, s, sliding_window, codes, out);

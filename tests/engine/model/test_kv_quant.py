@@ -172,11 +172,13 @@ def test_quantized_decode_kernel_matches_torch_path(kernels, quant, dtype, tol, 
 @pytest.mark.parametrize("quant", list(KVQuant), ids=lambda q: q.value)
 @pytest.mark.parametrize("head_dim", [32, 64])
 @pytest.mark.parametrize("window", [None, 20])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_quantized_decode_rows_of_one_sequence_equal_each_row_alone(
-    kernels, quant, head_dim, window
+    kernels, quant, head_dim, window, dtype
 ):
     """A decode with draft tokens is one row per token: the same block table, context lengths
-    n, n + 1, ... (the AVX-512 path computes such a run in one task, each block read once).
+    n, n + 1, ... (the AVX-512 path computes such a run in one task, each block read once; with
+    bfloat16 queries over int8 at head_dim 64, the AMX tiles, 4 blocks a step).
     Every row's result is bit for bit the row computed alone, across block edges and runs
     longer than a task holds (9 heads: 7 rows)."""
     num_blocks, kv_heads, group = 64, 3, 3
@@ -187,7 +189,7 @@ def test_quantized_decode_rows_of_one_sequence_equal_each_row_alone(
     # Runs of 4 (crossing the 16/17 edge), 1, 9 (split in tasks) and a lone row of another table.
     lens = [14, 15, 16, 17, 40, *range(100, 109), 101]
     tables = torch.stack([table] * (len(lens) - 1) + [other])
-    q = torch.randn(len(lens), kv_heads * group, head_dim, generator=gen)
+    q = torch.randn(len(lens), kv_heads * group, head_dim, generator=gen).to(dtype)
     args = (0, head_dim**-0.5, window or -1, quant.kernel_id, False)
     got = kernels.paged_decode_quantized(q, cache.tensor, tables, torch.tensor(lens), *args)
     for i, n in enumerate(lens):
