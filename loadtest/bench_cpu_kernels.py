@@ -14,7 +14,8 @@ host can be simulated on a better one. Reported, best of ``--repeats``:
   path without the kernel), with GFLOP/s counted on the causal half (bfloat16 from
   avx512_bf16, float32 from avx2; elsewhere the engine runs SDPA);
 - decode attention of a ``--decode-batch`` batch with contexts uniform in [130, 640] tokens
-  over all layers, the paged kernel against the torch gather path, with the K/V bytes read;
+  (``--rows-per-seq`` rows each, as a decode with draft tokens) over all layers, the paged
+  kernel against the torch gather path, with the K/V bytes read;
 - the fused elementwise ops against their torch composition on ``--tokens`` rows.
 """
 
@@ -135,15 +136,18 @@ def bench_decode(args: argparse.Namespace, kernels, dtype: torch.dtype) -> None:
     """Per KV cache dtype: the decode kernel over a step's batch, all layers, against a plain
     read of the same bytes (``read_kv_blocks``); the torch gather path for the model's dtype."""
     gen = torch.Generator().manual_seed(0)
-    batch, heads, dim = args.decode_batch, args.heads, args.head_dim
-    lens = torch.randint(130, 641, (batch,), generator=gen)
-    max_blocks = -(-int(lens.max()) // 16)
-    tables = torch.randperm(args.num_kv_blocks, generator=gen)[: batch * max_blocks]
-    tables = tables.view(batch, max_blocks).contiguous()
-    q = torch.randn(batch, heads, dim, generator=gen).to(dtype)
+    batch, heads, dim, rows = args.decode_batch, args.heads, args.head_dim, args.rows_per_seq
+    seq_lens = torch.randint(130, 641, (batch,), generator=gen)
+    max_blocks = -(-(int(seq_lens.max()) + rows - 1) // 16)
+    seq_tables = torch.randperm(args.num_kv_blocks, generator=gen)[: batch * max_blocks]
+    seq_tables = seq_tables.view(batch, max_blocks).contiguous()
+    # A decode with rows - 1 draft tokens: rows seeing n, n + 1, ... tokens of one table.
+    lens = (seq_lens[:, None] + torch.arange(rows)).flatten()
+    tables = seq_tables.repeat_interleave(rows, dim=0).contiguous()
+    q = torch.randn(batch * rows, heads, dim, generator=gen).to(dtype)
     layers = args.layers
-    blocks_read = int(sum(-(-int(n) // 16) for n in lens))
-    print(f"\ndecode, {batch} sequences x {layers} layers, {args.dtype} queries")
+    blocks_read = int(sum(-(-(int(n) + rows - 1) // 16) for n in seq_lens))
+    print(f"\ndecode, {batch} sequences x {rows} rows x {layers} layers, {args.dtype} queries")
     print(
         "| KV cache | MB of K/V per step | kernel ms | plain read ms | kernel / read | "
         "torch gather ms |\n|---|---|---|---|---|---|"
@@ -159,7 +163,7 @@ def bench_decode(args: argparse.Namespace, kernels, dtype: torch.dtype) -> None:
 
         def plain_read(cache: PagedKVCache = cache) -> None:
             for layer in range(layers):
-                kernels.read_kv_blocks(cache.tensor, tables, lens, layer)
+                kernels.read_kv_blocks(cache.tensor, seq_tables, seq_lens + rows - 1, layer)
 
         ms = [best_ms(fn, args.repeats) for fn in (kernel, plain_read)]
         gather_ms = "-"
@@ -213,6 +217,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--vocab", type=int, default=49152)
     p.add_argument("--num-kv-blocks", type=int, default=5800)
     p.add_argument("--decode-batch", type=int, default=62)
+    p.add_argument(
+        "--rows-per-seq",
+        type=int,
+        default=1,
+        help="decode rows per sequence (a decode with rows - 1 draft tokens)",
+    )
     p.add_argument("--tokens", type=int, default=4096)
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument(

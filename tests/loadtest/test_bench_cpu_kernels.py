@@ -12,7 +12,10 @@ from loadtest import bench_cpu_kernels
 
 pytestmark = pytest.mark.skipif(shutil.which("c++") is None, reason="no C++ compiler")
 LEVELS = [level for level in CpuIsa if level <= host_isa()]
-SMALL = ["--layers", "2", "--num-kv-blocks", "128", "--decode-batch", "3", "--vocab", "512"]
+SMALL = [
+    *("--layers", "2", "--num-kv-blocks", "128", "--decode-batch", "3", "--vocab", "512"),
+    *("--rows-per-seq", "2"),
+]
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
@@ -22,7 +25,7 @@ def test_prints_every_table(capsys, level, dtype):
     assert bench_cpu_kernels.main([*argv, "--repeats", "1"]) == 0
     out = capsys.readouterr().out
     assert f"CPU level {level.value}, {dtype}" in out
-    assert "decode, 3 sequences x 2 layers" in out
+    assert "decode, 3 sequences x 2 rows x 2 layers" in out
     for kv_cache_dtype in (dtype, "int8", "fp8_e4m3"):
         assert f"\n| {kv_cache_dtype} | " in out
     prefill_from = CpuIsa.AVX512_BF16 if dtype == "bfloat16" else CpuIsa.AVX2
