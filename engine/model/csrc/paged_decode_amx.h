@@ -110,8 +110,10 @@ inline void fill_query_tile(AmxQueryTile& tile, const float* q, const int64_t* h
 // [A0 A1 A2 A3], [B..], [C..], [D..] (128-bit lanes) to [A0 B0 C0 D0], [A1 B1 C1 D1], ...
 inline void transpose_lanes(const __m512i& a, const __m512i& b, const __m512i& c,
                             const __m512i& d, __m512i* out) {
-  const __m512i ab_low = _mm512_shuffle_i32x4(a, b, 0x44), ab_high = _mm512_shuffle_i32x4(a, b, 0xEE);
-  const __m512i cd_low = _mm512_shuffle_i32x4(c, d, 0x44), cd_high = _mm512_shuffle_i32x4(c, d, 0xEE);
+  const __m512i ab_low = _mm512_shuffle_i32x4(a, b, 0x44);
+  const __m512i ab_high = _mm512_shuffle_i32x4(a, b, 0xEE);
+  const __m512i cd_low = _mm512_shuffle_i32x4(c, d, 0x44);
+  const __m512i cd_high = _mm512_shuffle_i32x4(c, d, 0xEE);
   out[0] = _mm512_shuffle_i32x4(ab_low, cd_low, 0x88);
   out[1] = _mm512_shuffle_i32x4(ab_low, cd_low, 0xDD);
   out[2] = _mm512_shuffle_i32x4(ab_high, cd_high, 0x88);
@@ -162,7 +164,8 @@ inline void interleave_values(const uint8_t* v, int64_t row_bytes, uint8_t (*out
   }
 }
 
-// A step's keys, values and row scales for one KV head (blocks past the context are zero).
+// A step's keys, values and row scales for one KV head. Past num_blocks they hold zeros or what
+// an earlier step left: those tokens' weights are 0, and integer products of 0 are 0.
 struct AmxStepKv {
   alignas(64) uint8_t keys[kAmxStepBlocks][16][64];
   alignas(64) uint8_t values[kAmxDim / 16][16][64];  // [chunk][token quad][dims x 4 tokens]
@@ -223,7 +226,8 @@ inline void amx_step(AmxQueryTile& tile, const AmxStepKv& kv, int64_t step_start
         w[b] = _mm512_setzero_ps();
         continue;
       }
-      const __m512 e = _mm512_maskz_mov_ps(valid[b], exp512(_mm512_sub_ps(s[b], _mm512_set1_ps(m_new))));
+      const __m512 e =
+          _mm512_maskz_mov_ps(valid[b], exp512(_mm512_sub_ps(s[b], _mm512_set1_ps(m_new))));
       total = _mm512_add_ps(total, e);
       // Dead lanes stay exactly 0 whatever their scale bytes hold.
       w[b] = _mm512_maskz_mul_ps(valid[b], e, _mm512_load_ps(kv.v_scale + 16 * b));
@@ -308,23 +312,18 @@ inline void decode_seq_amx(const float* q, const uint8_t* cache, const int64_t* 
   const int64_t end_blk = (ctx + rows - 1 + bs - 1) / bs;
   const int64_t tile_bytes = bs * row_bytes;
   const int64_t layer_bytes = 2 * kv_heads * tile_bytes;
-  AmxStepKv kv;
+  AmxStepKv kv{};
   for (int64_t first_blk = 0; first_blk < end_blk; first_blk += kAmxStepBlocks) {
     kv.num_blocks = std::min(kAmxStepBlocks, end_blk - first_blk);
-    for (int64_t blk = first_blk + kv.num_blocks; blk < first_blk + kv.num_blocks + kAmxStepBlocks &&
-                                                   blk < end_blk; ++blk) {
+    const int64_t next_blk = first_blk + kv.num_blocks;
+    for (int64_t blk = next_blk; blk < std::min(next_blk + kAmxStepBlocks, end_blk); ++blk) {
       const uint8_t* ahead = cache + table[blk] * block_stride + layer_offset;
       for (int64_t off = 0; off < layer_bytes; off += 64) {
         _mm_prefetch(reinterpret_cast<const char*>(ahead + off), _MM_HINT_T0);
       }
     }
     for (int64_t kvh = 0; kvh < kv_heads; ++kvh) {
-      if (kv.num_blocks < kAmxStepBlocks) std::memset(kv.values, 0, sizeof(kv.values));
-      for (int64_t b = 0; b < kAmxStepBlocks; ++b) {
-        if (b >= kv.num_blocks) {
-          for (int64_t t = 0; t < bs; ++t) kv.k_scale[16 * b + t] = kv.v_scale[16 * b + t] = 0.f;
-          continue;
-        }
+      for (int64_t b = 0; b < kv.num_blocks; ++b) {
         const uint8_t* block = cache + table[first_blk + b] * block_stride + layer_offset;
         const uint8_t* k = block + kvh * tile_bytes;
         const uint8_t* v = block + (kv_heads + kvh) * tile_bytes;
