@@ -4,6 +4,8 @@ where they would."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from engine import LLM, SamplingParams
@@ -60,16 +62,22 @@ def generate(llm: LLM, params: SamplingParams) -> dict[tuple[int, ...], list[int
     ],
 )
 def test_greedy_output_is_the_same_with_and_without_drafts(tiny_llama_dir, engine_kwargs):
+    check_drafts_keep_greedy_output(tiny_llama_dir, **engine_kwargs)
+
+
+def check_drafts_keep_greedy_output(model_dir: Path, **engine_kwargs: object) -> None:
+    """The same greedy outputs without drafts, with the real prompt lookup and with a drafter
+    that knows the answer but gets one draft in 3 wrong (also run on CUDA: tests/gpu)."""
     params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
     common = {"num_kv_blocks": 256, "check_kv_integrity": True, **engine_kwargs}
-    plain = LLM(str(tiny_llama_dir), num_speculative_tokens=0, **common)
+    plain = LLM(str(model_dir), num_speculative_tokens=0, **common)
     reference = generate(plain, params)
     assert plain.engine.scheduler.num_draft_tokens == 0
-    spec = LLM(str(tiny_llama_dir), num_speculative_tokens=4, **common)
+    spec = LLM(str(model_dir), num_speculative_tokens=4, **common)
     # The real prompt lookup: its drafts are mostly rejected here.
     assert generate(spec, params) == reference
     assert spec.engine.scheduler.num_draft_tokens > 0
-    oracle = LLM(str(tiny_llama_dir), num_speculative_tokens=4, **common)
+    oracle = LLM(str(model_dir), num_speculative_tokens=4, **common)
     oracle.engine.scheduler.proposer = OracleProposer(reference, wrong_every=3)
     assert generate(oracle, params) == reference
     scheduler = oracle.engine.scheduler
@@ -133,19 +141,24 @@ def test_stop_ids_and_max_tokens_cut_as_without_drafts(spec_llm, plain_llm):
 
 
 def test_drafts_under_preemption_and_chunked_prefill_keep_outputs_and_blocks(tiny_llama_dir):
+    check_drafts_under_preemption(tiny_llama_dir)
+
+
+def check_drafts_under_preemption(model_dir: Path, **engine_kwargs: object) -> None:
     """A pool too small for the batch (preemptions, recomputation) and prompts cut into
     chunks, with drafts accepted and rejected: the outputs are the reference's and every
-    block comes back."""
+    block comes back (also run on CUDA: tests/gpu)."""
     params = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
     common = {
         "dtype": "float32",
         "max_num_batched_tokens": 24,
         "max_model_len": 128,
         "check_kv_integrity": True,
+        **engine_kwargs,
     }
-    plain = LLM(str(tiny_llama_dir), num_speculative_tokens=0, num_kv_blocks=256, **common)
+    plain = LLM(str(model_dir), num_speculative_tokens=0, num_kv_blocks=256, **common)
     reference = generate(plain, params)
-    tight = LLM(str(tiny_llama_dir), num_speculative_tokens=4, num_kv_blocks=10, **common)
+    tight = LLM(str(model_dir), num_speculative_tokens=4, num_kv_blocks=10, **common)
     proposer = OracleProposer(reference, wrong_every=2)
     tight.engine.scheduler.proposer = proposer
     assert generate(tight, params) == reference
