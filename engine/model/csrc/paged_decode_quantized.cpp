@@ -22,9 +22,9 @@
 
 #include "avx512_bf16.h"
 #include "decode_runs.h"
-#include "paged_decode_amx.h"
 #include "decode_softmax.h"
 #include "kv_rows.h"
+#include "paged_decode_amx.h"
 
 #if defined(__AVX2__)
 #include <immintrin.h>
@@ -354,7 +354,9 @@ void decode_seq(const float* q, const uint8_t* cache, const int64_t* table, int6
 }
 
 // True (and done) when the AVX-512 path covers this call: float32 queries (bfloat16 ones are
-// widened first, a few KB), head_dim 32, 64 or 128.
+// widened first, a few KB), head_dim 32, 64 or 128. bf16_model: the model computes in
+// bfloat16, so over int8 codes at head_dim 64 an AMX build runs the tiles instead
+// (paged_decode_amx.h); float32 models keep these float32 products.
 bool decode_avx512(const at::Tensor& q, const at::Tensor& kv_cache, const int64_t* tables,
                    const int64_t* lens, int64_t max_blocks, int64_t layer, float scale,
                    int64_t sliding_window, Codes kind, bool bf16_model, at::Tensor& out) {
@@ -386,7 +388,6 @@ bool decode_avx512(const at::Tensor& q, const at::Tensor& kv_cache, const int64_
                    kv_heads <= splitserve::kAmxMaxKvHeads && sliding_window <= 0 &&
                    splitserve::amx_tiles_enabled();
 #else
-  const bool amx = false;
   (void)bf16_model;
 #endif
   const std::vector<int64_t> firsts =
