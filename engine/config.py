@@ -11,7 +11,7 @@ from engine.flags import flag
 # "auto": bfloat16 where the host has native bf16 dot products (CUDA, AVX512_BF16 CPUs),
 # float32 on CPUs below (bf16 matmuls are emulated there, ~4.6x slower; BENCHMARKS.md).
 DTYPES = ("auto", "float32", "bfloat16", "float16")
-KERNEL_BACKENDS = ("auto", "torch", "cpp")
+KERNEL_BACKENDS = ("auto", "torch", "cpp", "triton")
 # vLLM's names; "fp8" is its alias of fp8_e4m3. The 8-bit ones are engine/model/kv_quant.py's.
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16", "fp8", "fp8_e4m3", "int8")
 # Draft tokens per greedy decode step (BENCHMARKS.md, "Speculative decoding").
@@ -75,11 +75,17 @@ class EngineConfig:
     detokenize: bool = True
     kernel_backend: str = flag(
         "auto",
-        "CPU kernels: cpp (compiled paged decode, oneDNN-packed linears; in bfloat16 also fused "
-        "RMSNorm/rotary/SiLU and, from avx512_bf16, the paged prefill), torch (reference paths: "
-        "F.linear, SDPA prefill, torch decode and ops), auto (cpp on CPU when it builds, else "
-        "torch)",
+        "attention and CPU kernels: cpp (compiled paged decode, oneDNN-packed linears; in "
+        "bfloat16 also fused RMSNorm/rotary/SiLU and, from avx512_bf16, the paged prefill), "
+        "triton (paged decode, prefill and KV write kernels: GPUs; on CPU only under "
+        "TRITON_INTERPRET=1), torch (reference paths: F.linear, SDPA prefill, torch decode and "
+        "ops), auto (triton on a GPU when installed; cpp on CPU when it builds; else torch)",
         choices=KERNEL_BACKENDS,
+    )
+    enforce_eager: bool = flag(
+        False,
+        "run every step eagerly: capture no CUDA graphs of decode steps (with the triton "
+        "kernels on a GPU, graphs are captured at start-up for batches of up to 512 decode rows)",
     )
     num_speculative_tokens: int = flag(
         DEFAULT_NUM_SPECULATIVE_TOKENS,

@@ -156,6 +156,11 @@ class LLMEngine:
             config.kv_cache_memory_gb,
             config.kernel_backend,
             cpu_isa,
+            enforce_eager=config.enforce_eager,
+            max_decode_rows=min(
+                config.max_num_seqs * (1 + config.num_speculative_tokens),
+                config.max_num_batched_tokens,
+            ),
         )
         self.max_model_len = self.runner.max_model_len
         _check_kv_capacity(self.runner.num_kv_blocks, config.block_size, self.max_model_len)
@@ -203,6 +208,8 @@ class LLMEngine:
                 config.cpu_isa,
                 kernels.describe(),
             )
+        else:
+            logger.info("kernels: %s", kernels.describe())
 
     # ----------------------------------------------------------------------------- requests
     def validate_request(

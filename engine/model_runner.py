@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import os
 from collections.abc import Sequence
 from pathlib import Path
 from types import ModuleType
 
+import numpy as np
 import torch
 
 from engine.cpu_isa import CpuIsa
@@ -19,15 +22,25 @@ from engine.model.attention import (
     PagedKVCache,
     PrefillBatch,
     PrefillSeq,
+    TritonInputs,
+    TritonPrefill,
     causal_mask,
     decode_bias,
 )
 from engine.model.cpu_kernels import PAGED_DECODE_SHAPES, load_cpu_kernels
+from engine.model.cuda_graphs import (
+    CudaGraphCapture,
+    DecodeBuffers,
+    DecodeGraphs,
+    GraphCapture,
+    capture_sizes,
+)
 from engine.model.kernel_plan import KernelImpl, KernelPlan
 from engine.model.kv_quant import kv_quant_for
 from engine.model.ops import FusedCpuOps
 from engine.model.packed_linear import pack_linears, pack_lm_head
 from engine.model.rotary import RotaryEmbedding
+from engine.model.triton_kernels import triton_available
 from engine.scheduler import ScheduledRequest
 
 logger = logging.getLogger(__name__)
@@ -57,7 +70,12 @@ class ModelRunner:
         kv_cache_memory_gb: float | None,
         kernel_backend: str,
         cpu_isa: CpuIsa,
+        enforce_eager: bool = False,
+        max_decode_rows: int = 0,
     ) -> None:
+        """``max_decode_rows``: the most decode rows a step can hold (sequences times one plus
+        their drafts), which bounds the captured graphs' sizes on a GPU; ``enforce_eager``
+        captures none."""
         self.device = device
         self.dtype_name = dtype
         self.dtype = TORCH_DTYPES[dtype]
@@ -87,6 +105,7 @@ class ModelRunner:
             advise_huge_pages(self.kv_cache.data_ptr(), self.kv_cache.nbytes)
         self.kv_cache.zero_()
         self.rope = RotaryEmbedding(config, self.max_model_len, self.dtype, device)
+        self.use_triton = self._use_triton(kernel_backend)
         self.cpu_kernels = self._load_cpu_kernels(kernel_backend)
         self.cache = PagedKVCache(self.kv_cache, quant, self.dtype, self.cpu_kernels)
         self.decode_kernel = self._select_decode_kernel()
@@ -101,24 +120,90 @@ class ModelRunner:
             prefill_attention=KernelImpl.SDPA if self.prefill_kernel is None else KernelImpl.CPP,
             elementwise_ops=KernelImpl.CPP if fused_ops else KernelImpl.TORCH,
         )
+        if self.use_triton:
+            self.kernels = dataclasses.replace(
+                self.kernels,
+                decode_attention=KernelImpl.TRITON,
+                prefill_attention=KernelImpl.TRITON,
+            )
+        # The table width of every decode row: a captured graph's rows are this wide.
+        self.max_blocks_per_seq = -(-self.max_model_len // block_size)
+        # A token's layer-0 key rows per KV head are block * rows_per_block + offset +
+        # head_rows (PagedKVCache.slot_rows).
+        self.rows_per_block = config.num_layers * 2 * config.num_kv_heads * block_size
+        self.head_rows = np.arange(config.num_kv_heads) * block_size
+        self.decode_graphs: DecodeGraphs | None = None
         logger.info(
             "KV cache: %d blocks x %d tokens (%.2f GiB)",
             self.num_kv_blocks,
             block_size,
             self.kv_cache.numel() * self.kv_cache.element_size() / 2**30,
         )
+        if self.use_triton and device.type == "cuda" and not enforce_eager and max_decode_rows:
+            self.capture_decode_graphs(CudaGraphCapture(), max_decode_rows)
+
+    def _use_triton(self, backend: str) -> bool:
+        """Whether attention runs the Triton kernels: ``auto`` on a GPU with triton installed,
+        or ``triton`` (on CPU only under the interpreter, ``TRITON_INTERPRET=1``: tests)."""
+        if backend == "auto":
+            return self.device.type == "cuda" and triton_available()
+        if backend != "triton":
+            return False
+        if not triton_available():
+            raise RuntimeError("kernel_backend=triton: the triton package is not installed")
+        if self.device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+            raise RuntimeError(
+                "kernel_backend=triton on CPU runs only under Triton's interpreter "
+                "(TRITON_INTERPRET=1, for tests); use cpp or torch"
+            )
+        return True
+
+    def capture_decode_graphs(self, capture: GraphCapture, max_decode_rows: int) -> None:
+        """Capture the decode step (Triton attention) for every bucket up to
+        ``max_decode_rows`` rows; from then on ``execute`` replays a graph for each step of
+        decodes alone that fits one. ``capture`` is ``CudaGraphCapture`` on a GPU."""
+        assert self.use_triton, "captured decode steps run the Triton attention"
+        sizes = capture_sizes(max_decode_rows)
+        buffers = DecodeBuffers.allocate(
+            sizes[-1], self.model_config.num_kv_heads, self.max_blocks_per_seq, self.device
+        )
+        self.decode_graphs = DecodeGraphs(
+            buffers, sizes, lambda size: self._graph_forward(buffers, size), capture
+        )
+        self.kernels = dataclasses.replace(self.kernels, decode_graphs=len(sizes))
+
+    def _graph_forward(self, buffers: DecodeBuffers, size: int) -> torch.Tensor:
+        """Final hidden states of the first ``size`` decode rows of ``buffers``."""
+        cos, sin = self.rope.cos_sin(buffers.positions[:size])
+        meta = AttentionMetadata(
+            slot_rows=buffers.slot_rows[:size],
+            num_decode_tokens=size,
+            decode=self._no_decode_inputs(),
+            prefills=(),
+            prefill_batch=None,
+            cos=cos,
+            sin=sin,
+            triton=TritonInputs(
+                decode_tables=buffers.block_tables[:size],
+                decode_lens=buffers.context_lens[:size],
+                max_decode_context=self.max_model_len,
+                prefill=None,
+                sliding_window=self.model_config.sliding_window,
+            ),
+        )
+        return self.model(buffers.input_ids[:size], meta, self.cache)
 
     def _pack_linears(self, backend: str) -> bool:
         """Pack the linears and the LM head for oneDNN where the level allows (CPU only; not
         with the ``torch`` reference backend); returns whether any was packed."""
-        if backend == "torch" or self.cpu_isa is None:
+        if backend in ("torch", "triton") or self.cpu_isa is None:
             return False
         num_packed = pack_linears(self.model.model, self.cpu_isa)
         self.model.logits_proj = pack_lm_head(self.model.lm_head.weight, self.cpu_isa)
         return num_packed > 0
 
     def _load_cpu_kernels(self, backend: str) -> ModuleType | None:
-        if backend == "torch" or self.cpu_isa is None:
+        if backend in ("torch", "triton") or self.cpu_isa is None:
             return None
         kernels = load_cpu_kernels(self.cpu_isa)
         if kernels is None and backend == "cpp":
@@ -163,9 +248,38 @@ class ModelRunner:
         step ends at its last token, one more per draft token).
         Side effect: the tokens' K/V are written into the cache.
         """
+        graphs = self.decode_graphs
+        if graphs is not None and all(item.is_decode for item in scheduled):
+            num_rows = sum(item.num_new_tokens for item in scheduled)
+            if graphs.bucket(num_rows) is not None:
+                self._fill_decode_rows(scheduled, graphs.buffers)
+                # Every decode row samples (a decode step ends at its request's last token).
+                return self.model.compute_logits(graphs.run(num_rows))
         input_ids, meta, sample_idx = self._prepare(scheduled)
         hidden = self.model(input_ids, meta, self.cache)
         return self.model.compute_logits(hidden[sample_idx])
+
+    def _fill_decode_rows(
+        self, scheduled: Sequence[ScheduledRequest], buffers: DecodeBuffers
+    ) -> None:
+        """Write a step of decodes into the host staging arrays of ``buffers``, a row per
+        token (a decode's drafts are rows after its real token, each seeing up to itself)."""
+        bs = self.block_size
+        host = buffers.host
+        per_block = self.rows_per_block
+        heads = self.head_rows
+        row = 0
+        for item in scheduled:
+            start = item.request.num_computed_tokens
+            blocks = item.block_ids
+            host["block_tables"][row : row + item.num_new_tokens, : len(blocks)] = blocks
+            for offset, token_id in enumerate(item.token_ids):
+                position = start + offset
+                host["input_ids"][row] = token_id
+                host["positions"][row] = position
+                host["slot_rows"][row] = blocks[position // bs] * per_block + position % bs + heads
+                host["context_lens"][row] = position + 1
+                row += 1
 
     def _prepare(
         self, scheduled: Sequence[ScheduledRequest]
@@ -201,7 +315,7 @@ class ModelRunner:
                 decode_tables.extend([blocks] * n)
                 decode_lens.extend(range(start + 1, end + 1))
                 continue
-            if self.prefill_kernel is not None:
+            if self.prefill_kernel is not None or self.use_triton:
                 prefill_chunks.append((blocks[: -(-end // bs)], q_start, n, end))
                 continue
             table = torch.tensor(blocks[: -(-end // bs)], dtype=torch.long)
@@ -216,15 +330,28 @@ class ModelRunner:
             )
         pos = torch.tensor(positions, dtype=torch.long)
         cos, sin = self.rope.cos_sin(pos.to(self.device))
-        meta = AttentionMetadata(
-            slot_rows=self.cache.slot_rows(torch.tensor(slot_blocks), pos % bs).to(self.device),
-            num_decode_tokens=len(decode_tables),
-            decode=self._decode_inputs(decode_tables, decode_lens),
-            prefills=tuple(prefills),
-            prefill_batch=self._prefill_batch(prefill_chunks),
-            cos=cos,
-            sin=sin,
-        )
+        slot_rows = self.cache.slot_rows(torch.tensor(slot_blocks), pos % bs).to(self.device)
+        if self.use_triton:
+            meta = AttentionMetadata(
+                slot_rows=slot_rows,
+                num_decode_tokens=len(decode_tables),
+                decode=self._no_decode_inputs(),
+                prefills=(),
+                prefill_batch=None,
+                cos=cos,
+                sin=sin,
+                triton=self._triton_inputs(decode_tables, decode_lens, prefill_chunks),
+            )
+        else:
+            meta = AttentionMetadata(
+                slot_rows=slot_rows,
+                num_decode_tokens=len(decode_tables),
+                decode=self._decode_inputs(decode_tables, decode_lens),
+                prefills=tuple(prefills),
+                prefill_batch=self._prefill_batch(prefill_chunks),
+                cos=cos,
+                sin=sin,
+            )
         return (
             torch.tensor(token_ids, dtype=torch.long, device=self.device),
             meta,
@@ -252,6 +379,42 @@ class ModelRunner:
             sliding_window=self.model_config.sliding_window,
             context_blocks=context_blocks,
         )
+
+    def _triton_inputs(
+        self,
+        decode_tables: list[list[int]],
+        decode_lens: list[int],
+        chunks: list[tuple[list[int], int, int, int]],
+    ) -> TritonInputs:
+        def table(rows: list[list[int]]) -> torch.Tensor:
+            width = max((len(r) for r in rows), default=0)
+            padded = [r + [0] * (width - len(r)) for r in rows]
+            return torch.tensor(padded, dtype=torch.int32).view(len(rows), width).to(self.device)
+
+        def ints(values: list[int]) -> torch.Tensor:
+            return torch.tensor(values, dtype=torch.int32).to(self.device)
+
+        prefill = None
+        if chunks:
+            prefill = TritonPrefill(
+                block_tables=table([blocks for blocks, _, _, _ in chunks]),
+                q_starts=ints([start for _, start, _, _ in chunks]),
+                q_lens=ints([n for _, _, n, _ in chunks]),
+                context_lens=ints([end for _, _, _, end in chunks]),
+                max_q_len=max(n for _, _, n, _ in chunks),
+            )
+        return TritonInputs(
+            decode_tables=table(decode_tables),
+            decode_lens=ints(decode_lens),
+            max_decode_context=max(decode_lens, default=0),
+            prefill=prefill,
+            sliding_window=self.model_config.sliding_window,
+        )
+
+    def _no_decode_inputs(self) -> DecodeInputs:
+        """The ``decode`` field of a step whose attention runs the Triton path."""
+        empty = torch.empty(0, dtype=torch.long, device=self.device)
+        return DecodeInputs(empty, empty, None, None, None, self.model_config.sliding_window)
 
     def _decode_inputs(self, tables: list[list[int]], context_lens: list[int]) -> DecodeInputs:
         max_blocks = max((len(t) for t in tables), default=0)

@@ -206,6 +206,34 @@ class DecodeInputs:
 
 
 @dataclass(frozen=True, slots=True)
+class TritonPrefill:
+    """A step's prefill chunks: chunk ``s`` is rows ``[q_starts[s], + q_lens[s])`` of the step,
+    the last ``q_lens[s]`` of its ``context_lens[s]`` tokens (int32 device tensors)."""
+
+    block_tables: torch.Tensor  # [S, max_blocks]
+    q_starts: torch.Tensor  # [S]
+    q_lens: torch.Tensor  # [S]
+    context_lens: torch.Tensor  # [S]
+    max_q_len: int
+
+
+@dataclass(frozen=True, slots=True)
+class TritonInputs:
+    """What the Triton path reads besides ``AttentionMetadata.slot_rows``.
+
+    Decode row ``b`` attends to the first ``decode_lens[b]`` tokens of ``decode_tables[b]``
+    (a padding row of a captured batch has length 0); ``max_decode_context`` is a host bound on
+    those lengths that sizes the kernel's grid (fixed for a captured graph).
+    """
+
+    decode_tables: torch.Tensor  # [B, max_blocks] int32
+    decode_lens: torch.Tensor  # [B] int32
+    max_decode_context: int
+    prefill: TritonPrefill | None
+    sliding_window: int | None
+
+
+@dataclass(frozen=True, slots=True)
 class AttentionMetadata:
     """Per-step inputs shared by every layer."""
 
@@ -216,6 +244,9 @@ class AttentionMetadata:
     prefill_batch: PrefillBatch | None  # the compiled kernel's chunks (then ``prefills`` is empty)
     cos: torch.Tensor  # [T, 1, D] rotary tables at the tokens' positions (see RotaryEmbedding)
     sin: torch.Tensor
+    # The Triton kernels' inputs (GPUs): then they compute every attention of the step, and
+    # ``decode`` and ``prefills`` / ``prefill_batch`` are left empty.
+    triton: TritonInputs | None = None
 
 
 def causal_mask(
@@ -257,6 +288,21 @@ def paged_attention(
 
     Side effect: writes ``k``/``v`` into the cache at the tokens' slots.
     """
+    if meta.triton is not None:
+        from engine.model.triton_attention import triton_paged_attention
+
+        return triton_paged_attention(
+            layer,
+            q,
+            k,
+            v,
+            cache.tensor,
+            cache.quant,
+            cache.key_rotation,
+            meta.slot_rows,
+            meta.num_decode_tokens,
+            meta.triton,
+        )
     cache.write(layer, meta.slot_rows, k, v)
     num_decode = meta.num_decode_tokens
     batch = meta.prefill_batch

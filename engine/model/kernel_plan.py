@@ -20,6 +20,7 @@ class KernelImpl(enum.Enum):
     ONEDNN_PACKED = "onednn-packed"  # linears: weights pre-packed for oneDNN (packed_linear)
     CPP = "cpp"  # compiled CPU kernels (cpu_kernels, csrc/)
     SDPA = "sdpa"  # torch scaled_dot_product_attention (FlashAttention on CUDA)
+    TRITON = "triton"  # Triton kernels over the paged cache (triton_kernels; GPUs)
 
 
 @dataclass(frozen=True, slots=True)
@@ -31,10 +32,14 @@ class KernelPlan:
     decode_attention: KernelImpl
     prefill_attention: KernelImpl
     elementwise_ops: KernelImpl
+    # Decode batch sizes replayed from CUDA graphs (``cuda_graphs``); 0: none, every step eager.
+    decode_graphs: int = 0
 
     def describe(self) -> str:
-        """One line, e.g. ``linear=onednn-packed decode=cpp prefill=sdpa ops=torch``."""
-        return (
+        """One line, e.g. ``linear=onednn-packed decode=cpp prefill=sdpa ops=torch``, with
+        `` graphs=N`` when decode steps replay CUDA graphs."""
+        line = (
             f"linear={self.linear.value} decode={self.decode_attention.value} "
             f"prefill={self.prefill_attention.value} ops={self.elementwise_ops.value}"
         )
+        return f"{line} graphs={self.decode_graphs}" if self.decode_graphs else line

@@ -1,0 +1,86 @@
+"""One layer's attention through the Triton kernels (``triton_kernels``), on GPUs.
+
+The same contract as ``attention.paged_attention``: write the new tokens' K/V into their slots,
+then attend. Decode rows (first ``num_decode_tokens`` of the step) run the flash-decoding
+kernel; every prefill chunk of the step runs in one launch of the prefill kernel over the
+paged context, which by then holds the chunk's own tokens too. Every input is a device
+tensor of a shape fixed by the batch, and no host value is read back, so a decode step
+through this path can be captured in a CUDA graph (``cuda_graphs``).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from engine.model.attention import TritonInputs
+from engine.model.kv_quant import KVQuant
+from engine.model.triton_kernels.decode import paged_decode
+from engine.model.triton_kernels.kv_rows import QUANT_FP8_E4M3, QUANT_INT8, QUANT_NONE
+from engine.model.triton_kernels.kv_write import kv_write
+from engine.model.triton_kernels.prefill import paged_prefill
+
+_QUANT_CODES = {None: QUANT_NONE, KVQuant.INT8: QUANT_INT8, KVQuant.FP8_E4M3: QUANT_FP8_E4M3}
+
+
+def quant_code(quant: KVQuant | None) -> int:
+    """The kernels' ``QUANT`` code of a cache's quantization."""
+    return _QUANT_CODES[quant]
+
+
+def triton_paged_attention(
+    layer: int,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    kv_cache: torch.Tensor,
+    quant: KVQuant | None,
+    key_rotation: torch.Tensor | None,
+    slot_rows: torch.Tensor,
+    num_decode_tokens: int,
+    inputs: TritonInputs,
+) -> torch.Tensor:
+    """Attention output ``[T, H, D]`` for queries ``q`` ``[T, H, D]`` and new ``k``/``v``
+    ``[T, KVH, D]``. Side effect: writes ``k``/``v`` into ``kv_cache`` at ``slot_rows``.
+
+    An int8 cache stores keys rotated by ``key_rotation`` (``kv_quant``): the new keys are
+    rotated before their write and the queries before they score the cache.
+    """
+    code = quant_code(quant)
+    max_code = quant.max_code if quant is not None else 0.0
+    if key_rotation is not None:
+        k = k.float() @ key_rotation
+        q = (q.float() @ key_rotation).to(q.dtype)
+    kv_write(kv_cache, layer, slot_rows, k, v, code, max_code)
+    scale = q.shape[-1] ** -0.5
+    decode = paged_decode(
+        q[:num_decode_tokens],
+        kv_cache,
+        layer,
+        inputs.decode_tables,
+        inputs.decode_lens,
+        inputs.max_decode_context,
+        scale,
+        inputs.sliding_window,
+        code,
+    )
+    prefill = inputs.prefill
+    if prefill is None:
+        return decode
+    q = q.contiguous()
+    out = torch.empty_like(q)
+    out[:num_decode_tokens] = decode
+    paged_prefill(
+        q,
+        kv_cache,
+        layer,
+        prefill.block_tables,
+        prefill.q_starts,
+        prefill.q_lens,
+        prefill.context_lens,
+        prefill.max_q_len,
+        scale,
+        inputs.sliding_window,
+        code,
+        out,
+    )
+    return out
