@@ -33,6 +33,7 @@ from engine.model.cuda_graphs import (
     DecodeBuffers,
     DecodeGraphs,
     GraphCapture,
+    capture_eagerly,
     capture_sizes,
 )
 from engine.model.kernel_plan import KernelImpl, KernelPlan
@@ -139,8 +140,10 @@ class ModelRunner:
             block_size,
             self.kv_cache.numel() * self.kv_cache.element_size() / 2**30,
         )
-        if self.use_triton and device.type == "cuda" and not enforce_eager and max_decode_rows:
-            self.capture_decode_graphs(CudaGraphCapture(), max_decode_rows)
+        if self.use_triton and not enforce_eager and max_decode_rows:
+            # On CPU (the interpreter: tests) the stand-in runs the same bookkeeping eagerly.
+            capture = CudaGraphCapture() if device.type == "cuda" else capture_eagerly
+            self.capture_decode_graphs(capture, max_decode_rows)
 
     def _use_triton(self, backend: str) -> bool:
         """Whether attention runs the Triton kernels: ``auto`` on a GPU with triton installed,

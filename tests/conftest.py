@@ -1,9 +1,15 @@
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
 import torch
+
+# Without a GPU the Triton kernels run on CPU tensors under Triton's interpreter; it must be
+# chosen before any kernel module is imported (``triton.jit`` reads it then).
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from loadtest.tiny_model import ARCHITECTURES, make_tiny_model
 

@@ -15,6 +15,7 @@ so that every piece of bookkeeping here runs without a GPU.
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -158,8 +159,11 @@ class DecodeGraphs:
         start = time.perf_counter()
         buffers.pad(0, self.sizes[-1])
         buffers.upload(self.sizes[-1])
-        self._steps = {size: capture(lambda size=size: forward(size)) for size in reversed(self.sizes)}
+        self._steps = {
+            size: capture(functools.partial(forward, size)) for size in reversed(self.sizes)
+        }
         self.capture_time_s = time.perf_counter() - start
+        self.num_replays = 0
         logger.info(
             "captured %d decode graphs (batch sizes %d-%d) in %.1f s",
             len(self.sizes),
@@ -188,4 +192,5 @@ class DecodeGraphs:
         self.buffers.upload(bucket)
         step = self._steps[bucket]
         step.replay()
+        self.num_replays += 1
         return step.output[:num_rows]

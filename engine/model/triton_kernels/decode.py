@@ -21,7 +21,8 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.model.triton_kernels.kv_rows import cache_row, dot as _dot, float32_dot, load_rows
+from engine.model.triton_kernels.kv_rows import cache_row, float32_dot, load_rows
+from engine.model.triton_kernels.kv_rows import dot as _dot
 
 # Tokens a program scores per iteration; the shortest piece of context a program takes (a
 # multiple of it), lengthened for long contexts so that a row has at most MAX_PIECES pieces.
@@ -80,8 +81,12 @@ def _decode_pieces(
     for tile_start in range(start, end, TILE):
         tokens = tile_start + tl.arange(0, TILE)
         valid = (tokens >= first) & (tokens < end)
-        blocks = tl.load(block_tables + row * table_stride + tokens // BLOCK_SIZE, mask=valid, other=0)
-        rows = cache_row(blocks, layer, 0, kv_head, tokens % BLOCK_SIZE, NUM_LAYERS, NUM_KV_HEADS, BLOCK_SIZE)
+        blocks = tl.load(
+            block_tables + row * table_stride + tokens // BLOCK_SIZE, mask=valid, other=0
+        )
+        rows = cache_row(
+            blocks, layer, 0, kv_head, tokens % BLOCK_SIZE, NUM_LAYERS, NUM_KV_HEADS, BLOCK_SIZE
+        )
         keys = load_rows(cache, scales, rows, valid, cols, ROW, HEAD_DIM, QUANT).to(qv.dtype)
         s = _dot(qv, tl.trans(keys), FLOAT32_DOT)
         s = tl.where(valid[None, :], s * scale, float("-inf"))
@@ -90,7 +95,9 @@ def _decode_pieces(
         p = tl.exp(s - m_safe[:, None])
         alpha = tl.exp(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, 1)
-        values = load_rows(cache, scales, rows + NUM_KV_HEADS * BLOCK_SIZE, valid, cols, ROW, HEAD_DIM, QUANT)
+        values = load_rows(
+            cache, scales, rows + NUM_KV_HEADS * BLOCK_SIZE, valid, cols, ROW, HEAD_DIM, QUANT
+        )
         pv = _dot(p.to(qv.dtype), values.to(qv.dtype), FLOAT32_DOT)
         acc = acc * alpha[:, None] + pv
         m_i = m_new
@@ -129,9 +136,11 @@ def _merge_pieces(
     weights = tl.where(active, tl.exp(maxes - tl.where(m == float("-inf"), 0.0, m)), 0.0)
     total = tl.sum(weights * tl.load(piece_sum + slots, mask=active, other=0.0), 0)
     cols = tl.arange(0, BLOCK_D)
-    accs = tl.load(piece_acc + slots[:, None] * BLOCK_D + cols[None, :], mask=active[:, None], other=0.0)
+    accs = tl.load(
+        piece_acc + slots[:, None] * BLOCK_D + cols[None, :], mask=active[:, None], other=0.0
+    )
     acc = tl.sum(weights[:, None] * accs, 0)
-    result = tl.where(total > 0, acc / total, 0.0)
+    result = acc / tl.where(total > 0, total, 1.0)  # no context (padding): zeros
     tl.store(
         out + (row * NUM_HEADS + head) * HEAD_DIM + cols,
         result.to(out.dtype.element_ty),

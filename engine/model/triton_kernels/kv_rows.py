@@ -80,15 +80,20 @@ def load_rows(
 ):
     """``[len(rows), len(cols)]`` float32 values of cache ``rows`` (masked rows read 0)."""
     mask = row_mask[:, None] & (cols[None, :] < HEAD_DIM)
-    ptrs = cache + rows[:, None].to(tl.int64) * ROW + cols[None, :]
     if QUANT == 0:
+        ptrs = cache + rows[:, None].to(tl.int64) * ROW + cols[None, :]
         return tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
+    # Rows of codes are only 4-byte aligned (HEAD_DIM codes, then a float32 scale), yet Triton
+    # 3.6's pipeliner copies them in 16-byte vectors (misaligned address on the GPU): columns
+    # in runs of 4 cap the vector width.
+    ptrs = cache + rows[:, None].to(tl.int64) * ROW + (cols // 4 * 4 + cols % 4)[None, :]
     codes = tl.load(ptrs, mask=mask, other=0)
     if QUANT == 1:
         values = codes.to(tl.int8, bitcast=True).to(tl.float32)
     else:
         values = fp8_e4m3_to_float(codes)
-    scale = tl.load(scales + rows.to(tl.int64) * (ROW // 4) + HEAD_DIM // 4, mask=row_mask, other=0.0)
+    scale_ptrs = scales + rows.to(tl.int64) * (ROW // 4) + HEAD_DIM // 4
+    scale = tl.load(scale_ptrs, mask=row_mask, other=0.0)
     return values * scale[:, None]
 
 
