@@ -26,10 +26,18 @@ class KVCacheManager:
         self.enable_prefix_caching = enable_prefix_caching
         self.block_pool = BlockPool(num_blocks, block_size, enable_prefix_caching)
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
+        # The ids of ``req_to_blocks``' blocks, kept alongside (read every step).
+        self._block_ids: dict[str, list[int]] = {}
         self._num_cached_blocks: dict[str, int] = {}
 
     def get_block_ids(self, req_id: str) -> list[int]:
-        return [b.block_id for b in self.req_to_blocks.get(req_id, ())]
+        """A copy of the request's block ids, in token order ([] if none)."""
+        return list(self._block_ids.get(req_id, ()))
+
+    def block_ids_view(self, req_id: str) -> list[int]:
+        """The request's block ids, in token order: the live list, which the next allocation
+        extends and ``free`` drops (the scheduler's per-step read; do not modify it)."""
+        return self._block_ids.get(req_id, [])
 
     def has_blocks(self, req_id: str) -> bool:
         """Whether ``req_id`` holds blocks now; a waiting request may (one back from a KV load).
@@ -67,6 +75,14 @@ class KVCacheManager:
         False when their content arrives later (remote KV) and call ``cache_blocks`` then.
         On False nothing changed.
         """
+        if not new_computed_blocks:
+            blocks = self.req_to_blocks.get(request.req_id)
+            num_tokens = request.num_computed_tokens + num_new_tokens
+            if blocks is not None and cdiv(num_tokens, self.block_size) <= len(blocks):
+                # The common decode step: its slots are in blocks the request holds.
+                if cache:
+                    self.cache_blocks(request, num_tokens)
+                return True
         hits = new_computed_blocks or []
         blocks = self.req_to_blocks.setdefault(request.req_id, [])
         num_computed_tokens = request.num_computed_tokens + len(hits) * self.block_size
@@ -79,9 +95,9 @@ class KVCacheManager:
                 del self.req_to_blocks[request.req_id]
             return False
         self.block_pool.touch(hits)
-        blocks.extend(hits)
-        if num_new_blocks:
-            blocks.extend(self.block_pool.allocate(num_new_blocks))
+        new_blocks = hits + self.block_pool.allocate(num_new_blocks) if num_new_blocks else hits
+        blocks.extend(new_blocks)
+        self._block_ids.setdefault(request.req_id, []).extend(b.block_id for b in new_blocks)
         if hits:
             self._num_cached_blocks[request.req_id] = len(hits)
         if cache:
@@ -109,6 +125,7 @@ class KVCacheManager:
         ``uncache``: then the blocks it computed itself (not its prefix hits) are withdrawn from
         the prefix cache, because their content may be garbage (a failed computation)."""
         blocks = self.req_to_blocks.pop(request.req_id, [])
+        self._block_ids.pop(request.req_id, None)
         self._num_cached_blocks.pop(request.req_id, None)
         self.block_pool.free(blocks[::-1])
         if uncache:
@@ -123,3 +140,5 @@ class KVCacheManager:
         self.block_pool.check_integrity()
         for req_id, blocks in self.req_to_blocks.items():
             assert all(b.ref_cnt > 0 for b in blocks), f"{req_id} holds a released block"
+            assert self._block_ids.get(req_id, []) == [b.block_id for b in blocks], req_id
+        assert set(self._block_ids) <= set(self.req_to_blocks)

@@ -30,10 +30,15 @@ class NgramIndex:
 
     def extend(self, token_ids: list[int]) -> None:
         """Index the n-grams that end before each token appended since the last call."""
-        for pos in range(max(self.num_indexed_tokens, 1), len(token_ids)):
-            for n in range(self.min_n, min(self.max_n, pos) + 1):
-                self.positions[tuple(token_ids[pos - n : pos])] = pos
-        self.num_indexed_tokens = len(token_ids)
+        start, end = max(self.num_indexed_tokens, 1), len(token_ids)
+        for n in range(self.min_n, self.max_n + 1):
+            first = max(start, n)
+            # The n-grams token_ids[pos - n : pos] for pos in [first, end), built and stored
+            # in C (a whole prompt's index is built on its first decode); a later position
+            # overwrites an earlier one's, as the latest occurrence must win.
+            columns = (token_ids[first - n + k : end - n + k] for k in range(n))
+            self.positions.update(zip(zip(*columns, strict=True), range(first, end), strict=True))
+        self.num_indexed_tokens = end
 
     def draft(self, token_ids: list[int], max_tokens: int) -> list[int]:
         """Up to ``max_tokens`` tokens that followed the longest suffix seen before ([] if

@@ -89,7 +89,8 @@ def argmax_rows(x: torch.Tensor) -> torch.Tensor:
     return best_block * _ARGMAX_BLOCK + in_block
 
 
-def _is_plain_greedy(params: SamplingParams) -> bool:
+def is_plain_greedy(params: SamplingParams) -> bool:
+    """Greedy, with no logprobs and no penalties: the token is the logits' argmax."""
     return params.greedy and params.logprobs is None and not params.needs_penalties
 
 
@@ -205,7 +206,7 @@ class Sampler:
         """
         if logits.dim() != 2 or logits.shape[0] != len(rows):
             raise ValueError(f"logits shape {tuple(logits.shape)} does not match {len(rows)} rows")
-        if all(_is_plain_greedy(r.params) for r in rows):
+        if all(is_plain_greedy(r.params) for r in rows):
             if any(r.matcher is not None for r in rows):
                 x = logits.float().contiguous()
                 _mask_constrained(x, rows)

@@ -46,22 +46,19 @@ class ScheduledRequest:
     num_new_tokens: int
     block_ids: list[int]
     spec_token_ids: tuple[int, ...] = ()
+    # One real token (plus drafts, if any): the decode attention path computes it.
+    is_decode: bool = field(init=False)
+    # Logits rows this item produces: one per draft plus one if this step's logits give the
+    # request's next token (it reaches the request's last token), else none. Fixed when the
+    # item is made, before ``update_from_output`` advances the request.
+    num_sample_rows: int = field(init=False)
 
-    @property
-    def samples(self) -> bool:
-        """Whether this step's logits produce the request's next token."""
+    def __post_init__(self) -> None:
         num_real_tokens = self.num_new_tokens - len(self.spec_token_ids)
-        return self.request.num_computed_tokens + num_real_tokens == self.request.num_tokens
-
-    @property
-    def is_decode(self) -> bool:
-        """One real token (plus drafts, if any): the decode attention path computes it."""
-        return self.num_new_tokens - len(self.spec_token_ids) == 1
-
-    @property
-    def num_sample_rows(self) -> int:
-        """Logits rows this item produces: one per draft plus one, if it samples, else none."""
-        return 1 + len(self.spec_token_ids) if self.samples else 0
+        request = self.request
+        samples = request.num_computed_tokens + num_real_tokens == request.num_tokens
+        object.__setattr__(self, "is_decode", num_real_tokens == 1)
+        object.__setattr__(self, "num_sample_rows", 1 + len(self.spec_token_ids) if samples else 0)
 
     @property
     def token_ids(self) -> list[int]:
@@ -307,7 +304,7 @@ class Scheduler:
     def _scheduled(
         self, request: Request, num_new_tokens: int, spec_token_ids: tuple[int, ...] = ()
     ) -> ScheduledRequest:
-        block_ids = self.kv_cache_manager.get_block_ids(request.req_id)
+        block_ids = self.kv_cache_manager.block_ids_view(request.req_id)
         return ScheduledRequest(request, num_new_tokens, block_ids, spec_token_ids)
 
     def _draft(self, request: Request, budget: int) -> list[int]:

@@ -138,7 +138,7 @@ def step(scheduler: Scheduler, sampled_token: int = SAMPLED) -> Step:
     """``LLMEngine.step`` with a fake model: one sampled token per request that samples."""
     out = scheduler.schedule()
     check_batch(scheduler, out)
-    sampling = [item.request.req_id for item in out.scheduled if item.samples]
+    sampling = [item.request.req_id for item in out.scheduled if item.num_sample_rows]
     updated, finished = scheduler.update_from_output(out, [sampled_token] * len(sampling))
     scheduler.kv_cache_manager.check_integrity()
     return Step(out, sampling, updated, finished)
