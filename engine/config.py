@@ -12,6 +12,7 @@ from engine.flags import flag
 # float32 on CPUs below (bf16 matmuls are emulated there, ~4.6x slower; BENCHMARKS.md).
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 KERNEL_BACKENDS = ("auto", "torch", "cpp", "triton")
+LOAD_FORMATS = ("auto", "dummy")
 # vLLM's names; "fp8" is its alias of fp8_e4m3. The 8-bit ones are engine/model/kv_quant.py's.
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16", "fp8", "fp8_e4m3", "int8")
 # Draft tokens per greedy decode step (BENCHMARKS.md, "Speculative decoding").
@@ -81,6 +82,12 @@ class EngineConfig:
         "TRITON_INTERPRET=1), torch (reference paths: F.linear, SDPA prefill, torch decode and "
         "ops), auto (triton on a GPU when installed; cpp on CPU when it builds; else torch)",
         choices=KERNEL_BACKENDS,
+    )
+    load_format: str = flag(
+        "auto",
+        "auto: the weights from the model's safetensors files; dummy: random weights from its "
+        "config.json alone (benchmarks of shapes whose weights are not at hand)",
+        choices=LOAD_FORMATS,
     )
     enforce_eager: bool = flag(
         False,

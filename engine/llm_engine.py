@@ -157,6 +157,7 @@ class LLMEngine:
             config.kernel_backend,
             cpu_isa,
             enforce_eager=config.enforce_eager,
+            load_format=config.load_format,
             max_decode_rows=min(
                 config.max_num_seqs * (1 + config.num_speculative_tokens),
                 config.max_num_batched_tokens,

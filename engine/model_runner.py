@@ -73,6 +73,7 @@ class ModelRunner:
         cpu_isa: CpuIsa,
         enforce_eager: bool = False,
         max_decode_rows: int = 0,
+        load_format: str = "auto",
     ) -> None:
         """``max_decode_rows``: the most decode rows a step can hold (sequences times one plus
         their drafts), which bounds the captured graphs' sizes on a GPU; ``enforce_eager``
@@ -82,7 +83,7 @@ class ModelRunner:
         self.dtype = TORCH_DTYPES[dtype]
         self.block_size = block_size
         self.cpu_isa = cpu_isa if device.type == "cpu" else None
-        self.model, self.model_config = load_model(model_dir, self.dtype, device)
+        self.model, self.model_config = load_model(model_dir, self.dtype, device, load_format)
         packed = self._pack_linears(kernel_backend)
         config = self.model_config
         self.max_model_len = max_model_len or config.max_position_embeddings

@@ -41,6 +41,8 @@ class ArmJob:
     # Prompt-lookup (ngram) draft tokens per step in splitserve and vLLM (0: none); None: each
     # system's default (splitserve drafts, vLLM does not).
     num_speculative_tokens: int | None = None
+    # splitserve's --load-format (dummy: random weights from config.json alone).
+    load_format: str = "auto"
 
     def write(self, path: Path) -> None:
         """Serialise to ``path`` as JSON (overwrites)."""

@@ -32,6 +32,7 @@ def run(job: ArmJob) -> ArmResult:
         cpu_isa=job.cpu_isa,
         max_num_seqs=job.max_num_seqs,
         max_num_batched_tokens=job.max_num_batched_tokens,
+        load_format=job.load_format,
         **speculative,
     )
     load_s = time.perf_counter() - load_start_s

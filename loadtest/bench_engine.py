@@ -266,8 +266,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--shape",
         choices=tuple(SHAPES),
         default="bench",
-        help="--make-tiny-model's shape: bench (hidden 256, 4 layers) or smollm2-135m "
-        "(SmolLM2-135M's shape, random weights: for machines the real weights cannot reach)",
+        help="--make-tiny-model's shape: bench (hidden 256, 4 layers), smollm2-135m "
+        "(SmolLM2-135M's shape, random weights: for machines the real weights cannot reach) or "
+        "llama3-8b (Llama-3-8B's shape: config and tokenizer only, run with --load-format dummy)",
+    )
+    p.add_argument(
+        "--load-format",
+        choices=("auto", "dummy"),
+        default="auto",
+        help="splitserve's --load-format (dummy: random weights from config.json alone; the "
+        "other systems need the weights, so run splitserve alone)",
     )
     p.add_argument(
         "--dtype",
@@ -343,6 +351,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         )
     if args.make_tiny_model is None and not args.model:
         p.error("--model is required (or --make-tiny-model DIR)")
+    if args.load_format == "dummy" and args.systems != ["splitserve"]:
+        p.error("--load-format dummy runs splitserve alone (--systems splitserve)")
     return args
 
 
@@ -373,6 +383,7 @@ def main(argv: list[str] | None = None) -> int:
             device=args.device,
             kv_cache_dtype=args.kv_cache_dtype,
             num_speculative_tokens=args.num_speculative_tokens,
+            load_format=args.load_format,
         )
         runs.append(run_arm(system, job, args, out_dir))
 

@@ -68,6 +68,11 @@ class TinyModelSpec:
     # against HF do not hinge on last-bit float differences between near-ties.
     initializer_range: float | None = None
     tie_word_embeddings: bool = False
+    # Write config.json and the tokenizer only (a shape whose random weights would take
+    # minutes to write): such a model runs with ``--load-format dummy``. Its tokenizer keeps
+    # at most ``_CONFIG_ONLY_TOKENIZER_VOCAB`` tokens; ids past it decode to nothing.
+    config_only: bool = False
+    rope_theta: float = 10000.0
 
 
 # What the tests check the engine against HF with: small enough to build in about a second.
@@ -115,7 +120,33 @@ SMOLLM2_SHAPE_SPEC = TinyModelSpec(
     pad_token_id=PAD_TOKEN_ID,
     tie_word_embeddings=True,
 )
-SHAPES = {"bench": BENCH_SPEC, "smollm2-135m": SMOLLM2_SHAPE_SPEC}
+# Llama-3-8B's shape (GQA 32:8, head_dim 128, 128,256-token vocabulary): config only.
+LLAMA3_8B_SHAPE_SPEC = TinyModelSpec(
+    hidden_size=4096,
+    intermediate_size=14336,
+    num_hidden_layers=32,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    max_position_embeddings=8192,
+    vocab_size=128256,
+    corpus=Corpus.STDLIB,
+    eos_token_id=IM_END_TOKEN_ID,
+    rms_norm_eps=1e-5,
+    pad_token_id=PAD_TOKEN_ID,
+    config_only=True,
+    rope_theta=500000.0,
+)
+SHAPES = {
+    "bench": BENCH_SPEC,
+    "smollm2-135m": SMOLLM2_SHAPE_SPEC,
+    "llama3-8b": LLAMA3_8B_SHAPE_SPEC,
+}
+_CONFIG_ONLY_TOKENIZER_VOCAB = 32000
+_CAUSAL_LM_CLASSES = {
+    "llama": "LlamaForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "mistral": "MistralForCausalLM",
+}
 
 
 def _stdlib_text(limit_bytes: int) -> Iterator[str]:
@@ -166,6 +197,7 @@ def hf_config(arch: str, vocab_size: int, spec: TinyModelSpec = TEST_SPEC, **ove
         eos_token_id=spec.eos_token_id,
         pad_token_id=spec.pad_token_id,
         tie_word_embeddings=spec.tie_word_embeddings,
+        rope_theta=spec.rope_theta,
     )
     if spec.initializer_range is not None:
         values["initializer_range"] = spec.initializer_range
@@ -193,6 +225,13 @@ def make_tiny_model(
     from transformers import AutoModelForCausalLM, GenerationConfig
 
     out_dir.mkdir(parents=True, exist_ok=True)
+    if spec.config_only:
+        tokenizer = train_tokenizer(min(spec.vocab_size, _CONFIG_ONLY_TOKENIZER_VOCAB), spec.corpus)
+        config = hf_config(arch, spec.vocab_size, spec, **overrides)
+        config.architectures = [_CAUSAL_LM_CLASSES[arch]]  # what a saved model would record
+        config.save_pretrained(out_dir)
+        _write_tokenizer(out_dir, tokenizer, spec)
+        return out_dir
     tokenizer = train_tokenizer(spec.vocab_size, spec.corpus)
     config = hf_config(arch, tokenizer.get_vocab_size(), spec, **overrides)
     torch.manual_seed(seed)
@@ -211,6 +250,11 @@ def make_tiny_model(
         bos_token_id=BOS_TOKEN_ID, eos_token_id=spec.eos_token_id, pad_token_id=spec.pad_token_id
     )
     model.save_pretrained(out_dir)
+    _write_tokenizer(out_dir, tokenizer, spec)
+    return out_dir
+
+
+def _write_tokenizer(out_dir: Path, tokenizer: Tokenizer, spec: TinyModelSpec) -> None:
     tokenizer.save(str(out_dir / "tokenizer.json"))
     tokenizer_config = {
         "tokenizer_class": "PreTrainedTokenizerFast",
@@ -223,7 +267,6 @@ def make_tiny_model(
         "chat_template": CHAT_TEMPLATE,
     }
     (out_dir / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2))
-    return out_dir
 
 
 def make_tiny_llama(out_dir: Path, vocab_size: int | None = None, seed: int = 0) -> Path:

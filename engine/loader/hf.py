@@ -31,18 +31,24 @@ _RENAMED = {
 
 
 def load_model(
-    model_dir: Path, dtype: torch.dtype, device: torch.device
+    model_dir: Path, dtype: torch.dtype, device: torch.device, load_format: str = "auto"
 ) -> tuple[LlamaForCausalLM, ModelConfig]:
-    """Build the model for ``model_dir`` and fill every parameter from its safetensors files.
+    """Build the model for ``model_dir`` and fill every parameter from its safetensors files,
+    or with ``load_format="dummy"`` (vLLM's name) with random values from ``config.json`` alone.
 
     Raises ``ValueError`` for an unsupported architecture and if a parameter is left unset.
     """
     config = ModelConfig.from_dir(model_dir)
-    files = _weight_files(model_dir)
     start_s = time.perf_counter()
     with torch.device("meta"):
         model = LlamaForCausalLM(config)
     model = model.to_empty(device=device).to(dtype)
+    if load_format == "dummy":
+        _fill_randomly(model)
+        model.eval()
+        logger.info("random weights (load format dummy) for %s", config.architecture)
+        return model, config
+    files = _weight_files(model_dir)
     params = dict(model.named_parameters())
     loaded: set[str] = set()
     for path in files:
@@ -57,6 +63,18 @@ def load_model(
         "loaded %s (%s) in %.1f s", model_dir, config.architecture, time.perf_counter() - start_s
     )
     return model, config
+
+
+def _fill_randomly(model: LlamaForCausalLM) -> None:
+    """Weights as a freshly initialized checkpoint has them: norms at one, the rest normal
+    with HF's default spread (what a step costs does not depend on the values)."""
+    generator = torch.Generator(device=next(model.parameters()).device).manual_seed(0)
+    with torch.no_grad():
+        for param in model.parameters():
+            if param.dim() == 1 and param.shape[0] == model.config.hidden_size:
+                param.fill_(1.0)
+            else:
+                param.normal_(0.0, 0.02, generator=generator)
 
 
 def _weight_files(model_dir: Path) -> list[Path]:

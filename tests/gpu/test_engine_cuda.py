@@ -1,4 +1,5 @@
-"""The engine on a CUDA device (the torch attention paths; the compiled kernels are CPU-only):
+"""The engine on a CUDA device (the Triton attention kernels, decode steps replayed from CUDA
+graphs; the compiled kernels are CPU-only):
 greedy output equals Hugging Face transformers on the same device token for token in float32,
 through batching, chunked prefill, preemption and prefix-cache hits; in bfloat16 every first
 token that transformers picks by a clear margin is the engine's too; constrained and seeded
@@ -16,6 +17,7 @@ import torch
 from engine import LLM, LLMEngine, SamplingParams
 from engine.config import EngineConfig
 from engine.constraint import Constraint, ConstraintKind
+from engine.model.kernel_plan import KernelImpl
 from loadtest.tiny_model import ARCHITECTURES
 from tests.engine.test_generate_vs_hf import hf_generate
 
@@ -56,7 +58,27 @@ def test_the_engine_runs_on_the_device(arch_case):
     _, llm, _, _ = arch_case
     assert llm.engine.device.type == "cuda"
     assert llm.engine.kv_cache.is_cuda
-    assert llm.engine.kernels.cpu_isa is None
+    kernels = llm.engine.kernels
+    assert kernels.cpu_isa is None
+    assert kernels.decode_attention is KernelImpl.TRITON
+    assert kernels.prefill_attention is KernelImpl.TRITON
+    assert kernels.decode_graphs > 0
+
+
+def test_captured_steps_equal_eager_ones_in_bfloat16(tiny_model_dirs):
+    """The graphs replay the eager step's kernels: the same tokens, also where bfloat16
+    rounding decides them, batched and with drafts."""
+    model_dir = str(tiny_model_dirs["llama"])
+    common = {"device": "cuda", "dtype": "bfloat16", "num_kv_blocks": 256}
+    prompts = make_prompts(512, seed=3)
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    graphed = LLM(model_dir, **common)
+    eager = LLM(model_dir, enforce_eager=True, **common)
+    assert eager.engine.runner.decode_graphs is None
+    want = [o.token_ids for o in eager.generate(prompts, params)]
+    assert [o.token_ids for o in graphed.generate(prompts, params)] == want
+    graphs = graphed.engine.runner.decode_graphs
+    assert graphs is not None and graphs.num_replays > 0
 
 
 def test_each_prompt_alone_matches_hf(arch_case):
