@@ -162,6 +162,7 @@ class ModelRunner:
             )
         return True
 
+    @torch.inference_mode()
     def capture_decode_graphs(self, capture: GraphCapture, max_decode_rows: int) -> None:
         """Capture the decode step (Triton attention) for every bucket up to
         ``max_decode_rows`` rows; from then on ``execute`` replays a graph for each step of

@@ -70,10 +70,10 @@ def test_captured_steps_equal_eager_ones_in_bfloat16(tiny_model_dirs):
     rounding decides them, batched and with drafts."""
     model_dir = str(tiny_model_dirs["llama"])
     common = {"device": "cuda", "dtype": "bfloat16", "num_kv_blocks": 256}
-    prompts = make_prompts(512, seed=3)
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
     graphed = LLM(model_dir, **common)
     eager = LLM(model_dir, enforce_eager=True, **common)
+    prompts = make_prompts(graphed.engine.vocab_size, seed=3)
     assert eager.engine.runner.decode_graphs is None
     want = [o.token_ids for o in eager.generate(prompts, params)]
     assert [o.token_ids for o in graphed.generate(prompts, params)] == want
