@@ -33,6 +33,8 @@ class NgramIndex:
         start, end = max(self.num_indexed_tokens, 1), len(token_ids)
         for n in range(self.min_n, self.max_n + 1):
             first = max(start, n)
+            if first >= end:
+                continue
             # The n-grams token_ids[pos - n : pos] for pos in [first, end), built and stored
             # in C (a whole prompt's index is built on its first decode); a later position
             # overwrites an earlier one's, as the latest occurrence must win.

@@ -66,3 +66,23 @@ def test_proposer_caps_by_its_length_and_the_callers_and_forgets():
     proposer.forget("r")
     proposer.forget("r")
     assert NgramProposer(0, 1, 3).propose(request, max_tokens=10) == []
+
+
+def test_the_index_holds_each_ngrams_latest_position_however_it_is_extended():
+    """Against a direct definition: for every n-gram that ends before position ``pos``
+    (``pos >= 1``), the latest such ``pos``; whether the tokens arrive at once or in pieces,
+    and for sequences shorter than the longest n."""
+    rng = random.Random(0)
+    for _ in range(300):
+        tokens = [rng.randrange(4) for _ in range(rng.randrange(0, 30))]
+        min_n, max_n = rng.randrange(1, 3), 4
+        want = {}
+        for pos in range(1, len(tokens)):
+            for n in range(min_n, min(max_n, pos) + 1):
+                want[tuple(tokens[pos - n : pos])] = pos
+        index = NgramIndex(min_n, max_n)
+        cut = rng.randrange(0, len(tokens) + 1)
+        index.extend(tokens[:cut])
+        index.extend(tokens)
+        assert index.positions == want
+        assert index.num_indexed_tokens == len(tokens)
