@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from types import ModuleType
@@ -123,10 +124,14 @@ class ModelRunner:
             elementwise_ops=KernelImpl.CPP if fused_ops else KernelImpl.TORCH,
         )
         if self.use_triton:
+            from engine.model.triton_kernels.elementwise import TritonOps
+
+            self.model.use_ops(TritonOps())
             self.kernels = dataclasses.replace(
                 self.kernels,
                 decode_attention=KernelImpl.TRITON,
                 prefill_attention=KernelImpl.TRITON,
+                elementwise_ops=KernelImpl.TRITON,
             )
         # The table width of every decode row: a captured graph's rows are this wide.
         self.max_blocks_per_seq = -(-self.max_model_len // block_size)
@@ -141,6 +146,8 @@ class ModelRunner:
             block_size,
             self.kv_cache.numel() * self.kv_cache.element_size() / 2**30,
         )
+        if self.use_triton and device.type == "cuda":
+            self._compile_triton_kernels()
         if self.use_triton and not enforce_eager and max_decode_rows:
             # On CPU (the interpreter: tests) the stand-in runs the same bookkeeping eagerly.
             capture = CudaGraphCapture() if device.type == "cuda" else capture_eagerly
@@ -163,6 +170,22 @@ class ModelRunner:
         return True
 
     @torch.inference_mode()
+    def _compile_triton_kernels(self) -> None:
+        from engine.model.triton_attention import compile_kernels
+
+        start_s = time.perf_counter()
+        config = self.model_config
+        compile_kernels(
+            self.kv_cache,
+            self.cache.quant,
+            config.num_heads,
+            config.head_dim,
+            self.dtype,
+            config.sliding_window,
+        )
+        torch.cuda.synchronize(self.device)
+        logger.info("Triton attention kernels ready in %.1f s", time.perf_counter() - start_s)
+
     def capture_decode_graphs(self, capture: GraphCapture, max_decode_rows: int) -> None:
         """Capture the decode step (Triton attention) for every bucket up to
         ``max_decode_rows`` rows; from then on ``execute`` replays a graph for each step of

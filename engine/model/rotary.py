@@ -49,21 +49,20 @@ class RotaryEmbedding:
         inv_freq = _inv_freq(config)
         positions = torch.arange(max_positions, dtype=torch.int64).float()
         freqs = positions[:, None] * inv_freq[None, :]  # [max_positions, head_dim/2]
-        self.cos = freqs.cos().to(dtype=dtype, device=device)
-        self.sin = freqs.sin().to(dtype=dtype, device=device)
+        cos = freqs.cos().to(dtype=dtype, device=device)
+        sin = freqs.sin().to(dtype=dtype, device=device)
+        # Whole rows, so that a step's tables are one gather each (see ``cos_sin``).
+        self.cos = torch.cat((cos, cos), dim=-1)
+        self.sin = torch.cat((-sin, sin), dim=-1)
 
     def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Tables [T, 1, D] for token ``positions`` [T]; computed once per step.
+        """Tables [T, 1, D] for token ``positions`` [T]; gathered once per step.
 
         Returned as ``[cos, cos]`` and ``[-sin, sin]`` so that rotating is two multiplies and
         an add: ``x * cos + cat(x2, x1) * sin`` equals ``(x1 cos - x2 sin, x2 cos + x1 sin)``
         bit for bit (negation is exact).
         """
-        cos, sin = self.cos[positions], self.sin[positions]
-        return (
-            torch.cat((cos, cos), dim=-1).unsqueeze(1),
-            torch.cat((-sin, sin), dim=-1).unsqueeze(1),
-        )
+        return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

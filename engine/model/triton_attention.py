@@ -84,3 +84,47 @@ def triton_paged_attention(
         out,
     )
     return out
+
+
+def compile_kernels(
+    kv_cache: torch.Tensor,
+    quant: KVQuant | None,
+    num_heads: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    sliding_window: int | None,
+) -> None:
+    """Launch the attention kernels once in every variant a step can need (each prefill tile
+    height; the layer indices Triton specializes on), on scratch queries that write nothing,
+    so that no request's step waits for a compilation (seconds each on a GPU).
+
+    No side effect on the cache: the prefill and decode kernels only read it.
+    """
+    device = kv_cache.device
+    _, num_layers, _, _, block_size, _ = kv_cache.shape
+    code = quant_code(quant)
+    scale = head_dim**-0.5
+    for q_len in (16, 32, 64):  # the prefill kernel's tile heights
+        q = torch.zeros(q_len, num_heads, head_dim, dtype=dtype, device=device)
+        ints = torch.tensor([0, q_len, q_len], dtype=torch.int32, device=device)
+        tables = torch.zeros(1, -(-q_len // block_size), dtype=torch.int32, device=device)
+        for layer in range(num_layers):
+            paged_prefill(
+                q,
+                kv_cache,
+                layer,
+                tables,
+                ints[:1],
+                ints[1:2],
+                ints[2:],
+                q_len,
+                scale,
+                sliding_window,
+                code,
+                torch.empty_like(q),
+            )
+    q = torch.zeros(1, num_heads, head_dim, dtype=dtype, device=device)
+    tables = torch.zeros(1, 1, dtype=torch.int32, device=device)
+    lens = torch.ones(1, dtype=torch.int32, device=device)
+    for layer in range(num_layers):
+        paged_decode(q, kv_cache, layer, tables, lens, 1, scale, sliding_window, code)

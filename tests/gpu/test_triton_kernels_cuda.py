@@ -21,6 +21,12 @@ from tests.engine.model.test_triton_kernels import (  # noqa: E402
     check_decode,
     check_kv_write,
 )
+from tests.engine.model.test_triton_ops import (  # noqa: E402
+    check_add_rms_norm,
+    check_rms_norm,
+    check_rotary,
+    check_silu_and_mul,
+)
 from tests.engine.model.test_triton_prefill import CASES, check_prefill  # noqa: E402
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -51,3 +57,12 @@ def test_fp8_codes_on_the_device_are_torchs():
     assert torch.equal(_decode_codes(codes)[finite], values[finite])
     samples = torch.linspace(-448, 448, 4097, device="cuda")
     assert torch.equal(_encode_values(samples), samples.to(torch.float8_e4m3fn).view(torch.uint8))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_elementwise_ops_on_the_device(dtype):
+    for num_tokens in (1, 300):
+        check_rms_norm("cuda", dtype, num_tokens)
+        check_silu_and_mul("cuda", dtype, num_tokens)
+    check_add_rms_norm("cuda", dtype)
+    check_rotary("cuda", dtype)

@@ -23,7 +23,7 @@ triton = pytest.importorskip("triton")
 
 import triton.language as tl  # noqa: E402
 
-from engine.model.triton_attention import quant_code  # noqa: E402
+from engine.model.triton_attention import compile_kernels, quant_code  # noqa: E402
 from engine.model.triton_kernels.decode import paged_decode  # noqa: E402
 from engine.model.triton_kernels.kv_rows import float_to_fp8_e4m3, fp8_e4m3_to_float  # noqa: E402
 from engine.model.triton_kernels.kv_write import kv_write  # noqa: E402
@@ -184,3 +184,11 @@ def _encode_values(values: torch.Tensor) -> torch.Tensor:
     out = torch.empty(len(values), dtype=torch.uint8, device=values.device)
     _encode_kernel[(1,)](values, out, len(values), N=triton.next_power_of_2(len(values)))
     return out
+
+
+@pytest.mark.parametrize("quant", QUANTS, ids=lambda q: q.value if q else "unquantized")
+def test_compiling_every_variant_leaves_the_cache_as_it_was(quant):
+    cache = make_cache(quant, torch.float32, 32, "cpu")
+    before = cache.tensor.clone()
+    compile_kernels(cache.tensor, quant, 4, 32, torch.float32, 20)
+    assert torch.equal(cache.tensor, before)
