@@ -17,6 +17,9 @@ from dataclasses import dataclass, field
 
 from engine.request import Request
 
+# Tokens past which ``NgramIndex.extend`` indexes in bulk.
+_BULK_TOKENS = 8
+
 
 @dataclass(slots=True)
 class NgramIndex:
@@ -31,16 +34,24 @@ class NgramIndex:
     def extend(self, token_ids: list[int]) -> None:
         """Index the n-grams that end before each token appended since the last call."""
         start, end = max(self.num_indexed_tokens, 1), len(token_ids)
+        if end - start > _BULK_TOKENS:
+            self._extend_bulk(token_ids, start, end)
+        else:  # a decode step's token or few: a plain loop costs least
+            for pos in range(start, end):
+                for n in range(self.min_n, min(self.max_n, pos) + 1):
+                    self.positions[tuple(token_ids[pos - n : pos])] = pos
+        self.num_indexed_tokens = end
+
+    def _extend_bulk(self, token_ids: list[int], start: int, end: int) -> None:
+        """``extend``'s loop for many tokens (a prompt's index, built on its first decode),
+        with the n-grams built and stored in C; for each n the later positions overwrite the
+        earlier ones' entries, as the loop does."""
         for n in range(self.min_n, self.max_n + 1):
             first = max(start, n)
             if first >= end:
                 continue
-            # The n-grams token_ids[pos - n : pos] for pos in [first, end), built and stored
-            # in C (a whole prompt's index is built on its first decode); a later position
-            # overwrites an earlier one's, as the latest occurrence must win.
             columns = (token_ids[first - n + k : end - n + k] for k in range(n))
             self.positions.update(zip(zip(*columns, strict=True), range(first, end), strict=True))
-        self.num_indexed_tokens = end
 
     def draft(self, token_ids: list[int], max_tokens: int) -> list[int]:
         """Up to ``max_tokens`` tokens that followed the longest suffix seen before ([] if

@@ -70,11 +70,12 @@ def test_proposer_caps_by_its_length_and_the_callers_and_forgets():
 
 def test_the_index_holds_each_ngrams_latest_position_however_it_is_extended():
     """Against a direct definition: for every n-gram that ends before position ``pos``
-    (``pos >= 1``), the latest such ``pos``; whether the tokens arrive at once or in pieces,
-    and for sequences shorter than the longest n."""
+    (``pos >= 1``), the latest such ``pos``; whether the tokens arrive at once or in pieces
+    (short pieces take the loop, long ones the bulk path), and for sequences shorter than the
+    longest n."""
     rng = random.Random(0)
     for _ in range(300):
-        tokens = [rng.randrange(4) for _ in range(rng.randrange(0, 30))]
+        tokens = [rng.randrange(4) for _ in range(rng.randrange(0, 40))]
         min_n, max_n = rng.randrange(1, 3), 4
         want = {}
         for pos in range(1, len(tokens)):
