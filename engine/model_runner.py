@@ -10,9 +10,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from types import ModuleType
 
-import numpy as np
 import torch
 
+from engine.captured_decode import CapturedDecode
 from engine.cpu_isa import CpuIsa
 from engine.cpu_tuning import advise_huge_pages
 from engine.kv_cache_spec import KVCacheSpec
@@ -23,25 +23,18 @@ from engine.model.attention import (
     PagedKVCache,
     PrefillBatch,
     PrefillSeq,
-    TritonInputs,
-    TritonPrefill,
     causal_mask,
     decode_bias,
+    no_decode_inputs,
 )
 from engine.model.cpu_kernels import PAGED_DECODE_SHAPES, load_cpu_kernels
-from engine.model.cuda_graphs import (
-    CudaGraphCapture,
-    DecodeBuffers,
-    DecodeGraphs,
-    GraphCapture,
-    capture_eagerly,
-    capture_sizes,
-)
+from engine.model.cuda_graphs import CudaGraphCapture, capture_eagerly
 from engine.model.kernel_plan import KernelImpl, KernelPlan
 from engine.model.kv_quant import kv_quant_for
 from engine.model.ops import FusedCpuOps
 from engine.model.packed_linear import pack_linears, pack_lm_head
 from engine.model.rotary import RotaryEmbedding
+from engine.model.triton_inputs import triton_inputs
 from engine.model.triton_kernels import triton_available
 from engine.scheduler import ScheduledRequest
 
@@ -133,13 +126,7 @@ class ModelRunner:
                 prefill_attention=KernelImpl.TRITON,
                 elementwise_ops=KernelImpl.TRITON,
             )
-        # The table width of every decode row: a captured graph's rows are this wide.
-        self.max_blocks_per_seq = -(-self.max_model_len // block_size)
-        # A token's layer-0 key rows per KV head are block * rows_per_block + offset +
-        # head_rows (PagedKVCache.slot_rows).
-        self.rows_per_block = config.num_layers * 2 * config.num_kv_heads * block_size
-        self.head_rows = np.arange(config.num_kv_heads) * block_size
-        self.decode_graphs: DecodeGraphs | None = None
+        self.captured_decode: CapturedDecode | None = None
         logger.info(
             "KV cache: %d blocks x %d tokens (%.2f GiB)",
             self.num_kv_blocks,
@@ -151,7 +138,11 @@ class ModelRunner:
         if self.use_triton and not enforce_eager and max_decode_rows:
             # On CPU (the interpreter: tests) the stand-in runs the same bookkeeping eagerly.
             capture = CudaGraphCapture() if device.type == "cuda" else capture_eagerly
-            self.capture_decode_graphs(capture, max_decode_rows)
+            with torch.inference_mode():
+                self.captured_decode = CapturedDecode(self, capture, max_decode_rows)
+            self.kernels = dataclasses.replace(
+                self.kernels, decode_graphs=len(self.captured_decode.graphs.sizes)
+            )
 
     def _use_triton(self, backend: str) -> bool:
         """Whether attention runs the Triton kernels: ``auto`` on a GPU with triton installed,
@@ -185,41 +176,6 @@ class ModelRunner:
         )
         torch.cuda.synchronize(self.device)
         logger.info("Triton attention kernels ready in %.1f s", time.perf_counter() - start_s)
-
-    def capture_decode_graphs(self, capture: GraphCapture, max_decode_rows: int) -> None:
-        """Capture the decode step (Triton attention) for every bucket up to
-        ``max_decode_rows`` rows; from then on ``execute`` replays a graph for each step of
-        decodes alone that fits one. ``capture`` is ``CudaGraphCapture`` on a GPU."""
-        assert self.use_triton, "captured decode steps run the Triton attention"
-        sizes = capture_sizes(max_decode_rows)
-        buffers = DecodeBuffers.allocate(
-            sizes[-1], self.model_config.num_kv_heads, self.max_blocks_per_seq, self.device
-        )
-        self.decode_graphs = DecodeGraphs(
-            buffers, sizes, lambda size: self._graph_forward(buffers, size), capture
-        )
-        self.kernels = dataclasses.replace(self.kernels, decode_graphs=len(sizes))
-
-    def _graph_forward(self, buffers: DecodeBuffers, size: int) -> torch.Tensor:
-        """Final hidden states of the first ``size`` decode rows of ``buffers``."""
-        cos, sin = self.rope.cos_sin(buffers.positions[:size])
-        meta = AttentionMetadata(
-            slot_rows=buffers.slot_rows[:size],
-            num_decode_tokens=size,
-            decode=self._no_decode_inputs(),
-            prefills=(),
-            prefill_batch=None,
-            cos=cos,
-            sin=sin,
-            triton=TritonInputs(
-                decode_tables=buffers.block_tables[:size],
-                decode_lens=buffers.context_lens[:size],
-                max_decode_context=self.max_model_len,
-                prefill=None,
-                sliding_window=self.model_config.sliding_window,
-            ),
-        )
-        return self.model(buffers.input_ids[:size], meta, self.cache)
 
     def _pack_linears(self, backend: str) -> bool:
         """Pack the linears and the LM head for oneDNN where the level allows (CPU only; not
@@ -276,38 +232,14 @@ class ModelRunner:
         step ends at its last token, one more per draft token).
         Side effect: the tokens' K/V are written into the cache.
         """
-        graphs = self.decode_graphs
-        if graphs is not None and all(item.is_decode for item in scheduled):
-            num_rows = sum(item.num_new_tokens for item in scheduled)
-            if graphs.bucket(num_rows) is not None:
-                self._fill_decode_rows(scheduled, graphs.buffers)
-                # Every decode row samples (a decode step ends at its request's last token).
-                return self.model.compute_logits(graphs.run(num_rows))
+        captured = self.captured_decode
+        num_rows = captured.num_rows(scheduled) if captured is not None else None
+        if captured is not None and num_rows is not None:
+            # Every decode row samples (a decode step ends at its request's last token).
+            return self.model.compute_logits(captured.run(scheduled, num_rows))
         input_ids, meta, sample_idx = self._prepare(scheduled)
         hidden = self.model(input_ids, meta, self.cache)
         return self.model.compute_logits(hidden[sample_idx])
-
-    def _fill_decode_rows(
-        self, scheduled: Sequence[ScheduledRequest], buffers: DecodeBuffers
-    ) -> None:
-        """Write a step of decodes into the host staging arrays of ``buffers``, a row per
-        token (a decode's drafts are rows after its real token, each seeing up to itself)."""
-        bs = self.block_size
-        host = buffers.host
-        per_block = self.rows_per_block
-        heads = self.head_rows
-        row = 0
-        for item in scheduled:
-            start = item.request.num_computed_tokens
-            blocks = item.block_ids
-            host["block_tables"][row : row + item.num_new_tokens, : len(blocks)] = blocks
-            for offset, token_id in enumerate(item.token_ids):
-                position = start + offset
-                host["input_ids"][row] = token_id
-                host["positions"][row] = position
-                host["slot_rows"][row] = blocks[position // bs] * per_block + position % bs + heads
-                host["context_lens"][row] = position + 1
-                row += 1
 
     def _prepare(
         self, scheduled: Sequence[ScheduledRequest]
@@ -360,15 +292,18 @@ class ModelRunner:
         cos, sin = self.rope.cos_sin(pos.to(self.device))
         slot_rows = self.cache.slot_rows(torch.tensor(slot_blocks), pos % bs).to(self.device)
         if self.use_triton:
+            window = self.model_config.sliding_window
             meta = AttentionMetadata(
                 slot_rows=slot_rows,
                 num_decode_tokens=len(decode_tables),
-                decode=self._no_decode_inputs(),
+                decode=no_decode_inputs(self.device, window),
                 prefills=(),
                 prefill_batch=None,
                 cos=cos,
                 sin=sin,
-                triton=self._triton_inputs(decode_tables, decode_lens, prefill_chunks),
+                triton=triton_inputs(
+                    decode_tables, decode_lens, prefill_chunks, window, self.device
+                ),
             )
         else:
             meta = AttentionMetadata(
@@ -407,42 +342,6 @@ class ModelRunner:
             sliding_window=self.model_config.sliding_window,
             context_blocks=context_blocks,
         )
-
-    def _triton_inputs(
-        self,
-        decode_tables: list[list[int]],
-        decode_lens: list[int],
-        chunks: list[tuple[list[int], int, int, int]],
-    ) -> TritonInputs:
-        def table(rows: list[list[int]]) -> torch.Tensor:
-            width = max((len(r) for r in rows), default=0)
-            padded = [r + [0] * (width - len(r)) for r in rows]
-            return torch.tensor(padded, dtype=torch.int32).view(len(rows), width).to(self.device)
-
-        def ints(values: list[int]) -> torch.Tensor:
-            return torch.tensor(values, dtype=torch.int32).to(self.device)
-
-        prefill = None
-        if chunks:
-            prefill = TritonPrefill(
-                block_tables=table([blocks for blocks, _, _, _ in chunks]),
-                q_starts=ints([start for _, start, _, _ in chunks]),
-                q_lens=ints([n for _, _, n, _ in chunks]),
-                context_lens=ints([end for _, _, _, end in chunks]),
-                max_q_len=max(n for _, _, n, _ in chunks),
-            )
-        return TritonInputs(
-            decode_tables=table(decode_tables),
-            decode_lens=ints(decode_lens),
-            max_decode_context=max(decode_lens, default=0),
-            prefill=prefill,
-            sliding_window=self.model_config.sliding_window,
-        )
-
-    def _no_decode_inputs(self) -> DecodeInputs:
-        """The ``decode`` field of a step whose attention runs the Triton path."""
-        empty = torch.empty(0, dtype=torch.long, device=self.device)
-        return DecodeInputs(empty, empty, None, None, None, self.model_config.sliding_window)
 
     def _decode_inputs(self, tables: list[list[int]], context_lens: list[int]) -> DecodeInputs:
         max_blocks = max((len(t) for t in tables), default=0)

@@ -33,6 +33,7 @@ import torch.nn.functional as F
 
 from engine.kv_cache_spec import KV_SCALE_BYTES
 from engine.model.kv_quant import KVQuant, dequantize_rows, key_rotation, quantize_rows
+from engine.model.triton_inputs import TritonInputs
 
 # torch's CPU flash attention runs a length that is not a multiple of 16 up to 2x slower than
 # the next multiple (a 333-token prompt: 0.86 ms a layer, 352 tokens: 0.40 ms; bf16 at amx).
@@ -205,32 +206,10 @@ class DecodeInputs:
     sliding_window: int | None
 
 
-@dataclass(frozen=True, slots=True)
-class TritonPrefill:
-    """A step's prefill chunks: chunk ``s`` is rows ``[q_starts[s], + q_lens[s])`` of the step,
-    the last ``q_lens[s]`` of its ``context_lens[s]`` tokens (int32 device tensors)."""
-
-    block_tables: torch.Tensor  # [S, max_blocks]
-    q_starts: torch.Tensor  # [S]
-    q_lens: torch.Tensor  # [S]
-    context_lens: torch.Tensor  # [S]
-    max_q_len: int
-
-
-@dataclass(frozen=True, slots=True)
-class TritonInputs:
-    """What the Triton path reads besides ``AttentionMetadata.slot_rows``.
-
-    Decode row ``b`` attends to the first ``decode_lens[b]`` tokens of ``decode_tables[b]``
-    (a padding row of a captured batch has length 0); ``max_decode_context`` is a host bound on
-    those lengths that sizes the kernel's grid (fixed for a captured graph).
-    """
-
-    decode_tables: torch.Tensor  # [B, max_blocks] int32
-    decode_lens: torch.Tensor  # [B] int32
-    max_decode_context: int
-    prefill: TritonPrefill | None
-    sliding_window: int | None
+def no_decode_inputs(device: torch.device, sliding_window: int | None) -> DecodeInputs:
+    """The ``decode`` field of a step whose attention runs the Triton path (unused there)."""
+    empty = torch.empty(0, dtype=torch.long, device=device)
+    return DecodeInputs(empty, empty, None, None, None, sliding_window)
 
 
 @dataclass(frozen=True, slots=True)

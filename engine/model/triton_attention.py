@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import torch
 
-from engine.model.attention import TritonInputs
 from engine.model.kv_quant import KVQuant
+from engine.model.triton_inputs import TritonInputs
 from engine.model.triton_kernels.decode import paged_decode
 from engine.model.triton_kernels.kv_rows import QUANT_FP8_E4M3, QUANT_INT8, QUANT_NONE
 from engine.model.triton_kernels.kv_write import kv_write

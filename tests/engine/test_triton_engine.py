@@ -41,8 +41,8 @@ def test_triton_kernels_and_graphs_match_the_torch_path(tiny_model_dirs, arch):
     assert [o.token_ids for o in llm.generate(prompts, GREEDY)] == want
     if arch == "llama":  # again: every prompt's full blocks are prefix-cache hits now
         assert [o.token_ids for o in llm.generate(prompts, GREEDY)] == want
-    graphs = llm.engine.runner.decode_graphs
-    assert graphs is not None and graphs.num_replays > 0
+    captured = llm.engine.runner.captured_decode
+    assert captured is not None and captured.graphs.num_replays > 0
 
 
 def test_eager_triton_matches_the_torch_path(tiny_llama_dir):
@@ -50,7 +50,7 @@ def test_eager_triton_matches_the_torch_path(tiny_llama_dir):
     prompts = make_prompts(reference.engine.vocab_size)
     want = [o.token_ids for o in reference.generate(prompts, GREEDY)]
     llm = LLM(str(tiny_llama_dir), kernel_backend="triton", enforce_eager=True, **SMALL)
-    assert llm.engine.runner.decode_graphs is None
+    assert llm.engine.runner.captured_decode is None
     assert [o.token_ids for o in llm.generate(prompts, GREEDY)] == want
 
 
@@ -88,7 +88,7 @@ def test_drafts_and_preemption_in_captured_steps_keep_greedy_output(tiny_llama_d
     scheduler = llm.engine.scheduler
     assert scheduler.num_preemptions > 0
     assert 0 < scheduler.num_accepted_tokens < scheduler.num_draft_tokens
-    graphs = llm.engine.runner.decode_graphs
-    assert graphs is not None and graphs.num_replays > 0
+    captured = llm.engine.runner.captured_decode
+    assert captured is not None and captured.graphs.num_replays > 0
     pool = llm.engine.kv_cache_manager.block_pool
     assert pool.num_free_blocks == pool.num_blocks

@@ -74,11 +74,11 @@ def test_captured_steps_equal_eager_ones_in_bfloat16(tiny_model_dirs):
     graphed = LLM(model_dir, **common)
     eager = LLM(model_dir, enforce_eager=True, **common)
     prompts = make_prompts(graphed.engine.vocab_size, seed=3)
-    assert eager.engine.runner.decode_graphs is None
+    assert eager.engine.runner.captured_decode is None
     want = [o.token_ids for o in eager.generate(prompts, params)]
     assert [o.token_ids for o in graphed.generate(prompts, params)] == want
-    graphs = graphed.engine.runner.decode_graphs
-    assert graphs is not None and graphs.num_replays > 0
+    captured = graphed.engine.runner.captured_decode
+    assert captured is not None and captured.graphs.num_replays > 0
 
 
 def test_each_prompt_alone_matches_hf(arch_case):

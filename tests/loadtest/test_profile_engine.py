@@ -21,8 +21,8 @@ from engine.model.packed_linear import PackedLinear
 from engine.model_runner import ModelRunner
 from engine.sampling_params import SamplingParams
 from loadtest import profile_engine
-from loadtest.profile_engine import (
-    PARTS,
+from loadtest.profile_engine import PARTS, step_timers
+from loadtest.step_profile import (
     STEP_RANGE,
     DecodeFloor,
     DeviceOp,
@@ -38,7 +38,6 @@ from loadtest.profile_engine import (
     gpu_report,
     marked_steps,
     profiled_ranges,
-    step_timers,
     step_times,
     top_kernels_table,
 )
