@@ -69,8 +69,9 @@ def resolve_kv_cache_dtype(name: str, dtype: str, device: torch.device) -> str:
     ``loadtest.kv_cache_quality`` (BENCHMARKS.md): int8's distance from a bfloat16 cache is
     bfloat16's own distance from float32 (greedy agreement, top-1, NLL), so it costs nothing a
     bfloat16 model had not already given up; a float32 model keeps its exactness (token for
-    token with Hugging Face); CUDA has no 8-bit attention kernel yet. ``fp8`` is ``fp8_e4m3``;
-    an unquantized cache must have the model's dtype.
+    token with Hugging Face); on CUDA the Triton kernels read 8-bit rows too, but their speed
+    there is not measured yet. ``fp8`` is ``fp8_e4m3``; an unquantized cache must have the
+    model's dtype.
     """
     if name == "auto":
         return "int8" if dtype == "bfloat16" and device.type == "cpu" else dtype

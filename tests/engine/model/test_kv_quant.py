@@ -115,7 +115,10 @@ def test_cache_write_then_gather_returns_the_dequantized_tokens(quant):
         keys, values = cache.gather(1, cache.tile_rows(torch.tensor([[b]])))
         want_k = stored_key(k[i], quant)
         want_v = dequantize_rows(quantize_rows(v[i], quant), quant, torch.float32)
-        assert torch.equal(keys[0, :, o], want_k) and torch.equal(values[0, :, o], want_v)
+        # Rotating back is a float32 matmul: its summation order depends on the matrix's shape
+        # and the host's BLAS kernel (AVX2 hosts differ in the last bit).
+        torch.testing.assert_close(keys[0, :, o], want_k, rtol=1e-6, atol=1e-6)
+        assert torch.equal(values[0, :, o], want_v)
     layer = cache.dequantized_layer(1, torch.tensor([7, 2]))
     keys, values = cache.gather(1, cache.tile_rows(torch.tensor([[7, 2]])))
     assert torch.equal(layer[:, 0, 0].transpose(0, 1).reshape(3, 32, 32), keys[0])
