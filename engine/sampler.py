@@ -273,7 +273,8 @@ class Sampler:
         device = x.device
         params = [r.params for r in rows]
         top_k = torch.tensor([p.top_k for p in params], device=device).unsqueeze(1)
-        values, token_ids = x.topk(int(top_k.max()), dim=-1)
+        # The widest k from the host's params: reading it off the device would wait for it.
+        values, token_ids = x.topk(max(p.top_k for p in params), dim=-1)
         temperature = _column([p.temperature for p in params], device)
         weights = ((values - values[:, :1]) / temperature).exp_()
         dropped = torch.arange(values.shape[1], device=device) >= top_k
