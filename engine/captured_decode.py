@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from engine.model.attention import AttentionMetadata, no_decode_inputs
+from engine.model.attention import AttentionMetadata
 from engine.model.cuda_graphs import DecodeBuffers, DecodeGraphs, GraphCapture, capture_sizes
 from engine.model.triton_inputs import TritonInputs
 from engine.scheduler import ScheduledRequest
@@ -78,22 +78,13 @@ class CapturedDecode:
     def _forward(self, size: int) -> torch.Tensor:
         """The forward pass over the first ``size`` rows of the buffers (what is captured)."""
         runner, buffers = self.runner, self.buffers
-        window = runner.model_config.sliding_window
         cos, sin = runner.rope.cos_sin(buffers.positions[:size])
-        meta = AttentionMetadata(
-            slot_rows=buffers.slot_rows[:size],
-            num_decode_tokens=size,
-            decode=no_decode_inputs(runner.device, window),
-            prefills=(),
-            prefill_batch=None,
-            cos=cos,
-            sin=sin,
-            triton=TritonInputs(
-                decode_tables=buffers.block_tables[:size],
-                decode_lens=buffers.context_lens[:size],
-                max_decode_context=runner.max_model_len,
-                prefill=None,
-                sliding_window=window,
-            ),
+        triton = TritonInputs(
+            decode_tables=buffers.block_tables[:size],
+            decode_lens=buffers.context_lens[:size],
+            max_decode_context=runner.max_model_len,
+            prefill=None,
+            sliding_window=runner.model_config.sliding_window,
         )
+        meta = AttentionMetadata.for_triton(buffers.slot_rows[:size], size, cos, sin, triton)
         return runner.model(buffers.input_ids[:size], meta, runner.cache)

@@ -25,7 +25,6 @@ from engine.model.attention import (
     PrefillSeq,
     causal_mask,
     decode_bias,
-    no_decode_inputs,
 )
 from engine.model.cpu_kernels import PAGED_DECODE_SHAPES, load_cpu_kernels
 from engine.model.cuda_graphs import CudaGraphCapture, capture_eagerly
@@ -293,18 +292,8 @@ class ModelRunner:
         slot_rows = self.cache.slot_rows(torch.tensor(slot_blocks), pos % bs).to(self.device)
         if self.use_triton:
             window = self.model_config.sliding_window
-            meta = AttentionMetadata(
-                slot_rows=slot_rows,
-                num_decode_tokens=len(decode_tables),
-                decode=no_decode_inputs(self.device, window),
-                prefills=(),
-                prefill_batch=None,
-                cos=cos,
-                sin=sin,
-                triton=triton_inputs(
-                    decode_tables, decode_lens, prefill_chunks, window, self.device
-                ),
-            )
+            triton = triton_inputs(decode_tables, decode_lens, prefill_chunks, window, self.device)
+            meta = AttentionMetadata.for_triton(slot_rows, len(decode_tables), cos, sin, triton)
         else:
             meta = AttentionMetadata(
                 slot_rows=slot_rows,

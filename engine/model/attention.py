@@ -206,12 +206,6 @@ class DecodeInputs:
     sliding_window: int | None
 
 
-def no_decode_inputs(device: torch.device, sliding_window: int | None) -> DecodeInputs:
-    """The ``decode`` field of a step whose attention runs the Triton path (unused there)."""
-    empty = torch.empty(0, dtype=torch.long, device=device)
-    return DecodeInputs(empty, empty, None, None, None, sliding_window)
-
-
 @dataclass(frozen=True, slots=True)
 class AttentionMetadata:
     """Per-step inputs shared by every layer."""
@@ -224,8 +218,22 @@ class AttentionMetadata:
     cos: torch.Tensor  # [T, 1, D] rotary tables at the tokens' positions (see RotaryEmbedding)
     sin: torch.Tensor
     # The Triton kernels' inputs (GPUs): then they compute every attention of the step, and
-    # ``decode`` and ``prefills`` / ``prefill_batch`` are left empty.
+    # ``decode`` and ``prefills`` / ``prefill_batch`` are left empty (``for_triton``).
     triton: TritonInputs | None = None
+
+    @classmethod
+    def for_triton(
+        cls,
+        slot_rows: torch.Tensor,
+        num_decode_tokens: int,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        triton: TritonInputs,
+    ) -> AttentionMetadata:
+        """A step whose every attention runs the Triton path."""
+        empty = torch.empty(0, dtype=torch.long, device=slot_rows.device)
+        unused = DecodeInputs(empty, empty, None, None, None, triton.sliding_window)
+        return cls(slot_rows, num_decode_tokens, unused, (), None, cos, sin, triton)
 
 
 def causal_mask(

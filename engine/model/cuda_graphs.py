@@ -8,7 +8,7 @@ pass in one call. Its inputs live in static buffers sized for the largest bucket
 multiples of 8). Graphs are captured largest first into one memory pool; their outputs alias
 it, so a step's output is read before the next replay.
 
-``capture`` is a ``GraphCapture``: ``capture_cuda_graph`` on a GPU; on CPU the tests pass
+``capture`` is a ``GraphCapture``: ``CudaGraphCapture`` on a GPU; on CPU the tests pass
 ``capture_eagerly``, which runs the forward pass at each replay into the same static output,
 so that every piece of bookkeeping here runs without a GPU.
 """
@@ -72,7 +72,8 @@ class CudaGraphCapture:
         self._pool = torch.cuda.graph_pool_handle()
 
     def __call__(self, forward: Callable[[], torch.Tensor]) -> CapturedStep:
-        # Warm-up runs compile the Triton kernels and settle the allocator outside capture.
+        # Warm-up runs settle the allocator and the libraries' lazily made handles (and compile
+        # any kernel variant not compiled yet) outside capture.
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):

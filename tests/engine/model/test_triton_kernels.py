@@ -17,7 +17,7 @@ from engine.model.attention import (
     _decode,
     decode_bias,
 )
-from engine.model.kv_quant import KVQuant, quantize_rows
+from engine.model.kv_quant import KVQuant, dequantize_rows, quantize_rows
 
 triton = pytest.importorskip("triton")
 
@@ -122,12 +122,21 @@ def check_kv_write(device: str, dtype: torch.dtype, quant: KVQuant | None) -> No
     keys = k if want.key_rotation is None else k.float() @ want.key_rotation
     max_code = 0.0 if quant is None else quant.max_code
     kv_write(got.tensor, 1, skipped, keys, v, quant_code(quant), max_code)
-    if device == "cpu":
+    if device == "cpu" or quant is None:
         assert torch.equal(got.tensor, want.tensor)
-    else:
-        # CUDA's float32 division may round a scaled value across a code's half step.
-        diff = got.tensor.view(torch.uint8).int() - want.tensor.view(torch.uint8).int()
-        assert torch.count_nonzero(diff) <= diff.numel() // 1000
+        return
+    # CUDA's float32 division may round a scaled value across a code's half step: only the
+    # written rows may differ, and by at most one code step (their scale) once dequantized.
+    row_bytes = got.tensor.shape[-1]
+    got_rows, want_rows = got.tensor.view(-1, row_bytes), want.tensor.view(-1, row_bytes)
+    key_rows = (slot_rows[:-1] + 2 * NUM_KV_HEADS * BLOCK_SIZE).flatten()
+    written = torch.cat([key_rows, key_rows + NUM_KV_HEADS * BLOCK_SIZE])
+    changed = (got_rows != want_rows).any(dim=-1).nonzero().flatten()
+    assert set(changed.tolist()) <= set(written.tolist())
+    got_values = dequantize_rows(got_rows[written], quant, torch.float32)
+    want_values = dequantize_rows(want_rows[written], quant, torch.float32)
+    step = want_rows[written, -4:].contiguous().view(torch.float32)
+    assert ((got_values - want_values).abs() <= step * 1.001).all()
 
 
 @pytest.mark.parametrize("quant", QUANTS, ids=lambda q: q.value if q else "unquantized")
