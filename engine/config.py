@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+from engine.constraint import ConstraintLimits
 from engine.cpu_isa import ISA_CHOICES, resolve_isa
 from engine.cpu_tuning import parse_cpu_list
 from engine.flags import flag
@@ -74,6 +75,8 @@ class EngineConfig:
     )
     # Not a flag: workers turn it off because the router owns text and stop strings.
     detokenize: bool = True
+    # Not a flag: the router applies the same budget (one for the cluster; tests lower it).
+    constraint_limits: ConstraintLimits = field(default_factory=ConstraintLimits)
     kernel_backend: str = flag(
         "auto",
         "attention and CPU kernels: cpp (compiled paged decode, oneDNN-packed linears; in "

@@ -19,7 +19,12 @@ def cdiv(a: int, b: int) -> int:
 
 
 class KVCacheManager:
-    """Allocates and frees the blocks of each request; the scheduler's only door to the pool."""
+    """Allocates and frees the blocks of each request; the scheduler's only door to the pool.
+
+    Blocks are keyed by request id, and an id's blocks belong to the ``Request`` that got them
+    until ``free``: no other request with that id (a reused id) may extend or cache them, and
+    neither may their owner once finished (a lease holds them for a KV pull).
+    """
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool) -> None:
         self.block_size = block_size
@@ -29,6 +34,7 @@ class KVCacheManager:
         # The ids of ``req_to_blocks``' blocks, kept alongside (read every step).
         self._block_ids: dict[str, list[int]] = {}
         self._num_cached_blocks: dict[str, int] = {}
+        self._owners: dict[str, Request] = {}
 
     def get_block_ids(self, req_id: str) -> list[int]:
         """A copy of the request's block ids, in token order ([] if none)."""
@@ -73,8 +79,10 @@ class KVCacheManager:
         only); they are referenced and their tokens count as computed. With ``cache`` the blocks
         that are full once this step's tokens are written are published for prefix hits; pass
         False when their content arrives later (remote KV) and call ``cache_blocks`` then.
-        On False nothing changed.
+        On False nothing changed. ``RuntimeError`` if the id's blocks are not the request's to
+        extend (see the class).
         """
+        self._check_owner(request)
         if not new_computed_blocks:
             blocks = self.req_to_blocks.get(request.req_id)
             num_tokens = request.num_computed_tokens + num_new_tokens
@@ -94,6 +102,7 @@ class KVCacheManager:
             if not blocks:
                 del self.req_to_blocks[request.req_id]
             return False
+        self._owners[request.req_id] = request
         self.block_pool.touch(hits)
         new_blocks = hits + self.block_pool.allocate(num_new_blocks) if num_new_blocks else hits
         blocks.extend(new_blocks)
@@ -108,6 +117,7 @@ class KVCacheManager:
         """Publish the request's blocks that are full within its first ``num_tokens`` tokens."""
         if not self.enable_prefix_caching:
             return
+        self._check_owner(request)
         num_full = min(num_tokens, request.num_tokens) // self.block_size
         num_cached = self._num_cached_blocks.get(request.req_id, 0)
         if num_full <= num_cached:
@@ -124,13 +134,30 @@ class KVCacheManager:
         """Release every block of the request (tail first); cached ones stay hittable unless
         ``uncache``: then the blocks it computed itself (not its prefix hits) are withdrawn from
         the prefix cache, because their content may be garbage (a failed computation)."""
+        self._check_owner(request, extending=False)
         blocks = self.req_to_blocks.pop(request.req_id, [])
+        self._owners.pop(request.req_id, None)
         self._block_ids.pop(request.req_id, None)
         self._num_cached_blocks.pop(request.req_id, None)
         self.block_pool.free(blocks[::-1])
         if uncache:
             num_hit_blocks = max(request.num_cached_tokens, 0) // self.block_size
             self.block_pool.uncache(blocks[num_hit_blocks:])
+
+    def _check_owner(self, request: Request, *, extending: bool = True) -> None:
+        """``RuntimeError`` unless ``request`` owns the blocks of its id (or none has them)
+        and, when ``extending`` them, is not finished."""
+        owner = self._owners.get(request.req_id, request)
+        if owner is not request:
+            raise RuntimeError(
+                f"req_id {request.req_id!r} is reused: its blocks belong to another request "
+                f"({owner.status.name})"
+            )
+        if extending and request.status.is_finished:
+            raise RuntimeError(
+                f"req_id {request.req_id!r} finished ({request.status.name}): its blocks take "
+                "no new tokens"
+            )
 
     def take_events(self) -> list[KVCacheEvent]:
         return self.block_pool.take_events()
@@ -142,3 +169,4 @@ class KVCacheManager:
             assert all(b.ref_cnt > 0 for b in blocks), f"{req_id} holds a released block"
             assert self._block_ids.get(req_id, []) == [b.block_id for b in blocks], req_id
         assert set(self._block_ids) <= set(self.req_to_blocks)
+        assert set(self._owners) == set(self.req_to_blocks)

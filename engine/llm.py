@@ -84,5 +84,8 @@ class LLM:
         return req_ids
 
     def _run(self) -> Iterator[RequestOutput]:
-        while self.engine.has_unfinished_requests():
-            yield from self.engine.step()
+        engine = self.engine
+        while engine.has_unfinished_requests():
+            yield from engine.step()
+            if not engine.last_num_scheduled_tokens:  # the rest wait for their grammar
+                engine.wait_for_grammars()

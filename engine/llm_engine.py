@@ -6,11 +6,13 @@ prefill and decode workers) own the loop and the threading; the engine itself is
 
 from __future__ import annotations
 
+import concurrent.futures
 import itertools
 import logging
 import os
+import threading
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -19,6 +21,7 @@ from engine.batch_runner import BatchRunner
 from engine.block_hash import BlockHash
 from engine.block_pool import KVCacheEvent
 from engine.config import EngineConfig
+from engine.constraint import Constraint
 from engine.cpu_isa import CpuIsa, cpu_auto_dtype, host_isa, resolve_isa
 from engine.cpu_tuning import (
     BuildThread,
@@ -27,6 +30,7 @@ from engine.cpu_tuning import (
     pin_process_to_cpus,
 )
 from engine.detokenizer import IncrementalDetokenizer
+from engine.grammar_pool import GrammarPool
 from engine.kv_cache_manager import KVCacheManager
 from engine.kv_cache_spec import QUANTIZED_KV_DTYPES, KVCacheSpec
 from engine.loader.models import resolve_model
@@ -38,9 +42,15 @@ from engine.request import Request, RequestStatus
 from engine.request_limits import check_cache_salt, check_request_limits
 from engine.sampler import Sampler, TokenLogprobs
 from engine.sampling_params import SamplingParams
-from engine.scheduler import KVLoad, Scheduler, SchedulerConfig, SchedulerOutput
+from engine.scheduler import (
+    DuplicateRequestError,
+    KVLoad,
+    Scheduler,
+    SchedulerConfig,
+    SchedulerOutput,
+)
 from engine.stats import EngineStats, make_stats
-from engine.structured_output import GrammarCompiler
+from engine.structured_output import CompiledGrammar, GrammarCompiler
 from engine.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -108,11 +118,25 @@ class _RequestState:
     num_reported_tokens: int = 0
 
 
+@dataclass(frozen=True, slots=True)
+class _Compiling:
+    """A request held out of the scheduler until its constraint's grammar compiles."""
+
+    constraint: Constraint
+    grammar: concurrent.futures.Future[CompiledGrammar]
+    deadline_s: float  # time.monotonic(): past it, the request fails
+
+
 class LLMEngine:
     """A paged-KV, continuous-batching engine for one model on one device.
 
     Not thread-safe: call it from one thread only (a worker's engine thread), except for what
-    is fixed at load (``kv_cache``, ``kv_cache_spec``, ``kernels`` and the plain attributes).
+    is fixed at load (``kv_cache``, ``kv_cache_spec``, ``kernels`` and the plain attributes)
+    and ``grammars``, which is thread-safe.
+
+    A constrained request whose grammar is not compiled yet waits outside the scheduler while
+    ``grammars`` compiles it on threads of its own; each ``step`` first hands the compiled ones
+    to the scheduler (see ``add_request``).
     """
 
     def __init__(self, config: EngineConfig) -> None:
@@ -144,7 +168,15 @@ class LLMEngine:
         # The name clients see (WorkerInfo, Router.Status): --served-model-name, else --model.
         self.served_model_name = config.served_model_name or config.model
         self.tokenizer = Tokenizer(self.model_dir)
+        # Constraints compile off this thread (engine.grammar_pool); a worker compiles one
+        # before adding its request, so that the request starts at once.
+        self.grammars = GrammarPool(self._compile_grammar, config.constraint_limits)
+        # Called on a compile thread when a held request's grammar is done (or failed): an
+        # engine loop idling between steps wakes up to admit it.
+        self.on_constraint_compiled: Callable[[], object] | None = None
         self._compiler: GrammarCompiler | None = None
+        self._compiler_lock = threading.Lock()
+        self._compiling: dict[str, _Compiling] = {}
         self.kv_cache_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, self.dtype, self.device)
         self.runner = ModelRunner(
             self.model_dir,
@@ -248,17 +280,18 @@ class LLMEngine:
         first tokens' KV must be loaded (see ``take_kv_loads`` / ``finish_kv_load``) instead of
         computed. With ``hold_kv`` the blocks outlive the request until ``release_held_kv``.
         Requests share prefix-cache blocks only when their ``cache_salt`` is the same (it goes
-        into every block hash). A ``params.constraint`` starts the request's matcher, advanced
-        over ``output_token_ids`` (``ValueError`` if the constraint does not compile or they
-        break it).
+        into every block hash).
+
+        A ``params.constraint`` starts the request's matcher, advanced over
+        ``output_token_ids``. Its grammar compiles on ``grammars``' threads; the request waits
+        outside the scheduler until it is done, and fails with ``finish_reason == "error"`` when
+        it does not compile, or not within ``constraint_limits.compile_timeout_s``. When the
+        grammar is compiled already (a cached one), everything is checked here: ``ValueError``
+        if the constraint is over its size budget, does not compile or ``output_token_ids``
+        break it.
         """
         self.validate_request(prompt_token_ids, params, output_token_ids)
         check_cache_salt(cache_salt)
-        matcher = (
-            None
-            if params.constraint is None
-            else self._grammar_compiler().matcher(params.constraint, output_token_ids)
-        )
         request = Request(
             req_id=req_id,
             prompt_token_ids=list(prompt_token_ids),
@@ -270,9 +303,25 @@ class LLMEngine:
             hold_kv=hold_kv,
             output_token_ids=list(output_token_ids),
             extra_key=cache_salt,
-            matcher=matcher,
         )
-        self.scheduler.add_request(request)
+        constraint = params.constraint
+        grammar = None if constraint is None else self.grammars.submit(constraint)
+        if constraint is not None and grammar is not None and not grammar.done():
+            if req_id in self._states or self.holds_kv(req_id):
+                raise DuplicateRequestError(
+                    f"request_id {req_id!r} is already in flight or holds KV here"
+                )
+            deadline_s = time.monotonic() + self.grammars.limits.compile_timeout_s
+            self._compiling[req_id] = _Compiling(constraint, grammar, deadline_s)
+            grammar.add_done_callback(self._notify_compiled)
+        else:
+            if req_id in self._compiling:  # the scheduler knows only the ids it holds
+                raise DuplicateRequestError(f"request_id {req_id!r} is already in flight")
+            if constraint is not None and grammar is not None:
+                request.matcher = self.grammars.outcome(constraint, grammar).matcher(
+                    output_token_ids
+                )
+            self.scheduler.add_request(request)
         detokenizer = None
         if self.config.detokenize:
             detokenizer = IncrementalDetokenizer(
@@ -289,19 +338,70 @@ class LLMEngine:
         )
         logger.debug("req_id=%s added: %d prompt tokens", req_id, len(prompt_token_ids))
 
-    def _grammar_compiler(self) -> GrammarCompiler:
-        """The constraints' compiler for this model, built on the first constrained request
+    def _compile_grammar(self, constraint: Constraint) -> CompiledGrammar:
+        """``grammars``' compile, on a compile thread. The compiler is built by the first one
         (it converts the whole vocabulary once, about a second)."""
-        if self._compiler is None:
-            self._compiler = GrammarCompiler(
-                self.tokenizer.backend.to_str(), self.vocab_size, self.tokenizer.eos_token_ids
-            )
-        return self._compiler
+        with self._compiler_lock:
+            if self._compiler is None:
+                self._compiler = GrammarCompiler(
+                    self.tokenizer.backend.to_str(), self.vocab_size, self.tokenizer.eos_token_ids
+                )
+        return self._compiler.compile(constraint)
+
+    def _notify_compiled(self, _: concurrent.futures.Future[CompiledGrammar]) -> None:
+        if self.on_constraint_compiled is not None:
+            self.on_constraint_compiled()
+
+    def wait_for_grammars(self) -> None:
+        """Block until a held request's grammar is done or the earliest compile budget runs
+        out; return at once when no request is held. What a caller that steps the engine in a
+        loop does when a step scheduled nothing, instead of spinning."""
+        if not self._compiling:
+            return
+        deadline_s = min(c.deadline_s for c in self._compiling.values())
+        concurrent.futures.wait(
+            [c.grammar for c in self._compiling.values()],
+            timeout=max(deadline_s - time.monotonic(), 0.0),
+            return_when=concurrent.futures.FIRST_COMPLETED,
+        )
+
+    def _admit_compiled(self) -> list[RequestOutput]:
+        """Hand the held requests whose grammar compiled to the scheduler, in the order they
+        were added; finish with an error those whose compile failed or ran out of time, and
+        return their outputs."""
+        outputs = []
+        now_s = time.monotonic()
+        for req_id, compiling in list(self._compiling.items()):
+            grammar = compiling.grammar
+            if not grammar.done() and now_s < compiling.deadline_s:
+                continue
+            del self._compiling[req_id]
+            request = self._states[req_id].request
+            try:
+                if not grammar.done():
+                    raise self.grammars.give_up(compiling.constraint, grammar)
+                compiled = self.grammars.outcome(compiling.constraint, grammar)
+                request.matcher = compiled.matcher(request.output_token_ids)
+                self.scheduler.add_request(request)
+            except ValueError as exc:
+                request.status = RequestStatus.FINISHED_ERROR
+                request.error = f"constraint: {exc}"
+                logger.warning("req_id=%s failed: %s", req_id, request.error)
+                outputs.append(self._make_output(self._states.pop(req_id), []))
+        return outputs
 
     def abort_requests(self, req_ids: Iterable[str]) -> list[RequestOutput]:
-        """Abort requests in any state; their blocks are freed at once."""
+        """Abort requests in any state (their grammar compiling included); their blocks are
+        freed at once."""
+        req_ids = list(req_ids)
+        outputs = []
+        for req_id in req_ids:
+            if self._compiling.pop(req_id, None) is not None:
+                state = self._states.pop(req_id)
+                state.request.status = RequestStatus.FINISHED_ABORTED
+                outputs.append(self._make_output(state, []))
         finished = self.scheduler.finish_requests(req_ids, RequestStatus.FINISHED_ABORTED)
-        return [self._make_output(self._states.pop(r.req_id), []) for r in finished]
+        return outputs + [self._make_output(self._states.pop(r.req_id), []) for r in finished]
 
     def set_paused(self, req_id: str, paused: bool) -> None:
         """Stop (or resume) scheduling running request ``req_id``, whose reader fell behind: it
@@ -334,7 +434,7 @@ class LLMEngine:
         return self.kv_cache_manager.get_block_ids(req_id)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.num_unfinished_requests > 0
+        return self.scheduler.num_unfinished_requests > 0 or bool(self._compiling)
 
     def stats(self) -> EngineStats:
         return make_stats(self.scheduler)
@@ -370,19 +470,21 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Run one batch; return an output for every request that got a token or finished.
 
-        A failure confined to some requests (non-finite logits, an exception that a request
+        Held requests whose grammar is done join the scheduler first (see ``add_request``). A
+        failure confined to some requests (non-finite logits, an exception that a request
         raises on its own) finishes those with ``finish_reason == "error"`` and the rest of the
         batch goes on; ``EngineBrokenError`` means no request can run here any more.
         """
         if self.build_thread is not None:
             self.build_thread.check()
+        outputs = self._admit_compiled()
         sched = self.scheduler.schedule()
         self._kv_loads.extend(sched.kv_loads)
         self.last_num_scheduled_tokens = sched.total_num_scheduled_tokens
         if sched.is_empty:
-            return []
+            return outputs
         sampled, errors = self.batch_runner.run(sched.scheduled)
-        outputs = self._fail_requests(errors)
+        outputs.extend(self._fail_requests(errors))
         if errors:
             sched = SchedulerOutput(
                 scheduled=[s for s in sched.scheduled if s.request.req_id not in errors],

@@ -5,6 +5,15 @@ budget: a long prompt is cut into chunks (chunked prefill), prefix hits skip com
 prompt chunks share a step with single-token decodes. When the pool runs dry the newest running
 request is preempted and later recomputed from scratch (its cached blocks usually still hit).
 
+The waiting queue runs front to back, no request overtaking one that does not fit::
+
+    | preempted (newest victim first) | remote KV arrived (FIFO) | new (FIFO) |
+
+A paused request (its reader fell behind, ``set_paused``) makes no progress, so it gives way:
+it gets no tokens, is the first victim when blocks run out, is preempted when a waiting
+request lacks a ``max_num_seqs`` slot or blocks, and is skipped by admission (keeping its
+place, not blocking the requests behind it) until it is resumed.
+
 With a ``proposer`` a greedy decode also carries draft tokens (``engine.ngram_proposer``): the
 step computes its last token and the drafts together, and ``update_from_output`` keeps the
 drafts that match the samples, plus the sample after the last match.
@@ -19,6 +28,10 @@ from dataclasses import dataclass, field
 from engine.kv_cache_manager import KVCacheManager
 from engine.ngram_proposer import NgramProposer
 from engine.request import Request, RequestStatus
+
+
+class DuplicateRequestError(ValueError):
+    """A request id that is live or holds KV (under a lease) on this engine was added again."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -121,7 +134,7 @@ class Scheduler:
         self.waiting_for_remote_kv: dict[str, Request] = {}
         # Finished requests whose blocks stay allocated until ``release_held_kv`` (hold_kv).
         self.held_kv: dict[str, Request] = {}
-        # Running requests whose reader fell behind: they keep their blocks, get no new tokens.
+        # Requests whose reader fell behind: no tokens, first to give way (see the module).
         self.paused: set[str] = set()
         self.num_preemptions = 0
         # Speculation counters (vLLM's spec_decode_num_draft_tokens / _num_accepted_tokens).
@@ -130,8 +143,14 @@ class Scheduler:
 
     # ----------------------------------------------------------------------------- requests
     def add_request(self, request: Request) -> None:
+        """Queue ``request``; ``DuplicateRequestError`` if its id is live or holds KV here (its
+        blocks are keyed by id: a second owner would write into them)."""
         if request.req_id in self.requests:
-            raise ValueError(f"duplicate req_id {request.req_id!r}")
+            raise DuplicateRequestError(f"request_id {request.req_id!r} is already in flight")
+        if request.req_id in self.held_kv:
+            raise DuplicateRequestError(
+                f"request_id {request.req_id!r} still holds its KV cache under a lease"
+            )
         if not 0 <= request.num_external_tokens < request.num_tokens:
             raise ValueError("num_external_tokens must leave at least one token to compute")
         self.requests[request.req_id] = request
@@ -158,8 +177,9 @@ class Scheduler:
         return finished
 
     def set_paused(self, req_id: str, paused: bool) -> None:
-        """Stop (or resume) scheduling ``req_id`` while it runs; it keeps its blocks and may
-        still be preempted. Unknown ids are ignored."""
+        """Stop (or resume) scheduling ``req_id``: while paused it keeps the blocks it has until
+        they are needed and is not admitted again once preempted (see the module). Unknown
+        ids are ignored."""
         if paused and req_id in self.requests:
             self.paused.add(req_id)
         else:
@@ -169,7 +189,8 @@ class Scheduler:
         """A transfer announced in ``SchedulerOutput.kv_loads`` completed (or failed).
 
         On success the external tokens count as computed and their blocks become prefix-cache
-        hits; on failure they are recomputed locally. Either way the request waits to run.
+        hits; on failure they are recomputed locally. Either way the request waits to run,
+        behind the preempted requests and the earlier arrivals of remote KV, ahead of new ones.
         """
         request = self.waiting_for_remote_kv.pop(req_id, None)
         if request is None:
@@ -180,7 +201,11 @@ class Scheduler:
         request.num_cached_tokens = request.num_computed_tokens
         request.num_external_tokens = 0
         request.status = RequestStatus.WAITING
-        self.waiting.appendleft(request)
+        # New requests are the only waiting ones never given blocks (``scheduled_time_s``).
+        index = 0
+        while index < len(self.waiting) and self.waiting[index].scheduled_time_s is not None:
+            index += 1
+        self.waiting.insert(index, request)
 
     def release_held_kv(self, req_id: str) -> bool:
         """Free the blocks a finished ``hold_kv`` request kept; False if it holds none."""
@@ -233,11 +258,14 @@ class Scheduler:
             if draft and not self.kv_cache_manager.allocate_slots(request, num_new + len(draft)):
                 draft = []
             while not draft and not self.kv_cache_manager.allocate_slots(request, num_new):
-                victim = self.running.pop()
-                self._preempt(victim)
-                out.preempted_req_ids.append(victim.req_id)
-                if victim is request:
+                victim = self._newest_paused_running()
+                if victim is None:
+                    victim = len(self.running) - 1
+                self._preempt_running(victim, out)
+                if victim == i:
                     break
+                if victim < i:
+                    i -= 1
             else:
                 item = self._scheduled(request, num_new + len(draft), tuple(draft))
                 (decodes if item.is_decode else prefills).append(item)
@@ -245,50 +273,64 @@ class Scheduler:
                 i += 1
 
         if not out.preempted_req_ids:
-            admitted = self._admit_waiting(budget, out.kv_loads)
+            admitted = self._admit_waiting(budget, out)
             for item in admitted:
                 (decodes if item.is_decode else prefills).append(item)
         out.scheduled = decodes + prefills
         return out
 
-    def _admit_waiting(self, budget: int, kv_loads: list[KVLoad]) -> list[ScheduledRequest]:
+    def _admit_waiting(self, budget: int, out: SchedulerOutput) -> list[ScheduledRequest]:
+        """Admit waiting requests in queue order while the budget, ``max_num_seqs`` slots and
+        blocks last, skipping paused ones; one that lacks a slot or blocks preempts the newest
+        paused running request, else stops admission."""
         admitted: list[ScheduledRequest] = []
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            request = self.waiting[0]
+        index = 0
+        while index < len(self.waiting) and budget > 0:
+            request = self.waiting[index]
+            if request.req_id in self.paused:
+                index += 1
+                continue
             hits = []
             if not self.kv_cache_manager.has_blocks(request.req_id):
                 hits = self.kv_cache_manager.get_computed_blocks(request)
+            remote = request.num_external_tokens > 0
             num_hit_tokens = len(hits) * self.block_size
-            if request.num_external_tokens > 0:
-                if not self._start_remote_kv(request, hits, kv_loads):
+            if remote:
+                num_hit_tokens = min(num_hit_tokens, request.num_external_tokens)
+                num_new = request.num_external_tokens - num_hit_tokens
+            else:
+                num_new = min(
+                    request.num_tokens - request.num_computed_tokens - num_hit_tokens,
+                    budget,
+                    self.config.max_chunk_tokens,
+                )
+            if len(self.running) >= self.config.max_num_seqs or not (
+                self.kv_cache_manager.allocate_slots(request, num_new, hits, cache=not remote)
+            ):
+                victim = self._newest_paused_running()
+                if victim is None:
                     break
+                self._preempt_running(victim, out)
+                index += 1  # the victim went to the front of the queue
                 continue
-            num_new = min(
-                request.num_tokens - request.num_computed_tokens - num_hit_tokens,
-                budget,
-                self.config.max_chunk_tokens,
-            )
-            if not self.kv_cache_manager.allocate_slots(request, num_new, hits):
-                break
-            self.waiting.popleft()
+            del self.waiting[index]
+            request.mark_scheduled()
+            if remote:
+                self._wait_for_remote_kv(request, num_hit_tokens, out.kv_loads)
+                continue
             request.num_computed_tokens += num_hit_tokens
             if request.num_cached_tokens < 0:
                 request.num_cached_tokens = request.num_computed_tokens
-            request.mark_scheduled()
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             admitted.append(self._scheduled(request, num_new))
             budget -= num_new
         return admitted
 
-    def _start_remote_kv(self, request: Request, hits: list, kv_loads: list[KVLoad]) -> bool:
-        num_hit_tokens = min(len(hits) * self.block_size, request.num_external_tokens)
-        num_missing = request.num_external_tokens - num_hit_tokens
-        if not self.kv_cache_manager.allocate_slots(request, num_missing, hits, cache=False):
-            return False
-        self.waiting.popleft()
+    def _wait_for_remote_kv(
+        self, request: Request, num_hit_tokens: int, kv_loads: list[KVLoad]
+    ) -> None:
         request.num_computed_tokens = num_hit_tokens
-        request.mark_scheduled()
         request.status = RequestStatus.WAITING_FOR_REMOTE_KV
         self.waiting_for_remote_kv[request.req_id] = request
         kv_loads.append(
@@ -299,7 +341,6 @@ class Scheduler:
                 num_external_tokens=request.num_external_tokens,
             )
         )
-        return True
 
     def _scheduled(
         self, request: Request, num_new_tokens: int, spec_token_ids: tuple[int, ...] = ()
@@ -320,13 +361,25 @@ class Scheduler:
         )
         return self.proposer.propose(request, max_tokens)
 
-    def _preempt(self, request: Request) -> None:
+    def _newest_paused_running(self) -> int | None:
+        """The index in ``running`` of its newest paused request (None: none is paused)."""
+        if self.paused:
+            for index in range(len(self.running) - 1, -1, -1):
+                if self.running[index].req_id in self.paused:
+                    return index
+        return None
+
+    def _preempt_running(self, index: int, out: SchedulerOutput) -> None:
+        """Preempt ``running[index]``: its blocks are freed and it goes back to the front of
+        the waiting queue (victims taken newest first keep their admission order)."""
+        request = self.running.pop(index)
         self.kv_cache_manager.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(request)
+        out.preempted_req_ids.append(request.req_id)
 
     # ----------------------------------------------------------------------------- update
     def update_from_output(

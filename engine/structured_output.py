@@ -5,11 +5,14 @@ Built on llguidance: its Earley parser over a lazily built token trie needs no p
 precompilation pass, and its wheel has no dependency (the router validates constraints with it
 and never imports torch). The parts:
 
-- ``GrammarCompiler``: one per engine; holds the tokenizer in llguidance's form (built once,
-  ~1 s); ``matcher`` starts a request's ``GuidedMatcher`` and advances it over the tokens the
-  request already has, which is how a decode worker or a migration target picks up the
-  constraint exactly where the previous sampler left it (a request preempted by recompute
-  keeps its matcher: its tokens stay).
+- ``GrammarCompiler``: one per engine; holds the tokenizer in llguidance's form (built on the
+  first compile: 0.8 s for a 128k vocabulary); ``compile`` turns a constraint into a
+  ``CompiledGrammar``: the slow part, run off the engine thread (``engine.grammar_pool``).
+- ``CompiledGrammar``: a constraint ready to start; ``matcher`` starts a request's
+  ``GuidedMatcher`` (a copy, microseconds) and advances it over the tokens the request already
+  has, which is how a decode worker or a migration target picks up the constraint exactly
+  where the previous sampler left it (a request preempted by recompute keeps its matcher: its
+  tokens stay).
 - ``GuidedMatcher``: a request's parser state; ``fill_bitmask`` writes the tokens allowed next
   into one row of a batch bitmask, ``accept`` advances over a sampled token.
 - ``apply_bitmask``: masks the constrained rows of a batch's logits in one vectorized step
@@ -18,12 +21,13 @@ and never imports torch). The parts:
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Collection, Sequence
 
 import llguidance
 import torch
 
-from engine.constraint import Constraint
+from engine.constraint import Constraint, readable_error
 
 _BITS = 32
 
@@ -54,27 +58,55 @@ class GuidedMatcher:
         return self._matcher.get_error()
 
 
+class CompiledGrammar:
+    """A constraint compiled for one tokenizer: a matcher at its start, never advanced itself
+    (each request gets a copy). Thread-safe: ``matcher`` only reads it."""
+
+    def __init__(self, matcher: llguidance.LLMatcher) -> None:
+        self._matcher = matcher
+
+    def matcher(self, token_ids: Sequence[int] = ()) -> GuidedMatcher:
+        """A request's matcher advanced over ``token_ids`` (the tokens it already generated);
+        ``ValueError`` if they break the constraint. Cheap: a copy and the tokens' steps."""
+        matcher = self._matcher.deep_copy()
+        if token_ids and not matcher.consume_tokens(list(token_ids)):
+            raise ValueError(f"the tokens so far break the constraint: {matcher.get_error()}")
+        return GuidedMatcher(matcher)
+
+
 class GrammarCompiler:
     """The constraints of one model's tokenizer: ``tokenizer_json`` is its ``tokenizer.json``
-    text, ``vocab_size`` the model's logits width (at least the tokenizer's)."""
+    text, ``vocab_size`` the model's logits width (at least the tokenizer's). Thread-safe."""
 
     def __init__(
         self, tokenizer_json: str, vocab_size: int, eos_token_ids: Collection[int]
     ) -> None:
         self.vocab_size = vocab_size
-        self._tokenizer = llguidance.LLTokenizer(
-            tokenizer_json, n_vocab=vocab_size, eos_token=sorted(eos_token_ids)
-        )
+        self._tokenizer_json = tokenizer_json
+        self._eos_token_ids = sorted(eos_token_ids)
+        self._tokenizer: llguidance.LLTokenizer | None = None
+        self._lock = threading.Lock()
 
-    def matcher(self, constraint: Constraint, token_ids: Sequence[int] = ()) -> GuidedMatcher:
-        """A matcher of ``constraint`` advanced over ``token_ids`` (the tokens the request has
-        already generated); ``ValueError`` if the constraint does not compile or they break it."""
-        matcher = llguidance.LLMatcher(self._tokenizer, constraint.grammar(), log_level=0)
+    def compile(self, constraint: Constraint) -> CompiledGrammar:
+        """``constraint`` ready to start; ``ValueError`` prefixed by its kind (as
+        ``Constraint.validate``) if it does not compile. Slow: from a millisecond to seconds
+        (``ConstraintLimits``), with the GIL released for most of it."""
+        try:
+            grammar = constraint.grammar()
+        except ValueError as exc:
+            raise ValueError(f"{constraint.kind.value}: {exc}") from None
+        matcher = llguidance.LLMatcher(self._llg_tokenizer(), grammar, log_level=0)
         if matcher.is_error():
-            raise ValueError(f"{constraint.kind.value}: {matcher.get_error()}")
-        if token_ids and not matcher.consume_tokens(list(token_ids)):
-            raise ValueError(f"the tokens so far break the constraint: {matcher.get_error()}")
-        return GuidedMatcher(matcher)
+            raise ValueError(f"{constraint.kind.value}: {readable_error(matcher.get_error())}")
+        return CompiledGrammar(matcher)
+
+    def _llg_tokenizer(self) -> llguidance.LLTokenizer:
+        with self._lock:
+            if self._tokenizer is None:
+                self._tokenizer = llguidance.LLTokenizer(
+                    self._tokenizer_json, n_vocab=self.vocab_size, eos_token=self._eos_token_ids
+                )
+            return self._tokenizer
 
     def allocate_bitmask(self, num_rows: int) -> torch.Tensor:
         """A bitmask of ``num_rows`` rows, every token allowed."""

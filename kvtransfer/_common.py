@@ -12,6 +12,7 @@ import hmac
 import logging
 import secrets
 import threading
+import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
@@ -68,41 +69,74 @@ class PublishedBlocks:
 
     Thread-safe: the engine thread publishes and unpublishes while I/O threads check reads and
     record releases. A released id is reported by ``take_released`` once and unpublished.
-    Reads in progress (``begin_read`` … ``end_read``) hold ``unpublish`` back, so the caller
-    never frees (and reuses) blocks whose bytes are still being sent.
+    ``unpublish`` refuses new reads at once and never waits: an id is reported by
+    ``take_unpublished`` once its reads in progress (``begin_read`` … ``end_read``) have ended,
+    or their time is up, so the caller never frees (and reuses) blocks whose bytes are still
+    being sent, and one hung reader delays the freeing of its own blocks only.
+
+    Invariant: an id is in ``_draining`` only while it has readers in ``_num_readers``, until
+    its deadline; it then moves to ``_unpublished`` (reported once).
     """
 
     def __init__(self) -> None:
-        self._cond = threading.Condition()
+        self._lock = threading.Lock()
         self._publications: dict[str, _Publication] = {}
         self._num_readers: dict[str, int] = {}
         self._released: list[str] = []
+        # Unpublished ids whose reads are still sending -> when to stop waiting for them
+        # (time.monotonic()); then those whose blocks may be reused, in order.
+        self._draining: dict[str, float] = {}
+        self._unpublished: list[str] = []
 
     def publish(self, req_id: str, block_ids: Sequence[int]) -> bytes:
         """Allow reads of ``block_ids`` under ``req_id`` by whoever presents the returned grant,
         replacing what it exposed before (whose grant no longer reads or releases anything)."""
         grant = secrets.token_bytes(GRANT_BYTES)
-        with self._cond:
+        with self._lock:
             self._publications[req_id] = _Publication(frozenset(block_ids), grant)
         return grant
 
     def unpublish(self, req_id: str, wait_s: float = 0.0) -> None:
-        """Stop serving ``req_id``; wait up to ``wait_s`` for its reads in progress to end."""
-        with self._cond:
+        """Stop serving ``req_id`` now (later reads are refused); never blocks. Its reads in
+        progress may go on for up to ``wait_s``; ``take_unpublished`` reports ``req_id`` once
+        they have ended (at once when there are none; unknown ids too)."""
+        with self._lock:
             self._publications.pop(req_id, None)
-            if not self._cond.wait_for(lambda: req_id not in self._num_readers, wait_s):
-                logger.warning("req_id=%s unpublished while a read was still sending", req_id)
+            if req_id in self._draining:
+                return
+            if req_id in self._num_readers:
+                self._draining[req_id] = time.monotonic() + wait_s
+            else:
+                self._unpublished.append(req_id)
+
+    def take_unpublished(self) -> list[str]:
+        """The unpublished ids whose blocks may be reused now, each reported once: their reads
+        have ended, or the ``wait_s`` of their ``unpublish`` has passed (logged: the blocks are
+        freed under a read that is still sending). Never blocks."""
+        now_s = time.monotonic()
+        with self._lock:
+            overdue = [r for r, deadline_s in self._draining.items() if deadline_s <= now_s]
+            for req_id in overdue:
+                del self._draining[req_id]
+            unpublished, self._unpublished = self._unpublished + overdue, []
+        for req_id in overdue:
+            logger.warning("req_id=%s unpublished while a read was still sending", req_id)
+        return unpublished
 
     def has_blocks(self) -> bool:
-        """True while anything is published (a peer may ask to read it)."""
-        with self._cond:
-            return bool(self._publications)
+        """True while anything is published (a peer may ask to read it) or still being sent."""
+        with self._lock:
+            return bool(self._publications or self._num_readers)
 
     def check_read(self, req_id: str, grant: bytes, block_ids: Sequence[int]) -> str | None:
         """Return why reading ``block_ids`` under ``req_id`` with ``grant`` is refused, or None
         if allowed. A wrong grant gets the same answer as an unpublished ``req_id``."""
-        with self._cond:
-            publication = self._publications.get(req_id)
+        with self._lock:
+            return self._check_read(req_id, grant, block_ids)
+
+    def _check_read(self, req_id: str, grant: bytes, block_ids: Sequence[int]) -> str | None:
+        """``check_read`` with ``_lock`` held."""
+        publication = self._publications.get(req_id)
         if publication is None or not hmac.compare_digest(publication.grant, grant):
             return f"req_id={req_id} is not published under this grant"
         missing = [b for b in block_ids if b not in publication.block_ids]
@@ -112,20 +146,21 @@ class PublishedBlocks:
 
     def begin_read(self, req_id: str, grant: bytes, block_ids: Sequence[int]) -> str | None:
         """``check_read``, and if allowed count a read in progress until ``end_read``."""
-        with self._cond:
-            error = self.check_read(req_id, grant, block_ids)
+        with self._lock:
+            error = self._check_read(req_id, grant, block_ids)
             if error is None:
                 self._num_readers[req_id] = self._num_readers.get(req_id, 0) + 1
             return error
 
     def end_read(self, req_id: str) -> None:
-        """End a read counted by ``begin_read``; the last one lets ``unpublish`` return."""
-        with self._cond:
+        """End a read counted by ``begin_read``; after the last one an unpublished ``req_id``
+        is reported by ``take_unpublished``."""
+        with self._lock:
             remaining = self._num_readers.pop(req_id) - 1
             if remaining:
                 self._num_readers[req_id] = remaining
-            else:
-                self._cond.notify_all()
+            elif self._draining.pop(req_id, None) is not None:
+                self._unpublished.append(req_id)
 
     def release(self, req_id: str, grant: bytes) -> None:
         """Unpublish ``req_id`` and queue it for ``take_released`` when ``grant`` is its grant.
@@ -134,7 +169,7 @@ class PublishedBlocks:
         release, or one after ``unpublish``), at warning when the grant does not match (a
         stale grant of an earlier publication, or a forged one).
         """
-        with self._cond:
+        with self._lock:
             publication = self._publications.get(req_id)
             matches = publication is not None and hmac.compare_digest(publication.grant, grant)
             if matches:
@@ -147,7 +182,7 @@ class PublishedBlocks:
 
     def take_released(self) -> list[str]:
         """The ids released since the last call, in release order; each is reported once."""
-        with self._cond:
+        with self._lock:
             released, self._released = self._released, []
         return released
 

@@ -1,10 +1,10 @@
 """The source side of the ``nixl`` protocol (private to ``kvtransfer.nixl``).
 
 A source grants each read of published blocks before the reader's one-sided READ moves them, and
-counts it as in progress until the reader's ``read_end``, so ``unpublish`` never lets blocks be
-reused under a READ. A ``read_begin`` or ``release`` must present the publication's grant
-(``KVRef.grant``), else it is refused or ignored. Everything here runs on the backend's I/O
-thread.
+counts it as in progress until the reader's ``read_end``, so an unpublished request's blocks are
+not reported free (``take_unpublished``) under a READ. A ``read_begin`` or ``release`` must
+present the publication's grant (``KVRef.grant``), else it is refused or ignored. Everything
+here runs on the backend's I/O thread.
 """
 
 from __future__ import annotations

@@ -161,8 +161,8 @@ class PullSource:
     def serving(self, read: pb.KVReadRequest) -> Iterator[pb.KVFrame]:
         """Grant or refuse ``read`` (refused unless it presents its request's grant and asks
         only for published blocks); yields the ``read_response`` frame to send. When it is
-        ``ok``, the transport sends the blocks inside the ``with``, during which ``unpublish``
-        of the request waits for them to be sent."""
+        ``ok``, the transport sends the blocks inside the ``with``, during which an unpublished
+        request is not reported free (``take_unpublished``)."""
         block_ids = list(read.block_ids)
         error = self._published.begin_read(read.req_id, read.grant, block_ids)
         response = pb.KVReadResponse(

@@ -11,8 +11,10 @@ to the destination in ``KVRef.grant`` (through the router, never derived from th
 the source refuses every read and ignores every release that does not present it, so reaching a
 source's KV port and knowing a request id is not enough to read or free its blocks.
 
-Threading: every method may be called from one thread (the engine loop); backends do their I/O
-on their own threads. ``poll`` and ``take_released`` never block.
+Threading: every method is called from one thread (the engine loop); backends do their I/O on
+their own threads. ``publish``, ``unpublish``, ``take_unpublished``, ``take_released``,
+``start_read``, ``poll`` and ``release`` never block: one slow or hung peer delays nothing but
+its own transfer.
 """
 
 from __future__ import annotations
@@ -111,11 +113,20 @@ class KVTransferBackend(abc.ABC):
 
     @abc.abstractmethod
     def unpublish(self, req_id: str) -> None:
-        """Stop serving ``req_id``; reads that arrive later fail. Unknown ids are ignored."""
+        """Stop serving ``req_id`` at once: reads that arrive later fail. Never blocks: reads
+        of it already being sent may go on (up to the backend's io timeout), so the caller keeps
+        the blocks pinned until ``take_unpublished`` reports ``req_id``."""
+
+    @abc.abstractmethod
+    def take_unpublished(self) -> list[str]:
+        """Ids passed to ``unpublish`` whose blocks may be reused now: no read of them is being
+        sent any more, or the io timeout gave up on it. Each ``unpublish`` of an id not yet
+        reported is reported once (unknown ids at once)."""
 
     @abc.abstractmethod
     def take_released(self) -> list[str]:
-        """Ids of published requests that a peer released since the last call."""
+        """Ids of published requests that a peer released since the last call. They serve no
+        more reads; the caller ``unpublish``-es them to learn when the blocks may be reused."""
 
     # ------------------------------------------------------------------ destination side
     @abc.abstractmethod

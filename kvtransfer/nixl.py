@@ -96,10 +96,10 @@ class _Read:
 class NixlBackend(BackendSkeleton):
     """KV transfer through a NIXL agent (UCX backend), CPU or CUDA caches.
 
-    Public methods are called from one engine thread and never block on the network, except
-    ``unpublish``, which waits (at most ``io_timeout_s``) for granted reads of that request to
-    end. ``close`` drops the agent: afterwards ``publish`` and ``add_peer`` refuse as before
-    registration.
+    Public methods are called from one engine thread and never block on the network; an
+    unpublished request is reported by ``take_unpublished`` once its granted reads have ended
+    (at most ``io_timeout_s``). ``close`` drops the agent: afterwards ``publish`` and
+    ``add_peer`` refuse as before registration.
     """
 
     name = "nixl"

@@ -2,9 +2,10 @@
 
 The skeleton implements the ``KVTransferBackend`` contract once: validating and describing the
 registered cache, pairing checks, the source-side table of published blocks (``publish``,
-``unpublish``, ``take_released``), the destination-side table of read states (``poll``), which
-source each read came from (``release``), the checks every ``start_read`` makes, and the order
-of ``close``. A backend subclasses it and supplies its transport through hooks:
+``unpublish``, ``take_unpublished``, ``take_released``), the destination-side table of read
+states (``poll``), which source each read came from (``release``), the checks every
+``start_read`` makes, and the order of ``close``. A backend subclasses it and supplies its
+transport through hooks:
 
 - ``_expose``: start serving the registered cache; return the address (and metadata) for peers;
 - ``_check_peer_info``: refuse the info of a peer this transport cannot reach;
@@ -42,8 +43,8 @@ logger = logging.getLogger(__name__)
 class BackendSkeleton(KVTransferBackend):
     """The state and bookkeeping shared by every backend; subclasses move the bytes.
 
-    ``io_timeout_s`` bounds how long a read may wait on a silent peer, and how long
-    ``unpublish`` waits for reads of its blocks still being sent.
+    ``io_timeout_s`` bounds how long a read may wait on a silent peer, and how long an
+    unpublished request's blocks stay pinned for reads of them still being sent.
 
     Invariants: once ``_registered``, ``_num_blocks``, ``_block_bytes`` and ``_compat_hash``
     describe the registered cache; ``_read_sources`` holds exactly the reads started and not
@@ -135,12 +136,17 @@ class BackendSkeleton(KVTransferBackend):
         return self._published.publish(req_id, block_ids)
 
     def unpublish(self, req_id: str) -> None:
-        """Stop serving ``req_id``; unknown ids are ignored. Blocks until reads of it that are
-        already being sent end (at most ``io_timeout_s``), so the blocks may be reused after."""
+        """Stop serving ``req_id`` at once; never blocks. ``take_unpublished`` reports it once
+        the reads of it already being sent have ended (at most ``io_timeout_s``)."""
         self._published.unpublish(req_id, wait_s=self._io_timeout_s)
 
+    def take_unpublished(self) -> list[str]:
+        """Unpublished ids whose blocks may be reused now (see ``unpublish``)."""
+        return self._published.take_unpublished()
+
     def take_released(self) -> list[str]:
-        """Published ids released by a peer since the last call (each already unpublished)."""
+        """Published ids released by a peer since the last call (each serves no more reads;
+        ``unpublish`` it to learn when its blocks may be reused)."""
         return self._published.take_released()
 
     # ------------------------------------------------------------------ destination side

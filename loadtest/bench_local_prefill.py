@@ -31,7 +31,7 @@ import grpc
 
 from engine.config import EngineConfig
 from engine.flags import add_flags, from_args, parse_flags
-from services.launcher import LocalCluster, ServiceProcess, free_port, wait_healthy
+from services.launcher import LocalCluster, PortReservation, ServiceProcess, wait_healthy
 from splitserve.v1 import router_pb2, router_pb2_grpc
 
 PATHS = ("remote", "local")
@@ -53,12 +53,19 @@ def timed(stub: router_pb2_grpc.RouterStub, prompt: list[int], max_tokens: int) 
 def local_router(cluster: LocalCluster) -> ServiceProcess:
     """A second router on the same workers that always prefills on the decode worker."""
     first = cluster.workers("router")[0]
-    port, metrics_port = free_port(), free_port()
+    # Held until the cluster stops (it is one of its processes then).
+    reservations = [PortReservation(), PortReservation()]
+    port, metrics_port = (r.port for r in reservations)
     argv = list(first.argv)
     argv[argv.index("--port") + 1] = str(port)
     argv[argv.index("--metrics-port") + 1] = str(metrics_port)
+    if "--http-port" in argv:  # the first router's port: this one needs no HTTP API
+        http = argv.index("--http-port")
+        argv[http : http + 2] = ["--no-http"]
     argv += ["--local-prefill-max-tokens", "1000000"]
-    return ServiceProcess("router", f"127.0.0.1:{port}", metrics_port, argv)
+    return ServiceProcess(
+        "router", f"127.0.0.1:{port}", metrics_port, argv, reservations=reservations
+    )
 
 
 def run(args: argparse.Namespace) -> dict:

@@ -27,14 +27,15 @@ from pathlib import Path
 
 import grpc
 
-from services.launcher import free_port
+from services.launcher import PortReservation
 from splitserve.v1 import router_pb2, router_pb2_grpc, worker_pb2
 
 
 def measure(model: str, ray: bool, cold: bool) -> dict[str, float]:
-    port = free_port()
     env = dict(os.environ)
-    with tempfile.TemporaryDirectory() as cache:
+    # The port is held while `up` binds it (see PortReservation).
+    with tempfile.TemporaryDirectory() as cache, PortReservation() as reservation:
+        port = reservation.port
         if cold:
             env["SPLITSERVE_CACHE_DIR"] = str(Path(cache) / "models")
             env["TORCH_EXTENSIONS_DIR"] = str(Path(cache) / "torch_extensions")

@@ -15,6 +15,9 @@ With ``--hosts`` every process (and Redis) runs on a test host of its own
 between them, and the network faults join the phases: a host's link cut (decode, prefill,
 Redis), the router cut from one decode host only, a whole decode host lost.
 
+With ``--hostile`` it runs another mode instead: one router and one worker of each role under a
+well-behaved HTTP load, first alone, then beside hostile HTTP clients (``loadtest.chaos_hostile``).
+
 The default model is a tiny random Llama built offline (``--model`` takes any other); the
 report is a Markdown table on stdout, and JSON with ``--out``.
 """
@@ -35,12 +38,12 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import grpc
-import psutil
 
 from engine import LLM, EngineConfig, SamplingParams
-from loadtest import netns_hosts
+from loadtest import chaos_hostile, netns_hosts
 from loadtest.chaos_faults import FAULTS, Fault, PhaseResult, Target
 from loadtest.netns_hosts import UCX_ACROSS_HOSTS, HostNetwork
+from loadtest.peak_rss import PeakRss, cluster_pids
 from loadtest.redis_server import RedisServer
 from services.common.grpc_server import CHANNEL_OPTIONS
 from services.common.roles import Role
@@ -53,7 +56,6 @@ _MAX_TOKENS = 200
 _MAX_MODEL_LEN = 1024
 _DEADLINE_S = 120.0  # a request still open after this is hung
 _RECOVER_TIMEOUT_S = 180.0
-_RSS_SAMPLE_S = 0.25
 STREAM_IDLE_TIMEOUT_S = 3.0
 
 
@@ -76,10 +78,7 @@ class ChaosCluster:
             grpc.insecure_channel(r.address, options=CHANNEL_OPTIONS)
             for r in local.workers("router")
         ]
-        self.peak_rss_bytes: dict[str, int] = {}
-        self._sampling = True
-        self._sampler = threading.Thread(target=self._sample_rss, daemon=True)
-        self._sampler.start()
+        self.rss = PeakRss(lambda: cluster_pids(local))
 
     def victim(self, target: Target) -> ServiceProcess:
         """The process a fault on ``target`` hits: always the last one of its role."""
@@ -122,21 +121,8 @@ class ChaosCluster:
             return False
         return all(w.healthy for w in status.workers)
 
-    def _sample_rss(self) -> None:
-        while self._sampling:
-            for process in self.local.processes:
-                if process.popen is None:
-                    continue
-                key = f"{process.role}@{process.address}"
-                try:
-                    rss = psutil.Process(process.popen.pid).memory_info().rss
-                except psutil.Error:
-                    continue
-                self.peak_rss_bytes[key] = max(self.peak_rss_bytes.get(key, 0), rss)
-            time.sleep(_RSS_SAMPLE_S)
-
     def close(self) -> None:
-        self._sampling = False
+        self.rss.close()
         for channel in self._channels:
             channel.close()
 
@@ -259,8 +245,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, help="write the results as JSON here")
+    chaos_hostile.add_flags(parser)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+    if args.hostile:
+        chaos_hostile.check_flags(parser, args)
+        return chaos_hostile.main(args)
     known = [f.name for f in FAULTS if args.hosts or not f.needs_hosts]
     chosen = [f.strip() for f in (args.faults or ",".join(known)).split(",") if f.strip()]
     unknown = sorted(set(chosen) - set(known))
@@ -344,7 +334,7 @@ def _run(
             if fault.name in faults:
                 logger.info("phase: %s", fault.name)
                 results.append(run_phase(cluster, load, fault))
-        return results, dict(cluster.peak_rss_bytes)
+        return results, cluster.rss.peaks()
     finally:
         if cluster is not None:
             cluster.close()

@@ -43,7 +43,10 @@ class OtlpReceiver(trace_service_pb2_grpc.TraceServiceServicer):
         self._server: grpc.Server | None = None
 
     def start(self, host: str = "127.0.0.1") -> str:
-        self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
+        # Off as on every server of ours (services.common.grpc_server): never share a port.
+        self._server = grpc.server(
+            futures.ThreadPoolExecutor(max_workers=4), options=(("grpc.so_reuseport", 0),)
+        )
         trace_service_pb2_grpc.add_TraceServiceServicer_to_server(self, self._server)
         port = self._server.add_insecure_port(f"{host}:0")
         self._server.start()

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import redis
 
-from services.launcher import free_port
+from services.launcher import PortReservation
 
 
 class RedisServer:
@@ -21,7 +21,8 @@ class RedisServer:
     ``password`` it requires AUTH; with ``tls`` it serves TLS only, with a self-signed
     certificate for 127.0.0.1 (``ca_file``) made by the ``openssl`` command. ``host`` is the
     address it binds; ``argv_prefix`` runs it under another command (``ip netns exec NS``: on a
-    test host of ``loadtest.netns_hosts``)."""
+    test host of ``loadtest.netns_hosts``). Its port is held (``PortReservation``) for as long
+    as the object lives, so that a restart binds it again."""
 
     def __init__(
         self,
@@ -38,7 +39,8 @@ class RedisServer:
         self._host = host
         self._argv_prefix = list(argv_prefix)
         self._pidfile = work_dir / "redis.pid"
-        self.port = free_port()
+        self._reservation = PortReservation()
+        self.port = self._reservation.port
         self.password = password
         self.ca_file: Path | None = None
         self._extra_args: list[str] = []

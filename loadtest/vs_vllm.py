@@ -51,7 +51,7 @@ from loadtest.experiments import load_runs, warm_up
 from loadtest.openai_http import OpenAIClient
 from loadtest.report import RunResult, write_reports
 from loadtest.sweep import LoadSpec, ServedModel, load_served_model, run_sweep
-from services.launcher import LocalCluster, free_port
+from services.launcher import LocalCluster, PortReservation
 
 logger = logging.getLogger(__name__)
 
@@ -86,7 +86,8 @@ ARMS = (
 @contextmanager
 def vllm_server(args: argparse.Namespace, model_dir: Path, cores: Sequence[str]) -> Iterator[str]:
     """``vllm serve`` on a free port, bound to ``cores``; yields its base URL once healthy."""
-    port = free_port()
+    reservation = PortReservation()  # held while vLLM binds it
+    port = reservation.port
     env = dict(os.environ)
     env.update(
         VLLM_CPU_KVCACHE_SPACE="2",
@@ -120,6 +121,7 @@ def vllm_server(args: argparse.Namespace, model_dir: Path, cores: Sequence[str])
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+        reservation.close()
 
 
 def _wait_healthy(url: str, proc: subprocess.Popen, timeout_s: float, log_path: Path) -> None:

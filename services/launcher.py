@@ -6,6 +6,11 @@ every worker, starts the routers alongside the workers, waits for gRPC health, a
 everything down on Ctrl-C or when one of the processes it cannot lose (the router) exits.
 ``services.cluster`` runs the same services as Ray actors.
 
+Ports are handed over without a window in which another process could take them: the launcher
+holds each port it picks (``PortReservation``) for as long as its process may bind it, restarts
+included, and the process binds it while it is held. A port that is taken anyway fails the
+process's start (the servers never share a port: no ``SO_REUSEPORT``).
+
 Each process's stderr passes through to the launcher's, which keeps its last lines: a process
 that exits is reported with its exit status and the last line it wrote (a worker that fails to
 load its model: the exception). A worker that exits after it served (its engine died, it was
@@ -60,19 +65,41 @@ _STDERR_TAIL_LINES = 20
 _STDERR_DRAIN_S = 1.0
 
 
-def free_port(host: str = "127.0.0.1", taken: set[int] | None = None) -> int:
-    """A port free on ``host`` now. With ``taken``, one not in it (it is then added): the
-    kernel may hand a just-closed port out again, and two services of one launch must not get
-    the same one."""
-    while True:
-        with socket.socket() as sock:
-            sock.bind((host, 0))
-            port: int = sock.getsockname()[1]
-        if taken is None:
-            return port
-        if port not in taken:
-            taken.add(port)
-            return port
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port free on ``host`` now, and free for anyone to take: for an address nothing should
+    answer on. A port that a child process is to bind is a ``PortReservation``'s."""
+    with socket.socket() as sock:
+        sock.bind((host, 0))
+        port: int = sock.getsockname()[1]
+    return port
+
+
+class PortReservation:
+    """A free port on ``host``, held until ``close`` for a child process to bind.
+
+    The port is bound (``SO_REUSEADDR``, never listening): Linux lets another socket with
+    ``SO_REUSEADDR`` bind and listen on it meanwhile (every server we start sets it: gRPC, the
+    HTTP servers, Prometheus', redis-server), but hands it to no one else (neither ``bind`` to
+    port 0 nor a connection's ephemeral port), so there is no window between picking the port
+    and the child's bind in which another process takes it. Hold it for as long as the child
+    may bind the port again (a restart). Not inherited by children; a context manager.
+    """
+
+    def __init__(self, host: str = "127.0.0.1") -> None:
+        self._socket = socket.socket()
+        self._socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self._socket.bind((host, 0))
+        self.port: int = self._socket.getsockname()[1]
+
+    def close(self) -> None:
+        """Stop holding the port (idempotent)."""
+        self._socket.close()
+
+    def __enter__(self) -> PortReservation:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
 
 
 class ProcessState(enum.Enum):
@@ -84,13 +111,15 @@ class ProcessState(enum.Enum):
 @dataclass(slots=True)
 class ServiceProcess:
     """One child process and the gRPC address it serves. Its stderr passes through to ours
-    (file descriptor 2); the last lines are kept to tell why it exited (``exit_reason``)."""
+    (file descriptor 2); the last lines are kept to tell why it exited (``exit_reason``).
+    ``reservations`` hold the ports it binds until ``release_ports``."""
 
     role: Role
     address: str
     metrics_port: int
     argv: list[str]
     http_port: int | None = None  # a router's HTTP API (None: none)
+    reservations: list[PortReservation] = field(default_factory=list, repr=False)
     popen: subprocess.Popen[bytes] | None = None
     state: ProcessState = ProcessState.STARTING
     num_restarts: int = 0
@@ -159,6 +188,11 @@ class ServiceProcess:
         if self._stand_in is not None:
             self._stand_in.stop(None)
             self._stand_in = None
+
+    def release_ports(self) -> None:
+        """Stop holding the process's ports (it will not bind them again)."""
+        for reservation in self.reservations:
+            reservation.close()
 
 
 class _Unavailable(grpc.GenericRpcHandler):
@@ -267,12 +301,11 @@ class LocalCluster:
         if self.worker_cpu_cores and len(self.worker_cpu_cores) != num_workers:
             raise ValueError(f"worker_cpu_cores needs one entry per worker ({num_workers})")
         cpu_cores = iter(self.worker_cpu_cores)
-        taken = {self.port} if self.port else set()
-        probe_host = self.host if self.placement is None else "127.0.0.1"
         for role, count in ((Role.PREFILL, self.num_prefill), (Role.DECODE, self.num_decode)):
             for i in range(count):
                 where = self.where(role, i)
-                port, metrics_port = free_port(probe_host, taken), free_port(probe_host, taken)
+                reservations: list[PortReservation] = []
+                port, metrics_port = self._reserve(reservations), self._reserve(reservations)
                 argv = [
                     *where.argv_prefix, python, "-m", f"services.{role}", "--host", where.host,
                     "--port", str(port), "--metrics-port", str(metrics_port),
@@ -282,22 +315,31 @@ class LocalCluster:
                 if self.worker_cpu_cores:
                     argv += ["--cpu-cores", next(cpu_cores)]
                 address = f"{where.host}:{port}"
-                self.processes.append(ServiceProcess(role, address, metrics_port, argv))
-        self.processes.extend(
-            self._router_process(
-                self.where(Role.ROUTER, i),
-                self.port if i == 0 and self.port else free_port(probe_host, taken),
-                None
-                if self.http_port is None
-                else self.http_port + i
-                if self.http_port
-                else free_port(probe_host, taken),
-                free_port(probe_host, taken),
-            )
-            for i in range(self.num_routers)
-        )
+                self.processes.append(
+                    ServiceProcess(role, address, metrics_port, argv, reservations=reservations)
+                )
+        self.processes.extend(self._router_process(i) for i in range(self.num_routers))
         for process in self.processes:
             process.start(env)
+
+    def _reserve(self, reservations: list[PortReservation]) -> int:
+        """A port reserved for a process of this cluster (added to ``reservations``), none of
+        the ports given explicitly (``port``, ``http_port``). With ``placement`` it is reserved
+        on this host's loopback: a placed host has a network of its own, where only the
+        cluster's processes bind, and the reservation keeps their ports distinct."""
+        given = {self.port} if self.port else set()
+        if self.http_port:
+            given.update(self.http_port + i for i in range(self.num_routers))
+        host = self.host if self.placement is None else "127.0.0.1"
+        rejected: list[PortReservation] = []
+        reservation = PortReservation(host)
+        while reservation.port in given:
+            rejected.append(reservation)
+            reservation = PortReservation(host)
+        for other in rejected:
+            other.close()
+        reservations.append(reservation)
+        return reservation.port
 
     def supervise(self) -> list[WorkerFailure]:
         """One round of watching the processes (``splitserve up --no-ray``): note those that
@@ -366,9 +408,16 @@ class LocalCluster:
         scheme = "https" if self.tls_dir else "http"
         return f"{scheme}://{self.where(Role.ROUTER, 0).host}:{router.http_port}"
 
-    def _router_process(
-        self, where: Placement, port: int, http_port: int | None, metrics_port: int
-    ) -> ServiceProcess:
+    def _router_process(self, index: int) -> ServiceProcess:
+        """The ``index``-th router, on the ports given (the first one's ``port``; ``http_port``
+        + ``index``) or reserved."""
+        where = self.where(Role.ROUTER, index)
+        reservations: list[PortReservation] = []
+        port = self.port if index == 0 and self.port else self._reserve(reservations)
+        http_port = None
+        if self.http_port is not None:
+            http_port = self.http_port + index if self.http_port else self._reserve(reservations)
+        metrics_port = self._reserve(reservations)
         http_flags = ["--no-http"] if http_port is None else ["--http-port", str(http_port)]
         return ServiceProcess(
             Role.ROUTER,
@@ -389,6 +438,7 @@ class LocalCluster:
                 *self.extra_router_flags,
             ],
             http_port,
+            reservations,
         )  # fmt: skip
 
     def _engine_for_workers(self) -> EngineConfig:
@@ -402,13 +452,13 @@ class LocalCluster:
         deadline_s = time.monotonic() + timeout_s
         for process in self.processes:
             process.close_stand_in()
-            if process.popen is None:
-                continue
-            try:
-                process.popen.wait(max(deadline_s - time.monotonic(), 0.1))
-            except subprocess.TimeoutExpired:
-                process.signal(signal.SIGKILL)
-                process.popen.wait()
+            if process.popen is not None:
+                try:
+                    process.popen.wait(max(deadline_s - time.monotonic(), 0.1))
+                except subprocess.TimeoutExpired:
+                    process.signal(signal.SIGKILL)
+                    process.popen.wait()
+            process.release_ports()
 
 
 def _router_model_flags(engine: EngineConfig) -> list[str]:

@@ -43,6 +43,8 @@ _PER_ROUTER = (
 )  # fmt: skip
 # Per replica under the launcher too (port + i), but flags of `up` (the first router's).
 _HTTP = ("http", "http_port")
+# Router flags that are worker flags too, with the same meaning: one `up` flag sets both.
+SHARED_WITH_WORKERS = ("stream_idle_timeout_s",)
 _SUPERVISE_S = 0.5
 
 
@@ -51,7 +53,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     add_flags(parser, EngineConfig)
     add_flags(parser, ClusterConfig)
     add_flags(parser, WorkerConfig, skip=_PER_WORKER)
-    add_flags(parser, RouterConfig, skip=_PER_ROUTER)
+    add_flags(parser, RouterConfig, skip=(*_PER_ROUTER, *SHARED_WITH_WORKERS))
     add_flags(parser, RedisConfig)
     add_flags(parser, TracingConfig)
     add_flags(parser, PlannerConfig)

@@ -22,7 +22,7 @@ from services.common.redis_config import RedisConfig
 from services.common.tracing import TracingConfig
 from services.common.worker_config import WorkerConfig
 from services.router.config import RouterConfig
-from services.up import _PER_ROUTER, _PER_WORKER
+from services.up import _PER_ROUTER, _PER_WORKER, SHARED_WITH_WORKERS
 
 CHART_DIR = Path(__file__).resolve().parent / "splitserve"
 # Flags the chart sets itself from other values (service.port, prefill.replicas, ...).
@@ -38,7 +38,7 @@ CHART_OWNED = {
 FLAG_SECTIONS: dict[str, tuple[type, tuple[str, ...]]] = {
     "engine": (EngineConfig, ()),
     "worker": (WorkerConfig, _PER_WORKER),
-    "router": (RouterConfig, (*_PER_ROUTER, *CHART_OWNED["router"])),
+    "router": (RouterConfig, (*_PER_ROUTER, *SHARED_WITH_WORKERS, *CHART_OWNED["router"])),
     "cluster": (ClusterConfig, CHART_OWNED["cluster"]),
     "planner": (PlannerConfig, ()),
     "redisOptions": (RedisConfig, CHART_OWNED["redisOptions"]),

@@ -21,7 +21,7 @@ from services.common.logs import configure_logging
 from services.common.roles import Role
 from services.common.worker_config import WorkerConfig
 from services.common.worker_runtime import RunningWorker
-from services.launcher import free_port
+from services.launcher import PortReservation
 from services.router.app import RunningRouter, start_router
 from services.router.config import RouterConfig
 from services.router.latency import LatencySamples
@@ -40,6 +40,15 @@ class Endpoint:
     hostname: str  # the pod's name on Kubernetes
 
 
+def _metrics_port(port: int, host: str) -> tuple[int, PortReservation | None]:
+    """``port`` if set, else a port reserved on ``host`` with its reservation, which the actor
+    holds for its life (its service binds the port at start)."""
+    if port:
+        return port, None
+    reservation = PortReservation(host)
+    return reservation.port, reservation
+
+
 def _advertised_host(host: str) -> str:
     """The address peers dial for a server bound to ``host`` (the node's IP for a wildcard)."""
     return ray.util.get_node_ip_address() if host in _ANY_ADDRESS else host
@@ -52,8 +61,9 @@ class _WorkerActor:
 
     def __init__(self, config: WorkerConfig, log_level: str) -> None:
         configure_logging(log_level)
-        # Several actors share a node: each gets its own ports; peers dial the node's address.
-        metrics_port = config.metrics_port or free_port(config.host)
+        # Several actors share a node: each gets its own ports (gRPC: port 0, bound at start;
+        # metrics: reserved); peers dial the node's address.
+        metrics_port, self._metrics_reservation = _metrics_port(config.metrics_port, config.host)
         kv_advertise_host = config.kv_advertise_host or _advertised_host(config.kv_bind_host)
         self._config = dataclasses.replace(
             config, port=0, metrics_port=metrics_port, kv_advertise_host=kv_advertise_host
@@ -136,9 +146,8 @@ class RouterActor:
 
     def __init__(self, config: RouterConfig, controller: Any, log_level: str) -> None:
         configure_logging(log_level)
-        self._config = dataclasses.replace(
-            config, metrics_port=config.metrics_port or free_port(config.host)
-        )
+        metrics_port, self._metrics_reservation = _metrics_port(config.metrics_port, config.host)
+        self._config = dataclasses.replace(config, metrics_port=metrics_port)
         self._controller = controller
         self._router: RunningRouter | None = None
 

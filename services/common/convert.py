@@ -7,7 +7,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from engine.constraint import Constraint, ConstraintKind
+from engine.constraint import Constraint, ConstraintKind, ConstraintLimits
+from engine.grammar_pool import GrammarPool
 from engine.sampling_params import SamplingParams
 from kvtransfer.base import KVRef, PeerInfo
 from splitserve.v1 import router_pb2, worker_pb2
@@ -24,19 +25,24 @@ FINISH_REASONS = {
     "abort": router_pb2.FINISH_REASON_ABORT,
 }
 FINISH_REASON_NAMES = {v: k for k, v in FINISH_REASONS.items() if k}
+# The router's validations of constraints: off the event loop and the threads that prepare
+# requests, within the budget the workers compile them in (the default ConstraintLimits).
+_VALIDATIONS: GrammarPool[None] = GrammarPool(Constraint.validate, ConstraintLimits())
 
 
 def sampling_params_from_client(msg: router_pb2.SamplingParams) -> SamplingParams:
     """Engine params from a client's message (unset fields take the engine defaults).
 
     Raises ``ValueError`` naming the field, as ``SamplingParams`` validation does; a
-    constraint is compiled here (a bad schema, regex or grammar never reaches a worker).
+    constraint is validated here (a bad schema, regex or grammar, or one over its budget of
+    size or time, never reaches a worker). Blocks for up to the budget's
+    ``compile_timeout_s``: call it off the event loop.
     """
     defaults = SamplingParams()
     constraint = constraint_from_proto(msg.constraint) if msg.HasField("constraint") else None
     if constraint is not None:
         try:
-            constraint.validate()
+            _VALIDATIONS.result(constraint)
         except ValueError as exc:
             raise ValueError(f"constraint.{exc}") from None
     return SamplingParams(

@@ -19,12 +19,16 @@ import concurrent.futures
 import logging
 import queue
 import threading
+import time
 from collections.abc import AsyncGenerator, Callable
 from typing import Any, Protocol, TypeVar
+
+from prometheus_client import Histogram
 
 from engine.block_pool import KVCacheEvent
 from engine.llm_engine import LLMEngine
 from engine.outputs import RequestOutput
+from engine.scheduler import DuplicateRequestError
 from engine.stats import EngineStats
 from services.common.engine_thread import EngineThread
 from services.common.output_stream import OutputStream
@@ -32,6 +36,15 @@ from services.common.output_stream import OutputStream
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
+
+# One engine step's wall time: a step that stalls every running request (a long prefill chunk,
+# work that does not belong on the engine thread) shows in the upper buckets.
+ENGINE_STEP_SECONDS = Histogram(
+    "splitserve_engine_step_seconds",
+    "wall time of one engine step (schedule, forward, sample, update) on a worker",
+    ["model_name"],
+    buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 10.0),
+)
 
 # How long the engine thread sleeps when idle but hooks have transfers or leases to watch.
 _BUSY_POLL_S = 0.002
@@ -103,6 +116,8 @@ class EngineLoop:
         self.on_dead: Callable[[BaseException], None] | None = None
         self._commands: queue.SimpleQueue[Callable[[], object]] = queue.SimpleQueue()
         self._wakeup = threading.Event()
+        # A request held while its grammar compiles is admitted by the next step: wake for it.
+        engine.on_constraint_compiled = self._wakeup.set
         self._streams: dict[str, OutputStream] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: EngineThread | None = None
@@ -161,16 +176,22 @@ class EngineLoop:
         self, req_id: str, add: Callable[[LLMEngine], Any]
     ) -> AsyncGenerator[RequestOutput, None]:
         """Add a request with ``add(engine)`` (which may raise ``ValueError``) and yield its
-        outputs until the finished one. Closing or cancelling the iterator early aborts it."""
+        outputs until the finished one. Closing or cancelling the iterator early aborts it.
+        ``DuplicateRequestError`` if ``req_id`` is streaming or held by the engine already."""
         if req_id in self._streams:
-            raise ValueError(f"request_id {req_id!r} is already in flight")
+            raise DuplicateRequestError(f"request_id {req_id!r} is already in flight")
         stream = OutputStream(
             lambda paused: self._command(lambda: self.engine.set_paused(req_id, paused))
         )
         self._streams[req_id] = stream
         finished = False
+        refused = False
         try:
-            await self.call(add)
+            try:
+                await self.call(add)
+            except ValueError:
+                refused = True  # never added: the id may be another request's, left alone
+                raise
             while True:
                 output = await stream.get()
                 if isinstance(output, Exception):
@@ -182,7 +203,7 @@ class EngineLoop:
         finally:
             if self._streams.get(req_id) is stream:
                 del self._streams[req_id]
-            if not finished and self.is_alive:
+            if not finished and not refused and self.is_alive:
                 self.abort(req_id)
 
     @property
@@ -234,14 +255,18 @@ class EngineLoop:
 
     def _run(self) -> None:
         engine = self.engine
+        step_seconds = ENGINE_STEP_SECONDS.labels(engine.served_model_name)
         try:
             while not self._stopping:
                 self._drain_commands()
                 self.hooks.before_step(engine)
                 did_work = False
                 if engine.has_unfinished_requests():
+                    start_s = time.perf_counter()
                     outputs = engine.step()
                     did_work = engine.last_num_scheduled_tokens > 0
+                    if did_work:
+                        step_seconds.observe(time.perf_counter() - start_s)
                     self.hooks.after_step(engine, outputs)
                     if outputs:
                         self._post(outputs)

@@ -44,6 +44,9 @@ CHANNEL_OPTIONS = (
 )
 SERVER_OPTIONS = (
     *_MESSAGE_SIZES,
+    # gRPC sets SO_REUSEPORT by default: a second server on a port in use would then share it,
+    # each getting some of the connections, instead of failing to start.
+    ("grpc.so_reuseport", 0),
     # The server pings its clients too: the calls of a router that hangs or is cut off are
     # cancelled (freeing their KV blocks) instead of waiting for it forever.
     ("grpc.keepalive_time_ms", 2 * KEEPALIVE_TIME_MS),
@@ -91,7 +94,8 @@ async def start_server(
     adds the servicers, ``interceptors`` run before the servicer (and before undecodable
     requests are refused), in order.
 
-    Health reports NOT_SERVING until ``ServingServer.set_serving`` is called.
+    Health reports NOT_SERVING until ``ServingServer.set_serving`` is called. ``port`` 0 binds
+    a free port (``ServingServer.port``); a port in use raises ``OSError`` (never shared).
     """
     server = grpc.aio.server(
         options=SERVER_OPTIONS, interceptors=(*interceptors, RejectUndecodableRequests())
@@ -105,12 +109,15 @@ async def start_server(
         (*service_names, health.SERVICE_NAME, reflection.SERVICE_NAME), server
     )
     address = f"{host}:{port}"
-    if credentials is None:
-        bound_port = server.add_insecure_port(address)
-    else:
-        bound_port = server.add_secure_port(address, credentials)
+    try:
+        if credentials is None:
+            bound_port = server.add_insecure_port(address)
+        else:
+            bound_port = server.add_secure_port(address, credentials)
+    except RuntimeError:  # newer grpcio raises where older ones returned 0
+        bound_port = 0
     if bound_port == 0:
-        raise OSError(f"cannot bind gRPC server to {host}:{port}")
+        raise OSError(f"cannot bind gRPC server to {host}:{port} (in use?)")
     await server.start()
     return ServingServer(server, health_servicer, bound_port)
 

@@ -110,5 +110,9 @@ class WorkerLoadCollector(Collector):
 
 def register_worker_metrics(
     role: str, worker_id: str, model_name: str, load: Callable[[], worker_pb2.WorkerLoad]
-) -> None:
-    REGISTRY.register(WorkerLoadCollector(role, worker_id, model_name, load))
+) -> WorkerLoadCollector:
+    """Export a worker's load; ``REGISTRY.unregister`` the collector when the worker stops
+    (another worker of the same process would export the same series)."""
+    collector = WorkerLoadCollector(role, worker_id, model_name, load)
+    REGISTRY.register(collector)
+    return collector

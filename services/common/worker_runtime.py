@@ -11,8 +11,10 @@ from typing import Any, Protocol
 
 import grpc
 from opentelemetry.trace import Span
+from prometheus_client import REGISTRY
 
 from engine.llm_engine import LLMEngine
+from engine.sampling_params import SamplingParams
 from kvtransfer.base import KVTransferBackend, PeerInfo
 from kvtransfer.registry import TLS_BACKENDS, make_backend
 from kvtransfer.tls import KVTransferTls
@@ -23,7 +25,11 @@ from services.common.engine_thread import EngineThread
 from services.common.failures import FailureKind, abort_with
 from services.common.grpc_server import ServingServer, serve_until_signal, start_server
 from services.common.kv_events import KVEventPublisher
-from services.common.metrics import register_worker_metrics, start_metrics_server
+from services.common.metrics import (
+    WorkerLoadCollector,
+    register_worker_metrics,
+    start_metrics_server,
+)
 from services.common.prefix_index import RedisPrefixIndex
 from services.common.roles import Role
 from services.common.serving_metrics import ServingMetrics
@@ -72,6 +78,20 @@ class WorkerRuntime:
                 FailureKind.SHUTDOWN,
                 "the worker is shutting down",
             )
+
+    async def compile_constraint(
+        self, params: SamplingParams, context: grpc.aio.ServicerContext
+    ) -> None:
+        """Compile ``params.constraint``, if any, on the engine's grammar threads and wait for
+        it here, so that the engine adds the request with its grammar ready (a cache hit) and
+        its errors stay the caller's: abort the call with INVALID_ARGUMENT naming the field when
+        the constraint is over its budget (size or time) or does not compile."""
+        if params.constraint is None:
+            return
+        try:
+            await self.engine.grammars.wait(params.constraint)
+        except ValueError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"sampling.constraint.{exc}")
 
     def start_call_span(self, name: str, context: grpc.aio.ServicerContext, req_id: str) -> Span:
         """The span of a call on ``req_id``: a child of the router's call span when the call
@@ -150,6 +170,8 @@ class RunningWorker:
     publisher: KVEventPublisher | None
     # Set when the engine thread died: the worker reports NOT_SERVING and its process exits.
     engine_died: asyncio.Event
+    # The worker's load as Prometheus series (exported until ``cleanup``).
+    load_collector: WorkerLoadCollector
 
     @property
     def port(self) -> int:
@@ -190,7 +212,8 @@ class RunningWorker:
 
     async def cleanup(self) -> None:
         """Stop the engine, the index publisher and the KV transfer endpoint; export the
-        spans still buffered."""
+        spans still buffered; stop exporting the worker's load."""
+        REGISTRY.unregister(self.load_collector)
         if self.publisher is not None:
             await self.publisher.stop()
         self.runtime.loop.shutdown()
@@ -227,7 +250,7 @@ async def start_worker(
         (RequirePeerIdentity(_CALLERS),) if tls else (),
         tls.server_credentials(require_client_auth=True) if tls else None,
     )
-    register_worker_metrics(
+    load_collector = register_worker_metrics(
         str(role), runtime.worker_id, runtime.engine.served_model_name, servicer.load
     )
     start_metrics_server(config.host, config.metrics_port)
@@ -258,7 +281,7 @@ async def start_worker(
         runtime.kv_backend.name,
         runtime.kv_peer.address,
     )
-    return RunningWorker(runtime, servicer, serving, publisher, engine_died)
+    return RunningWorker(runtime, servicer, serving, publisher, engine_died, load_collector)
 
 
 async def serve_worker(starting: Awaitable[RunningWorker]) -> int:

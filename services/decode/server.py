@@ -18,6 +18,7 @@ from opentelemetry.trace import Span
 
 from engine.llm_engine import LLMEngine
 from engine.outputs import RequestOutput
+from engine.scheduler import DuplicateRequestError
 from kvtransfer.base import KVRef, KVTransferBackend
 from services.common.convert import (
     kv_ref_from_proto,
@@ -72,6 +73,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
             params = sampling_params_from_worker(request.sampling)
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"sampling.{exc}")
+        await self.runtime.compile_constraint(params, context)
         prompt = list(request.prompt_token_ids)
         output_token_ids = list(request.output_token_ids)
         src: KVRef | None = None
@@ -99,6 +101,8 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
                     num_external_tokens=src.num_tokens,
                     cache_salt=salt,
                 )
+            except DuplicateRequestError:
+                raise  # the id's pull, if any, is another request's
             except ValueError:
                 self.puller.abort(engine, req_id)
                 raise
@@ -132,6 +136,8 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
                     if not await self._write(context, response):
                         stalled = True
                         break
+        except DuplicateRequestError as exc:
+            await context.abort(grpc.StatusCode.ALREADY_EXISTS, str(exc))
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         except EngineDeadError as exc:

@@ -5,16 +5,17 @@ stay allocated until one of: the decode side releases them through the backend a
 the router calls ``Release`` (the request ended without a decode), or the lease expires (the
 decode side never came). An abandoned request therefore never strands KV for longer than the TTL.
 
-Unpublishing waits for reads of the blocks that are still sending (a slow or hung reader, up to
-the backend's io timeout): it runs on a thread of its own, and the blocks are freed by the next
-step after it returns, so that no reader can stall the engine thread and every other prefill.
+A released lease is unpublished at once (no new read is served), but its blocks stay pinned while
+reads of them are still sending (a slow or hung reader, up to the backend's io timeout): they are
+freed by the first step after the backend reports them unpublished (``take_unpublished``). So
+no reader stalls the engine thread, and a hung reader delays the freeing of its own lease's
+blocks only, never another lease's.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from engine.llm_engine import LLMEngine
@@ -43,9 +44,8 @@ class LeaseHooks:
         self.ttl_s = ttl_s
         self._leases: dict[str, Lease] = {}
         self.num_leases_expired = 0
-        # Released leases whose unpublish is still waiting for readers; freed once done.
-        self._unpublishing: dict[str, Future[None]] = {}
-        self._executor = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kv-unpublish")
+        # Released leases whose blocks readers may still be sending; freed once reported.
+        self._unpublishing: set[str] = set()
 
     def get(self, req_id: str) -> Lease | None:
         return self._leases.get(req_id)
@@ -70,21 +70,19 @@ class LeaseHooks:
             self._leases[output.req_id] = Lease(tuple(block_ids), grant, expires_at_s)
 
     def before_step(self, engine: LLMEngine) -> None:
-        for req_id in [r for r, f in self._unpublishing.items() if f.done()]:
-            error = self._unpublishing.pop(req_id).exception()
-            if error is not None:
-                logger.warning("req_id=%s unpublish failed: %r", req_id, error)
-            engine.release_held_kv(req_id)
         for req_id in self.backend.take_released():
             self.release(engine, req_id)
-        if not self._leases:
-            return
-        now_s = time.monotonic()
-        expired = [r for r, lease in self._leases.items() if lease.expires_at_s <= now_s]
-        for req_id in expired:
-            logger.warning("req_id=%s KV lease expired after %.1f s", req_id, self.ttl_s)
-            self.num_leases_expired += 1
-            self.release(engine, req_id)
+        if self._leases:
+            now_s = time.monotonic()
+            expired = [r for r, lease in self._leases.items() if lease.expires_at_s <= now_s]
+            for req_id in expired:
+                logger.warning("req_id=%s KV lease expired after %.1f s", req_id, self.ttl_s)
+                self.num_leases_expired += 1
+                self.release(engine, req_id)
+        if self._unpublishing:
+            for req_id in self.backend.take_unpublished():
+                self._unpublishing.discard(req_id)
+                engine.release_held_kv(req_id)
 
     def abort(self, engine: LLMEngine, req_id: str) -> list[RequestOutput]:
         outputs = engine.abort_requests([req_id])
@@ -92,10 +90,11 @@ class LeaseHooks:
         return outputs
 
     def release(self, engine: LLMEngine, req_id: str) -> bool:
-        """Unpublish a finished prefill's blocks, off this thread, and free them once that is
-        done (a later ``before_step``). False if it holds none."""
+        """Unpublish a finished prefill's blocks now, and free them once no read of them is
+        sending any more (a later ``before_step``). Never blocks. False if it holds none."""
         self._leases.pop(req_id, None)
         held = engine.holds_kv(req_id)
         if held and req_id not in self._unpublishing:
-            self._unpublishing[req_id] = self._executor.submit(self.backend.unpublish, req_id)
+            self._unpublishing.add(req_id)
+            self.backend.unpublish(req_id)
         return held

@@ -19,6 +19,7 @@ from opentelemetry.trace import Span
 
 from engine.llm_engine import LLMEngine
 from engine.outputs import RequestOutput
+from engine.scheduler import DuplicateRequestError
 from kvtransfer.base import KVRef, KVTransferBackend
 from services.common.convert import (
     kv_ref_to_proto,
@@ -73,6 +74,7 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
             params = sampling_params_from_worker(request.sampling)
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"sampling.{exc}")
+        await self.runtime.compile_constraint(params, context)
         hold_kv = params.max_tokens > 1
         salt = request.cache_salt
         first_token_params = dataclasses.replace(params, max_tokens=1)
@@ -85,6 +87,8 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
         try:
             async for output in loop.generate(req_id, add):
                 final = output
+        except DuplicateRequestError as exc:
+            await context.abort(grpc.StatusCode.ALREADY_EXISTS, str(exc))
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         except EngineDeadError as exc:

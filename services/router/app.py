@@ -19,6 +19,7 @@ from services.common.metrics import start_metrics_server
 from services.common.tls import read_tls_dir
 from services.router.auth import ROUTER_METHOD_ROLES, RequireApiKey
 from services.router.config import RouterConfig, parse_router_args
+from services.router.openai.connection import HttpLimits
 from services.router.openai.routes import build_app
 from services.router.openai.server import HttpServer
 from services.router.pool_metrics import register_pool_metrics, unregister_pool_metrics
@@ -104,7 +105,9 @@ async def start_router(
     if config.http:
         app = build_app(servicer, api_keys, max_body_bytes=_max_body_bytes(config))
         try:
-            http = await HttpServer.start(app, config.host, config.http_port, config.tls_dir)
+            http = await HttpServer.start(
+                app, config.host, config.http_port, _http_limits(config), config.tls_dir
+            )
         except OSError:
             await serving.stop(0)
             await servicer.stop()
@@ -144,6 +147,17 @@ def _max_body_bytes(config: RouterConfig) -> int:
     """The largest HTTP body worth parsing: the largest prompt, JSON-escaped (up to 6 bytes
     a character), plus room for the other fields."""
     return 6 * config.max_prompt_bytes + 2**20
+
+
+def _http_limits(config: RouterConfig) -> HttpLimits:
+    return HttpLimits(
+        max_header_bytes=config.http_max_header_bytes,
+        header_timeout_s=config.http_header_timeout_s,
+        body_timeout_s=config.http_body_timeout_s,
+        keep_alive_timeout_s=config.http_keep_alive_timeout_s,
+        max_connections=config.http_max_connections,
+        stream_idle_timeout_s=config.stream_idle_timeout_s,
+    )
 
 
 def _is_loopback(host: str) -> bool:

@@ -9,9 +9,11 @@ import socket
 from dataclasses import dataclass, field
 
 from engine.flags import add_flags, flag, from_args, parse_flags
+from engine.sampling_params import MAX_LOGPROBS
 from services.common.logs import add_log_flags, configure_logging
 from services.common.redis_config import RedisConfig
 from services.common.tracing import TracingConfig
+from services.router.openai.protocol import MAX_GENERATIONS
 from services.router.request_prep import RequestBounds
 
 MODES = ("disaggregated", "colocated")
@@ -65,6 +67,46 @@ class RouterConfig:
         4 * 2**20, "largest prompt text, or sum of chat message contents, in UTF-8 bytes"
     )
     max_messages: int = flag(1024, "most chat messages in one request")
+    max_n: int = flag(
+        16,
+        f"most choices (n) one HTTP request may ask for, 1 to {MAX_GENERATIONS} (a completions "
+        f"request's prompts x n are at most {MAX_GENERATIONS} generations whatever this is)",
+    )
+    max_logprobs: int = flag(
+        MAX_LOGPROBS,
+        f"most logprobs (top alternatives per token) a request may ask for, through either API "
+        f"(at most {MAX_LOGPROBS}, the engine's)",
+    )
+    max_request_output_tokens: int = flag(
+        262144,
+        "most tokens one HTTP request may generate over all its choices: generations x "
+        "max_tokens, where a chat request without max_tokens counts the model's context length "
+        "per generation; also the largest max_tokens of a gRPC request",
+    )
+    stream_idle_timeout_s: float = flag(
+        60.0,
+        "seconds an HTTP response may stay unread (its send blocked, the client's buffers full) "
+        "before the router closes the connection and cancels its generations",
+    )
+    http_max_header_bytes: int = flag(
+        65536, "largest HTTP request head (request line and headers), in bytes (431 above)"
+    )
+    http_header_timeout_s: float = flag(
+        10.0,
+        "seconds a client has to send a whole HTTP request head, from its first byte (or from "
+        "connecting); then the connection is closed (408)",
+    )
+    http_body_timeout_s: float = flag(
+        60.0,
+        "seconds a client has to send a whole HTTP request body, from the end of its head; "
+        "then the connection is closed (408)",
+    )
+    http_keep_alive_timeout_s: float = flag(
+        5.0, "seconds an idle HTTP connection is kept open for its next request"
+    )
+    http_max_connections: int = flag(
+        4096, "most open HTTP connections; one more is answered 503 and closed"
+    )
     health_check_interval_s: float = flag(0.5, "seconds between worker load/health polls")
     max_decode_retries: int = flag(
         2, "times a request moves to another decode worker when its worker fails"
@@ -179,6 +221,23 @@ class RouterConfig:
             raise ValueError(
                 f"max_inflight_requests must be >= 1, got {self.max_inflight_requests}"
             )
+        if not 1 <= self.max_n <= MAX_GENERATIONS:
+            raise ValueError(f"max_n must be in [1, {MAX_GENERATIONS}], got {self.max_n}")
+        if not 0 <= self.max_logprobs <= MAX_LOGPROBS:
+            raise ValueError(
+                f"max_logprobs must be in [0, {MAX_LOGPROBS}], got {self.max_logprobs}"
+            )
+        for name in ("max_request_output_tokens", "http_max_header_bytes", "http_max_connections"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        for name in (
+            "stream_idle_timeout_s",
+            "http_header_timeout_s",
+            "http_body_timeout_s",
+            "http_keep_alive_timeout_s",
+        ):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
 
     @property
     def served_name(self) -> str:
@@ -189,9 +248,13 @@ class RouterConfig:
         return RequestBounds(
             max_prompt_bytes=self.max_prompt_bytes,
             max_messages=self.max_messages,
+            max_logprobs=self.max_logprobs,
+            max_tokens=self.max_request_output_tokens,
         )
 
     def resolved_router_id(self) -> str:
+        """``router_id``, else a fresh one (a new random suffix at every call: resolve it once
+        per router and pass it on)."""
         return self.router_id or (
             f"router-{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(3)}"
         )

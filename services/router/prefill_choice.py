@@ -173,9 +173,28 @@ class PrefillChooser:
         return self._rng.random()
 
     def cancel(self, choice: PrefillChoice) -> None:
-        """The chosen prefill will not run: release its reservation."""
+        """The chosen prefill ended without ``done`` (cancelled, or never answered): release
+        its reservation (in the background). What the choice recorded in the prefix index stays:
+        the worker may have computed it."""
         if choice.reservation is not None:
             self._background.spawn(self._release(choice.ledger, choice.reservation))
+
+    async def withdraw(self, choice: PrefillChoice) -> None:
+        """The chosen worker will not prefill the prompt (it is prefilled elsewhere): release
+        the reservation and remove the blocks the choice recorded as the worker's from the
+        prefix index, before the next choice can match them. A ledger error is logged: it costs
+        affinity, never the request."""
+        if choice.reservation is None:
+            return
+        try:
+            await choice.ledger.withdraw(choice.reservation)
+        except Exception as exc:  # the reservation still ends with the heartbeat or max age
+            logger.warning(
+                "could not withdraw reservation %s: %r",
+                choice.reservation.member,
+                exc,
+                extra=rate_limited("redis"),
+            )
 
     def done(self, choice: PrefillChoice, response: worker_pb2.PrefillResponse | None) -> None:
         """The prefill ended, with the worker's ``response`` or without one (failed or

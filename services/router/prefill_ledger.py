@@ -5,7 +5,9 @@ until the router that made it releases it (the prefill ended). The same step rec
 blocks in the prefix index as held by the chosen worker, before the worker computes them (as
 Dynamo's router predicts active blocks): the next request with that prefix follows it at once
 instead of missing until the worker's own events arrive. The worker's events then confirm or
-remove them; a prefill that fails leaves a hint that only costs affinity.
+remove them; a prefill that fails leaves a hint that only costs affinity. A decision that is not
+followed (the decode worker prefills the prompt instead) is ``withdraw``-n: its reservation and
+the blocks it recorded go, so that no later prompt follows blocks the worker never computed.
 
 ``RedisPrefillLedger`` does the whole decision in one Lua script, so two routers deciding at once
 see each other's reservations and spread a burst instead of herding onto the same worker. A
@@ -23,7 +25,7 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import redis.asyncio as aioredis
 
@@ -48,11 +50,14 @@ RESERVATION_MAX_S = 600.0
 
 @dataclass(frozen=True, slots=True)
 class Reservation:
-    """Blocks reserved on one worker; ``member`` names it in the ledger."""
+    """Blocks reserved on one worker; ``member`` names it in the ledger. ``recorded`` are the
+    prompt's blocks past the worker's match, which the decision recorded in the prefix index as
+    the worker's (``PrefillLedger.withdraw`` removes them again)."""
 
     worker_id: str
     member: str
     blocks: int
+    recorded: tuple[BlockHash, ...] = field(default=(), repr=False)
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,6 +94,13 @@ class PrefillLedger(abc.ABC):
     @abc.abstractmethod
     async def release(self, reservation: Reservation) -> None:
         """The reserved work finished (or never started); idempotent."""
+
+    @abc.abstractmethod
+    async def withdraw(self, reservation: Reservation) -> None:
+        """The worker will not prefill the prompt after all: ``release`` the reservation and
+        remove the blocks the decision recorded as the worker's (``Reservation.recorded``) from
+        the prefix index. Idempotent. A worker that had computed some of them meanwhile (another
+        request's prefill) loses them from the index until its next events: affinity only."""
 
     @abc.abstractmethod
     def start(self) -> None:
@@ -137,13 +149,19 @@ class LocalPrefillLedger(PrefillLedger):
             blocks = len(block_hashes) - scores[chosen].matched_blocks
             member = reservation_member(self._router_id, req_id, blocks)
             self._reserved.setdefault(worker_id, {})[member] = blocks
-            reservation = Reservation(worker_id, member, blocks)
+            recorded = tuple(block_hashes[scores[chosen].matched_blocks :])
+            reservation = Reservation(worker_id, member, blocks, recorded)
             if self._index is not None:
                 await self._index.store(worker_id, block_hashes)
         return Selection(scores, chosen, matched, reservation)
 
     async def release(self, reservation: Reservation) -> None:
         self._reserved.get(reservation.worker_id, {}).pop(reservation.member, None)
+
+    async def withdraw(self, reservation: Reservation) -> None:
+        await self.release(reservation)
+        if self._index is not None:
+            await self._index.remove(reservation.worker_id, reservation.recorded)
 
     def start(self) -> None:
         """Nothing runs in the background."""
@@ -327,6 +345,17 @@ class RedisPrefillLedger(PrefillLedger):
     async def release(self, reservation: Reservation) -> None:
         await self._redis.zrem(f"{self._ns}resv:{reservation.worker_id}", reservation.member)
 
+    async def withdraw(self, reservation: Reservation) -> None:
+        worker_id = reservation.worker_id
+        blk = f"{self._ns}blk:".encode()
+        async with self._redis.pipeline(transaction=True) as pipe:
+            pipe.zrem(f"{self._ns}resv:{worker_id}", reservation.member)
+            for block_hash in reservation.recorded:
+                pipe.srem(blk + block_hash, worker_id)
+            if reservation.recorded:
+                pipe.srem(f"{self._ns}worker:{worker_id}", *reservation.recorded)
+            await pipe.execute()
+
     async def close(self) -> None:
         if self._heartbeat is not None:
             self._heartbeat.cancel()
@@ -359,9 +388,11 @@ class RedisPrefillLedger(PrefillLedger):
         chosen = int(reply[0]) - 1 if int(reply[0]) > 0 else None
         reservation = None
         if chosen is not None and req_id is not None:
-            blocks = len(block_hashes) - scores[chosen].matched_blocks
+            matched_blocks = scores[chosen].matched_blocks
+            blocks = len(block_hashes) - matched_blocks
             member = reservation_member(self._router_id, req_id, blocks)
-            reservation = Reservation(candidates[chosen].worker_id, member, blocks)
+            recorded = tuple(block_hashes[matched_blocks:])
+            reservation = Reservation(candidates[chosen].worker_id, member, blocks, recorded)
         return Selection(scores, chosen, {w: c for w, c in matched.items() if c}, reservation)
 
     async def _abandon_reservation(self, req_id: str, candidates: Sequence[CandidateLoad]) -> None:

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import jinja2
 
 from engine.request_limits import check_cache_salt, check_request_limits
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import MAX_LOGPROBS, SamplingParams
 from engine.tokenizer import Tokenizer
 from services.common.convert import sampling_params_from_client
 from splitserve.v1 import router_pb2
@@ -40,15 +40,29 @@ class ModelLimits:
 
 @dataclass(frozen=True, slots=True)
 class RequestBounds:
-    """Sizes of a request's text (``--max-prompt-bytes``, ``--max-messages``), checked before
-    any tokenization so that no request costs more than they allow. The sizes of its sampling
-    fields are ``SamplingParams``' own bounds (stop strings, stop token ids, logprobs)."""
+    """Sizes of a request's text (``--max-prompt-bytes``, ``--max-messages``), its logprobs
+    (``--max-logprobs``) and its ``max_tokens`` (``--max-request-output-tokens``), checked
+    before any tokenization so that no request costs more than they allow. The other sizes of
+    its sampling fields are ``SamplingParams``' own bounds (stop strings, stop token ids)."""
 
     max_prompt_bytes: int = 4 * 2**20
     max_messages: int = 1024
+    max_logprobs: int = MAX_LOGPROBS
+    max_tokens: int = 262144
 
     def check(self, request: router_pb2.GenerateRequest) -> None:
         """Raise ``ValueError`` naming the field of the first size over its bound."""
+        sampling = request.sampling
+        if sampling.HasField("logprobs") and sampling.logprobs > self.max_logprobs:
+            raise ValueError(
+                f"sampling.logprobs: {sampling.logprobs}, more than {self.max_logprobs} "
+                "(max_logprobs)"
+            )
+        if sampling.HasField("max_tokens") and sampling.max_tokens > self.max_tokens:
+            raise ValueError(
+                f"sampling.max_tokens: {sampling.max_tokens}, more than {self.max_tokens} "
+                "(max_request_output_tokens)"
+            )
         num_messages = len(request.messages)
         if num_messages > self.max_messages:
             raise ValueError(f"messages: {num_messages} messages, more than {self.max_messages}")

@@ -49,7 +49,8 @@ class PrefillPlace(enum.Enum):
 class RoutePlan:
     """The decision for one request; ``prefill.reservation`` is held only when the place is
     ``PREFILL_WORKER`` or ``COLOCATED`` (release it with ``PrefillChooser.done`` or ``cancel``
-    once the prompt is prefilled)."""
+    once the prompt is prefilled); otherwise the planner has withdrawn it
+    (``PrefillChooser.withdraw``)."""
 
     prefill: PrefillChoice
     place: PrefillPlace
@@ -112,7 +113,7 @@ class RoutePlanner:
             if uncached_tokens > self._local_prefill_max_tokens:
                 place = PrefillPlace.PREFILL_WORKER
             else:
-                self.prefill_chooser.cancel(choice)
+                await self.prefill_chooser.withdraw(choice)
                 place = PrefillPlace.SHORT_UNCACHED
         elif short and has_prefill_pool:
             place = PrefillPlace.SHORT_UNCACHED
@@ -133,17 +134,22 @@ class RoutePlanner:
         # Every worker saturated, or the chosen one unhealthy since: the least busy one.
         decode = chosen[0] if chosen else self.decode_chooser.pick(candidates)
         if not chosen:
-            self.prefill_chooser.cancel(choice)
+            await self.prefill_chooser.withdraw(choice)
             choice = dataclasses.replace(choice, reservation=None)
         return RoutePlan(choice, PrefillPlace.COLOCATED, candidates, decode)
 
 
 def build_planner(
-    config: RouterConfig, prefill_pool: WorkerPool, decode_pool: WorkerPool, rng: random.Random
+    config: RouterConfig,
+    router_id: str,
+    prefill_pool: WorkerPool,
+    decode_pool: WorkerPool,
+    rng: random.Random,
 ) -> RoutePlanner:
     """The planner ``config`` describes: prefix index and ledger (Redis, or in process), the
-    prefill chooser over the prefill pool (colocated: the decode pool) and the decode chooser."""
-    router_id = config.resolved_router_id()
+    prefill chooser over the prefill pool (colocated: the decode pool) and the decode chooser.
+    ``router_id`` (``RouterConfig.resolved_router_id``, resolved once by the router) names this
+    router's reservations."""
     local_index: InProcessPrefixIndex | None = None
     ledger: PrefillLedger
     if config.redis.enabled:

@@ -8,9 +8,11 @@ One generation (disaggregated mode)::
 
 Failures degrade instead of failing the request: a prefill worker that is down or fails makes
 the decode worker prefill locally; a decode worker that fails mid-stream is replaced by another
-one that continues from the prompt plus the tokens already sent. A client cancel or an expired
-deadline cancels the worker calls (which abort the request and free its blocks) and releases a
-lease that no decode worker has consumed yet.
+one that continues from the prompt plus the tokens already sent. With no routable decode worker
+(none when the request arrives, or none other after a failure) the request waits up to
+``--decode-failover-wait-s`` for one, and is not prefilled before one is there. A client cancel
+or an expired deadline cancels the worker calls (which abort the request and free its blocks)
+and releases a lease that no decode worker has consumed yet.
 """
 
 from __future__ import annotations
@@ -64,6 +66,8 @@ from splitserve.v1 import router_pb2, router_pb2_grpc, worker_pb2
 logger = logging.getLogger(__name__)
 
 SERVICE_NAME = "splitserve.v1.Router"
+# A decode call's error when its stream ended OK without a final message.
+_ENDED_UNFINISHED = "ENDED_UNFINISHED"
 # How often a router drops dead workers' prefix index entries (any router may: idempotent).
 _REAP_INTERVAL_S = 10.0
 # How often the pool metrics ask the orchestrator for the pools' sizes.
@@ -89,11 +93,15 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         self.tokenizer = tokenizer
         self.scaler = scaler
         rng = random.Random(config.seed)
+        # Resolved once: the id names both the router's Redis ledger entries and its traces.
+        self.router_id = config.resolved_router_id()
         prefill = config.prefill_address_list if config.mode == "disaggregated" else ()
         fence_after = config.worker_fence_after_failed_polls
         self.prefill_pool = WorkerPool(Role.PREFILL, prefill, fence_after, tls)
         self.decode_pool = WorkerPool(Role.DECODE, config.decode_address_list, fence_after, tls)
-        self.planner = build_planner(config, self.prefill_pool, self.decode_pool, rng)
+        self.planner = build_planner(
+            config, self.router_id, self.prefill_pool, self.decode_pool, rng
+        )
         self._num_inflight = 0
         # The last limits the decode workers reported: the model does not change when a pool
         # briefly has no worker that answered (a scale-down's survivor not yet polled).
@@ -114,7 +122,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         self.tracing = Tracing(
             config.tracing,
             "splitserve-router",
-            {"service.instance.id": config.resolved_router_id()},
+            {"service.instance.id": self.router_id},
         )
 
     # ----------------------------------------------------------------------------- lifecycle
@@ -298,6 +306,10 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             prepared, self.tokenizer, self.planner.prefill_chooser, self._background
         )
         try:
+            if not self.decode_pool.routable_workers():
+                # As in Dynamo, where a request enters through its decode worker: no prefill
+                # (nor its lease) for a request that no decode worker can continue yet.
+                await self._await_decode_worker(routed.req_id, 0, {}, set(), context)
             with ending(self.tracing.start_child(span, "route")) as route_span:
                 routed.planned(
                     await self.planner.plan(
@@ -382,8 +394,10 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
     ) -> AsyncIterator[router_pb2.GenerateResponse]:
         """Stream the decode on the planned worker (``routed.slot``'s); on a failure continue
         on another one, moving the slot along, from the prompt and the tokens sent so far (the
-        next decode worker computes the prompt: the prefill worker's lease is released). Each
-        call is a span ``decode_call`` under the request's ``span``; a failover is its event."""
+        next decode worker computes the prompt: the prefill worker's lease is released). A
+        stream that ends without its final message counts as a failure. With no worker to go
+        on to, it waits for one (``_await_decode_worker``). Each call is a span ``decode_call``
+        under the request's ``span``; a failover is its event."""
         assert routed.plan is not None
         plan, slot, stream, request = routed.plan, routed.slot, routed.stream, routed.decode_request
         tried: set[str] = set()
@@ -394,10 +408,10 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                 candidate = self.planner.decode_chooser.choose(
                     prompt_blocks, plan.prefill.matched, exclude=tried
                 )
-                if candidate is None and tried:
-                    candidate = await self._await_decode_worker(routed, tried, context)
                 if candidate is None:
-                    break
+                    candidate = await self._await_decode_worker(
+                        routed.req_id, prompt_blocks, plan.prefill.matched, tried, context
+                    )
                 worker = candidate.worker
                 slot.move_to(worker)
             tried.add(worker.address)
@@ -422,6 +436,8 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                         yield message
                     if stream.finished:
                         return
+                # A stream that ends without its final message is cut short like any failure.
+                error = _ENDED_UNFINISHED
             except grpc.aio.AioRpcError as exc:
                 await self._worker_failed(worker, exc, context, routed.failures)
                 error = exc.code().name
@@ -434,8 +450,6 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                 # A no-op when the call completed; otherwise the worker aborts the request.
                 call.cancel()
                 _end_call_span(call_span, error)
-            if not error:
-                continue
             if plan.place is PrefillPlace.COLOCATED:  # it may come back with an empty cache
                 await self.planner.prefill_chooser.forget(worker)
             metrics.DECODE_FAILOVERS.inc()
@@ -461,29 +475,33 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         await abort(context, grpc.StatusCode.UNAVAILABLE, "no healthy decode worker")
 
     async def _await_decode_worker(
-        self, routed: RoutedRequest, tried: set[str], context: CallContext
-    ) -> DecodeCandidate | None:
-        """A decode worker for a request whose worker failed mid-stream when none other was
-        routable, waited for up to ``--decode-failover-wait-s`` (at most until the client's
-        deadline); None if none came."""
-        assert routed.plan is not None
+        self,
+        req_id: str,
+        prompt_blocks: int,
+        matched: dict[str, int],
+        tried: set[str],
+        context: CallContext,
+    ) -> DecodeCandidate:
+        """A decode worker not in ``tried`` for a request that has none (none routable when it
+        arrived, or its worker failed and no other is routable), waited for up to
+        ``--decode-failover-wait-s`` (at most until the client's deadline). Aborts the call
+        (UNAVAILABLE) if none came."""
         remaining_s = context.time_remaining()
         wait_s = self.config.decode_failover_wait_s
         if remaining_s is not None:
             wait_s = min(wait_s, remaining_s)
         logger.info(
-            "req_id=%s no other decode worker is routable; waiting up to %.1f s for one",
-            routed.req_id,
+            "req_id=%s no%s decode worker is routable; waiting up to %.1f s for one",
+            req_id,
+            " other" if tried else "",
             wait_s,
         )
-        prefill = routed.plan.prefill
-        return await self.planner.decode_chooser.wait_for(
-            len(prefill.block_hashes),
-            prefill.matched,
-            tried,
-            wait_s,
-            self.config.health_check_interval_s,
+        candidate = await self.planner.decode_chooser.wait_for(
+            prompt_blocks, matched, tried, wait_s, self.config.health_check_interval_s
         )
+        if candidate is None:
+            await abort(context, grpc.StatusCode.UNAVAILABLE, "no healthy decode worker")
+        return candidate
 
     def _call_span(self, parent: Span, name: str, worker: WorkerHandle) -> Span:
         """The CLIENT span of one worker call; its context goes out as the call's metadata."""

@@ -247,7 +247,8 @@ def _distinct_value(field: dataclasses.Field[Any], kind: type) -> Any:
     if kind is bool:
         return not default
     if kind is int:
-        return (default or 0) + 3
+        # max_logprobs' default is its largest valid value (the engine's).
+        return (default or 0) + 3 if field.name != "max_logprobs" else default - 3
     if kind is float:
         return round((default or 0.0) + 0.25, 2) if field.name != "scale_down_ratio" else 0.3
     if field.name == "cpu_cores":
@@ -319,6 +320,8 @@ def test_every_flag_value_reaches_its_flag():
     assert cluster.ray and cluster.ray_address == "auto"
     assert worker.redis.redis_url == router.redis.redis_url == "rediss://r:1/0"
     assert worker.tracing == router.tracing
+    # One value for the flags routers share with workers (services.up.SHARED_WITH_WORKERS).
+    assert router.stream_idle_timeout_s == worker.stream_idle_timeout_s == 60.25
 
 
 def test_values_yaml_lists_every_flag_with_its_default_and_the_schema_is_fresh():

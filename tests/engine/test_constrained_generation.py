@@ -2,21 +2,33 @@
 output is noise: every output satisfies its constraint and ends with ``stop`` at the grammar's
 end; greedy constrained output is the same after preemptions (recompute keeps the matcher),
 when the request resumes from tokens sampled elsewhere (a decode worker, a migration), and
-whatever shares its batch; unconstrained requests in the batch are untouched."""
+whatever shares its batch; unconstrained requests in the batch are untouched. A grammar
+compiles off the engine's thread: the other requests step meanwhile, its own request waits
+(and can be aborted, or fails with a clean error when its compile fails or takes too long),
+and a repeated constraint compiles once."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import random
 import re
+import threading
 
 import jsonschema
 import pytest
 
 from engine import LLM, LLMEngine, SamplingParams
 from engine.config import EngineConfig
-from engine.constraint import Constraint, ConstraintKind
+from engine.constraint import Constraint, ConstraintKind, ConstraintLimits
+from engine.grammar_pool import GrammarPool
+from engine.outputs import RequestOutput
+from engine.scheduler import DuplicateRequestError
+from engine.structured_output import CompiledGrammar, GrammarCompiler
 from loadtest.schemas import random_schema
+from tests.engine.test_grammar_pool import GATE_TIMEOUT_S
+
+CHOICES = ("alpha", "beta", "gamma delta")
 
 
 def json_schema_params(schema: dict, max_tokens: int = 400) -> SamplingParams:
@@ -136,3 +148,107 @@ def test_a_request_resumed_from_tokens_sampled_elsewhere_continues_identically(t
         assert final == reference, cut
     with pytest.raises(ValueError, match="break the constraint"):
         engine.add_request("bad", prompt, params, output_token_ids=[reference[0]] * 40)
+
+
+def gated_grammars(
+    engine: LLMEngine, gate: threading.Event, limits: ConstraintLimits | None = None
+) -> GrammarPool[CompiledGrammar]:
+    """The engine's grammars, each compile held until ``gate`` opens (a slow compile that the
+    test ends when it chooses)."""
+    tokenizer = engine.tokenizer
+    compiler = GrammarCompiler(
+        tokenizer.backend.to_str(), engine.vocab_size, tokenizer.eos_token_ids
+    )
+
+    def compile(constraint: Constraint) -> CompiledGrammar:
+        gate.wait(GATE_TIMEOUT_S)
+        return compiler.compile(constraint)
+
+    return GrammarPool(compile, limits or engine.grammars.limits)
+
+
+def run_to_end(engine: LLMEngine) -> dict[str, RequestOutput]:
+    finals = {}
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            if output.finished:
+                finals[output.req_id] = output
+        if not engine.last_num_scheduled_tokens:
+            engine.wait_for_grammars()
+    return finals
+
+
+@pytest.fixture
+def engine(tiny_llama_dir) -> LLMEngine:
+    return LLMEngine(EngineConfig(model=str(tiny_llama_dir), dtype="float32", num_kv_blocks=64))
+
+
+def test_a_compiling_grammar_holds_its_request_only(engine):
+    gate = threading.Event()
+    engine.grammars = gated_grammars(engine, gate)
+    choice = Constraint(ConstraintKind.CHOICE, choices=CHOICES)
+    guided = SamplingParams(temperature=0.0, max_tokens=16, constraint=choice)
+    plain = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+    try:
+        engine.add_request("guided", prompts(1)[0], guided)  # returns with the compile held
+        engine.add_request("plain", prompts(2)[1], plain)
+        plain_tokens: list[int] = []
+        while len(plain_tokens) < 20:
+            for output in engine.step():
+                assert output.req_id == "plain"
+                plain_tokens += output.new_token_ids
+        assert engine.has_unfinished_requests()  # the guided one, still waiting
+    finally:
+        gate.set()
+    final = run_to_end(engine)["guided"]
+    assert final.finish_reason == "stop" and final.text in CHOICES
+
+
+def test_a_held_request_can_be_aborted_and_fails_cleanly_when_its_compile_does(engine):
+    gate = threading.Event()
+    engine.grammars = gated_grammars(engine, gate)
+    prompt = prompts(1)[0]
+
+    def params(constraint: Constraint) -> SamplingParams:
+        return SamplingParams(temperature=0.0, max_tokens=8, constraint=constraint)
+
+    try:
+        engine.add_request("held", prompt, params(Constraint(ConstraintKind.REGEX, "[a-z]{3}")))
+        with pytest.raises(DuplicateRequestError, match="'held'"):
+            engine.add_request("held", prompt, SamplingParams(max_tokens=2))
+        (aborted,) = engine.abort_requests(["held"])
+        assert aborted.finished and aborted.finish_reason == "abort"
+        assert not engine.has_unfinished_requests()
+        engine.add_request("bad", prompt, params(Constraint(ConstraintKind.GRAMMAR, "start: x")))
+    finally:
+        gate.set()
+    bad = run_to_end(engine)["bad"]
+    assert bad.finish_reason == "error" and bad.error is not None
+    assert bad.error.startswith("constraint: grammar: ") and "backtrace" not in bad.error
+
+
+def test_a_grammar_that_outlasts_its_budget_fails_its_request(engine):
+    gate = threading.Event()
+    limits = dataclasses.replace(engine.grammars.limits, compile_timeout_s=0.05)
+    engine.grammars = gated_grammars(engine, gate, limits)
+    regex = Constraint(ConstraintKind.REGEX, "[0-9]{2}")
+    try:
+        engine.add_request("slow", prompts(1)[0], SamplingParams(max_tokens=4, constraint=regex))
+        final = run_to_end(engine)["slow"]  # waits for the budget, not for the gate
+    finally:
+        gate.set()
+    assert final.finish_reason == "error"
+    assert (
+        final.error
+        == "constraint: regex: not compiled within 0.05 s (a smaller constraint compiles faster)"
+    )
+
+
+def test_a_repeated_constraint_compiles_once(llm):
+    regex = Constraint(ConstraintKind.REGEX, r"[a-z]{2,5}-[0-9]{2}")
+    params = SamplingParams(temperature=1.0, seed=5, max_tokens=16, constraint=regex)
+    grammars = llm.engine.grammars
+    misses, hits = grammars.num_misses, grammars.num_hits
+    outputs = llm.generate(prompts(4), [params] * 4)
+    assert all(re.fullmatch(regex.spec, o.text) for o in outputs)
+    assert (grammars.num_misses - misses, grammars.num_hits - hits) == (1, 3)

@@ -9,6 +9,7 @@ import pytest
 from engine import LLM, LLMEngine, SamplingParams
 from engine.config import EngineConfig
 from engine.kv_cache_manager import cdiv
+from engine.scheduler import DuplicateRequestError
 from tests.engine.test_generate_vs_hf import hf_greedy
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=10)
@@ -222,6 +223,26 @@ def test_external_kv_admission_matches_local_compute(tiny_llama_dir, success):
     target.finish_kv_load("r", success)
     tokens = run_checked(target)["r"]
     assert tokens == hf_greedy(tiny_llama_dir, [prompt], GREEDY.max_tokens)[0]
+
+
+def test_a_reused_id_cannot_overwrite_the_kv_it_holds_under_a_lease(tiny_llama_dir):
+    """A second request with the id of one whose blocks a lease holds is refused, so the
+    prefix cache still maps those blocks to the first prompt's KV."""
+    engine = LLMEngine(EngineConfig(model=str(tiny_llama_dir), dtype="float32", num_kv_blocks=64))
+    first = random_prompt(40, seed=40)  # two full blocks, cached and held
+    engine.add_request("r", first, SamplingParams(temperature=0.0, max_tokens=1), hold_kv=True)
+    run_checked(engine)
+    held = engine.held_kv_block_ids("r")
+    with pytest.raises(DuplicateRequestError, match="lease"):
+        engine.add_request("r", random_prompt(40, seed=41), GREEDY, hold_kv=True)
+    assert not engine.has_unfinished_requests() and engine.held_kv_block_ids("r") == held
+    engine.add_request("again", first, GREEDY)
+    finals = []
+    while engine.has_unfinished_requests():
+        finals += [o for o in engine.step() if o.finished]
+    (out,) = finals
+    assert out.num_cached_tokens == 32
+    assert out.token_ids == hf_greedy(tiny_llama_dir, [first], GREEDY.max_tokens)[0]
 
 
 def test_a_kv_cache_smaller_than_one_max_model_len_request_refuses_to_start(tiny_llama_dir):

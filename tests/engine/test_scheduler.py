@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 
 from engine.request import RequestStatus
+from engine.scheduler import DuplicateRequestError
 from tests.engine.scheduler_script import (
     BLOCK_SIZE,
     EOS,
@@ -115,14 +116,14 @@ def test_decodes_come_before_prefills_in_a_step(
             id="a-paused-request-is-still-a-victim",
         ),
         pytest.param(
-            # The older P is paused and keeps its blocks: the newest (A) preempts itself.
+            # The older P is paused: it makes no progress, so it is the victim, not A.
             {"num_blocks": 4},
             [req("P", 8), req("A", 8), STEP, Pause("P"), STEP],
-            ["A"],
-            [],
             ["P"],
+            [("A", 1)],
             ["A"],
-            id="the-newest-preempts-itself-behind-a-paused-older-one",
+            ["P"],
+            id="a-paused-older-request-is-preempted-before-the-newest",
         ),
         pytest.param(
             # L finished but holds its 2 blocks for a KV pull: A, alone, preempts itself and W
@@ -406,8 +407,115 @@ def test_add_request_needs_a_token_to_compute(prompt_len: int, num_external_toke
         scheduler.add_request(req("A", prompt_len, num_external_tokens=num_external_tokens).build())
 
 
-def test_add_request_rejects_a_duplicate_id() -> None:
-    scheduler = make_scheduler()
-    scheduler.add_request(req("A", 3).build())
-    with pytest.raises(ValueError, match="duplicate"):
-        scheduler.add_request(req("A", 3).build())
+@pytest.mark.parametrize(
+    ("script", "want_message"),
+    [
+        pytest.param([req("A", 3)], "in flight", id="waiting"),
+        pytest.param([req("A", 3), STEP], "in flight", id="running"),
+        pytest.param([req("A", 9, max_tokens=1, hold_kv=True), STEP], "lease", id="held-kv"),
+    ],
+)
+def test_add_request_refuses_an_id_that_is_live_or_holds_kv(
+    script: Script, want_message: str
+) -> None:
+    scheduler = make_scheduler(num_blocks=8)
+    run(scheduler, script)
+    manager = scheduler.kv_cache_manager
+    first = scheduler.requests.get("A") or scheduler.held_kv["A"]
+    block_ids = manager.get_block_ids("A")
+    with pytest.raises(DuplicateRequestError, match=want_message):
+        scheduler.add_request(req("A", (*tokens(2, 8), 1)).build())
+    # The refused request took nothing: the first one's place and blocks are intact.
+    run(scheduler, [STEP])
+    assert (scheduler.requests.get("A") or scheduler.held_kv["A"]) is first
+    assert [*scheduler.running, *scheduler.waiting] in ([], [first])
+    assert manager.get_block_ids("A")[: len(block_ids)] == block_ids
+    # Once the first one is gone (aborted, or its lease released), the id is free again.
+    scheduler.finish_requests(["A"], RequestStatus.FINISHED_ABORTED)
+    scheduler.release_held_kv("A")
+    scheduler.add_request(req("A", 5).build())
+    assert ids(scheduler.waiting) == ["A"]
+
+
+# --------------------------------------------------------------------------------- paused
+def test_a_paused_request_gives_its_blocks_to_the_requests_behind_it() -> None:
+    # 8 blocks: paused P holds 3, A grows past the 5 left; C arrives later and needs 2.
+    scheduler = make_scheduler(num_blocks=8)
+    run(scheduler, [req("P", 12), req("A", 16), STEP, Pause("P"), req("C", 5, max_tokens=2)])
+    p = scheduler.requests["P"]
+    finished: list[str] = []
+    for _ in range(200):
+        done = step(scheduler)
+        assert "P" not in done.sampling
+        finished += ids(done.finished)
+        if {"A", "C"} <= set(finished):
+            break
+    assert {"A", "C"} <= set(finished)
+    assert p.num_output_tokens == 1 and p.num_preemptions == 1
+    assert p.status is RequestStatus.PREEMPTED and ids(scheduler.waiting) == ["P"]
+    scheduler.set_paused("P", False)
+    while "P" not in ids(step(scheduler).finished):
+        pass
+    assert p.num_output_tokens == p.sampling_params.max_tokens
+
+
+def test_a_preempted_paused_request_waits_until_resumed_without_blocking_the_queue() -> None:
+    scheduler = make_scheduler(num_blocks=4)
+    *_, preempting = run(
+        scheduler, [req("A", 8, max_tokens=3), req("P", 8), STEP, Pause("P"), STEP]
+    )
+    assert preempting.out.preempted_req_ids == ["P"]
+    p = scheduler.requests["P"]
+    run(scheduler, [req("W", 3, max_tokens=1)])
+    finished: list[str] = []
+    for _ in range(4):  # A's last token, then W's only one: the blocks are free after that
+        done = step(scheduler)
+        assert "P" not in done.sampling and not done.out.preempted_req_ids
+        finished += ids(done.finished)
+    assert finished == ["A", "W"]
+    assert p.status is RequestStatus.PREEMPTED and p.output_token_ids == [SAMPLED]
+    scheduler.set_paused("P", False)
+    readmitted = step(scheduler)
+    assert readmitted.sampling == ["P"] and p.num_output_tokens == 2
+
+
+@pytest.mark.parametrize(
+    ("config", "script", "want_scheduled", "want_loading"),
+    [
+        pytest.param(
+            {"max_num_seqs": 2},
+            [req("P", 3), req("A", 3), STEP, Pause("P"), req("W", 3), STEP],
+            [("A", 1), ("W", 3)],
+            [],
+            id="a-max-num-seqs-slot",
+        ),
+        pytest.param(
+            # P holds 2 of the 4 blocks and A 1: W needs 2.
+            {"num_blocks": 4},
+            [req("P", 8), req("A", 3), STEP, Pause("P"), req("W", 8), STEP],
+            [("A", 1), ("W", 8)],
+            [],
+            id="blocks",
+        ),
+        pytest.param(
+            {"num_blocks": 4},
+            [req("P", 8), req("A", 3), STEP, Pause("P"), req("R", 9, num_external_tokens=8), STEP],
+            [("A", 1)],
+            ["R"],
+            id="blocks-for-a-kv-load",
+        ),
+    ],
+)
+def test_a_paused_running_request_yields_what_a_waiting_one_lacks(
+    config: dict[str, Any],
+    script: Script,
+    want_scheduled: list[tuple[str, int]],
+    want_loading: list[str],
+) -> None:
+    scheduler = make_scheduler(**config)
+    last = run(scheduler, script)[-1]
+    assert last.out.preempted_req_ids == ["P"]  # never A, newer but making progress
+    assert last.scheduled == want_scheduled
+    assert list(scheduler.waiting_for_remote_kv) == want_loading
+    assert ids(scheduler.waiting) == ["P"]
+    assert scheduler.requests["P"].status is RequestStatus.PREEMPTED

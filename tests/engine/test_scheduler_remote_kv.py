@@ -1,6 +1,7 @@
 """The scheduler's remote-KV admission without a model (see ``test_scheduler``): a request whose
 leading tokens arrive by transfer allocates only what the local cache lacks, waits off the
-running batch, and is requeued at the front once its KV has arrived (or failed).
+running batch, and is requeued once its KV has arrived (or failed): behind preempted requests and
+earlier arrivals, ahead of new requests.
 """
 
 from __future__ import annotations
@@ -157,4 +158,17 @@ def test_requests_waiting_for_kv_do_not_count_against_max_num_seqs() -> None:
         scheduler.finish_remote_kv(load.req_id, True)
     # Back in the queue they wait for a running slot like any request.
     assert step(scheduler).scheduled == [("B", 1)]
-    assert sorted(ids(scheduler.waiting)) == ["R0", "R1", "R2"]
+    assert ids(scheduler.waiting) == ["R0", "R1", "R2"]
+
+
+def test_arrived_kv_queues_in_arrival_order_behind_preempted_and_ahead_of_new_requests() -> None:
+    # 6 blocks: R0-R2 take 1 each for their loads, A 2, B 1; A's next decode preempts B.
+    scheduler = make_scheduler(num_blocks=6)
+    remotes = [req(f"R{i}", tokens(i, 5), num_external_tokens=4) for i in range(3)]
+    run(scheduler, [*remotes, req("A", 8), req("B", 3), STEP])
+    preempting = run(scheduler, [STEP, req("N", 3)])[-1]
+    assert preempting.out.preempted_req_ids == ["B"]
+    for req_id in ("R0", "R1", "R2"):
+        scheduler.finish_remote_kv(req_id, True)
+        assert ids(scheduler.waiting)[-1] == "N"
+    assert ids(scheduler.waiting) == ["B", "R0", "R1", "R2", "N"]

@@ -1,7 +1,9 @@
 """``engine.structured_output`` against the tiny model's tokenizer, with noise for logits: whatever
 the scores, masked sampling yields text that satisfies the constraint (parsed and validated
 with ``jsonschema``, matched with ``re``), and a matcher rebuilt from the tokens so far allows
-exactly what the original allows next (what a decode worker or a migration target relies on)."""
+exactly what the original allows next (what a decode worker or a migration target relies on).
+Constraints that cannot compile are refused with a sentence naming the limit: the size budget
+(``ConstraintLimits``), llguidance's own limits, never its panic text."""
 
 from __future__ import annotations
 
@@ -13,7 +15,13 @@ import jsonschema
 import pytest
 import torch
 
-from engine.constraint import Constraint, ConstraintKind
+from engine.constraint import (
+    MAX_GRAMMAR_SYMBOLS,
+    Constraint,
+    ConstraintKind,
+    ConstraintLimits,
+    readable_error,
+)
 from engine.structured_output import GrammarCompiler, GuidedMatcher, apply_bitmask
 from engine.tokenizer import Tokenizer
 from loadtest.schemas import random_schema
@@ -61,7 +69,7 @@ def test_random_json_schemas_always_yield_valid_json(compiler, tokenizer, seed):
     schema = random_schema(random.Random(seed))
     constraint = Constraint(ConstraintKind.JSON_SCHEMA, json.dumps(schema))
     constraint.validate()
-    tokens = sample_constrained(compiler, compiler.matcher(constraint), seed)
+    tokens = sample_constrained(compiler, compiler.compile(constraint).matcher(), seed)
     value = json.loads(tokenizer.decode(tokens))
     jsonschema.validate(value, schema)
 
@@ -88,7 +96,7 @@ def test_random_json_schemas_always_yield_valid_json(compiler, tokenizer, seed):
 def test_regex_choice_and_grammar_outputs_match(compiler, tokenizer, constraint, check):
     closers = tuple(tokenizer.encode(c, add_special_tokens=False)[0] for c in ('"', "}", "]"))
     for seed in range(5):
-        tokens = sample_constrained(compiler, compiler.matcher(constraint), seed, closers)
+        tokens = sample_constrained(compiler, compiler.compile(constraint).matcher(), seed, closers)
         text = tokenizer.decode(tokens)
         assert check(text), text
 
@@ -96,11 +104,11 @@ def test_regex_choice_and_grammar_outputs_match(compiler, tokenizer, constraint,
 def test_a_matcher_rebuilt_from_the_tokens_so_far_allows_what_the_original_does(compiler):
     schema = random_schema(random.Random(7))
     constraint = Constraint(ConstraintKind.JSON_SCHEMA, json.dumps(schema))
-    original = compiler.matcher(constraint)
-    tokens = sample_constrained(compiler, original, seed=3)
+    compiled, compiled_again = compiler.compile(constraint), compiler.compile(constraint)
+    tokens = sample_constrained(compiler, compiled.matcher(), seed=3)
     for cut in range(len(tokens)):
-        rebuilt = compiler.matcher(constraint, tokens[:cut])
-        replayed = compiler.matcher(constraint)
+        rebuilt = compiled.matcher(tokens[:cut])
+        replayed = compiled_again.matcher()
         for token in tokens[:cut]:
             assert replayed.accept(token)
         masks = compiler.allocate_bitmask(2)
@@ -108,11 +116,12 @@ def test_a_matcher_rebuilt_from_the_tokens_so_far_allows_what_the_original_does(
         replayed.fill_bitmask(masks, 1)
         assert torch.equal(masks[0], masks[1]), cut
     with pytest.raises(ValueError, match="break the constraint"):
-        compiler.matcher(Constraint(ConstraintKind.CHOICE, choices=("yes",)), tokens[:1] * 3)
+        yes = compiler.compile(Constraint(ConstraintKind.CHOICE, choices=("yes",)))
+        yes.matcher(tokens[:1] * 3)
 
 
 def test_only_the_constrained_rows_of_a_batch_are_masked(compiler):
-    matcher = compiler.matcher(Constraint(ConstraintKind.CHOICE, choices=("yes", "no")))
+    matcher = compiler.compile(Constraint(ConstraintKind.CHOICE, choices=("yes", "no"))).matcher()
     bitmask = compiler.allocate_bitmask(1)
     matcher.fill_bitmask(bitmask, 0)
     logits = torch.randn(3, compiler.vocab_size)
@@ -142,3 +151,43 @@ def test_invalid_constraints_are_refused_with_a_message(constraint, message):
 def test_a_choice_constraint_needs_choices():
     with pytest.raises(ValueError, match="at least one choice"):
         Constraint(ConstraintKind.CHOICE)
+
+
+def test_constraints_over_the_size_budget_are_refused_naming_the_limit():
+    limits = ConstraintLimits()
+    many = Constraint(ConstraintKind.CHOICE, choices=tuple(str(i) for i in range(100_000)))
+    with pytest.raises(ValueError, match=r"^choice: 100000 choices, more than 10000$"):
+        limits.check(many)
+    # Bytes, not characters: 40,000 two-byte characters.
+    big = Constraint(
+        ConstraintKind.JSON_SCHEMA, json.dumps({"enum": ["é" * 40_000]}, ensure_ascii=False)
+    )
+    with pytest.raises(ValueError, match=r"^json_schema: 80014 bytes, more than 65536$"):
+        limits.check(big)
+    limits.check(Constraint(ConstraintKind.CHOICE, choices=tuple(str(i) for i in range(10_000))))
+
+
+def test_a_grammar_past_llguidances_symbol_limit_fails_with_a_sentence(compiler):
+    # Each group is a symbol: llguidance panics on building a matcher for more than 65,524.
+    too_many = Constraint(ConstraintKind.GRAMMAR, "start: " + '("a") ' * 66_000)
+    with pytest.raises(ValueError) as error:
+        compiler.compile(too_many)
+    message = str(error.value)
+    assert message == (
+        f"grammar: the grammar has more than {MAX_GRAMMAR_SYMBOLS} symbols (literals and "
+        "rules), llguidance's limit"
+    )
+
+
+def test_llguidance_panics_and_errors_lose_their_backtrace():
+    panic = "panic: assertion failed: lexer.len() < 7\n<backtrace>\n   0: <unknown>\n   1: x"
+    assert readable_error(panic) == "llguidance cannot build it (assertion failed: lexer.len() < 7)"
+    assert readable_error("invalid regex\n<backtrace>\n0: <unknown>") == "invalid regex"
+
+
+def test_a_schema_nested_too_deeply_for_python_is_a_value_error():
+    nested = '{"type": "integer"}'
+    for _ in range(3000):
+        nested = f'{{"type": "array", "items": {nested}}}'
+    with pytest.raises(ValueError, match=r"^json_schema: the schema is nested too deeply$"):
+        Constraint(ConstraintKind.JSON_SCHEMA, nested).validate()

@@ -39,3 +39,27 @@ def test_a_release_with_a_wrong_grant_is_ignored_and_logged_once_without_the_gra
     assert published.take_released() == [] and published.has_blocks()
     published.release("r", grant)
     assert published.take_released() == ["r"] and not published.has_blocks()
+
+
+def test_unpublish_refuses_new_reads_at_once_and_reports_the_blocks_free_after_the_last_read(
+    caplog: pytest.LogCaptureFixture,
+):
+    published = PublishedBlocks()
+    grants = {r: published.publish(r, [i]) for i, r in enumerate(("sending", "idle", "overdue"))}
+    for req_id in ("sending", "overdue"):
+        assert published.begin_read(req_id, grants[req_id], []) is None
+    published.unpublish("sending", wait_s=3600.0)
+    published.unpublish("idle", wait_s=3600.0)
+    published.unpublish("overdue", wait_s=0.0)
+    published.unpublish("never-published", wait_s=3600.0)
+    assert published.begin_read("sending", grants["sending"], []) is not None
+    with caplog.at_level(logging.WARNING, logger="kvtransfer._common"):
+        assert published.take_unpublished() == ["idle", "never-published", "overdue"]
+    assert "req_id=overdue unpublished while a read was still sending" in caplog.text
+    assert published.has_blocks()  # "sending" is still being sent
+    published.unpublish("sending", wait_s=3600.0)  # once is enough
+    assert published.take_unpublished() == []
+    published.end_read("sending")
+    published.end_read("overdue")
+    assert published.take_unpublished() == ["sending"] and published.take_unpublished() == []
+    assert not published.has_blocks()

@@ -14,7 +14,7 @@ import pytest
 
 from engine.tokenizer import Tokenizer
 from loadtest.datasets import DatasetKind, load_dataset, write_sharegpt_file
-from services.launcher import LocalCluster, ServiceProcess, free_port, wait_healthy
+from services.launcher import LocalCluster, PortReservation, ServiceProcess, wait_healthy
 from tests.services.conftest import Client, tiny_engine_config
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -90,14 +90,17 @@ def test_short_loadtest_writes_plausible_reports(router_address, tmp_path, workl
 def test_loadtest_waits_for_workers_that_are_still_starting(tiny_llama_dir, tmp_path):
     """Right after ``splitserve up &``: the router answers, its workers do not yet."""
     host = "127.0.0.1"
-    prefill, decode, router = (f"{host}:{free_port()}" for _ in range(3))
+    # Each held until its service is gone: the router dials addresses not served yet.
+    ports = {role: PortReservation(host) for role in ("prefill", "decode", "router")}
+    prefill, decode, router = (f"{host}:{ports[role].port}" for role in ports)
     model = ["--model", str(tiny_llama_dir)]
     worker_flags = [*model, "--dtype", "float32", "--num-kv-blocks", "64", "--num-threads", "1"]
 
     def service(role: str, address: str, *flags: str) -> ServiceProcess:
         port = address.rsplit(":", 1)[1]
         argv = [sys.executable, "-m", f"services.{role}", "--host", host, "--port", port, *flags]
-        return ServiceProcess(role, address, 0, [*argv, "--metrics-port", "0"])
+        argv += ["--metrics-port", "0"]
+        return ServiceProcess(role, address, 0, argv, reservations=[ports[role]])
 
     processes = [
         service("router", router, *model, "--prefill-workers", prefill, "--decode-workers", decode),
@@ -127,6 +130,7 @@ def test_loadtest_waits_for_workers_that_are_still_starting(tiny_llama_dir, tmp_
             if process.popen is not None:
                 process.signal(signal.SIGKILL)
                 process.popen.wait()
+            process.release_ports()
     assert loadtest.returncode == 0, waiting + stderr
     assert waiting.startswith("waiting for the cluster: no decode worker is ready yet; "), waiting
     assert json.loads((out / "results.json").read_text())["runs"][0]["summary"]["errors"] == {}

@@ -11,20 +11,22 @@ import sys
 import time
 
 from engine import LLM, SamplingParams
-from services.launcher import ServiceProcess, free_port, wait_healthy
+from services.launcher import PortReservation, ServiceProcess, wait_healthy
 from tests.waiting import wait_until
 
 
 def test_client_waits_for_workers_that_are_still_starting(tiny_llama_dir, tmp_path):
     host = "127.0.0.1"
-    prefill, decode, router = (f"{host}:{free_port()}" for _ in range(3))
+    # Each held until its service is gone: the router dials addresses not served yet.
+    ports = {role: PortReservation(host) for role in ("prefill", "decode", "router")}
+    prefill, decode, router = (f"{host}:{ports[role].port}" for role in ports)
     common = ["--host", host, "--metrics-port", "0"]
     worker_flags = ["--model", str(tiny_llama_dir), "--dtype", "float32", "--num-kv-blocks", "64"]
 
     def service(role: str, address: str, *flags: str) -> ServiceProcess:
         port = address.rsplit(":", 1)[1]
         argv = [sys.executable, "-m", f"services.{role}", *common, "--port", port, *flags]
-        return ServiceProcess(role, address, 0, argv)
+        return ServiceProcess(role, address, 0, argv, reservations=[ports[role]])
 
     processes = [
         service(
@@ -64,6 +66,7 @@ def test_client_waits_for_workers_that_are_still_starting(tiny_llama_dir, tmp_pa
             if process.popen is not None:
                 process.signal(signal.SIGKILL)
                 process.popen.wait()
+            process.release_ports()
     assert client.returncode == 0, stderr
     assert waiting in stderr
     assert f"decode worker {decode}: " in stderr  # which one, and why (not listening yet)

@@ -96,6 +96,9 @@ def test_decode_worker_exports_its_pulls(cluster, workers, offline):
     assert (
         after[num_bytes] - before.get(num_bytes, 0) == 3 * offline.engine.kv_cache_spec.block_bytes
     )
+    # The decode worker stepped at least once per generated token after the first.
+    steps = ("splitserve_engine_step_seconds_count", (model,))
+    assert after[steps] - before.get(steps, 0) >= 1
 
 
 def test_unpulled_lease_expires_and_frees_the_prefill_blocks(workers):

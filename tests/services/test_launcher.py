@@ -6,8 +6,10 @@ import argparse
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
+import time
 import urllib.request
 
 import psutil
@@ -17,8 +19,8 @@ from engine import LLM, EngineConfig, SamplingParams
 from engine.flags import add_flags, from_args, to_argv
 from services.certs import write_cluster_certs
 from services.common.router_channel import API_KEY_ENV
-from services.launcher import free_port
-from tests.services.conftest import stop_like_ctrl_c
+from services.launcher import LocalCluster, PortReservation, wait_healthy
+from tests.services.conftest import scrape, stop_like_ctrl_c, tiny_engine_config
 from tests.waiting import wait_until
 
 
@@ -29,6 +31,28 @@ def test_engine_flags_round_trip():
     parser = argparse.ArgumentParser()
     add_flags(parser, EngineConfig)
     assert from_args(EngineConfig, parser.parse_args(to_argv(config))) == config
+
+
+def test_every_port_the_launcher_picks_is_held_until_its_service_serves_on_it(tiny_llama_dir):
+    """From the moment the launcher spawns its services, no other process can bind their
+    ports (nor be handed one by the kernel); each service then serves on its own."""
+    cluster = LocalCluster(engine=tiny_engine_config(tiny_llama_dir))
+    try:
+        cluster.launch()
+        for process in cluster.processes:
+            host = process.address.rsplit(":", 1)[0]
+            ports = [int(process.address.rsplit(":", 1)[1]), process.metrics_port]
+            for port in [*ports, *([process.http_port] if process.http_port else [])]:
+                with socket.socket() as stranger, pytest.raises(OSError, match="in use"):
+                    stranger.bind((host, port))
+        deadline_s = time.monotonic() + 300
+        for process in cluster.processes:
+            wait_healthy(process, deadline_s)  # its gRPC port
+            assert scrape(process.metrics_port)  # its /metrics
+        with urllib.request.urlopen(f"{cluster.http_url}/v1/models", timeout=60) as reply:
+            assert json.loads(reply.read())["data"]
+    finally:
+        cluster.stop()
 
 
 def test_up_refuses_several_routers_without_redis(tiny_llama_dir):
@@ -42,7 +66,9 @@ def test_up_refuses_several_routers_without_redis(tiny_llama_dir):
 
 @pytest.fixture(params=["ray", "no-ray"])
 def up_process(request, tiny_llama_dir):
-    port, http_port = free_port(), free_port()
+    # Held until the test ends: `up` binds them meanwhile (see PortReservation).
+    port_reservation, http_reservation = PortReservation(), PortReservation()
+    port, http_port = port_reservation.port, http_reservation.port
     argv = [
         sys.executable, "-m", "services.cli", "up", "--model", str(tiny_llama_dir),
         "--dtype", "float32", "--num-kv-blocks", "64", "--port", str(port), f"--{request.param}",
@@ -51,6 +77,8 @@ def up_process(request, tiny_llama_dir):
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True)
     yield proc, port, http_port
     stop_like_ctrl_c(proc)
+    port_reservation.close()
+    http_reservation.close()
 
 
 def test_up_serves_the_client_and_shuts_down_on_ctrl_c(up_process, tiny_llama_dir):
@@ -123,7 +151,8 @@ def secure_up(tiny_llama_dir, tmp_path):
     write_cluster_certs(certs, ["localhost", "127.0.0.1"])
     key_file = tmp_path / "api-keys"
     key_file.write_text(f"{DATA_KEY} data\n")
-    port = free_port()
+    reservation = PortReservation()
+    port = reservation.port
     argv = [
         sys.executable, "-m", "services.cli", "up", "--model", str(tiny_llama_dir),
         "--dtype", "float32", "--num-kv-blocks", "64", "--port", str(port),
@@ -132,6 +161,7 @@ def secure_up(tiny_llama_dir, tmp_path):
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True)
     yield proc, port, certs
     stop_like_ctrl_c(proc)
+    reservation.close()
 
 
 def test_up_with_tls_and_api_keys_serves_the_plaintext_clusters_tokens(secure_up, tiny_llama_dir):

@@ -14,7 +14,7 @@ import pytest
 
 from engine.cpu_isa import host_isa
 from services.cli import build_parser
-from services.launcher import free_port
+from services.launcher import PortReservation
 from services.up import configs_from_args
 from tests.services.conftest import stop_like_ctrl_c
 
@@ -37,7 +37,8 @@ def test_up_gives_workers_and_routers_the_same_revision_and_served_name() -> Non
 @pytest.fixture(scope="module")
 def served_cluster(tiny_llama_dir: Path) -> Iterator[str]:
     """``splitserve up --no-ray`` (colocated: one worker and the router) with a served name."""
-    port = free_port()
+    reservation = PortReservation()  # held while `up` binds it
+    port = reservation.port
     argv = [
         sys.executable, "-m", "services.cli", "up", "--model", str(tiny_llama_dir),
         "--served-model-name", SERVED_NAME, "--mode", "colocated", "--num-prefill-workers", "0",
@@ -51,6 +52,7 @@ def served_cluster(tiny_llama_dir: Path) -> Iterator[str]:
         yield f"127.0.0.1:{port}"
     finally:
         stop_like_ctrl_c(proc)
+        reservation.close()
 
 
 def test_status_shows_the_served_name(served_cluster: str, tiny_llama_dir: Path) -> None:

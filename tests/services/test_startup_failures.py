@@ -18,7 +18,7 @@ import grpc
 import psutil
 import pytest
 
-from services.launcher import free_port
+from services.launcher import PortReservation
 from splitserve.v1 import router_pb2, router_pb2_grpc, worker_pb2
 from tests.waiting import wait_until
 
@@ -44,7 +44,9 @@ class Up:
     """``splitserve up`` in a subprocess, its stderr collected line by line as it comes."""
 
     def __init__(self, model_dir: Path, *flags: str) -> None:
-        port = free_port()
+        # Held for as long as this object lives: `up` binds it meanwhile.
+        self._reservation = PortReservation()
+        port = self._reservation.port
         self.target = f"127.0.0.1:{port}"
         argv = [
             sys.executable, "-m", "services.cli", "up", "--model", str(model_dir),
@@ -90,13 +92,15 @@ class Up:
         return took_s
 
     def kill(self) -> None:
-        """Whatever a failed test left running: ``up`` and everything under it."""
+        """Whatever a failed test left running: ``up`` and everything under it; then its port
+        is let go."""
         if self.proc.poll() is None:
             services = psutil.Process(self.proc.pid).children(recursive=True)
             self.proc.kill()
             self.proc.wait()
             for service in services:
                 service.kill()
+        self._reservation.close()
 
 
 @pytest.fixture

@@ -3,8 +3,8 @@ offline engine's, colocated and disaggregated over each KV transfer backend (the
 samples the first token under the constraint, the decode worker's matcher is advanced over it),
 after its decode worker is killed mid-stream (the next one is advanced over every token sent),
 and under preemptions on the decode worker; every output satisfies its constraint and ends
-with ``stop``, and a bad constraint is ``INVALID_ARGUMENT`` at the router, naming the field,
-with no worker involved."""
+with ``stop``, and a bad constraint (or one over the constraint budget) is ``INVALID_ARGUMENT``
+at the router, naming the field, with no worker involved."""
 
 from __future__ import annotations
 
@@ -96,8 +96,14 @@ def test_constrained_greedy_output_is_the_offline_engines_and_satisfies_it(clien
         (worker_pb2.OutputConstraint(grammar="start: nowhere"), "sampling.constraint.grammar"),
         (worker_pb2.OutputConstraint(choice=worker_pb2.ChoiceList()), "at least one choice"),
         (worker_pb2.OutputConstraint(), "set one of json_schema"),
+        (
+            worker_pb2.OutputConstraint(
+                choice=worker_pb2.ChoiceList(choices=[f"c{i}" for i in range(100_000)])
+            ),
+            "sampling.constraint.choice: 100000 choices, more than 10000",
+        ),
     ],
-    ids=["json", "regex", "grammar", "no_choices", "no_kind"],
+    ids=["json", "regex", "grammar", "no_choices", "no_kind", "too_many_choices"],
 )
 def test_a_bad_constraint_is_invalid_argument_at_the_router(client, constraint, message):
     sampling = greedy(8)

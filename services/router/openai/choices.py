@@ -5,6 +5,12 @@ several choices of one prompt, the first runs alone until its first token (its p
 the others then start: they find the prompt's blocks in the prefix cache instead of computing
 them again. Closing or cancelling the merged iteration cancels every generation (each aborts
 on its workers and frees its blocks).
+
+Memory is bounded by what the client reads: the merged messages pass through a queue of
+``_QUEUED_PER_CHOICE`` messages per choice, and a generation whose message finds it full waits,
+reading nothing more from its worker. gRPC flow control then stops the worker's writes, and the
+worker's engine pauses the request (the single-choice path has no queue: the client's reads
+pull each message straight through).
 """
 
 from __future__ import annotations
@@ -67,10 +73,12 @@ async def _generate(
 
 # What a generation's task hands the merger: a message, its failure, or None once done.
 _Item = tuple[int, router_pb2.GenerateResponse | Exception | None]
+# Enough for every choice to hand over a message while the merger sends another.
+_QUEUED_PER_CHOICE = 2
 
 
 class _FanOut:
-    """Each generation in a task of its own, feeding one queue."""
+    """Each generation in a task of its own, feeding one bounded queue."""
 
     def __init__(
         self, servicer: RouterServicer, plan: GenerationPlan, context: HttpCallContext
@@ -78,7 +86,7 @@ class _FanOut:
         self._servicer = servicer
         self._default = plan.max_tokens_default
         self._context = context
-        self._queue: asyncio.Queue[_Item] = asyncio.Queue()
+        self._queue: asyncio.Queue[_Item] = asyncio.Queue(_QUEUED_PER_CHOICE * plan.num_choices)
         self._tasks: list[asyncio.Task[None]] = []
         self._num_running = plan.num_choices
         index = 0
@@ -106,11 +114,11 @@ class _FanOut:
                 for follower_index, follower in followers:
                     self._start(follower_index, follower, [])
                 followers = []
-                self._queue.put_nowait((index, message))
+                await self._queue.put((index, message))
         except Exception as exc:  # handed to the merger, which raises it to the client
-            self._queue.put_nowait((index, exc))
+            await self._queue.put((index, exc))
             return
-        self._queue.put_nowait((index, None))
+        await self._queue.put((index, None))
 
     async def messages(self) -> AsyncIterator[ChoiceMessage]:
         while self._num_running:

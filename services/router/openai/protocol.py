@@ -18,9 +18,8 @@ from pydantic import BaseModel, ConfigDict, Field
 
 INT32_MAX = 2**31 - 1
 INT64_MAX = 2**63 - 1
-# Choices per request (n), and prompts x choices of one completions request: each is a
-# generation of its own in the cluster.
-MAX_CHOICES = 16
+# Prompts x choices of one completions request: each is a generation of its own in the
+# cluster. Choices (n) and logprobs are bounded by the router's flags (``RequestBudget``).
 MAX_GENERATIONS = 128
 
 TokenId = Annotated[int, Field(ge=0, le=INT32_MAX)]
@@ -56,7 +55,7 @@ class _Sampling(_Body):
     stop: str | list[str] | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
-    n: int = Field(1, ge=1, le=MAX_CHOICES)
+    n: int = Field(1, ge=1, le=INT32_MAX)
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
@@ -94,7 +93,7 @@ class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1, le=INT32_MAX)
     logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=20)
+    top_logprobs: int | None = Field(None, ge=0, le=INT32_MAX)
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
 
@@ -108,7 +107,7 @@ class ChatCompletionRequest(_Sampling):
 
 class CompletionRequest(_Sampling):
     prompt: str | list[str] | list[TokenId] | list[list[TokenId]]
-    logprobs: int | None = Field(None, ge=0, le=20)
+    logprobs: int | None = Field(None, ge=0, le=INT32_MAX)
     echo: bool = False
     suffix: str | None = None
     best_of: int | None = None

@@ -3,6 +3,7 @@
 One HTTP request is ``len(prompts) x n`` generations: ``requests[p][j]`` is choice ``j`` of
 prompt ``p`` (OpenAI's choice index ``p * n + j``). With a ``seed``, choice ``j`` samples with
 ``seed + j``: the choices differ from one another and the same request gives the same choices.
+A request over its ``RequestBudget`` is refused here, before any generation starts.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
+from engine.sampling_params import SamplingParams
 from services.router.openai.errors import bad_request
 from services.router.openai.protocol import (
     INT64_MAX,
@@ -42,6 +44,52 @@ class Endpoint(enum.Enum):
 
 
 @dataclass(frozen=True, slots=True)
+class RequestBudget:
+    """What one HTTP request may ask for: ``n`` (``--max-n``), logprobs (``--max-logprobs``)
+    and generations x max_tokens (``--max-request-output-tokens``). Together they bound what
+    the router holds for a whole response (its texts and logprobs)."""
+
+    max_n: int
+    max_logprobs: int
+    max_output_tokens: int
+
+    def check(
+        self,
+        body: ChatCompletionRequest | CompletionRequest,
+        num_generations: int,
+        logprobs: tuple[str, int | None],
+        max_tokens: tuple[str, int | None],
+        default_max_tokens: int | None,
+    ) -> None:
+        """``OpenAIError`` 400 naming the first field over its bound. ``logprobs`` and
+        ``max_tokens`` are (field name, value or None); ``default_max_tokens`` is what a
+        generation without max_tokens may produce (None: not known yet, so not checked)."""
+        if body.n > self.max_n:
+            raise bad_request(f"n: at most {self.max_n} (max_n), got {body.n}", "n")
+        if num_generations > MAX_GENERATIONS:
+            raise bad_request(
+                f"prompt: {num_generations // body.n} prompts x n={body.n} is more than "
+                f"{MAX_GENERATIONS} generations in one request",
+                "prompt",
+            )
+        field, value = logprobs
+        if value is not None and value > self.max_logprobs:
+            raise bad_request(
+                f"{field}: at most {self.max_logprobs} (max_logprobs), got {value}", field
+            )
+        field, value = max_tokens
+        per_generation = value if value is not None else default_max_tokens
+        if per_generation is None or num_generations * per_generation <= self.max_output_tokens:
+            return
+        unset = "" if value is not None else "not set, so "
+        raise bad_request(
+            f"{field}: {unset}{num_generations} generations x {per_generation} tokens is more "
+            f"than {self.max_output_tokens} tokens per request (max_request_output_tokens)",
+            field,
+        )
+
+
+@dataclass(frozen=True, slots=True)
 class GenerationPlan:
     """The generations of one HTTP request, ``requests[prompt][choice]``."""
 
@@ -54,36 +102,48 @@ class GenerationPlan:
         return sum(len(choices) for choices in self.requests)
 
 
-def chat_plan(body: ChatCompletionRequest, request_id: str) -> GenerationPlan:
+def chat_plan(
+    body: ChatCompletionRequest,
+    request_id: str,
+    budget: RequestBudget,
+    max_model_len: int | None,
+) -> GenerationPlan:
     """The generations of a chat request (one prompt: its messages); ``OpenAIError`` 400 for
-    content this server cannot take."""
+    content this server cannot take or a request over ``budget``, where a generation without
+    max_tokens counts ``max_model_len`` tokens (None: not known yet)."""
     _refuse_unsupported(body.unsupported())
+    logprobs = (body.top_logprobs or 0) if body.logprobs else None
+    max_tokens_field = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
+    max_tokens = body.max_completion_tokens or body.max_tokens
+    budget.check(
+        body, body.n, ("top_logprobs", logprobs), (max_tokens_field, max_tokens), max_model_len
+    )
     messages = [
         router_pb2.ChatMessage(role=_ROLE_ALIASES.get(m.role, m.role), content=text)
         for m, text in zip(body.messages, _message_texts(body), strict=True)
     ]
-    sampling = _sampling(
-        body,
-        max_tokens=body.max_completion_tokens or body.max_tokens,
-        logprobs=(body.top_logprobs or 0) if body.logprobs else None,
-    )
+    sampling = _sampling(body, max_tokens=max_tokens, logprobs=logprobs)
     prompt = router_pb2.GenerateRequest(messages=messages, cache_salt=body.cache_salt or "")
     choices = _choices(prompt, sampling, body.n, request_id)
     # No max_tokens: the rest of the context, as OpenAI's chat API.
     return GenerationPlan(Endpoint.CHAT, (choices,), MaxTokensDefault.REST_OF_CONTEXT)
 
 
-def completion_plan(body: CompletionRequest, request_id: str) -> GenerationPlan:
+def completion_plan(
+    body: CompletionRequest, request_id: str, budget: RequestBudget
+) -> GenerationPlan:
     """The generations of a completions request: ``n`` per prompt (a string, token ids, or a
-    list of either); ``OpenAIError`` 400 for what this server cannot take."""
+    list of either); ``OpenAIError`` 400 for what this server cannot take or a request over
+    ``budget``."""
     _refuse_unsupported(body.unsupported())
     prompts = _prompts(body.prompt)
-    if len(prompts) * body.n > MAX_GENERATIONS:
-        raise bad_request(
-            f"prompt: {len(prompts)} prompts x n={body.n} is more than {MAX_GENERATIONS} "
-            "generations in one request",
-            "prompt",
-        )
+    budget.check(
+        body,
+        len(prompts) * body.n,
+        ("logprobs", body.logprobs),
+        ("max_tokens", body.max_tokens),
+        SamplingParams().max_tokens,
+    )
     sampling = _sampling(body, max_tokens=body.max_tokens, logprobs=body.logprobs)
     requests = []
     for p, prompt in enumerate(prompts):

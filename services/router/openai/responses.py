@@ -7,22 +7,45 @@ vLLM's ``stop_reason`` (the stop string or stop token id hit; null at eos or a l
 ``usage`` counts each prompt once, every choice's tokens, and the prompt tokens served from a
 prefix cache (``prompt_tokens_details.cached_tokens``, as the first choice of each prompt saw
 them).
+
+A non-streaming response holds each choice's text as UTF-8 and its logprobs as flat arrays
+(``LogprobColumns``, 8 bytes per top alternative and 12 per token) while it waits for
+every choice, then writes its JSON in pieces (``JsonPiecesResponse``): a body of hundreds of
+MB is never held whole, nor as Python objects per token, and its serialization does not stall
+the event loop.
 """
 
 from __future__ import annotations
 
+import asyncio
 import functools
-from collections.abc import Sequence
+import json
+import logging
+from array import array
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
+
+from starlette.responses import Response
+from starlette.types import Receive, Scope, Send
 
 from engine.tokenizer import Tokenizer
 from services.common.convert import FINISH_REASON_NAMES
 from services.router.openai.choices import ChoiceMessage
 from services.router.openai.requests import Endpoint, GenerationPlan
+from services.router.openai.streaming import ClientDisconnected, until_disconnect
 from splitserve.v1 import router_pb2, worker_pb2
 
+logger = logging.getLogger(__name__)
+
 _TOKEN_TEXT_CACHE = 1 << 16
+# Logprob entries serialized per piece of a whole body (about 1 KB each at top_logprobs=20),
+# and the bytes of body sent per write: each piece takes the loop for a millisecond or so.
+_ENTRIES_PER_PIECE = 64
+_SEND_BYTES = 1 << 16
+
+# One logprob entry: its token id, its logprob, and its top alternatives' (id, logprob).
+LogprobEntry = tuple[int, float, Iterable[tuple[int, float]]]
 
 
 class TokenTexts:
@@ -37,6 +60,46 @@ class TokenTexts:
         )
 
 
+class LogprobColumns:
+    """One choice's logprob entries as flat arrays: ids as int32 and logprobs as float32 (the
+    worker's own types, so every value reads back as it came)."""
+
+    __slots__ = ("logprobs", "token_ids", "top_ends", "top_ids", "top_logprobs")
+
+    def __init__(self) -> None:
+        self.token_ids = array("i")
+        self.logprobs = array("f")
+        # Entry i's top alternatives are top_*[top_ends[i - 1]:top_ends[i]].
+        self.top_ends = array("I")
+        self.top_ids = array("i")
+        self.top_logprobs = array("f")
+
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+    def extend(self, entries: Iterable[worker_pb2.TokenLogprob]) -> None:
+        for entry in entries:
+            self.token_ids.append(entry.token_id)
+            self.logprobs.append(entry.logprob)
+            for top in entry.top:
+                self.top_ids.append(top.token_id)
+                self.top_logprobs.append(top.logprob)
+            self.top_ends.append(len(self.top_ids))
+
+    def entries(self, start: int, stop: int) -> Iterator[LogprobEntry]:
+        """Entries ``start`` to ``stop`` (exclusive)."""
+        top_start = self.top_ends[start - 1] if start else 0
+        for i in range(start, min(stop, len(self))):
+            top_stop = self.top_ends[i]
+            tops = zip(
+                self.top_ids[top_start:top_stop],
+                self.top_logprobs[top_start:top_stop],
+                strict=True,
+            )
+            yield self.token_ids[i], self.logprobs[i], tops
+            top_start = top_stop
+
+
 @dataclass(slots=True)
 class ChoiceState:
     """What one choice has produced so far."""
@@ -45,8 +108,10 @@ class ChoiceState:
     # The model's eos ids that are not the request's stop_token_ids: vLLM's stop_reason is
     # null at them, as at any eos.
     eos_only_ids: frozenset[int] = frozenset()
-    text: list[str] = field(default_factory=list)
-    logprobs: list[worker_pb2.TokenLogprob] = field(default_factory=list)
+    # Kept only for a whole response (a stream sends each message's own).
+    text: bytearray = field(default_factory=bytearray)
+    logprobs: LogprobColumns = field(default_factory=LogprobColumns)
+    num_messages: int = 0
     num_tokens: int = 0
     last_token_id: int | None = None
     finish_reason: str | None = None
@@ -55,9 +120,12 @@ class ChoiceState:
     # Characters of token text so far (completions' text_offset).
     num_token_chars: int = 0
 
-    def add(self, message: router_pb2.GenerateResponse) -> None:
-        self.text.append(message.text)
-        self.logprobs.extend(message.logprobs)
+    def add(self, message: router_pb2.GenerateResponse, keep: bool = True) -> None:
+        """Count ``message`` in; ``keep``: hold its text and logprobs for the whole body."""
+        if keep:
+            self.text += message.text.encode()
+            self.logprobs.extend(message.logprobs)
+        self.num_messages += 1
         self.num_tokens += len(message.token_ids)
         if message.token_ids:
             self.last_token_id = message.token_ids[-1]
@@ -117,9 +185,9 @@ class ResponseBuilder:
     def chunk(self, item: ChoiceMessage, include_usage: bool) -> dict[str, Any] | None:
         """The stream chunk for one router message (None when it adds nothing to send)."""
         state = self.choices[item.index]
-        first = not state.text
+        first = not state.num_messages
         message = item.message
-        state.add(message)
+        state.add(message, keep=False)
         finished = bool(message.finish_reason)
         if not (message.text or message.logprobs or finished or first):
             return None
@@ -129,11 +197,17 @@ class ResponseBuilder:
             if first:
                 delta = {"role": "assistant", **delta}
             choice = {"index": item.index, "delta": delta}
-            choice["logprobs"] = self._chat_logprobs(message.logprobs) if message.logprobs else None
+            choice["logprobs"] = (
+                {"content": self._chat_entries(_proto_entries(message.logprobs))}
+                if message.logprobs
+                else None
+            )
         else:
             choice = {"index": item.index, "text": message.text}
             choice["logprobs"] = (
-                self._completion_logprobs(message.logprobs, state) if message.logprobs else None
+                self._completion_logprobs(_proto_entries(message.logprobs), state)
+                if message.logprobs
+                else None
             )
         choice["finish_reason"] = state.finish_reason if finished else None
         choice["stop_reason"] = state.stop_reason if finished else None
@@ -150,25 +224,55 @@ class ResponseBuilder:
     def add(self, item: ChoiceMessage) -> None:
         self.choices[item.index].add(item.message)
 
-    def response(self) -> dict[str, Any]:
-        """The non-streaming body, once every choice has finished."""
-        choices = []
-        for state in self.choices:
-            text = "".join(state.text)
-            choice: dict[str, Any] = {"index": state.index}
-            if self.endpoint is Endpoint.CHAT:
-                choice["message"] = {"role": "assistant", "content": text}
-                choice["logprobs"] = self._chat_logprobs(state.logprobs) if state.logprobs else None
-            else:
-                choice["text"] = text
-                replay = ChoiceState(state.index)
-                choice["logprobs"] = (
-                    self._completion_logprobs(state.logprobs, replay) if state.logprobs else None
-                )
-            choice["finish_reason"] = state.finish_reason
-            choice["stop_reason"] = state.stop_reason
-            choices.append(choice)
-        return {**self._envelope(self.endpoint.value), "choices": choices, "usage": self.usage()}
+    def body(self) -> Iterator[str]:
+        """The non-streaming body, once every choice has finished: in pieces whose
+        concatenation is ``json.dumps`` of the whole object (as ``JSONResponse`` renders it),
+        each built from at most ``_ENTRIES_PER_PIECE`` logprob entries."""
+        yield _dumps(self._envelope(self.endpoint.value))[:-1] + ',"choices":['
+        for i, state in enumerate(self.choices):
+            yield "," if i else ""
+            yield from self._choice(state)
+        yield '],"usage":' + _dumps(self.usage()) + "}"
+
+    def _choice(self, state: ChoiceState) -> Iterator[str]:
+        text = state.text.decode()
+        head: dict[str, Any] = {"index": state.index}
+        if self.endpoint is Endpoint.CHAT:
+            head["message"] = {"role": "assistant", "content": text}
+        else:
+            head["text"] = text
+        yield _dumps(head)[:-1] + ',"logprobs":'
+        columns = state.logprobs
+        if not columns:
+            yield "null"
+        elif self.endpoint is Endpoint.CHAT:
+            yield '{"content":'
+            yield from _json_array(self._chat_entries(batch) for batch in _batches(columns))
+            yield "}"
+        else:
+            yield from self._completion_columns(columns)
+        yield (
+            f',"finish_reason":{_dumps(state.finish_reason)}'
+            f',"stop_reason":{_dumps(state.stop_reason)}}}'
+        )
+
+    def _completion_columns(self, columns: LogprobColumns) -> Iterator[str]:
+        """The legacy shape's four arrays, each in pieces."""
+        text = self._texts.text
+        yield '{"tokens":'
+        yield from _json_array(
+            [text(token_id) for token_id, _, _ in batch] for batch in _batches(columns)
+        )
+        yield ',"token_logprobs":'
+        yield from _json_array([logprob for _, logprob, _ in batch] for batch in _batches(columns))
+        yield ',"top_logprobs":'
+        yield from _json_array(
+            [_completion_top(text(entry[0]), entry, text) for entry in batch]
+            for batch in _batches(columns)
+        )
+        yield ',"text_offset":'
+        yield from _json_array(_text_offsets(columns, text))
+        yield "}"
 
     def usage(self) -> dict[str, int | dict[str, int]]:
         prompt_tokens = cached_tokens = 0
@@ -188,31 +292,27 @@ class ResponseBuilder:
         }
 
     # ---------------------------------------------------------------------------- logprobs
-    def _chat_logprobs(self, logprobs: Sequence[worker_pb2.TokenLogprob]) -> dict[str, Any]:
+    def _chat_entries(self, entries: Iterable[LogprobEntry]) -> list[dict[str, Any]]:
         text = self._texts.text
-        return {
-            "content": [
-                {
-                    **_chat_token(text(entry.token_id), entry.logprob),
-                    "top_logprobs": [_chat_token(text(t.token_id), t.logprob) for t in entry.top],
-                }
-                for entry in logprobs
-            ]
-        }
+        return [
+            {
+                **_chat_token(text(token_id), logprob),
+                "top_logprobs": [_chat_token(text(t), t_logprob) for t, t_logprob in tops],
+            }
+            for token_id, logprob, tops in entries
+        ]
 
     def _completion_logprobs(
-        self, logprobs: Sequence[worker_pb2.TokenLogprob], state: ChoiceState
+        self, entries: Iterable[LogprobEntry], state: ChoiceState
     ) -> dict[str, Any]:
         """The legacy shape; ``state.num_token_chars`` carries text_offset across chunks."""
         text = self._texts.text
         tokens, token_logprobs, tops, offsets = [], [], [], []
-        for entry in logprobs:
-            token = text(entry.token_id)
+        for entry in entries:
+            token = text(entry[0])
             tokens.append(token)
-            token_logprobs.append(entry.logprob)
-            top = {text(t.token_id): t.logprob for t in entry.top}
-            top.setdefault(token, entry.logprob)
-            tops.append(top)
+            token_logprobs.append(entry[1])
+            tops.append(_completion_top(token, entry, text))
             offsets.append(state.num_token_chars)
             state.num_token_chars += len(token)
         return {
@@ -221,6 +321,88 @@ class ResponseBuilder:
             "top_logprobs": tops,
             "text_offset": offsets,
         }
+
+
+class JsonPiecesResponse(Response):
+    """A 200 ``application/json`` body written as ``pieces`` come (chunked, without a
+    content-length), giving the event loop back between writes; it stops, quietly, when the
+    client goes."""
+
+    def __init__(self, pieces: Iterable[str]) -> None:
+        super().__init__()
+        self._pieces = pieces
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await until_disconnect(receive, self._send(send))
+        except ClientDisconnected:
+            logger.debug("client disconnected while its response was written")
+
+    async def _send(self, send: Send) -> None:
+        await send(
+            {
+                "type": "http.response.start",
+                "status": 200,
+                "headers": [(b"content-type", b"application/json")],
+            }
+        )
+        buffer = bytearray()
+        for piece in self._pieces:
+            buffer += piece.encode()
+            if len(buffer) >= _SEND_BYTES:
+                await send({"type": "http.response.body", "body": bytes(buffer), "more_body": True})
+                buffer.clear()
+                # A send that does not block does not yield: let the loop run other requests.
+                await asyncio.sleep(0)
+        await send({"type": "http.response.body", "body": bytes(buffer), "more_body": False})
+
+
+def _dumps(value: Any) -> str:
+    """``value`` as JSON text, exactly as ``JSONResponse`` renders it."""
+    return json.dumps(
+        value, ensure_ascii=False, allow_nan=False, indent=None, separators=(",", ":")
+    )
+
+
+def _json_array(batches: Iterable[list[Any]]) -> Iterator[str]:
+    """A JSON array of every item of ``batches``, in one piece per batch."""
+    yield "["
+    separator = ""
+    for batch in batches:
+        if batch:
+            yield separator + _dumps(batch)[1:-1]
+            separator = ","
+    yield "]"
+
+
+def _batches(columns: LogprobColumns) -> Iterator[list[LogprobEntry]]:
+    for start in range(0, len(columns), _ENTRIES_PER_PIECE):
+        yield list(columns.entries(start, start + _ENTRIES_PER_PIECE))
+
+
+def _text_offsets(columns: LogprobColumns, text: Callable[[int], str]) -> Iterator[list[int]]:
+    """Each entry's text_offset (the characters of the token texts before it), in batches."""
+    offset = 0
+    for batch in _batches(columns):
+        offsets = []
+        for token_id, _, _ in batch:
+            offsets.append(offset)
+            offset += len(text(token_id))
+        yield offsets
+
+
+def _proto_entries(logprobs: Sequence[worker_pb2.TokenLogprob]) -> Iterator[LogprobEntry]:
+    for entry in logprobs:
+        yield entry.token_id, entry.logprob, ((t.token_id, t.logprob) for t in entry.top)
+
+
+def _completion_top(
+    token: str, entry: LogprobEntry, text: Callable[[int], str]
+) -> dict[str, float]:
+    """The legacy ``top_logprobs`` entry: text to logprob, the sampled token's included."""
+    top = {text(token_id): logprob for token_id, logprob in entry[2]}
+    top.setdefault(token, entry[1])
+    return top
 
 
 def _chat_token(token: str, logprob: float) -> dict[str, Any]:

@@ -25,6 +25,7 @@ from fastapi.exceptions import RequestValidationError
 from google.protobuf.json_format import MessageToDict
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect
 from starlette.responses import JSONResponse, Response
 
 from services.common.api_keys import BEARER_PREFIX, ApiKeyStore, KeyRole
@@ -34,8 +35,13 @@ from services.router.call_context import HttpCallContext
 from services.router.openai.choices import run_plan
 from services.router.openai.errors import OpenAIError, bad_request, from_validation_error
 from services.router.openai.protocol import ChatCompletionRequest, CompletionRequest
-from services.router.openai.requests import GenerationPlan, chat_plan, completion_plan
-from services.router.openai.responses import ResponseBuilder, TokenTexts
+from services.router.openai.requests import (
+    GenerationPlan,
+    RequestBudget,
+    chat_plan,
+    completion_plan,
+)
+from services.router.openai.responses import JsonPiecesResponse, ResponseBuilder, TokenTexts
 from services.router.openai.streaming import (
     ClientDisconnected,
     EventStreamResponse,
@@ -71,6 +77,11 @@ def build_app(servicer: RouterServicer, api_keys: ApiKeyStore, max_body_bytes: i
     async def http_error(request: Request, exc: HTTPException) -> Response:
         return error_response(OpenAIError(HTTPStatus(exc.status_code), str(exc.detail)))
 
+    @app.exception_handler(ClientDisconnect)
+    async def client_left(request: Request, exc: ClientDisconnect) -> Response:
+        # Gone during its upload: the connection has logged it, and nobody reads an answer.
+        return Response(status_code=499)
+
     @app.exception_handler(RequestValidationError)
     async def validation_error(request: Request, exc: RequestValidationError) -> Response:
         return error_response(bad_request(str(exc)))
@@ -100,6 +111,10 @@ class _Api:
         self._servicer = servicer
         self._keys = api_keys
         self._max_body_bytes = max_body_bytes
+        config = servicer.config
+        self._budget = RequestBudget(
+            config.max_n, config.max_logprobs, config.max_request_output_tokens
+        )
         self._token_texts = TokenTexts(servicer.tokenizer)
         self._created_s = int(time.time())
 
@@ -108,14 +123,16 @@ class _Api:
         self._authorize(request, KeyRole.DATA)
         body = await self._parse(request, ChatCompletionRequest)
         response_id = f"chatcmpl-{uuid.uuid4().hex}"
-        plan = chat_plan(body, _label(request, response_id))
+        limits = self._servicer.limits()
+        max_model_len = limits.max_model_len if limits is not None else None
+        plan = chat_plan(body, _label(request, response_id), self._budget, max_model_len)
         return await self._respond(request, plan, body, response_id)
 
     async def completions(self, request: Request) -> Response:
         self._authorize(request, KeyRole.DATA)
         body = await self._parse(request, CompletionRequest)
         response_id = f"cmpl-{uuid.uuid4().hex}"
-        plan = completion_plan(body, _label(request, response_id))
+        plan = completion_plan(body, _label(request, response_id), self._budget)
         return await self._respond(request, plan, body, response_id)
 
     async def _respond(
@@ -138,10 +155,11 @@ class _Api:
             return EventStreamResponse(self._chunks(plan, builder, context, include_usage))
         whole = self._whole(plan, builder, context)
         try:
-            return JSONResponse(await until_disconnect(request.receive, whole))
+            await until_disconnect(request.receive, whole)
         except ClientDisconnected:
             logger.debug("%s: client disconnected; request cancelled", response_id)
             return Response(status_code=499)
+        return JsonPiecesResponse(builder.body())
 
     async def _chunks(
         self,
@@ -163,10 +181,10 @@ class _Api:
 
     async def _whole(
         self, plan: GenerationPlan, builder: ResponseBuilder, context: HttpCallContext
-    ) -> dict[str, Any]:
+    ) -> None:
+        """Run ``plan`` to its end, ``builder`` keeping every choice for the body."""
         async for item in run_plan(self._servicer, plan, context):
             builder.add(item)
-        return builder.response()
 
     # ----------------------------------------------------------------------------- the rest
     async def models(self, request: Request) -> dict[str, Any]:

@@ -3,7 +3,8 @@
 The router's gRPC server and the HTTP server share one loop and one ``RouterServicer``. The
 socket is bound here (a port in use is an ``OSError`` naming it, and port 0 picks a free
 one); uvicorn's own signal handling stays off: the router's ``serve_until_signal`` owns
-SIGTERM and stops this server with the rest.
+SIGTERM and stops this server with the rest. Connections are bounded in size and time by
+``HttpLimits`` (see ``connection``).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import uvicorn
 from fastapi import FastAPI
 
 from services.common.tls import CERT_FILE, KEY_FILE
+from services.router.openai.connection import HttpLimits, limited_protocol
 
 logger = logging.getLogger(__name__)
 
@@ -33,9 +35,16 @@ class HttpServer:
 
     @classmethod
     async def start(
-        cls, app: FastAPI, host: str, port: int, tls_dir: str = "", grace_s: float = 5.0
+        cls,
+        app: FastAPI,
+        host: str,
+        port: int,
+        limits: HttpLimits,
+        tls_dir: str = "",
+        grace_s: float = 5.0,
     ) -> HttpServer:
-        """Bind ``host:port`` and serve ``app`` (HTTPS with ``tls_dir``'s certificate)."""
+        """Bind ``host:port`` and serve ``app`` (HTTPS with ``tls_dir``'s certificate) within
+        ``limits``."""
         sock = _bind(host, port)
         tls_files: dict[str, str] = {}
         if tls_dir:
@@ -45,7 +54,7 @@ class HttpServer:
             }
         config = uvicorn.Config(
             app,
-            http="httptools",
+            http=limited_protocol(limits),
             lifespan="off",
             access_log=False,
             log_config=None,

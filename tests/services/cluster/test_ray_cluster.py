@@ -21,7 +21,7 @@ import redis
 from engine import SamplingParams
 from services.cluster.config import ClusterConfig
 from services.cluster.planner import PlannerConfig
-from services.launcher import free_port
+from services.launcher import PortReservation
 from splitserve.v1 import router_pb2
 from tests.services.cluster.conftest import (
     ROLES,
@@ -328,7 +328,8 @@ def test_scale_and_status_commands_add_a_prefill_pool_at_run_time(start_ray_clus
 
 
 def test_router_actor_killed_is_replaced_on_its_port(start_ray_cluster, offline):
-    port = free_port()
+    reservation = PortReservation()  # held while the router actors bind it
+    port = reservation.port
     cluster = start_ray_cluster(num_prefill_workers=1, num_decode_workers=1, port=port)
     router = next(m for m in cluster.members() if m.role == "router")
     assert router.address == f"127.0.0.1:{port}"
@@ -350,6 +351,7 @@ def test_router_actor_killed_is_replaced_on_its_port(start_ray_cluster, offline)
     assert out.token_ids == want.token_ids
     assert len(client.status().workers) == 2
     client.close()
+    reservation.close()
 
 
 def test_planner_grows_the_prefill_pool_on_a_ttft_breach_and_leaves_decode(

@@ -21,6 +21,8 @@ from loadtest.netns_hosts import UCX_ACROSS_HOSTS, HostNetwork
 from splitserve.v1 import router_pb2, router_pb2_grpc
 
 RAY_PORT = 6379
+# Ray's command next to this interpreter: found without the venv's bin/ on PATH.
+RAY = str(Path(sys.executable).parent / "ray")
 ROUTER_PORT = 50051
 _OBJECT_STORE_BYTES = 100 * 2**20
 
@@ -64,7 +66,7 @@ class RayHosts:
     def _ray_start(self, host: str, *flags: str) -> None:
         address = self.network[host].address
         argv = [
-            "ray", "start", f"--node-ip-address={address}",
+            RAY, "start", f"--node-ip-address={address}",
             f"--object-store-memory={_OBJECT_STORE_BYTES}", "--disable-usage-stats", *flags,
         ]  # fmt: skip
         run = self.network.run(

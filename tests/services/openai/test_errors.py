@@ -17,6 +17,13 @@ from services.launcher import free_port
 from services.router.app import start_router
 from services.router.config import RouterConfig
 from tests.services.openai.conftest import CLIENT_OPTIONS
+from tests.services.openai.standin import (
+    StandInDecodeWorker,
+    freed,
+    standin_router,
+    vocab_size,
+    wait_for,
+)
 
 ADMIN = "admin-key-for-the-http-tests-0123"
 DATA = "data-key-for-the-http-tests-01234"
@@ -58,7 +65,8 @@ def assert_error_shape(body: Any, error_type: str) -> dict[str, Any]:
         ({"prompt": []}, "prompt", "must not be empty"),
         ({"prompt": [1, "a"]}, "prompt", ""),
         ({"prompt": [99999999]}, "token_ids", "outside the vocabulary"),
-        ({"prompt": "x", "n": 17}, "n", "less than or equal to 16"),
+        ({"prompt": "x", "n": 17}, "n", "at most 16 (max_n), got 17"),
+        ({"prompt": "x", "logprobs": 21}, "logprobs", "at most 20 (max_logprobs)"),
         ({"prompt": "x", "stop": [""]}, "stop", "non-empty"),
         ({"prompt": "x", "stream_options": {"include_usage": True}}, "stream_options", ""),
         ({"prompt": "x", "logit_bias": {"5": 1}}, "logit_bias", "not supported"),
@@ -225,17 +233,32 @@ def test_client_disconnect_mid_stream_frees_every_worker(sync_client, grpc_clien
     grpc_client.wait_idle()
 
 
-def test_client_timeout_on_a_whole_response_frees_every_worker(base_url, grpc_client, model):
-    options = {**CLIENT_OPTIONS, "timeout": 1.0}
-    with (
-        openai.OpenAI(base_url=base_url, **options) as client,
-        pytest.raises(openai.APITimeoutError),
-    ):
-        client.chat.completions.create(
-            model=model,
-            messages=[{"role": "user", "content": "long"}],
-            max_tokens=1000,
-            n=2,
-            extra_body={"ignore_eos": True},
-        )
-    grpc_client.wait_idle()
+def test_client_timeout_on_a_whole_response_frees_every_worker(tiny_llama_dir):
+    """A client that gives up on a whole response (times out: it closes its connection) while
+    its two choices generate: both generations are cancelled on their worker and every slot is
+    freed. The stand-in's generations stop after one token until cancelled, so the client
+    always gives up first, on any host."""
+    worker = StandInDecodeWorker(vocab_size(tiny_llama_dir), stall_after=1)
+
+    async def run() -> None:
+        async with standin_router(tiny_llama_dir, worker) as router:
+            client = openai.AsyncOpenAI(
+                base_url=f"http://127.0.0.1:{router.http_port}/v1", **CLIENT_OPTIONS
+            )
+            async with client:
+                request = asyncio.create_task(
+                    client.chat.completions.create(
+                        model=str(tiny_llama_dir),
+                        messages=[{"role": "user", "content": "long"}],
+                        max_tokens=1000,
+                        n=2,
+                    )
+                )
+                await wait_for(lambda: worker.num_sent == 2, 60, "a token of each choice")
+                request.cancel()  # the client's timeout
+                with pytest.raises(asyncio.CancelledError):
+                    await request
+            await wait_for(lambda: freed(router, worker), 60, "every generation freed")
+            assert worker.num_cancelled == worker.num_calls == 2
+
+    asyncio.run(run())

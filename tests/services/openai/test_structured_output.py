@@ -1,7 +1,8 @@
 """Structured output through the HTTP API with the official ``openai`` client: OpenAI's
 ``response_format`` and vLLM's ``guided_*`` / ``structured_outputs`` extensions reach the
-constraint; outputs satisfy it, streamed or not; malformed or doubled constraints are 400s
-naming the field, and the server goes on serving."""
+constraint; outputs satisfy it, streamed or not; malformed or doubled constraints, and ones
+over the constraint budget, are 400s naming the field (and the limit, never llguidance's panic
+text), and the server goes on serving."""
 
 from __future__ import annotations
 
@@ -154,5 +155,20 @@ def test_bad_constraints_are_400s_naming_the_field(sync_client, model, extra, pa
     with pytest.raises(openai.BadRequestError) as error:
         sync_client.completions.create(model=model, prompt="x", max_tokens=5, extra_body=extra)
     assert param in error.value.message
+    ok = sync_client.completions.create(model=model, prompt="x", max_tokens=2, temperature=0)
+    assert ok.usage.completion_tokens == 2
+
+
+def test_a_huge_guided_choice_is_a_400_naming_the_limit(sync_client, model):
+    # 1.7 MB: far under the body limit. It used to take the router seconds to validate and a
+    # worker's engine thread seconds to refuse, with llguidance's panic and backtrace.
+    choices = [f"choice number {i}" for i in range(100_000)]
+    with pytest.raises(openai.BadRequestError) as error:
+        sync_client.completions.create(
+            model=model, prompt="x", max_tokens=5, extra_body={"guided_choice": choices}
+        )
+    message = error.value.message
+    assert "constraint.choice: 100000 choices, more than 10000" in message
+    assert "backtrace" not in message and "panic" not in message
     ok = sync_client.completions.create(model=model, prompt="x", max_tokens=2, temperature=0)
     assert ok.usage.completion_tokens == 2

@@ -156,6 +156,32 @@ def test_released_reservations_stop_counting_and_explain_reserves_nothing(
     asyncio.run(main())
 
 
+def test_a_withdrawn_reservation_leaves_only_what_the_worker_held_before(ledger_kind, redis_server):
+    """A decision records the prompt as the chosen worker's; withdrawing it (the prompt is
+    prefilled elsewhere) removes those blocks and the reservation, not the worker's own."""
+
+    async def main() -> None:
+        index, ledger = await index_and_ledger(ledger_kind, redis_server.url)
+        prompt = chain(seed=3, num_blocks=5)
+        await index.heartbeat("w0", ttl_s=60)
+        await index.store("w0", prompt[:2])
+        weights = PrefillWeights()
+        selection = await ledger.select("a", prompt, idle(("w0",)), weights, 0.0)
+        assert selection.reservation is not None
+        assert selection.reservation.recorded == tuple(prompt[2:])
+        assert await index.match(prompt) == {"w0": 5}
+        await ledger.withdraw(selection.reservation)
+        await ledger.withdraw(selection.reservation)  # idempotent
+        assert await index.match(prompt) == {"w0": 2}
+        assert sorted(await index.entries("w0")) == sorted(prompt[:2])
+        after = await ledger.select(None, prompt, idle(("w0",)), weights, 0.0)
+        assert (after.scores[0].reserved_blocks, after.scores[0].reserved_requests) == (0, 0)
+        await index.close()
+        await ledger.close()
+
+    asyncio.run(main())
+
+
 def test_every_worker_saturated_chooses_none(ledger_kind, redis_server):
     async def main() -> None:
         _, ledger = await index_and_ledger(ledger_kind, redis_server.url)

@@ -75,7 +75,9 @@ def make_planner(
     )
     # As the router does: colocated mode has no prefill pool.
     prefill_pool = make_pool(PREFILL, () if colocated else prefill)
-    return build_planner(config, prefill_pool, make_pool(DECODE, decode), random.Random(0))
+    return build_planner(
+        config, "router-test", prefill_pool, make_pool(DECODE, decode), random.Random(0)
+    )
 
 
 def index_of(planner: RoutePlanner) -> InProcessPrefixIndex:
@@ -326,6 +328,28 @@ def test_a_routed_prompt_follows_its_prefill_worker_until_it_is_forgotten() -> N
     asyncio.run(main())
 
 
+def test_a_prompt_prefilled_on_its_decode_worker_leaves_nothing_under_the_prefill_worker() -> None:
+    """d0 caches the prompt, so p0, chosen by the ledger, does not prefill it (short_uncached):
+    neither p0's reservation nor the prompt's blocks stay behind, and a longer prompt with the
+    same prefix finds nothing cached on p0."""
+
+    async def main() -> None:
+        planner = make_planner(PREFILL2, DECODE2)
+        prompt = prompt_tokens(LONG)
+        await seed_hits(planner, prompt, {"d0": 6})
+        short = await planner.plan("a", prompt)
+        assert short.place is PrefillPlace.SHORT_UNCACHED
+        assert address(short.prefill.worker) == "p0"
+        assert await index_of(planner).entries("p0") == []
+        assert await reserved(planner) == {}
+        longer = await planner.plan("b", prompt + prompt_tokens(40, seed=1))
+        assert longer.place is PrefillPlace.PREFILL_WORKER
+        assert address(longer.prefill_worker) == "p0" and longer.prefill.matched_blocks == 0
+        assert await reserved(planner) == {"p0": 8}
+
+    asyncio.run(main())
+
+
 def test_colocated_records_the_prompt_as_the_chosen_replicas_at_once() -> None:
     async def main() -> None:
         planner = make_planner((), (W("d0", queued_prefill_tokens=64), W("d1")), colocated=True)
@@ -365,6 +389,9 @@ class HealthFlipLedger(PrefillLedger):
 
     async def release(self, reservation: Reservation) -> None:
         await self.inner.release(reservation)
+
+    async def withdraw(self, reservation: Reservation) -> None:
+        await self.inner.withdraw(reservation)
 
     def start(self) -> None:
         self.inner.start()

@@ -1,7 +1,9 @@
-"""Router pieces without processes: request validation, the response stream, torch-freedom."""
+"""Router pieces without processes: request validation, the response stream, torch-freedom,
+the router's id."""
 
 from __future__ import annotations
 
+import asyncio
 import subprocess
 import sys
 
@@ -9,9 +11,13 @@ import pytest
 
 from engine import LLM, SamplingParams
 from engine.tokenizer import Tokenizer
+from services.common.tracing import TracingConfig
+from services.router.config import RouterConfig
 from services.router.request_prep import ModelLimits, RequestBounds, prepare_request
 from services.router.response_stream import ResponseStream
+from services.router.server import RouterServicer
 from splitserve.v1 import router_pb2
+from tests.services.router.fakes import BLOCK_SIZE, DECODE, PREFILL, W
 
 LIMITS = ModelLimits(vocab_size=489, max_model_len=64)
 _sp = router_pb2.SamplingParams
@@ -85,3 +91,26 @@ def test_response_stream_stop_token_adds_no_text(tokenizer):
     message = stream.push([0], finish_reason="stop", stop_reason="0")
     assert message.text == "" and list(message.token_ids) == [0]
     assert message.finish_reason == router_pb2.FINISH_REASON_STOP
+
+
+def test_the_traces_name_the_router_by_the_id_of_its_ledger_entries(tokenizer):
+    """Without --router-id the id is made up once: the service.instance.id of the router's
+    spans is the router its reservations name."""
+
+    async def main() -> None:
+        # Nothing listens there; no span is ended, so nothing is sent.
+        tracing = TracingConfig(otlp_traces_endpoint="127.0.0.1:1")
+        config = RouterConfig(model="unused", tracing=tracing)
+        servicer = RouterServicer(config, tokenizer)
+        servicer.prefill_pool.workers = [W("p0").build(PREFILL)]
+        servicer.decode_pool.workers = [W("d0").build(DECODE)]
+        plan = await servicer.planner.plan("req-1", list(range(3, 3 + 4 * BLOCK_SIZE)))
+        assert plan.prefill.reservation is not None
+        ledger_router_id = plan.prefill.reservation.member.split("|")[0]
+        span = servicer.tracing.start_request_span("generate", (), {})
+        assert span.resource.attributes["service.instance.id"] == ledger_router_id  # type: ignore[attr-defined]
+        assert ledger_router_id == servicer.router_id
+        await servicer.tracing.shutdown()
+        await servicer.planner.prefill_chooser.close()
+
+    asyncio.run(main())
