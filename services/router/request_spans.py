@@ -97,3 +97,10 @@ def _ledger_kind(choice: PrefillChoice) -> str:
     if isinstance(choice.ledger, LocalPrefillLedger) and choice.ledger.has_index:
         return "in_process"
     return "load_only"
+
+
+def end_call_span(span: Span, error: str) -> None:
+    """End a worker call's span, failed with ``error`` when there was one."""
+    if error:
+        span.set_status(Status(StatusCode.ERROR, error))
+    span.end()

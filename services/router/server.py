@@ -24,7 +24,7 @@ import time
 from collections.abc import AsyncIterator
 
 import grpc
-from opentelemetry.trace import Span, SpanKind, Status, StatusCode
+from opentelemetry.trace import Span, SpanKind
 
 from engine.tokenizer import Tokenizer
 from services.common.background import BackgroundTasks
@@ -53,6 +53,7 @@ from services.router.request_prep import (
     prepare_request,
 )
 from services.router.request_spans import (
+    end_call_span,
     end_request_span,
     request_attributes,
     route_attributes,
@@ -365,7 +366,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             await self._worker_failed(worker, exc, context, routed.failures)
             error = exc.code().name
         except asyncio.CancelledError:
-            if not _fenced(worker, call):
+            if not worker.fenced(call):
                 call.cancel()
                 # A prefill that completed as we were cancelled leaves a lease; drop it now.
                 self._background.spawn(release_lease(worker, routed.req_id))
@@ -374,7 +375,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         finally:
             worker.close_call(call)
             worker.num_inflight -= 1
-            _end_call_span(call_span, error)
+            end_call_span(call_span, error)
         await routed.prefill_done(worker, response)
         if response is not None:
             routed.stream.num_cached_tokens = response.num_cached_tokens
@@ -442,14 +443,14 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                 await self._worker_failed(worker, exc, context, routed.failures)
                 error = exc.code().name
             except asyncio.CancelledError:
-                if not _fenced(worker, call):
+                if not worker.fenced(call):
                     raise
                 error = "fenced"
             finally:
                 worker.close_call(call)
                 # A no-op when the call completed; otherwise the worker aborts the request.
                 call.cancel()
-                _end_call_span(call_span, error)
+                end_call_span(call_span, error)
             if plan.place is PrefillPlace.COLOCATED:  # it may come back with an empty cache
                 await self.planner.prefill_chooser.forget(worker)
             metrics.DECODE_FAILOVERS.inc()
@@ -594,17 +595,3 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             prefix_hit_blocks_realized=self.planner.prefill_chooser.num_hit_blocks_realized,
             pools=[p.to_proto() for p in pools],
         )
-
-
-def _end_call_span(span: Span, error: str) -> None:
-    """End a worker call's span, failed with ``error`` when there was one."""
-    if error:
-        span.set_status(Status(StatusCode.ERROR, error))
-    span.end()
-
-
-def _fenced(worker: WorkerHandle, call: grpc.aio.Call) -> bool:
-    """Whether the ``CancelledError`` just raised by ``call`` is the worker's fencing (the
-    request moves on) rather than the cancellation of the request's own task."""
-    task = asyncio.current_task()
-    return worker.close_call(call) and not (task is not None and task.cancelling() > 0)

@@ -85,6 +85,13 @@ class WorkerHandle:
             return True
         return False
 
+    def fenced(self, call: grpc.aio.Call) -> bool:
+        """Whether the ``CancelledError`` just raised by ``call`` is this worker's fencing (the
+        request moves on) rather than the cancellation of the request's own task; stops
+        tracking ``call``."""
+        task = asyncio.current_task()
+        return self.close_call(call) and not (task is not None and task.cancelling() > 0)
+
     def fence(self, reason: str) -> None:
         """Cancel every call this router has open on the worker (it is unhealthy already)."""
         if self._open_calls:
