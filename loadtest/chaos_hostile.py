@@ -26,6 +26,7 @@ import dataclasses
 import enum
 import json
 import logging
+import os
 import signal
 import sys
 import tempfile
@@ -47,7 +48,7 @@ from loadtest.hostile_clients import KindSummary
 from loadtest.hostile_requests import FANOUT_MAX_TOKENS, HostileKind, parse_kinds
 from loadtest.metrics import RequestRecord, summarize
 from loadtest.openai_http import ModelCard, OpenAIClient, wait_for_model
-from loadtest.peak_rss import PeakRss, cluster_pids
+from loadtest.peak_rss import PeakRss, cluster_pids, cpu_seconds
 from loadtest.runner import RunPlan, run
 from loadtest.synthetic import LoadRequest
 from loadtest.tiny_model import BENCH_SPEC, SENTENCES, make_tiny_model
@@ -64,6 +65,9 @@ _REQUEST_TIMEOUT_S = 120.0  # a well-behaved request still open then has failed
 _START_TIMEOUT_S = 300.0
 _HOSTILE_READY_TIMEOUT_S = 120.0
 _PROMPT_MARGIN = 64  # tokens left for the hostile prompts when capping to a model's context
+# The clients' processes in the CPU table: they run on the cluster's cores.
+_CLIENT = "loadtest (the well-behaved client)"
+_HOSTILE_CLIENTS = "hostile clients"
 
 
 def add_flags(parser: argparse.ArgumentParser) -> None:
@@ -180,16 +184,24 @@ async def _run_phase(
     workers = _metrics_urls(cluster)
     before = await _scrape(workers)
     rss.reset()
+    processes = cluster_pids(cluster) | {_CLIENT: os.getpid()}
+    cpu_before = cpu_seconds(processes)
     hostile_process = None
     if name is PhaseName.HOSTILE:
         hostile_process = await _start_hostile(cluster.http_url, card, args)
     start_s = time.monotonic()
+    hostile_cpu: dict[str, float] = {}
     try:
         records = await _well_behaved(cluster.http_url, card, args)
     finally:
-        hostile = await _stop_hostile(hostile_process) if hostile_process else None
+        hostile = None
+        if hostile_process is not None:
+            hostile_cpu = cpu_seconds({_HOSTILE_CLIENTS: hostile_process.pid})
+            hostile = await _stop_hostile(hostile_process)
     duration_s = time.monotonic() - start_s
     peaks = rss.peaks()
+    cpu_after = cpu_seconds(processes)
+    cpu = {k: cpu_after[k] - cpu_before[k] for k in cpu_after if k in cpu_before} | hostile_cpu
     engine_steps = {
         worker: [
             step_histogram.slow_steps(before[worker].get(name), buckets)
@@ -197,7 +209,8 @@ async def _run_phase(
         ]
         for worker, after in (await _scrape(workers)).items()
     }
-    return Phase(name, duration_s, _well_behaved_summary(records), peaks, engine_steps, hostile)
+    load = _well_behaved_summary(records)
+    return Phase(name, duration_s, load, peaks, cpu, engine_steps, hostile)
 
 
 async def _scrape(workers: dict[str, str]) -> dict[str, dict[str, step_histogram.Buckets]]:

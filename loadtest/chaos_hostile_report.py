@@ -51,13 +51,15 @@ class WellBehaved:
 
 @dataclass(frozen=True, slots=True)
 class Phase:
-    """One phase: its load, each process's peak RSS, each worker's step histograms (empty
+    """One phase: its load, each process's peak RSS and CPU seconds (user + system; the
+    clients' processes too: they share the host's cores), each worker's step histograms (empty
     when it exports none) and, in the hostile phase, how the hostile attempts ended."""
 
     name: PhaseName
     duration_s: float
     load: WellBehaved
     peak_rss_bytes: dict[str, int]
+    cpu_s: dict[str, float]
     engine_steps: dict[str, list[SlowSteps]]
     hostile: dict[str, KindSummary] | None
 
@@ -150,6 +152,16 @@ def markdown(phases: Sequence[Phase], results: list[TargetResult], rate: float) 
     for key in sorted({k for p in phases for k in p.peak_rss_bytes}):
         peaks = " | ".join(f"{p.peak_rss_bytes.get(key, 0) / _MB:.0f}" for p in phases)
         lines.append(f"| {key} | {peaks} |")
+    lines += [
+        "",
+        "### CPU seconds (user + system) over the phase",
+        "",
+        f"| process | {names} |",
+        "|---|" + "---:|" * len(phases),
+    ]
+    for key in sorted({k for p in phases for k in p.cpu_s}):
+        spent = " | ".join(f"{p.cpu_s.get(key, 0.0):.1f}" for p in phases)
+        lines.append(f"| {key} | {spent} |")
     lines += ["", "### Engine steps (the workers' step-time histograms)", ""]
     if not any(p.engine_steps for p in phases):
         lines.append("The workers export no step-time histogram: unmeasured.")

@@ -243,9 +243,13 @@ class HostilePool:
 
     async def stop(self) -> dict[str, KindSummary]:
         """Cancel every slot (an attempt still open counts as ``held``); the summary by kind."""
-        for task in self._tasks:
-            task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        pending = set(self._tasks)
+        while pending:
+            # Again each second: Python 3.11's wait_for can swallow a cancellation that
+            # arrives as its inner wait ends, and the slot would then open another attempt.
+            for task in pending:
+                task.cancel()
+            _, pending = await asyncio.wait(pending, timeout=1.0)
         return {kind.value: self._summary(kind) for kind in self._attempts}
 
     async def _slot(self, kind: HostileKind) -> None:

@@ -1,4 +1,5 @@
-"""Peak resident memory of a cluster's processes, sampled on a background thread."""
+"""Peak resident memory of a cluster's processes, sampled on a background thread, and their
+CPU time."""
 
 from __future__ import annotations
 
@@ -47,6 +48,19 @@ class PeakRss:
                     continue
                 with self._lock:
                     self._peaks[key] = max(self._peaks.get(key, 0), rss)
+
+
+def cpu_seconds(pids: Mapping[str, int]) -> dict[str, float]:
+    """Each process's CPU time so far (user + system, its threads included), in seconds; a
+    process that has ended is left out."""
+    spent = {}
+    for key, pid in pids.items():
+        try:
+            times = psutil.Process(pid).cpu_times()
+        except psutil.Error:
+            continue
+        spent[key] = times.user + times.system
+    return spent
 
 
 def cluster_pids(local: LocalCluster) -> dict[str, int]:

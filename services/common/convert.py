@@ -25,26 +25,22 @@ FINISH_REASONS = {
     "abort": router_pb2.FINISH_REASON_ABORT,
 }
 FINISH_REASON_NAMES = {v: k for k, v in FINISH_REASONS.items() if k}
+# The budget the router validates constraints in: the one the workers compile them in (their
+# default ConstraintLimits).
+CONSTRAINT_LIMITS = ConstraintLimits()
 # The router's validations of constraints: off the event loop and the threads that prepare
-# requests, within the budget the workers compile them in (the default ConstraintLimits).
-_VALIDATIONS: GrammarPool[None] = GrammarPool(Constraint.validate, ConstraintLimits())
+# requests.
+_VALIDATIONS: GrammarPool[None] = GrammarPool(Constraint.validate, CONSTRAINT_LIMITS)
 
 
 def sampling_params_from_client(msg: router_pb2.SamplingParams) -> SamplingParams:
     """Engine params from a client's message (unset fields take the engine defaults).
 
-    Raises ``ValueError`` naming the field, as ``SamplingParams`` validation does; a
-    constraint is validated here (a bad schema, regex or grammar, or one over its budget of
-    size or time, never reaches a worker). Blocks for up to the budget's
-    ``compile_timeout_s``: call it off the event loop.
+    Raises ``ValueError`` naming the field, as ``SamplingParams`` validation does. The
+    constraint is built, not validated: see ``validate_client_constraint``.
     """
     defaults = SamplingParams()
     constraint = constraint_from_proto(msg.constraint) if msg.HasField("constraint") else None
-    if constraint is not None:
-        try:
-            _VALIDATIONS.result(constraint)
-        except ValueError as exc:
-            raise ValueError(f"constraint.{exc}") from None
     return SamplingParams(
         max_tokens=msg.max_tokens if msg.HasField("max_tokens") else defaults.max_tokens,
         temperature=msg.temperature if msg.HasField("temperature") else defaults.temperature,
@@ -71,6 +67,19 @@ def sampling_params_from_client(msg: router_pb2.SamplingParams) -> SamplingParam
         logprobs=msg.logprobs if msg.HasField("logprobs") else None,
         constraint=constraint,
     )
+
+
+async def validate_client_constraint(constraint: Constraint | None) -> None:
+    """``ValueError`` naming the field (``constraint.<kind>: ...``) when a client's
+    ``constraint`` is over its budget of size or time, or does not compile, so that it never
+    reaches a worker. The event loop runs on meanwhile (the check runs on the shared
+    validation threads, for up to the budget's ``compile_timeout_s``)."""
+    if constraint is None:
+        return
+    try:
+        await _VALIDATIONS.wait(constraint)
+    except ValueError as exc:
+        raise ValueError(f"constraint.{exc}") from None
 
 
 def constraint_from_proto(msg: worker_pb2.OutputConstraint) -> Constraint:

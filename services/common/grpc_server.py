@@ -41,6 +41,14 @@ CHANNEL_OPTIONS = (
     ("grpc.keepalive_timeout_ms", KEEPALIVE_TIMEOUT_MS),
     ("grpc.keepalive_permit_without_calls", 1),
     ("grpc.http2.max_pings_without_data", 0),
+    # What a channel reads ahead of its caller: 4 KiB per stream, not the window gRPC grows
+    # by probing. A router reading a decode stream no faster than its HTTP client (one that
+    # reads nothing) then blocks the worker's writes within a few hundred tokens, which pauses
+    # the request in the engine; 64 KiB let it generate thousands more. The channels carry
+    # tokens and control messages only (KV moves over kvtransfer), and a message larger than
+    # the window still arrives whole.
+    ("grpc.http2.lookahead_bytes", 4096),
+    ("grpc.http2.bdp_probe", 0),
 )
 SERVER_OPTIONS = (
     *_MESSAGE_SIZES,

@@ -30,6 +30,7 @@ from services.common.convert import (
 from services.common.engine_loop import EngineDeadError, StreamEndedError
 from services.common.failures import FailureKind, abort_with
 from services.common.roles import Role
+from services.common.stream_writer import StreamWriter
 from services.common.tracing import ending
 from services.common.worker_config import WorkerConfig, parse_worker_args
 from services.common.worker_runtime import (
@@ -109,6 +110,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
 
         outputs = self.runtime.loop.generate(req_id, add)
         stalled = False
+        writer = StreamWriter(context, self.runtime.config.stream_idle_timeout_s)
         num_generated_tokens = 0
         last_output_s: float | None = None
         try:
@@ -133,7 +135,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
                             self.runtime.tracing, span, output, num_generated_tokens, pull
                         )
                         self.runtime.metrics.engine_request_finished(output, num_generated_tokens)
-                    if not await self._write(context, response):
+                    if not await writer.write(response):
                         stalled = True
                         break
         except DuplicateRequestError as exc:
@@ -152,28 +154,15 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         finally:
             self.puller.take_result(req_id)
         if stalled:
-            idle_s = self.runtime.config.stream_idle_timeout_s
+            idle_s = writer.idle_s
             logger.warning("req_id=%s aborted: its reader took no output for %g s", req_id, idle_s)
-            # The request is aborted already; the status reaches the reader when it reads.
-            await abort_with(
-                context,
+            # The request is aborted already (its KV freed); the status reaches the reader
+            # after the message it has not taken (StreamWriter).
+            await writer.abort(
                 grpc.StatusCode.ABORTED,
                 FailureKind.REQUEST,
                 f"the reader took no output for {idle_s:g} s (--stream-idle-timeout-s)",
             )
-
-    async def _write(
-        self, context: grpc.aio.ServicerContext, response: worker_pb2.DecodeResponse
-    ) -> bool:
-        """Send ``response``; False when the reader let the write wait for
-        ``--stream-idle-timeout-s``. Meanwhile the engine pauses the request
-        (``OutputStream``), so a stalled reader costs its KV blocks and nothing more."""
-        try:
-            async with asyncio.timeout(self.runtime.config.stream_idle_timeout_s):
-                await context.write(response)
-        except TimeoutError:
-            return False
-        return True
 
     def _check_kv_ref(self, src: KVRef, num_prompt_tokens: int) -> str | None:
         block_size = self.runtime.config.engine.block_size

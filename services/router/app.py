@@ -157,6 +157,7 @@ def _http_limits(config: RouterConfig) -> HttpLimits:
         keep_alive_timeout_s=config.http_keep_alive_timeout_s,
         max_connections=config.http_max_connections,
         stream_idle_timeout_s=config.stream_idle_timeout_s,
+        send_buffer_bytes=config.http_send_buffer_bytes,
     )
 
 

@@ -85,8 +85,8 @@ class RouterConfig:
     )
     stream_idle_timeout_s: float = flag(
         60.0,
-        "seconds an HTTP response may stay unread (its send blocked, the client's buffers full) "
-        "before the router closes the connection and cancels its generations",
+        "seconds a response (HTTP or gRPC) may stay unread (its send blocked, the client's "
+        "buffers full) before the router cuts it off and cancels its generations",
     )
     http_max_header_bytes: int = flag(
         65536, "largest HTTP request head (request line and headers), in bytes (431 above)"
@@ -106,6 +106,11 @@ class RouterConfig:
     )
     http_max_connections: int = flag(
         4096, "most open HTTP connections; one more is answered 503 and closed"
+    )
+    http_send_buffer_bytes: int = flag(
+        65536,
+        "each HTTP connection's kernel send buffer (SO_SNDBUF; the kernel doubles it), in bytes: "
+        "what a client that stops reading leaves buffered before its generations pause",
     )
     health_check_interval_s: float = flag(0.5, "seconds between worker load/health polls")
     max_decode_retries: int = flag(
@@ -227,7 +232,12 @@ class RouterConfig:
             raise ValueError(
                 f"max_logprobs must be in [0, {MAX_LOGPROBS}], got {self.max_logprobs}"
             )
-        for name in ("max_request_output_tokens", "http_max_header_bytes", "http_max_connections"):
+        for name in (
+            "max_request_output_tokens",
+            "http_max_header_bytes",
+            "http_max_connections",
+            "http_send_buffer_bytes",
+        ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         for name in (

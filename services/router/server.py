@@ -18,21 +18,23 @@ and releases a lease that no decode worker has consumed yet.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import random
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 
 import grpc
 from opentelemetry.trace import Span, SpanKind
 
 from engine.tokenizer import Tokenizer
 from services.common.background import BackgroundTasks
-from services.common.convert import FINISH_REASON_NAMES
-from services.common.failures import abort
+from services.common.convert import FINISH_REASON_NAMES, validate_client_constraint
+from services.common.failures import FailureKind, abort
 from services.common.prefix_index import RedisPrefixIndex
 from services.common.roles import Role
 from services.common.serving_metrics import ServingMetrics
+from services.common.stream_writer import StreamWriter
 from services.common.tls import TlsMaterial
 from services.common.tracing import Tracing, call_metadata, ending, trace_id_hex
 from services.router import metrics
@@ -203,16 +205,36 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
     # ----------------------------------------------------------------------------- Generate
     async def Generate(
         self, request: router_pb2.GenerateRequest, context: grpc.aio.ServicerContext
-    ) -> AsyncIterator[router_pb2.GenerateResponse]:
-        async for message in self.generate(request, context):
-            yield message
+    ) -> None:
+        """``generate``'s messages, each sent within ``--stream-idle-timeout-s``: a client that
+        takes none for that long (its flow-control window full) has its request freed on every
+        worker at once, and its call ends ABORTED once it reads again or leaves
+        (``StreamWriter``), as the HTTP API does."""
+        writer = StreamWriter(context, self.config.stream_idle_timeout_s)
+        async with contextlib.aclosing(self.generate(request, context)) as messages:
+            async for message in messages:
+                if not await writer.write(message):
+                    break
+            else:
+                return
+        logger.info(
+            "gRPC client %s took no output for %.1f s; its request is cancelled "
+            "(stream_idle_timeout_s)",
+            context.peer(),
+            writer.idle_s,
+        )
+        await writer.abort(
+            grpc.StatusCode.ABORTED,
+            FailureKind.REQUEST,
+            f"the client took no output for {writer.idle_s:g} s (stream_idle_timeout_s)",
+        )
 
     async def generate(
         self,
         request: router_pb2.GenerateRequest,
         context: CallContext,
         max_tokens_default: MaxTokensDefault = MaxTokensDefault.ENGINE,
-    ) -> AsyncIterator[router_pb2.GenerateResponse]:
+    ) -> AsyncGenerator[router_pb2.GenerateResponse, None]:
         """One generation's life, whichever API it came through (gRPC ``Generate``, the HTTP
         API): admission, validation, routing, failover and metrics. Refusals end the call
         through ``context.abort``; cancelling the iteration (or closing it) aborts the request
@@ -285,14 +307,20 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         context: CallContext,
         max_tokens_default: MaxTokensDefault = MaxTokensDefault.ENGINE,
     ) -> PreparedRequest:
-        """Validate and tokenize ``request`` (off the event loop); INVALID_ARGUMENT naming the
-        field otherwise."""
+        """Validate and tokenize ``request`` (off the event loop), then its constraint (on the
+        shared validation threads: a slow one holds no thread that prepares requests);
+        INVALID_ARGUMENT naming the field otherwise."""
         try:
-            return await asyncio.to_thread(
+            prepared = await asyncio.to_thread(
                 prepare_request, request, self.tokenizer, limits, self.bounds, max_tokens_default
             )
         except ValueError as exc:
             await abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        try:
+            await validate_client_constraint(prepared.params.constraint)
+        except ValueError as exc:
+            await abort(context, grpc.StatusCode.INVALID_ARGUMENT, f"sampling.{exc}")
+        return prepared
 
     async def _generate(
         self, prepared: PreparedRequest, context: CallContext, log: RequestLog, span: Span

@@ -52,6 +52,11 @@ def test_hostile_clients_leave_well_behaved_requests_served(tmp_path: Path) -> N
         assert roles == ["decode", "prefill", "router"]
         assert all(rss > 0 for rss in phase["peak_rss_bytes"].values())
         assert sorted(key.split("@")[0] for key in phase["engine_steps"]) == ["decode", "prefill"]
+        # Every cluster process used some CPU, and so did the well-behaved client.
+        cpu = phase["cpu_s"]
+        assert sum(key.startswith(("decode@", "prefill@", "router@")) for key in cpu) == 3
+        assert all(spent > 0 for spent in cpu.values()), cpu
+    assert "hostile clients" in hostile["cpu_s"] and "hostile clients" not in baseline["cpu_s"]
     assert baseline["hostile"] is None
     assert set(hostile["hostile"]) == {kind.value for kind in HostileKind}
     for kind, summary in hostile["hostile"].items():

@@ -12,9 +12,12 @@ Each connection is in one of three phases, each bounded:
   with 431, counted as it arrives, so that a huge header costs at most one read beyond the limit.
 - **Body**: from the end of the head until the body is complete: a client that stops half-way
   (or trickles) is closed with 408 (the route reading it sees a disconnect).
-- **Response**: a client that reads nothing, so that the transport's buffer stays over its high
-  water mark for ``stream_idle_timeout_s``, is cut off (the buffer dropped); the route sees a
-  disconnect and cancels the request's generations, as when the client closes.
+- **Response**: the kernel's send buffer is ``http_send_buffer_bytes``, not the megabytes its
+  autotuning grows to, so that a client that stops reading stops its stream within about a
+  thousand tokens (SSE chunks of ~150 bytes) and backpressure reaches the engine. A client that
+  reads nothing, so that the transport's buffer stays over its high water mark for
+  ``stream_idle_timeout_s``, is cut off (the buffer dropped); the route sees a disconnect and
+  cancels the request's generations, as when the client closes.
 - Idle kept-alive connections close after ``http_keep_alive_timeout_s`` (uvicorn's timer) and a
   connection beyond ``http_max_connections`` is answered 503 and closed at once.
 
@@ -26,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import socket
 from dataclasses import dataclass
 from http import HTTPStatus
 from typing import Any, ClassVar
@@ -49,6 +53,7 @@ class HttpLimits:
     keep_alive_timeout_s: float
     max_connections: int
     stream_idle_timeout_s: float
+    send_buffer_bytes: int
 
 
 def limited_protocol(limits: HttpLimits) -> type[HttpToolsProtocol]:
@@ -82,6 +87,9 @@ class LimitedHttpProtocol(HttpToolsProtocol):
     # ----------------------------------------------------------------------------- connection
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
+        sock = transport.get_extra_info("socket")
+        if sock is not None:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, self.limits.send_buffer_bytes)
         if len(self.connections) > self.limits.max_connections:
             logger.debug("HTTP connection from %s refused: at the connection cap", self._peer)
             self._refuse(

@@ -34,6 +34,7 @@ from services.router.auth import CALLER
 from services.router.call_context import HttpCallContext
 from services.router.openai.choices import run_plan
 from services.router.openai.errors import OpenAIError, bad_request, from_validation_error
+from services.router.openai.loop_share import LoopShare
 from services.router.openai.protocol import ChatCompletionRequest, CompletionRequest
 from services.router.openai.requests import (
     GenerationPlan,
@@ -59,6 +60,9 @@ logger = logging.getLogger(__name__)
 REQUEST_ID_HEADER = "x-request-id"
 _AUTHORIZATION = "authorization"
 _MAX_REQUEST_ID_CHARS = 128
+# Bodies this large are parsed through a LoopShare: a list of 100,000 strings takes 20 to 40 ms.
+_LARGE_BODY_BYTES = 256 * 1024
+_LARGE_BODY_LOOP_SHARE = 0.05
 
 BodyT = TypeVar("BodyT", bound=BaseModel)
 
@@ -117,6 +121,7 @@ class _Api:
         )
         self._token_texts = TokenTexts(servicer.tokenizer)
         self._created_s = int(time.time())
+        self._large_bodies = LoopShare(_LARGE_BODY_LOOP_SHARE)
 
     # ----------------------------------------------------------------------------- generation
     async def chat_completions(self, request: Request) -> Response:
@@ -263,10 +268,17 @@ class _Api:
             if size > self._max_body_bytes:
                 raise _too_large(self._max_body_bytes)
             chunks.append(chunk)
-        try:
-            return model.model_validate_json(b"".join(chunks))
-        except ValidationError as exc:
-            raise from_validation_error(exc) from None
+        if size <= _LARGE_BODY_BYTES:
+            return _validate(model, b"".join(chunks))
+        data = b"".join(chunks)
+        return await self._large_bodies.run(lambda: _validate(model, data))
+
+
+def _validate(model: type[BodyT], data: bytes) -> BodyT:
+    try:
+        return model.model_validate_json(data)
+    except ValidationError as exc:
+        raise from_validation_error(exc) from None
 
 
 def _label(request: Request, response_id: str) -> str:

@@ -7,9 +7,11 @@ the ``OutputConstraint`` of the router's ``SamplingParams``.
   ``guided_choice`` (strings), ``guided_grammar`` (Lark), and ``structured_outputs`` (an object
   with one of ``json``, ``json_object``, ``regex``, ``choice``, ``grammar``).
 
-At most one may be set (a 400 names the second). The constraint itself (a schema that does not
-compile, a bad regex) is checked by the router, as for gRPC: the same 400 names
-``sampling.constraint``.
+At most one may be set (a 400 names the second). A constraint over the size budget
+(``CONSTRAINT_LIMITS``: too many choices, too long a spec) is refused here, naming the client's
+field, before any protobuf is built from it: a huge ``guided_choice`` costs its parse and
+nothing more. The constraint itself (a schema that does not compile, a bad regex) is checked by
+the router, as for gRPC: the same 400 names ``sampling.constraint``.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from services.common.convert import CONSTRAINT_LIMITS
 from services.router.openai.errors import bad_request
 from services.router.openai.protocol import ChatCompletionRequest, CompletionRequest
 from splitserve.v1 import worker_pb2
@@ -37,12 +40,13 @@ def output_constraint(
     if body.guided_json is not None:
         given.append(("guided_json", _json_schema(body.guided_json, "guided_json")))
     if body.guided_regex is not None:
-        given.append(("guided_regex", worker_pb2.OutputConstraint(regex=body.guided_regex)))
+        regex = _spec_text(body.guided_regex, "guided_regex")
+        given.append(("guided_regex", worker_pb2.OutputConstraint(regex=regex)))
     if body.guided_choice is not None:
-        choices = worker_pb2.ChoiceList(choices=body.guided_choice)
-        given.append(("guided_choice", worker_pb2.OutputConstraint(choice=choices)))
+        given.append(("guided_choice", _choice_list(body.guided_choice, "guided_choice")))
     if body.guided_grammar is not None:
-        given.append(("guided_grammar", worker_pb2.OutputConstraint(grammar=body.guided_grammar)))
+        grammar = _spec_text(body.guided_grammar, "guided_grammar")
+        given.append(("guided_grammar", worker_pb2.OutputConstraint(grammar=grammar)))
     if body.structured_outputs is not None:
         given.append(("structured_outputs", _from_structured_outputs(body.structured_outputs)))
     if len(given) > 1:
@@ -90,18 +94,34 @@ def _from_structured_outputs(value: dict[str, Any]) -> worker_pb2.OutputConstrai
             raise bad_request(
                 "structured_outputs.choice: a list of strings", "structured_outputs.choice"
             )
-        return worker_pb2.OutputConstraint(choice=worker_pb2.ChoiceList(choices=spec))
+        return _choice_list(spec, "structured_outputs.choice")
     if not isinstance(spec, str):
         raise bad_request(f"structured_outputs.{kind}: a string", f"structured_outputs.{kind}")
     constraint = worker_pb2.OutputConstraint()
-    setattr(constraint, kind, spec)  # regex or grammar
+    setattr(constraint, kind, _spec_text(spec, f"structured_outputs.{kind}"))  # regex or grammar
     return constraint
 
 
 def _json_schema(schema: Any, param: str) -> worker_pb2.OutputConstraint:
     """A schema given as an object or as JSON text."""
     if isinstance(schema, str):
-        return worker_pb2.OutputConstraint(json_schema=schema)
+        return worker_pb2.OutputConstraint(json_schema=_spec_text(schema, param))
     if not isinstance(schema, dict):
         raise bad_request(f"{param}: a JSON schema object", param)
-    return worker_pb2.OutputConstraint(json_schema=json.dumps(schema))
+    return worker_pb2.OutputConstraint(json_schema=_spec_text(json.dumps(schema), param))
+
+
+def _choice_list(choices: list[str], param: str) -> worker_pb2.OutputConstraint:
+    max_choices = CONSTRAINT_LIMITS.max_choices
+    if len(choices) > max_choices:
+        raise bad_request(f"{param}: {len(choices)} choices, more than {max_choices}", param)
+    return worker_pb2.OutputConstraint(choice=worker_pb2.ChoiceList(choices=choices))
+
+
+def _spec_text(text: str, param: str) -> str:
+    num_bytes = len(text.encode())
+    if num_bytes > CONSTRAINT_LIMITS.max_bytes:
+        raise bad_request(
+            f"{param}: {num_bytes} bytes, more than {CONSTRAINT_LIMITS.max_bytes}", param
+        )
+    return text

@@ -218,6 +218,28 @@ def test_a_fan_out_the_client_does_not_read_stops_pulling_from_the_workers(tiny_
     asyncio.run(run())
 
 
+def test_a_stream_the_client_does_not_read_stops_its_worker_within_small_buffers(tiny_llama_dir):
+    """A plain stream (n=1, 20,000 tokens) to a client that reads nothing: the worker's writes
+    stop once the connection's send buffer (--http-send-buffer-bytes, not the megabytes the
+    kernel autotunes to) and the router's 4 KiB gRPC read-ahead are full: about 2,000 tokens
+    of ~130-byte SSE chunks, where it used to send all 20,000 before any backpressure."""
+    worker = worker_for(tiny_llama_dir)
+    total = 20_000
+
+    async def run() -> None:
+        async with standin_router(tiny_llama_dir, worker) as router:
+            sock = non_reader(router.http_port, {"prompt": "x", "max_tokens": total})
+            try:
+                await wait_for(lambda: worker.num_sent > 0, WAIT_S, "the first token")
+                steady = await until_steady(lambda: worker.num_sent, steady_s=1.0, timeout_s=120.0)
+                assert steady < 3000, f"{steady} of {total} tokens sent"
+            finally:
+                sock.close()
+            await wait_for(lambda: freed(router, worker), WAIT_S, "the stream's cancellation")
+
+    asyncio.run(run())
+
+
 def test_a_stream_left_unread_ends_after_the_idle_timeout_and_is_freed_everywhere(
     tiny_llama_dir, caplog
 ):
@@ -239,6 +261,38 @@ def test_a_stream_left_unread_ends_after_the_idle_timeout_and_is_freed_everywher
             finally:
                 sock.close()
         assert any("read nothing for 1.0 s" in r.getMessage() for r in caplog.records)
+
+    asyncio.run(run())
+
+
+def test_a_grpc_stream_left_unread_ends_after_the_idle_timeout_and_is_freed_everywhere(
+    tiny_llama_dir, caplog
+):
+    """The same over gRPC ``Router.Generate``: for a client whose flow-control window is full
+    (1 KiB read-ahead, nothing read), the request is freed on its workers and the router after
+    --stream-idle-timeout-s, and the call ends ABORTED when the client reads again."""
+    caplog.set_level(logging.INFO, "services.router.server")
+    worker = worker_for(tiny_llama_dir)
+    options = [("grpc.http2.lookahead_bytes", 1024), ("grpc.http2.bdp_probe", 0)]
+
+    async def run() -> None:
+        async with standin_router(tiny_llama_dir, worker, stream_idle_timeout_s=1.0) as router:
+            target = f"127.0.0.1:{router.port}"
+            async with grpc.aio.insecure_channel(target, options=options) as channel:
+                sampling = router_pb2.SamplingParams(max_tokens=MAX_MODEL_LEN - 100, logprobs=20)
+                request = router_pb2.GenerateRequest(prompt="x", sampling=sampling)
+                call = router_pb2_grpc.RouterStub(channel).Generate(request)
+                await wait_for(lambda: worker.num_calls == 1, WAIT_S, "the worker call")
+                await wait_for(lambda: freed(router, worker), WAIT_S, "the stream's end")
+                assert worker.num_cancelled == 1
+                # Reading again, it gets what was sent, then the status.
+                with pytest.raises(grpc.aio.AioRpcError) as ended:
+                    async with asyncio.timeout(WAIT_S):
+                        async for _ in call:
+                            pass
+                assert ended.value.code() == grpc.StatusCode.ABORTED
+                assert "took no output for 1 s" in (ended.value.details() or "")
+        assert any("took no output for 1.0 s" in r.getMessage() for r in caplog.records)
 
     asyncio.run(run())
 
@@ -419,6 +473,7 @@ async def _one_more_request(router: RunningRouter) -> None:
         ("max_request_output_tokens", 0, "max_request_output_tokens must be >= 1"),
         ("http_max_header_bytes", 0, "http_max_header_bytes must be >= 1"),
         ("http_max_connections", 0, "http_max_connections must be >= 1"),
+        ("http_send_buffer_bytes", 0, "http_send_buffer_bytes must be >= 1"),
         ("stream_idle_timeout_s", 0.0, "stream_idle_timeout_s must be > 0"),
         ("http_header_timeout_s", -1.0, "http_header_timeout_s must be > 0"),
         ("http_body_timeout_s", 0.0, "http_body_timeout_s must be > 0"),

@@ -168,7 +168,26 @@ def test_a_huge_guided_choice_is_a_400_naming_the_limit(sync_client, model):
             model=model, prompt="x", max_tokens=5, extra_body={"guided_choice": choices}
         )
     message = error.value.message
-    assert "constraint.choice: 100000 choices, more than 10000" in message
+    assert "guided_choice: 100000 choices, more than 10000" in message
+    assert error.value.body["param"] == "guided_choice"
     assert "backtrace" not in message and "panic" not in message
     ok = sync_client.completions.create(model=model, prompt="x", max_tokens=2, temperature=0)
     assert ok.usage.completion_tokens == 2
+
+
+@pytest.mark.parametrize(
+    ("extra", "param"),
+    [
+        ({"guided_grammar": "start: " + " | ".join(['"a"'] * 20_000)}, "guided_grammar"),
+        ({"structured_outputs": {"regex": "a" * 70_000}}, "structured_outputs.regex"),
+        ({"structured_outputs": {"choice": ["a"] * 10_001}}, "structured_outputs.choice"),
+    ],
+    ids=["grammar_bytes", "regex_bytes", "choice_count"],
+)
+def test_a_constraint_over_its_size_budget_is_a_400_naming_the_clients_field(
+    sync_client, model, extra, param
+):
+    with pytest.raises(openai.BadRequestError) as error:
+        sync_client.completions.create(model=model, prompt="x", max_tokens=5, extra_body=extra)
+    assert error.value.body["param"] == param
+    assert "more than" in error.value.message
