@@ -437,7 +437,7 @@ class LLMEngine:
         return self.scheduler.num_unfinished_requests > 0 or bool(self._compiling)
 
     def stats(self) -> EngineStats:
-        return make_stats(self.scheduler)
+        return make_stats(self.scheduler, len(self._compiling))
 
     # ----------------------------------------------------------------------------- KV cache
     @property

@@ -29,12 +29,13 @@ class EngineStats:
         return self.num_used_blocks / self.num_total_blocks
 
 
-def make_stats(scheduler: Scheduler) -> EngineStats:
-    """Snapshot ``scheduler`` and the block pool behind it. No side effects."""
+def make_stats(scheduler: Scheduler, num_compiling: int = 0) -> EngineStats:
+    """Snapshot ``scheduler`` and the block pool behind it. No side effects. Requests held
+    outside the scheduler until their grammar compiles (``num_compiling``) count as waiting."""
     pool = scheduler.kv_cache_manager.block_pool
     return EngineStats(
         num_running=len(scheduler.running),
-        num_waiting=len(scheduler.waiting),
+        num_waiting=len(scheduler.waiting) + num_compiling,
         num_waiting_for_kv=len(scheduler.waiting_for_remote_kv),
         num_held_kv=len(scheduler.held_kv),
         num_total_blocks=pool.num_blocks,

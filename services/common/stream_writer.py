@@ -31,7 +31,7 @@ class StreamWriter:
     async def write(self, message: object) -> bool:
         """Send ``message``: True once gRPC took it, False when the reader took nothing for
         ``idle_s`` (the write stays pending: ``abort`` waits for it). Not to be called again
-        after False."""
+        after False. ``CancelledError`` when the reader cancelled the call meanwhile."""
         write = asyncio.ensure_future(self._context.write(message))
         try:
             done, _ = await asyncio.wait({write}, timeout=self.idle_s)
@@ -41,7 +41,14 @@ class StreamWriter:
         if not done:
             self._pending = write
             return False
-        write.result()
+        try:
+            write.result()
+        except Exception:
+            if self._context.cancelled():
+                # The reader cancelled the call while the write was in flight (gRPC fails the
+                # write rather than cancelling the handler): end as a cancelled handler does.
+                raise asyncio.CancelledError from None
+            raise
         return True
 
     async def abort(self, code: grpc.StatusCode, kind: FailureKind, details: str) -> NoReturn:

@@ -198,6 +198,7 @@ def test_a_compiling_grammar_holds_its_request_only(engine):
                 assert output.req_id == "plain"
                 plain_tokens += output.new_token_ids
         assert engine.has_unfinished_requests()  # the guided one, still waiting
+        assert engine.stats().num_waiting == 1  # counted for routing, though not scheduled
     finally:
         gate.set()
     final = run_to_end(engine)["guided"]
