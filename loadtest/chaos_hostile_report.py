@@ -141,27 +141,11 @@ def markdown(phases: Sequence[Phase], results: list[TargetResult], rate: float) 
             f"| {_num(w.itl_ms['p50'], '.1f')} | {_num(w.itl_ms['p99'], '.1f')} "
             f"| {w.itl_max_ms:.0f} | {w.slow_itl_gaps} |"
         )
-    names = " | ".join(p.name.value for p in phases)
-    lines += [
-        "",
-        "### Peak RSS (MB)",
-        "",
-        f"| process | {names} |",
-        "|---|" + "---:|" * len(phases),
-    ]
-    for key in sorted({k for p in phases for k in p.peak_rss_bytes}):
-        peaks = " | ".join(f"{p.peak_rss_bytes.get(key, 0) / _MB:.0f}" for p in phases)
-        lines.append(f"| {key} | {peaks} |")
-    lines += [
-        "",
-        "### CPU seconds (user + system) over the phase",
-        "",
-        f"| process | {names} |",
-        "|---|" + "---:|" * len(phases),
-    ]
-    for key in sorted({k for p in phases for k in p.cpu_s}):
-        spent = " | ".join(f"{p.cpu_s.get(key, 0.0):.1f}" for p in phases)
-        lines.append(f"| {key} | {spent} |")
+    rss_mb = [{k: v / _MB for k, v in p.peak_rss_bytes.items()} for p in phases]
+    lines += _process_table("Peak RSS (MB)", phases, rss_mb, ".0f")
+    lines += _process_table(
+        "CPU seconds (user + system) over the phase", phases, [p.cpu_s for p in phases], ".1f"
+    )
     lines += ["", "### Engine steps (the workers' step-time histograms)", ""]
     if not any(p.engine_steps for p in phases):
         lines.append("The workers export no step-time histogram: unmeasured.")
@@ -199,3 +183,16 @@ def _hostile_header() -> str:
 
 def _hostile_rule() -> str:
     return "|---|---:|---:|" + "---:|" * len(Outcome) + "---|---:|"
+
+
+def _process_table(
+    title: str, phases: Sequence[Phase], values: Sequence[dict[str, float]], spec: str
+) -> list[str]:
+    """A Markdown table of one figure per process (rows) and phase (columns, ``values[i]``
+    for ``phases[i]``; 0 where a process has none)."""
+    names = " | ".join(p.name.value for p in phases)
+    lines = ["", f"### {title}", "", f"| process | {names} |", "|---|" + "---:|" * len(phases)]
+    for key in sorted({k for v in values for k in v}):
+        cells = " | ".join(f"{v.get(key, 0.0):{spec}}" for v in values)
+        lines.append(f"| {key} | {cells} |")
+    return lines
