@@ -26,7 +26,7 @@ import dataclasses
 import enum
 import json
 import logging
-import os
+import resource
 import signal
 import sys
 import tempfile
@@ -45,7 +45,7 @@ from loadtest.chaos_hostile_report import (
     targets,
 )
 from loadtest.hostile_clients import KindSummary
-from loadtest.hostile_requests import FANOUT_MAX_TOKENS, HostileKind, parse_kinds
+from loadtest.hostile_requests import FANOUT_MAX_TOKENS, parse_kinds
 from loadtest.metrics import RequestRecord, summarize
 from loadtest.openai_http import ModelCard, OpenAIClient, wait_for_model
 from loadtest.peak_rss import PeakRss, cluster_pids, cpu_seconds
@@ -62,6 +62,7 @@ WELL_BEHAVED_MAX_TOKENS = 64
 _CONTEXT = 32768
 _NUM_KV_BLOCKS = 2048  # 32k tokens of 16: one full-length sequence, or a few fan-outs
 _REQUEST_TIMEOUT_S = 120.0  # a well-behaved request still open then has failed
+_SLOWEST_SHOWN = 8  # the slowest first tokens the report lists, with when they were sent
 _START_TIMEOUT_S = 300.0
 _HOSTILE_READY_TIMEOUT_S = 120.0
 _PROMPT_MARGIN = 64  # tokens left for the hostile prompts when capping to a model's context
@@ -91,7 +92,8 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--hostile-connections", type=int, default=64, help="(default: %(default)s)")
     group.add_argument(
         "--hostile-kinds",
-        help=f"comma-separated (default: all of {', '.join(k.value for k in HostileKind)})",
+        help=f"comma-separated (default: all of {', '.join(k.value for k in parse_kinds(None))}; "
+        "'reader' is the control for slow readers: the same tokens, read)",
     )
     group.add_argument(
         "--hostile-hold-s",
@@ -184,8 +186,8 @@ async def _run_phase(
     workers = _metrics_urls(cluster)
     before = await _scrape(workers)
     rss.reset()
-    processes = cluster_pids(cluster) | {_CLIENT: os.getpid()}
-    cpu_before = cpu_seconds(processes)
+    processes = cluster_pids(cluster)
+    cpu_before = cpu_seconds(processes) | {_CLIENT: _own_cpu_seconds()}
     hostile_process = None
     if name is PhaseName.HOSTILE:
         hostile_process = await _start_hostile(cluster.http_url, card, args)
@@ -200,7 +202,7 @@ async def _run_phase(
             hostile = await _stop_hostile(hostile_process)
     duration_s = time.monotonic() - start_s
     peaks = rss.peaks()
-    cpu_after = cpu_seconds(processes)
+    cpu_after = cpu_seconds(processes) | {_CLIENT: _own_cpu_seconds()}
     cpu = {k: cpu_after[k] - cpu_before[k] for k in cpu_after if k in cpu_before} | hostile_cpu
     engine_steps = {
         worker: [
@@ -211,6 +213,13 @@ async def _run_phase(
     }
     load = _well_behaved_summary(records)
     return Phase(name, duration_s, load, peaks, cpu, engine_steps, hostile)
+
+
+def _own_cpu_seconds() -> float:
+    """This process's CPU time alone (it is the cluster's parent: ``cpu_seconds`` would count
+    the cluster too)."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
 
 
 async def _scrape(workers: dict[str, str]) -> dict[str, dict[str, step_histogram.Buckets]]:
@@ -264,7 +273,19 @@ def _well_behaved_summary(records: list[RequestRecord]) -> WellBehaved:
         itl_ms=summary.itl_ms,
         itl_max_ms=max(gaps_s, default=0.0) * 1000,
         slow_itl_gaps=sum(gap > step_histogram.SLOW_STEP_S for gap in gaps_s),
+        slowest_ttft=_slowest_ttft(records),
     )
+
+
+def _slowest_ttft(
+    records: list[RequestRecord], num: int = _SLOWEST_SHOWN
+) -> list[tuple[float, float]]:
+    """The ``num`` slowest first tokens: (TTFT ms, when sent in s since the first request)."""
+    if not records:
+        return []
+    start_s = min(r.sent_s for r in records)
+    timed = [(r.ttft_s * 1000, r.sent_s - start_s) for r in records if r.ttft_s is not None]
+    return sorted(timed, reverse=True)[:num]
 
 
 async def _start_hostile(

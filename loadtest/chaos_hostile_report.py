@@ -47,6 +47,8 @@ class WellBehaved:
     itl_ms: dict[str, float]
     itl_max_ms: float
     slow_itl_gaps: int
+    # The slowest first tokens, slowest first: (TTFT ms, when sent, s into the phase).
+    slowest_ttft: list[tuple[float, float]]
 
 
 @dataclass(frozen=True, slots=True)
@@ -141,6 +143,12 @@ def markdown(phases: Sequence[Phase], results: list[TargetResult], rate: float) 
             f"| {_num(w.itl_ms['p50'], '.1f')} | {_num(w.itl_ms['p99'], '.1f')} "
             f"| {w.itl_max_ms:.0f} | {w.slow_itl_gaps} |"
         )
+    lines += ["", "Slowest first tokens (TTFT ms @ s into the phase when sent):", ""]
+    lines += [
+        f"- {p.name.value}: "
+        + ", ".join(f"{ms:.0f} @ {at_s:.0f}" for ms, at_s in p.load.slowest_ttft)
+        for p in phases
+    ]
     rss_mb = [{k: v / _MB for k, v in p.peak_rss_bytes.items()} for p in phases]
     lines += _process_table("Peak RSS (MB)", phases, rss_mb, ".0f")
     lines += _process_table(

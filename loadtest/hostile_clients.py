@@ -48,6 +48,7 @@ _TRICKLE_S = 2.0  # slowloris: one header byte this often
 _POLL_S = 1.0  # non-readers: how often they peek at their receive buffer
 _REOPEN_S = 1.0
 _DRAIN_S = 5.0  # non-readers at their hold limit: how long they read to see the end
+_LAST_CHUNK = b"0\r\n\r\n"  # a chunked response's end
 
 
 class Outcome(enum.Enum):
@@ -187,6 +188,28 @@ async def _read_answer(
     return Outcome.HELD, _status(received)
 
 
+async def _read_all_then_hold(sock: socket.socket, deadline_s: float) -> tuple[Outcome, int | None]:
+    """Read a chunked response to its end as it comes, then keep the connection until
+    ``deadline_s`` (``held`` if the response had not ended by then)."""
+    loop = asyncio.get_running_loop()
+    head = tail = b""  # the status line is in the head, the end marker in the tail
+    while tail != _LAST_CHUNK:
+        left_s = max(deadline_s - time.monotonic(), 0.0)
+        try:
+            chunk = await asyncio.wait_for(loop.sock_recv(sock, 2**16), left_s)
+        except TimeoutError:
+            return Outcome.HELD, _status(head)
+        except OSError:
+            chunk = b""
+        if not chunk:
+            return Outcome.CLOSED, _status(head)
+        head = (head + chunk)[:64] if len(head) < 64 else head
+        tail = (tail + chunk)[-len(_LAST_CHUNK) :]
+    await asyncio.sleep(max(deadline_s - time.monotonic(), 0.0))
+    status = _status(head)
+    return _answered(status), status
+
+
 async def attempt(
     kind: HostileKind,
     target: Target,
@@ -219,6 +242,8 @@ async def attempt(
             return Attempt(outcome, status, time.monotonic() - start_s)
         if non_reader:
             outcome, status = await _hold_unread(sock, deadline_s, progress), progress.status
+        elif kind is HostileKind.READER:
+            outcome, status = await _read_all_then_hold(sock, deadline_s)
         else:
             trickle = kind is HostileKind.SLOWLORIS_HEADERS
             outcome, status = await _read_answer(sock, deadline_s, trickle)
@@ -308,7 +333,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--url", required=True, help="the router's HTTP API, http://HOST:PORT")
     parser.add_argument("--connections", type=int, default=64, help="(default: 64)")
     parser.add_argument(
-        "--kinds", help=f"comma-separated (default: all of {[k.value for k in HostileKind]})"
+        "--kinds",
+        help=f"comma-separated (default: all of {[k.value for k in parse_kinds(None)]}; "
+        "'reader' is the control for slow readers)",
     )
     parser.add_argument(
         "--max-tokens",

@@ -16,6 +16,8 @@ FANOUT_LOGPROBS = 20
 FANOUT_MAX_TOKENS = 20000
 GRAMMAR_CHOICES = 100_000
 SLOWLORIS_BODY_BYTES = 16 * 2**20  # declared; half of it is sent
+# What a slow reader's stream generates before it pauses (BENCHMARKS.md, hostile chaos).
+READER_MAX_TOKENS = 1325
 _PROMPT = "Write a very long story about a lighthouse keeper and the sea."
 
 
@@ -36,6 +38,10 @@ class HostileKind(enum.Enum):
     FANOUT_CHAT = "fanout-chat"
     # Chat constrained to a guided_choice of 100,000 strings; reads the answer.
     HUGE_GRAMMAR = "huge-grammar"
+    # Not hostile, and not in the default set: the control for slow readers. The same streamed
+    # completion, for the tokens a slow reader gets before its stream pauses, read as they
+    # come; then it keeps its connection until its hold limit, as a slow reader does.
+    READER = "reader"
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,6 +65,12 @@ class RequestBytes:
         self.by_kind = {
             HostileKind.SLOW_READER: _post(
                 host, "/v1/completions", {"prompt": _PROMPT, "stream": True, **long_gen}
+            ),
+            HostileKind.READER: _post(
+                host,
+                "/v1/completions",
+                {"prompt": _PROMPT, "stream": True, **long_gen}
+                | {"max_tokens": min(target.max_tokens, READER_MAX_TOKENS)},
             ),
             HostileKind.FANOUT_STREAM: _post(
                 host,
@@ -109,7 +121,8 @@ def _post(host: str, path: str, body: Mapping[str, object]) -> bytes:
 
 
 def parse_kinds(text: str | None) -> list[HostileKind]:
-    """A comma-separated list of kind values; None or empty: every kind."""
+    """A comma-separated list of kind values; None or empty: every hostile kind (not the
+    ``reader`` control)."""
     if not text:
-        return list(HostileKind)
+        return [kind for kind in HostileKind if kind is not HostileKind.READER]
     return [HostileKind(name.strip()) for name in text.split(",") if name.strip()]

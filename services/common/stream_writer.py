@@ -31,7 +31,8 @@ class StreamWriter:
     async def write(self, message: object) -> bool:
         """Send ``message``: True once gRPC took it, False when the reader took nothing for
         ``idle_s`` (the write stays pending: ``abort`` waits for it). Not to be called again
-        after False. ``CancelledError`` when the reader cancelled the call meanwhile."""
+        after False. ``CancelledError`` when the call ended meanwhile (cancelled, past its
+        deadline, or its connection lost)."""
         write = asyncio.ensure_future(self._context.write(message))
         try:
             done, _ = await asyncio.wait({write}, timeout=self.idle_s)
@@ -43,12 +44,11 @@ class StreamWriter:
             return False
         try:
             write.result()
-        except Exception:
-            if self._context.cancelled():
-                # The reader cancelled the call while the write was in flight (gRPC fails the
-                # write rather than cancelling the handler): end as a cancelled handler does.
-                raise asyncio.CancelledError from None
-            raise
+        except grpc.aio.InternalError:
+            # gRPC's core failed the write: the call is over (the reader cancelled it, its
+            # deadline passed or its connection dropped), and the write's failure can arrive
+            # before the handler's cancellation does. End as a cancelled handler does.
+            raise asyncio.CancelledError from None
         return True
 
     async def abort(self, code: grpc.StatusCode, kind: FailureKind, details: str) -> NoReturn:

@@ -19,6 +19,7 @@ from services.common.metrics import start_metrics_server
 from services.common.tls import read_tls_dir
 from services.router.auth import ROUTER_METHOD_ROLES, RequireApiKey
 from services.router.config import RouterConfig, parse_router_args
+from services.router.openai.body_parser import BodyParser
 from services.router.openai.connection import HttpLimits
 from services.router.openai.routes import build_app
 from services.router.openai.server import HttpServer
@@ -42,6 +43,7 @@ class RunningRouter:
     serving: ServingServer
     api_keys: ApiKeyStore
     http: HttpServer | None = None
+    bodies: BodyParser | None = None
     watch_task: asyncio.Task[None] | None = None
 
     @property
@@ -58,6 +60,8 @@ class RunningRouter:
             self.watch_task.cancel()
         if self.http is not None:
             await asyncio.gather(self.serving.stop(grace_s), self.http.stop())
+            if self.bodies is not None:
+                self.bodies.close()
         else:
             await self.serving.stop(grace_s)
         await self.servicer.stop()
@@ -101,14 +105,16 @@ async def start_router(
         tls.server_credentials(require_client_auth=False) if tls else None,
     )
     await servicer.start()
-    http = None
+    http = bodies = None
     if config.http:
-        app = build_app(servicer, api_keys, max_body_bytes=_max_body_bytes(config))
+        bodies = BodyParser()
+        app = build_app(servicer, api_keys, _max_body_bytes(config), bodies)
         try:
             http = await HttpServer.start(
                 app, config.host, config.http_port, _http_limits(config), config.tls_dir
             )
         except OSError:
+            bodies.close()
             await serving.stop(0)
             await servicer.stop()
             raise
@@ -129,7 +135,7 @@ async def start_router(
         "TLS" if tls else "plaintext",
         f"OpenAI API on port {http.port}" if http else "no HTTP API",
     )
-    running = RunningRouter(servicer, serving, api_keys, http)
+    running = RunningRouter(servicer, serving, api_keys, http, bodies)
     if config.api_key_file:
         running.watch_task = asyncio.get_running_loop().create_task(_watch_keys(api_keys))
     return running

@@ -34,6 +34,17 @@ async def _stream_forever(reader: asyncio.StreamReader, writer: asyncio.StreamWr
         writer.close()
 
 
+async def _stream_chunked(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    """A whole chunked event stream, ended, on a connection kept open afterwards."""
+    writer.write(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n")
+    for _ in range(2000):
+        writer.write(b"9\r\ndata: x\n\n\r\n")
+    writer.write(b"0\r\n\r\n")
+    await writer.drain()
+    await reader.read()  # until the client closes
+    writer.close()
+
+
 async def _refuse_header(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
     """A server with a header limit: reads 64 KiB of the head, answers 431 and closes."""
     await reader.read(65536)
@@ -77,6 +88,9 @@ async def _attempt_against(
         (_stream_then_close, HostileKind.SLOW_READER, 1.0, (Outcome.CLOSED, 200)),
         (_stream_forever, HostileKind.FANOUT_STREAM, 1.0, (Outcome.HELD, 200)),
         (_refuse_header, HostileKind.HUGE_HEADER, 30.0, (Outcome.REFUSED, 431)),
+        # The control reads its whole stream, then keeps the connection to its hold limit.
+        (_stream_chunked, HostileKind.READER, 0.5, (Outcome.ANSWERED, 200)),
+        (_stream_forever, HostileKind.READER, 0.5, (Outcome.HELD, 200)),
         (_time_out_head, HostileKind.SLOWLORIS_HEADERS, 30.0, (Outcome.REFUSED, 408)),
     ],
 )

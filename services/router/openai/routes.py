@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from google.protobuf.json_format import MessageToDict
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
 from starlette.responses import JSONResponse, Response
@@ -32,9 +32,9 @@ from services.common.api_keys import BEARER_PREFIX, ApiKeyStore, KeyRole
 from services.common.tracing import TRACE_HEADERS
 from services.router.auth import CALLER
 from services.router.call_context import HttpCallContext
+from services.router.openai.body_parser import BodyParser
 from services.router.openai.choices import run_plan
-from services.router.openai.errors import OpenAIError, bad_request, from_validation_error
-from services.router.openai.loop_share import LoopShare
+from services.router.openai.errors import OpenAIError, bad_request
 from services.router.openai.protocol import ChatCompletionRequest, CompletionRequest
 from services.router.openai.requests import (
     GenerationPlan,
@@ -60,18 +60,18 @@ logger = logging.getLogger(__name__)
 REQUEST_ID_HEADER = "x-request-id"
 _AUTHORIZATION = "authorization"
 _MAX_REQUEST_ID_CHARS = 128
-# Bodies this large are parsed through a LoopShare: a list of 100,000 strings takes 20 to 40 ms.
-_LARGE_BODY_BYTES = 256 * 1024
-_LARGE_BODY_LOOP_SHARE = 0.05
 
 BodyT = TypeVar("BodyT", bound=BaseModel)
 
 
-def build_app(servicer: RouterServicer, api_keys: ApiKeyStore, max_body_bytes: int) -> FastAPI:
+def build_app(
+    servicer: RouterServicer, api_keys: ApiKeyStore, max_body_bytes: int, bodies: BodyParser
+) -> FastAPI:
     """The HTTP API of ``servicer``'s router, taking ``api_keys``; bodies over
-    ``max_body_bytes`` are refused (413) before they are parsed."""
+    ``max_body_bytes`` are refused (413) before they are parsed, the others parsed by
+    ``bodies``."""
     app = FastAPI(title="splitserve", version=_version(), docs_url=None, redoc_url=None)
-    api = _Api(servicer, api_keys, max_body_bytes)
+    api = _Api(servicer, api_keys, max_body_bytes, bodies)
 
     @app.exception_handler(OpenAIError)
     async def openai_error(request: Request, exc: OpenAIError) -> Response:
@@ -110,7 +110,11 @@ class _Api:
     """The route handlers, bound to one router."""
 
     def __init__(
-        self, servicer: RouterServicer, api_keys: ApiKeyStore, max_body_bytes: int
+        self,
+        servicer: RouterServicer,
+        api_keys: ApiKeyStore,
+        max_body_bytes: int,
+        bodies: BodyParser,
     ) -> None:
         self._servicer = servicer
         self._keys = api_keys
@@ -121,7 +125,7 @@ class _Api:
         )
         self._token_texts = TokenTexts(servicer.tokenizer)
         self._created_s = int(time.time())
-        self._large_bodies = LoopShare(_LARGE_BODY_LOOP_SHARE)
+        self._bodies = bodies
 
     # ----------------------------------------------------------------------------- generation
     async def chat_completions(self, request: Request) -> Response:
@@ -268,17 +272,7 @@ class _Api:
             if size > self._max_body_bytes:
                 raise _too_large(self._max_body_bytes)
             chunks.append(chunk)
-        if size <= _LARGE_BODY_BYTES:
-            return _validate(model, b"".join(chunks))
-        data = b"".join(chunks)
-        return await self._large_bodies.run(lambda: _validate(model, data))
-
-
-def _validate(model: type[BodyT], data: bytes) -> BodyT:
-    try:
-        return model.model_validate_json(data)
-    except ValidationError as exc:
-        raise from_validation_error(exc) from None
+        return await self._bodies.parse(model, b"".join(chunks))
 
 
 def _label(request: Request, response_id: str) -> str:

@@ -1,5 +1,5 @@
-"""``LoopShare``: expensive pieces of work (large bodies' parses) run one at a time, each after
-a pause that keeps them to their share of the event loop, and other tasks run in the pauses."""
+"""``DutyCycle``: expensive pieces of work (large bodies' parses) run one at a time, each after
+a pause that keeps them to their share of the time, and other tasks run in the pauses."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from services.router.openai.loop_share import LoopShare
+from services.router.openai.duty_cycle import DutyCycle
 
 PIECE_S = 0.02
 # asyncio may run a timer up to its clock's resolution early.
@@ -25,7 +25,7 @@ def hold_the_loop(duration_s: float) -> None:
 
 def test_pieces_run_one_at_a_time_within_their_share_and_other_tasks_run_between() -> None:
     async def run() -> None:
-        share = LoopShare(0.25)  # each piece is followed by 3 times its duration of pause
+        share = DutyCycle(0.25)  # each piece is followed by 3 times its duration of pause
         ticks = 0
         done = asyncio.Event()
 
@@ -37,7 +37,7 @@ def test_pieces_run_one_at_a_time_within_their_share_and_other_tasks_run_between
 
         ends: list[tuple[float, int]] = []
 
-        def piece(i: int) -> int:
+        async def piece(i: int) -> int:
             hold_the_loop(PIECE_S)
             ends.append((time.monotonic(), ticks))
             return i
@@ -57,9 +57,9 @@ def test_pieces_run_one_at_a_time_within_their_share_and_other_tasks_run_between
 
 def test_a_failing_piece_raises_and_still_counts_its_time() -> None:
     async def run() -> None:
-        share = LoopShare(0.5)
+        share = DutyCycle(0.5)
 
-        def fails() -> None:
+        async def fails() -> None:
             hold_the_loop(PIECE_S)
             raise ValueError("bad body")
 
@@ -67,7 +67,11 @@ def test_a_failing_piece_raises_and_still_counts_its_time() -> None:
             await share.run(fails)
         failed_s = time.monotonic()
         started: list[float] = []
-        await share.run(lambda: started.append(time.monotonic()))
+
+        async def start() -> None:
+            started.append(time.monotonic())
+
+        await share.run(start)
         assert started[0] - failed_s >= PIECE_S - EARLY_S
 
     asyncio.run(run())
@@ -76,4 +80,4 @@ def test_a_failing_piece_raises_and_still_counts_its_time() -> None:
 @pytest.mark.parametrize("share", [0.0, -1.0, 1.5])
 def test_a_share_outside_0_to_1_is_refused(share: float) -> None:
     with pytest.raises(ValueError, match=r"share must be in \(0, 1\]"):
-        LoopShare(share)
+        DutyCycle(share)
