@@ -43,7 +43,9 @@ async def run(
 ) -> list[RequestRecord]:
     """Send ``requests`` in order through ``client`` as ``plan`` says; one record per request
     sent. With ``show_progress`` and stderr a terminal, a progress bar (``label``: its title)
-    counts finished requests and errors there."""
+    counts finished requests and errors there. Side effect: what the process holds already is
+    frozen out of the cyclic GC (``gc.freeze``) for the rest of its life: a load generator's
+    own process."""
     progress = tqdm(
         total=len(requests),
         desc=label or None,

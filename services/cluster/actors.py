@@ -17,6 +17,7 @@ from typing import Any, ClassVar
 
 import ray
 
+from services.common.grpc_server import freeze_startup_heap
 from services.common.logs import configure_logging
 from services.common.roles import Role
 from services.common.worker_config import WorkerConfig
@@ -73,6 +74,7 @@ class _WorkerActor:
 
     async def start(self) -> Endpoint:
         self._worker = await self._start_worker(self._config)
+        freeze_startup_heap()
         self._watcher = asyncio.create_task(self._exit_when_engine_dies(self._worker))
         host = _advertised_host(self._config.host)
         return Endpoint(
@@ -153,6 +155,7 @@ class RouterActor:
 
     async def start(self) -> Endpoint:
         self._router = await start_router(self._config, ControllerScaler(self._controller))
+        freeze_startup_heap()
         host = _advertised_host(self._config.host)
         return Endpoint(
             f"{host}:{self._router.port}",

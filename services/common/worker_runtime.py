@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import gc
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -272,10 +271,6 @@ async def start_worker(
     runtime.loop.start(engine_thread)
     if publisher is not None:
         publisher.start()
-    # What startup allocated (torch, the model, the tokenizer) lives as long as the process:
-    # keep the cyclic GC from walking it again (a full collection of it holds the GIL for
-    # ~200 ms, a stall of every stream).
-    gc.freeze()
     await serving.set_serving((service_name,))
     logger.info(
         "%s worker %s serving on %s:%d (KV over %s at %s)",

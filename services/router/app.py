@@ -4,7 +4,6 @@ serve until a signal, stop it. ``python -m services.router`` runs ``main``."""
 from __future__ import annotations
 
 import asyncio
-import gc
 import ipaddress
 import logging
 import signal
@@ -120,9 +119,6 @@ async def start_router(
             raise
     register_pool_metrics(servicer.pool_collector)
     start_metrics_server(config.host, config.metrics_port)
-    # What startup allocated (tokenizer, channels) lives as long as the process: keep the
-    # cyclic GC from walking it again and again, which shows up as routing-latency spikes.
-    gc.freeze()
     await serving.set_serving((SERVICE_NAME,))
     logger.info(
         "router serving on %s:%d (%s; %d prefill, %d decode workers; API keys %s; %s; %s)",
