@@ -13,6 +13,7 @@ import pytest
 from services.router.openai.body_parser import BodyParser
 from services.router.openai.errors import OpenAIError
 from services.router.openai.protocol import ChatCompletionRequest, CompletionRequest
+from tests.services.openai.loop_ticks import LoopTicks
 
 LARGE_BYTES = 64 * 1024
 
@@ -33,20 +34,9 @@ def test_a_large_body_parses_as_the_inline_parse_does(parser: BodyParser) -> Non
     assert len(data) > LARGE_BYTES
 
     async def run() -> tuple[CompletionRequest, int]:
-        ticks = 0
-        done = asyncio.Event()
-
-        async def ticker() -> None:
-            nonlocal ticks
-            while not done.is_set():
-                ticks += 1
-                await asyncio.sleep(0)
-
-        other = asyncio.create_task(ticker())
-        body = await parser.parse(CompletionRequest, data)
-        done.set()
-        await other
-        return body, ticks
+        async with LoopTicks() as ticks:
+            body = await parser.parse(CompletionRequest, data)
+        return body, ticks.count
 
     body, ticks = asyncio.run(run())
     assert body == CompletionRequest.model_validate_json(data)

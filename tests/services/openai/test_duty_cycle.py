@@ -10,6 +10,7 @@ import time
 import pytest
 
 from services.router.openai.duty_cycle import DutyCycle
+from tests.services.openai.loop_ticks import LoopTicks
 
 PIECE_S = 0.02
 # asyncio may run a timer up to its clock's resolution early.
@@ -26,26 +27,15 @@ def hold_the_loop(duration_s: float) -> None:
 def test_pieces_run_one_at_a_time_within_their_share_and_other_tasks_run_between() -> None:
     async def run() -> None:
         share = DutyCycle(0.25)  # each piece is followed by 3 times its duration of pause
-        ticks = 0
-        done = asyncio.Event()
-
-        async def ticker() -> None:
-            nonlocal ticks
-            while not done.is_set():
-                ticks += 1
-                await asyncio.sleep(0)
-
         ends: list[tuple[float, int]] = []
+        async with LoopTicks() as ticks:
 
-        async def piece(i: int) -> int:
-            hold_the_loop(PIECE_S)
-            ends.append((time.monotonic(), ticks))
-            return i
+            async def piece(i: int) -> int:
+                hold_the_loop(PIECE_S)
+                ends.append((time.monotonic(), ticks.count))
+                return i
 
-        other = asyncio.create_task(ticker())
-        results = await asyncio.gather(*(share.run(lambda i=i: piece(i)) for i in range(4)))
-        done.set()
-        await other
+            results = await asyncio.gather(*(share.run(lambda i=i: piece(i)) for i in range(4)))
         assert results == [0, 1, 2, 3]
         for (end_s, ticks_then), (next_end_s, next_ticks) in itertools.pairwise(ends):
             # The next piece started 3 x PIECE_S (at least) after this one ended.
