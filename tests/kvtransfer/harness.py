@@ -8,6 +8,9 @@ import logging
 import multiprocessing
 import os
 import signal
+import sys
+import threading
+import traceback
 from collections.abc import Sequence
 from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
@@ -224,10 +227,25 @@ def wait_terminal(
     wait_until(
         all_terminal,
         timeout_s,
-        lambda: f"the end of the reads {sorted(set(req_ids) - terminal.keys())}",
+        lambda: (
+            f"the end of the reads {sorted(set(req_ids) - terminal.keys())}"
+            f" (the I/O threads were at: {_io_thread_stacks()})"
+        ),
         0.002,
     )
     return terminal
+
+
+def _io_thread_stacks() -> str:
+    """Where each backend I/O thread (named ``kv-*``) of this process is now: a read that
+    outlives its I/O timeout means one of them is stuck, and the stack says in which call."""
+    frames = sys._current_frames()
+    stacks = [
+        f"{thread.name}:\n{''.join(traceback.format_stack(frames[thread.ident]))}"
+        for thread in threading.enumerate()
+        if thread.name.startswith("kv-") and thread.ident in frames
+    ]
+    return "\n".join(stacks) or "no kv-* thread"
 
 
 def read(
