@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.backend import EngineInfo
 from engine.batch_runner import BatchRunner
 from engine.block_hash import BlockHash
 from engine.block_pool import KVCacheEvent
@@ -128,7 +129,8 @@ class _Compiling:
 
 
 class LLMEngine:
-    """A paged-KV, continuous-batching engine for one model on one device.
+    """A paged-KV, continuous-batching engine for one model on one device: the native
+    ``EngineBackend``.
 
     Not thread-safe: call it from one thread only (a worker's engine thread), except for what
     is fixed at load (``kv_cache``, ``kv_cache_spec``, ``kernels`` and the plain attributes)
@@ -436,8 +438,28 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.num_unfinished_requests > 0 or bool(self._compiling)
 
+    async def prepare_constraint(self, constraint: Constraint) -> None:
+        """Compile ``constraint`` on ``grammars``' threads and wait for it (on the asyncio
+        loop), so that the request carrying it is added with its grammar ready (a cache hit);
+        ``ValueError`` naming the field when it is over its budget or does not compile."""
+        await self.grammars.wait(constraint)
+
     def stats(self) -> EngineStats:
         return make_stats(self.scheduler, len(self._compiling))
+
+    @property
+    def info(self) -> EngineInfo:
+        """What this engine serves and how (``EngineBackend.info``)."""
+        kernels = self.runner.kernels
+        return EngineInfo(
+            served_model_name=self.served_model_name,
+            vocab_size=self.vocab_size,
+            max_model_len=self.max_model_len,
+            block_size=self.config.block_size,
+            dtype=self.dtype,
+            cpu_isa="" if kernels.cpu_isa is None else kernels.cpu_isa.value,
+            kernels=kernels.describe(),
+        )
 
     # ----------------------------------------------------------------------------- KV cache
     @property

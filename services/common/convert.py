@@ -14,8 +14,8 @@ from kvtransfer.base import KVRef, PeerInfo
 from splitserve.v1 import router_pb2, worker_pb2
 
 if TYPE_CHECKING:
-    from engine.llm_engine import EngineStats
     from engine.sampler import TokenLogprobs
+    from engine.stats import EngineStats
 
 FINISH_REASONS = {
     None: router_pb2.FINISH_REASON_UNSPECIFIED,

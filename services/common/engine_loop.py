@@ -1,4 +1,5 @@
-"""Run one ``LLMEngine`` on its own thread and stream its outputs to asyncio callers.
+"""Run one engine (an ``EngineBackend``) on its own thread and stream its outputs to asyncio
+callers.
 
 The engine is single-threaded and its steps are long (milliseconds to seconds), so it gets a
 dedicated thread (an ``EngineThread``, the one that built it); gRPC handlers live on the asyncio
@@ -25,8 +26,8 @@ from typing import Any, Protocol, TypeVar
 
 from prometheus_client import Histogram
 
+from engine.backend import EngineBackend
 from engine.block_pool import KVCacheEvent
-from engine.llm_engine import LLMEngine
 from engine.outputs import RequestOutput
 from engine.scheduler import DuplicateRequestError
 from engine.stats import EngineStats
@@ -54,13 +55,13 @@ _IDLE_POLL_S = 0.5
 class EngineHooks(Protocol):
     """Role-specific work run on the engine thread around each step."""
 
-    def before_step(self, engine: LLMEngine) -> None:
+    def before_step(self, engine: EngineBackend) -> None:
         """Called before every step (and every idle poll)."""
 
-    def after_step(self, engine: LLMEngine, outputs: list[RequestOutput]) -> None:
+    def after_step(self, engine: EngineBackend, outputs: list[RequestOutput]) -> None:
         """Called after every step with its outputs, before they reach the callers."""
 
-    def abort(self, engine: LLMEngine, req_id: str) -> list[RequestOutput]:
+    def abort(self, engine: EngineBackend, req_id: str) -> list[RequestOutput]:
         """Abort ``req_id`` (possibly later, e.g. once its KV transfer ends)."""
 
     @property
@@ -71,13 +72,13 @@ class EngineHooks(Protocol):
 class NoHooks:
     """Plain engine: abort at once, nothing between steps."""
 
-    def before_step(self, engine: LLMEngine) -> None:
+    def before_step(self, engine: EngineBackend) -> None:
         return None
 
-    def after_step(self, engine: LLMEngine, outputs: list[RequestOutput]) -> None:
+    def after_step(self, engine: EngineBackend, outputs: list[RequestOutput]) -> None:
         return None
 
-    def abort(self, engine: LLMEngine, req_id: str) -> list[RequestOutput]:
+    def abort(self, engine: EngineBackend, req_id: str) -> list[RequestOutput]:
         return engine.abort_requests([req_id])
 
     @property
@@ -103,7 +104,7 @@ class EngineLoop:
 
     def __init__(
         self,
-        engine: LLMEngine,
+        engine: EngineBackend,
         hooks: EngineHooks | None = None,
         on_kv_events: Callable[[list[KVCacheEvent]], None] | None = None,
     ) -> None:
@@ -153,7 +154,7 @@ class EngineLoop:
         return self._running is not None and not self._running.done() and self._error is None
 
     # ----------------------------------------------------------------------------- asyncio side
-    async def call(self, fn: Callable[[LLMEngine], T]) -> T:
+    async def call(self, fn: Callable[[EngineBackend], T]) -> T:
         """Run ``fn(engine)`` on the engine thread between steps and return its result."""
         self._check_alive()
         future: concurrent.futures.Future[T] = concurrent.futures.Future()
@@ -173,7 +174,7 @@ class EngineLoop:
         return await asyncio.wrap_future(future)
 
     async def generate(
-        self, req_id: str, add: Callable[[LLMEngine], Any]
+        self, req_id: str, add: Callable[[EngineBackend], Any]
     ) -> AsyncGenerator[RequestOutput, None]:
         """Add a request with ``add(engine)`` (which may raise ``ValueError``) and yield its
         outputs until the finished one. Closing or cancelling the iterator early aborts it.
@@ -255,7 +256,7 @@ class EngineLoop:
 
     def _run(self) -> None:
         engine = self.engine
-        step_seconds = ENGINE_STEP_SECONDS.labels(engine.served_model_name)
+        step_seconds = ENGINE_STEP_SECONDS.labels(engine.info.served_model_name)
         try:
             while not self._stopping:
                 self._drain_commands()

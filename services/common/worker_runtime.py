@@ -13,6 +13,7 @@ import grpc
 from opentelemetry.trace import Span
 from prometheus_client import REGISTRY
 
+from engine.backend import EngineBackend
 from engine.llm_engine import LLMEngine
 from engine.sampling_params import SamplingParams
 from kvtransfer.base import KVTransferBackend, PeerInfo
@@ -59,7 +60,7 @@ class WorkerRuntime:
     config: WorkerConfig
     role: Role
     worker_id: str
-    engine: LLMEngine
+    engine: EngineBackend
     loop: EngineLoop
     kv_backend: KVTransferBackend
     kv_peer: PeerInfo
@@ -89,7 +90,7 @@ class WorkerRuntime:
         if params.constraint is None:
             return
         try:
-            await self.engine.grammars.wait(params.constraint)
+            await self.engine.prepare_constraint(params.constraint)
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"sampling.constraint.{exc}")
 
@@ -100,20 +101,20 @@ class WorkerRuntime:
         return self.tracing.start_worker_span(name, metadata, {"splitserve.req_id": req_id})
 
     def info(self) -> worker_pb2.WorkerInfo:
-        kernels = self.engine.kernels
+        info = self.engine.info
         return worker_pb2.WorkerInfo(
             worker_id=self.worker_id,
             role=self.role.to_proto(),
             model=self.config.engine.model,
-            served_model_name=self.engine.served_model_name,
-            vocab_size=self.engine.vocab_size,
-            max_model_len=self.engine.max_model_len,
-            block_size=self.config.engine.block_size,
+            served_model_name=info.served_model_name,
+            vocab_size=info.vocab_size,
+            max_model_len=info.max_model_len,
+            block_size=info.block_size,
             kv_peer=peer_info_to_proto(self.kv_peer),
             kv_transfer_backend=self.kv_backend.name,
-            dtype=self.engine.dtype,
-            cpu_isa="" if kernels.cpu_isa is None else kernels.cpu_isa.value,
-            kernels=kernels.describe(),
+            dtype=info.dtype,
+            cpu_isa=info.cpu_isa,
+            kernels=info.kernels,
         )
 
 
@@ -126,7 +127,7 @@ def build_runtime(
     """Load the model and register its KV cache with the transfer backend (blocking)."""
     worker_id = config.resolved_worker_id(role, port)
     kv_tls = kv_transfer_tls(config, role)
-    engine = LLMEngine(config.engine)
+    engine: EngineBackend = LLMEngine(config.engine)
     backend = make_backend(
         config.kv_transfer,
         worker_id,
@@ -138,7 +139,7 @@ def build_runtime(
     kv_peer = backend.register_kv_cache(engine.kv_cache, engine.kv_cache_spec)
     loop = EngineLoop(engine, make_hooks(backend))
     tracing = Tracing(config.tracing, f"splitserve-{role}", {"service.instance.id": worker_id})
-    metrics = ServingMetrics(engine.served_model_name, str(role))
+    metrics = ServingMetrics(engine.info.served_model_name, str(role))
     return WorkerRuntime(config, role, worker_id, engine, loop, backend, kv_peer, tracing, metrics)
 
 
@@ -251,7 +252,7 @@ async def start_worker(
         tls.server_credentials(require_client_auth=True) if tls else None,
     )
     load_collector = register_worker_metrics(
-        str(role), runtime.worker_id, runtime.engine.served_model_name, servicer.load
+        str(role), runtime.worker_id, runtime.engine.info.served_model_name, servicer.load
     )
     start_metrics_server(config.host, config.metrics_port)
     publisher = make_kv_event_publisher(config, runtime)
@@ -315,7 +316,7 @@ def make_kv_event_publisher(
     publisher = KVEventPublisher(
         RedisPrefixIndex.from_config(config.redis),
         runtime.worker_id,
-        snapshot=lambda: runtime.loop.call(LLMEngine.prefix_cache_block_hashes),
+        snapshot=lambda: runtime.loop.call(lambda engine: engine.prefix_cache_block_hashes()),
         ttl_s=config.heartbeat_ttl_s,
     )
     runtime.loop.on_kv_events = publisher.submit

@@ -14,8 +14,8 @@ import logging
 import time
 from dataclasses import dataclass, replace
 
+from engine.backend import EngineBackend
 from engine.kv_cache_manager import cdiv
-from engine.llm_engine import LLMEngine
 from engine.outputs import RequestOutput
 from engine.scheduler import KVLoad
 from kvtransfer.base import KVRef, KVTransferBackend, KVTransferError, PeerInfo, TransferState
@@ -75,7 +75,7 @@ class KVPullHooks:
     def busy(self) -> bool:
         return bool(self._in_flight)
 
-    def before_step(self, engine: LLMEngine) -> None:
+    def before_step(self, engine: EngineBackend) -> None:
         self._start_loads(engine)
         if not self._in_flight:
             return
@@ -87,7 +87,7 @@ class KVPullHooks:
             end_s = time.perf_counter()
             elapsed_s = end_s - start_s
             backend = self.backend.name
-            labels = (engine.served_model_name, backend)
+            labels = (engine.info.served_model_name, backend)
             num_bytes = num_blocks * engine.kv_cache_spec.block_bytes if ok else 0
             KV_PULL_SECONDS.labels(*labels, "done" if ok else "failed").observe(elapsed_s)
             if ok:
@@ -109,14 +109,14 @@ class KVPullHooks:
             )
             engine.finish_kv_load(req_id, ok)
 
-    def after_step(self, engine: LLMEngine, outputs: list[RequestOutput]) -> None:
+    def after_step(self, engine: EngineBackend, outputs: list[RequestOutput]) -> None:
         # Reads start right after the step that admitted their requests, not a step later.
         self._start_loads(engine)
         for output in outputs:
             if output.finished:
                 self._sources.pop(output.req_id, None)
 
-    def abort(self, engine: LLMEngine, req_id: str) -> list[RequestOutput]:
+    def abort(self, engine: EngineBackend, req_id: str) -> list[RequestOutput]:
         if req_id in self._in_flight:
             # The read still writes into the request's blocks: free them only once it ends.
             self._abort_when_done.add(req_id)
@@ -125,11 +125,11 @@ class KVPullHooks:
         self._results.pop(req_id, None)
         return engine.abort_requests([req_id])
 
-    def _start_loads(self, engine: LLMEngine) -> None:
+    def _start_loads(self, engine: EngineBackend) -> None:
         for load in engine.take_kv_loads():
             self._start(engine, load)
 
-    def _start(self, engine: LLMEngine, load: KVLoad) -> None:
+    def _start(self, engine: EngineBackend, load: KVLoad) -> None:
         src = self._sources.pop(load.req_id, None)
         if src is None:  # aborted between the step that admitted it and now
             return

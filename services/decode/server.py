@@ -16,7 +16,7 @@ import time
 import grpc
 from opentelemetry.trace import Span
 
-from engine.llm_engine import LLMEngine
+from engine.backend import EngineBackend
 from engine.outputs import RequestOutput
 from engine.scheduler import DuplicateRequestError
 from kvtransfer.base import KVRef, KVTransferBackend
@@ -87,7 +87,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
 
         salt = request.cache_salt
 
-        def add(engine: LLMEngine) -> None:
+        def add(engine: EngineBackend) -> None:
             if src is None or not self.puller.expect(req_id, src, peer):
                 engine.add_request(
                     req_id, prompt, params, output_token_ids=output_token_ids, cache_salt=salt

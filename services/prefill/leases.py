@@ -18,7 +18,7 @@ import logging
 import time
 from dataclasses import dataclass, field
 
-from engine.llm_engine import LLMEngine
+from engine.backend import EngineBackend
 from engine.outputs import RequestOutput
 from kvtransfer.base import KVTransferBackend
 
@@ -58,7 +58,7 @@ class LeaseHooks:
     def busy(self) -> bool:
         return bool(self._leases or self._unpublishing)
 
-    def after_step(self, engine: LLMEngine, outputs: list[RequestOutput]) -> None:
+    def after_step(self, engine: EngineBackend, outputs: list[RequestOutput]) -> None:
         for output in outputs:
             if not output.finished:
                 continue
@@ -69,7 +69,7 @@ class LeaseHooks:
             expires_at_s = time.monotonic() + self.ttl_s
             self._leases[output.req_id] = Lease(tuple(block_ids), grant, expires_at_s)
 
-    def before_step(self, engine: LLMEngine) -> None:
+    def before_step(self, engine: EngineBackend) -> None:
         for req_id in self.backend.take_released():
             self.release(engine, req_id)
         if self._leases:
@@ -84,12 +84,12 @@ class LeaseHooks:
                 self._unpublishing.discard(req_id)
                 engine.release_held_kv(req_id)
 
-    def abort(self, engine: LLMEngine, req_id: str) -> list[RequestOutput]:
+    def abort(self, engine: EngineBackend, req_id: str) -> list[RequestOutput]:
         outputs = engine.abort_requests([req_id])
         self.release(engine, req_id)
         return outputs
 
-    def release(self, engine: LLMEngine, req_id: str) -> bool:
+    def release(self, engine: EngineBackend, req_id: str) -> bool:
         """Unpublish a finished prefill's blocks now, and free them once no read of them is
         sending any more (a later ``before_step``). Never blocks. False if it holds none."""
         self._leases.pop(req_id, None)

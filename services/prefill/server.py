@@ -17,7 +17,7 @@ import sys
 import grpc
 from opentelemetry.trace import Span
 
-from engine.llm_engine import LLMEngine
+from engine.backend import EngineBackend
 from engine.outputs import RequestOutput
 from engine.scheduler import DuplicateRequestError
 from kvtransfer.base import KVRef, KVTransferBackend
@@ -79,7 +79,7 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
         salt = request.cache_salt
         first_token_params = dataclasses.replace(params, max_tokens=1)
 
-        def add(engine: LLMEngine) -> None:
+        def add(engine: EngineBackend) -> None:
             engine.add_request(req_id, prompt, first_token_params, hold_kv=hold_kv, cache_salt=salt)
 
         loop = self.runtime.loop
