@@ -16,6 +16,13 @@ KERNEL_BACKENDS = ("auto", "torch", "cpp", "triton")
 LOAD_FORMATS = ("auto", "dummy")
 # vLLM's names; "fp8" is its alias of fp8_e4m3. The 8-bit ones are engine/model/kv_quant.py's.
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16", "fp8", "fp8_e4m3", "int8")
+ENGINES = ("native", "mock")
+# --engine mock's step profile: the native engine's, fitted on SmolLM2-135M (float32) on an
+# AVX2 host (BENCHMARKS.md, "The simulated engine's profile").
+MOCK_STEP_MS = 0.0
+MOCK_PREFILL_US_PER_TOKEN = 0.0
+MOCK_DECODE_US_PER_SEQ = 0.0
+MOCK_KV_READ_US_PER_BLOCK = 0.0
 # Draft tokens per greedy decode step (BENCHMARKS.md, "Speculative decoding").
 DEFAULT_NUM_SPECULATIVE_TOKENS = 3
 
@@ -27,6 +34,14 @@ class EngineConfig:
     model: str = flag(
         help="model directory, .gguf file, alias (e.g. smollm2-135m) or Hugging Face repo id "
         "(org/name, downloaded into the Hugging Face cache; HF_TOKEN for gated models)"
+    )
+    engine: str = flag(
+        "native",
+        "native: this repository's model code; mock: a simulated engine that runs no model "
+        "math (the native scheduler and KV block pool, steps that take the --mock-* profile's "
+        "time, token ids that depend on the prompt alone, deterministic KV bytes): for testing "
+        "routing, scaling and KV transfer with many workers on one machine",
+        choices=ENGINES,
     )
     revision: str | None = flag(
         None, "branch, tag or commit of a Hugging Face repo id --model (default: main)"
@@ -114,6 +129,17 @@ class EngineConfig:
         "CPU instruction-set level the kernels may use: auto (the host's), or a lower one to "
         "reproduce a smaller host (avx2, portable, ...); see engine/cpu_isa.py",
         choices=ISA_CHOICES,
+    )
+
+    mock_step_ms: float = flag(MOCK_STEP_MS, "--engine mock: the fixed cost of a step (ms)")
+    mock_prefill_us_per_token: float = flag(
+        MOCK_PREFILL_US_PER_TOKEN, "--engine mock: a step's cost per prompt token computed (us)"
+    )
+    mock_decode_us_per_seq: float = flag(
+        MOCK_DECODE_US_PER_SEQ, "--engine mock: a step's cost per sequence decoded (us)"
+    )
+    mock_kv_read_us_per_block: float = flag(
+        MOCK_KV_READ_US_PER_BLOCK, "--engine mock: a step's cost per KV block attention reads (us)"
     )
 
     def __post_init__(self) -> None:

@@ -31,6 +31,7 @@ from engine.cpu_tuning import (
     pin_process_to_cpus,
 )
 from engine.detokenizer import IncrementalDetokenizer
+from engine.executor import ModelExecutor, NativeExecutor
 from engine.grammar_pool import GrammarPool
 from engine.kv_cache_manager import KVCacheManager
 from engine.kv_cache_spec import QUANTIZED_KV_DTYPES, KVCacheSpec
@@ -50,6 +51,7 @@ from engine.scheduler import (
     SchedulerConfig,
     SchedulerOutput,
 )
+from engine.simulated import SimulatedExecutor, StepProfile
 from engine.stats import EngineStats, make_stats
 from engine.structured_output import CompiledGrammar, GrammarCompiler
 from engine.tokenizer import Tokenizer
@@ -180,28 +182,14 @@ class LLMEngine:
         self._compiler_lock = threading.Lock()
         self._compiling: dict[str, _Compiling] = {}
         self.kv_cache_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, self.dtype, self.device)
-        self.runner = ModelRunner(
-            self.model_dir,
-            self.dtype,
-            self.kv_cache_dtype,
-            self.device,
-            config.block_size,
-            config.max_model_len,
-            config.num_kv_blocks,
-            config.kv_cache_memory_gb,
-            config.kernel_backend,
-            cpu_isa,
-            enforce_eager=config.enforce_eager,
-            load_format=config.load_format,
-            max_decode_rows=min(
-                config.max_num_seqs * (1 + config.num_speculative_tokens),
-                config.max_num_batched_tokens,
-            ),
-        )
-        self.max_model_len = self.runner.max_model_len
-        _check_kv_capacity(self.runner.num_kv_blocks, config.block_size, self.max_model_len)
+        self.sampler = Sampler(config.seed)
+        # The native model (tests and benchmarks reach into it); None on a simulated engine.
+        self.runner: ModelRunner | None = None
+        self.executor = self._build_executor(cpu_isa)
+        self.max_model_len = self.executor.max_model_len
+        _check_kv_capacity(self.executor.num_kv_blocks, config.block_size, self.max_model_len)
         self.kv_cache_manager = KVCacheManager(
-            self.runner.num_kv_blocks, config.block_size, config.enable_prefix_caching
+            self.executor.num_kv_blocks, config.block_size, config.enable_prefix_caching
         )
         self.scheduler = Scheduler(
             SchedulerConfig(
@@ -221,13 +209,10 @@ class LLMEngine:
                 else None
             ),
         )
-        self.sampler = Sampler(config.seed)
-        self.batch_runner = BatchRunner(self.runner, self.sampler)
-        self.vocab_size = self.runner.model_config.vocab_size
+        self.vocab_size = self.executor.vocab_size
         self._states: dict[str, _RequestState] = {}
         self._kv_loads: list[KVLoad] = []
         self.last_num_scheduled_tokens = 0
-        kernels = self.runner.kernels
         logger.info(
             "engine ready: model=%s dtype=%s kv_cache_dtype=%s device=%s pid=%d",
             self.model_dir,
@@ -236,16 +221,56 @@ class LLMEngine:
             self.device,
             os.getpid(),
         )
-        if kernels.cpu_isa is not None:
+        if self.executor.cpu_isa:
             logger.info(
                 "CPU level %s (host %s, --cpu-isa %s); kernels: %s",
-                kernels.cpu_isa.value,
+                self.executor.cpu_isa,
                 host_isa().value,
                 config.cpu_isa,
-                kernels.describe(),
+                self.executor.describe(),
             )
         else:
-            logger.info("kernels: %s", kernels.describe())
+            logger.info("kernels: %s", self.executor.describe())
+
+    def _build_executor(self, cpu_isa: CpuIsa) -> ModelExecutor:
+        """The model side: this repository's model code, or the simulated one (``--engine
+        mock``)."""
+        config = self.config
+        if config.engine == "mock":
+            return SimulatedExecutor(
+                self.model_dir,
+                self.kv_cache_dtype,
+                config.block_size,
+                StepProfile(
+                    overhead_s=config.mock_step_ms / 1e3,
+                    prefill_s_per_token=config.mock_prefill_us_per_token / 1e6,
+                    decode_s_per_seq=config.mock_decode_us_per_seq / 1e6,
+                    kv_read_s_per_block=config.mock_kv_read_us_per_block / 1e6,
+                ),
+                self.tokenizer.eos_token_ids,
+                max_model_len=config.max_model_len,
+                num_kv_blocks=config.num_kv_blocks,
+                kv_cache_memory_gb=config.kv_cache_memory_gb,
+            )
+        self.runner = ModelRunner(
+            self.model_dir,
+            self.dtype,
+            self.kv_cache_dtype,
+            self.device,
+            config.block_size,
+            config.max_model_len,
+            config.num_kv_blocks,
+            config.kv_cache_memory_gb,
+            config.kernel_backend,
+            cpu_isa,
+            enforce_eager=config.enforce_eager,
+            load_format=config.load_format,
+            max_decode_rows=min(
+                config.max_num_seqs * (1 + config.num_speculative_tokens),
+                config.max_num_batched_tokens,
+            ),
+        )
+        return NativeExecutor(self.runner, BatchRunner(self.runner, self.sampler))
 
     # ----------------------------------------------------------------------------- requests
     def validate_request(
@@ -450,15 +475,14 @@ class LLMEngine:
     @property
     def info(self) -> EngineInfo:
         """What this engine serves and how (``EngineBackend.info``)."""
-        kernels = self.runner.kernels
         return EngineInfo(
             served_model_name=self.served_model_name,
             vocab_size=self.vocab_size,
             max_model_len=self.max_model_len,
             block_size=self.config.block_size,
             dtype=self.dtype,
-            cpu_isa="" if kernels.cpu_isa is None else kernels.cpu_isa.value,
-            kernels=kernels.describe(),
+            cpu_isa=self.executor.cpu_isa,
+            kernels=self.executor.describe(),
         )
 
     # ----------------------------------------------------------------------------- KV cache
@@ -466,16 +490,19 @@ class LLMEngine:
     def kv_cache(self) -> torch.Tensor:
         """The paged KV cache, one tensor laid out as ``kv_cache_spec`` says: what a KV transfer
         backend registers. Allocated once at load, so its storage never moves."""
-        return self.runner.kv_cache
+        return self.executor.kv_cache
 
     @property
     def kv_cache_spec(self) -> KVCacheSpec:
         """The layout of ``kv_cache`` (block shape, dtype, bytes per block)."""
-        return self.runner.kv_cache_spec
+        return self.executor.kv_cache_spec
 
     @property
     def kernels(self) -> KernelPlan:
-        """Which implementation runs each part of the model on this host."""
+        """Which implementation runs each part of the model on this host (the native engine's;
+        ``info.kernels`` describes any engine's)."""
+        if self.runner is None:
+            raise AttributeError("a simulated engine runs no kernels")
         return self.runner.kernels
 
     def take_kv_cache_events(self) -> list[KVCacheEvent]:
@@ -505,7 +532,7 @@ class LLMEngine:
         self.last_num_scheduled_tokens = sched.total_num_scheduled_tokens
         if sched.is_empty:
             return outputs
-        sampled, errors = self.batch_runner.run(sched.scheduled)
+        sampled, errors = self.executor.run(sched.scheduled)
         outputs.extend(self._fail_requests(errors))
         if errors:
             sched = SchedulerOutput(
