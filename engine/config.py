@@ -23,6 +23,12 @@ MOCK_STEP_MS = 0.0
 MOCK_PREFILL_US_PER_TOKEN = 0.0
 MOCK_DECODE_US_PER_SEQ = 0.0
 MOCK_KV_READ_US_PER_BLOCK = 0.0
+_MOCK_PROFILE_FIELDS = (
+    "mock_step_ms",
+    "mock_prefill_us_per_token",
+    "mock_decode_us_per_seq",
+    "mock_kv_read_us_per_block",
+)
 # Draft tokens per greedy decode step (BENCHMARKS.md, "Speculative decoding").
 DEFAULT_NUM_SPECULATIVE_TOKENS = 3
 
@@ -143,6 +149,11 @@ class EngineConfig:
     )
 
     def __post_init__(self) -> None:
+        if self.engine not in ENGINES:
+            raise ValueError(f"engine must be one of {ENGINES}, got {self.engine!r}")
+        for name in _MOCK_PROFILE_FIELDS:
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
