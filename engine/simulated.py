@@ -14,7 +14,8 @@ leases, KV events and preemption behave as they do on a real worker. The executo
   which ``kv_matches`` checks on the receiving side.
 
 Many fit on one machine: nothing is loaded but the model's ``config.json`` and tokenizer, and
-the KV cache is as large as ``--num-kv-blocks`` (or ``--kv-cache-memory-gb``) makes it.
+the KV cache is as large as ``--num-kv-blocks`` or ``--kv-cache-memory-gb`` make it (0.5 GiB
+without either).
 Logprobs, when asked for, are the chosen token's alone, at 0.
 """
 
@@ -37,6 +38,9 @@ from engine.sampler import SamplerOutput, TokenLogprobs
 from engine.scheduler import ScheduledRequest
 
 _TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# Without --num-kv-blocks or --kv-cache-memory-gb: a quarter of the native engine's 2 GiB, so
+# that a dozen simulated workers of a small model fit on one machine.
+_DEFAULT_KV_CACHE_GB = 0.5
 # kv_value's range: small integers, exact in every cache dtype (uint8 codes included).
 _KV_VALUES = 251
 
@@ -137,7 +141,8 @@ class SimulatedExecutor:
             block_size=block_size,
             dtype=kv_cache_dtype,
         )
-        memory_bytes = (2.0 if kv_cache_memory_gb is None else kv_cache_memory_gb) * 2**30
+        memory_gb = _DEFAULT_KV_CACHE_GB if kv_cache_memory_gb is None else kv_cache_memory_gb
+        memory_bytes = memory_gb * 2**30
         self._num_kv_blocks = num_kv_blocks or max(int(memory_bytes) // self._spec.block_bytes, 1)
         dtype = torch.uint8 if self._spec.quantized else _TORCH_DTYPES[kv_cache_dtype]
         self._kv_cache = torch.zeros((self._num_kv_blocks, *self._spec.block_shape), dtype=dtype)
