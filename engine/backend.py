@@ -6,7 +6,7 @@ native engine, ``engine.llm_engine.LLMEngine``, implements it; so must any other
 worker runs.
 
 Threading. A worker builds its engine on its engine thread and steps it there
-(``services/common/engine_loop.py``). Unless a member says otherwise, call it on that thread
+(``services/worker/engine_loop.py``). Unless a member says otherwise, call it on that thread
 only, between steps. Members marked *any thread* are fixed at load or thread-safe.
 
 Request life, as the workers drive it: ``add_request``; then each ``step`` returns an output

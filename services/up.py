@@ -30,10 +30,10 @@ from services.cluster.planner import PlannerConfig
 from services.common.redis_config import RedisConfig
 from services.common.roles import Role
 from services.common.tracing import TracingConfig
-from services.common.worker_config import WorkerConfig
 from services.launcher import LocalCluster, split_threads
 from services.router.config import RouterConfig
 from services.startup import WorkerFailure
+from services.worker.config import WorkerConfig
 
 # Set per replica by the launcher or the controller, not by `up`'s flags.
 _PER_WORKER = ("host", "port", "worker_id", "metrics_port", "tls_dir")

@@ -20,9 +20,9 @@ from services.cluster.planner import PlannerConfig
 from services.common.logs import LogFormat
 from services.common.redis_config import RedisConfig
 from services.common.tracing import TracingConfig
-from services.common.worker_config import WorkerConfig
 from services.router.config import RouterConfig
 from services.up import _PER_ROUTER, _PER_WORKER, SHARED_WITH_WORKERS
+from services.worker.config import WorkerConfig
 
 CHART_DIR = Path(__file__).resolve().parent / "splitserve"
 # Flags the chart sets itself from other values (service.port, prefill.replicas, ...).

@@ -20,13 +20,13 @@ import ray
 from services.common.grpc_server import freeze_startup_heap
 from services.common.logs import configure_logging
 from services.common.roles import Role
-from services.common.worker_config import WorkerConfig
-from services.common.worker_runtime import RunningWorker
 from services.launcher import PortReservation
 from services.router.app import RunningRouter, start_router
 from services.router.config import RouterConfig
 from services.router.latency import LatencySamples
 from services.router.scaler import PoolSize
+from services.worker.config import WorkerConfig
+from services.worker.runtime import RunningWorker
 
 _ANY_ADDRESS = ("0.0.0.0", "::", "")
 

@@ -40,10 +40,10 @@ from services.common.background import BackgroundTasks
 from services.common.logs import configure_logging
 from services.common.roles import POOL_ROLES, Role
 from services.common.tls import read_tls_dir
-from services.common.worker_config import WorkerConfig
 from services.router.config import RouterConfig
 from services.router.scaler import PoolSize
 from services.startup import WorkerFailure, last_line
+from services.worker.config import WorkerConfig
 
 if TYPE_CHECKING:
     from services.cluster.kuberay import KubeRayGroups

@@ -25,9 +25,9 @@ from services.cluster.config import ClusterConfig
 from services.cluster.controller import HEAD_RESOURCE, ClusterController, MemberView
 from services.cluster.planner import PlannerConfig
 from services.common.roles import POOL_ROLES
-from services.common.worker_config import WorkerConfig
 from services.router.config import RouterConfig
 from services.startup import WorkerFailure
+from services.worker.config import WorkerConfig
 
 logger = logging.getLogger(__name__)
 

@@ -1,1 +1,2 @@
-"""What every splitserve server shares: the engine thread, gRPC plumbing, proto conversions."""
+"""What every splitserve service shares: gRPC plumbing, proto conversions, TLS, logging and
+metrics. The workers' own runtime is ``services.worker``."""

@@ -27,20 +27,20 @@ from services.common.convert import (
     peer_info_from_proto,
     sampling_params_from_worker,
 )
-from services.common.engine_loop import EngineDeadError, StreamEndedError
 from services.common.failures import FailureKind, abort_with
 from services.common.roles import Role
 from services.common.stream_writer import StreamWriter
 from services.common.tracing import ending
-from services.common.worker_config import WorkerConfig, parse_worker_args
-from services.common.worker_runtime import (
+from services.decode.kv_puller import KVPullHooks, PullResult
+from services.decode.spans import record_decode
+from services.worker.config import WorkerConfig, parse_worker_args
+from services.worker.engine_loop import EngineDeadError, StreamEndedError
+from services.worker.runtime import (
     RunningWorker,
     WorkerRuntime,
     serve_worker,
     start_worker,
 )
-from services.decode.kv_puller import KVPullHooks, PullResult
-from services.decode.spans import record_decode
 from splitserve.v1 import worker_pb2, worker_pb2_grpc
 
 logger = logging.getLogger(__name__)

@@ -1,4 +1,4 @@
-"""The decode worker's part of a request's trace (see ``services.common.worker_spans``)."""
+"""The decode worker's part of a request's trace (see ``services.worker.spans``)."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ from opentelemetry.trace import Span
 
 from engine.outputs import RequestOutput
 from services.common.tracing import Tracing
-from services.common.worker_spans import record_engine_request
 from services.decode.kv_puller import PullResult
+from services.worker.spans import record_engine_request
 
 
 def record_decode(

@@ -28,19 +28,19 @@ from services.common.convert import (
     peer_info_to_proto,
     sampling_params_from_worker,
 )
-from services.common.engine_loop import EngineDeadError, StreamEndedError
 from services.common.failures import FailureKind, abort_with
 from services.common.roles import Role
 from services.common.tracing import ending
-from services.common.worker_config import WorkerConfig, parse_worker_args
-from services.common.worker_runtime import (
+from services.prefill.leases import LeaseHooks
+from services.prefill.spans import record_prefill
+from services.worker.config import WorkerConfig, parse_worker_args
+from services.worker.engine_loop import EngineDeadError, StreamEndedError
+from services.worker.runtime import (
     RunningWorker,
     WorkerRuntime,
     serve_worker,
     start_worker,
 )
-from services.prefill.leases import LeaseHooks
-from services.prefill.spans import record_prefill
 from splitserve.v1 import worker_pb2, worker_pb2_grpc
 
 logger = logging.getLogger(__name__)

@@ -1,4 +1,4 @@
-"""The prefill worker's part of a request's trace (see ``services.common.worker_spans``)."""
+"""The prefill worker's part of a request's trace (see ``services.worker.spans``)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ from opentelemetry.trace import Span
 
 from engine.outputs import RequestOutput
 from services.common.tracing import Tracing
-from services.common.worker_spans import record_engine_request
+from services.worker.spans import record_engine_request
 
 
 def record_prefill(tracing: Tracing, span: Span, final: RequestOutput) -> None:

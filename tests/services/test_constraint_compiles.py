@@ -19,8 +19,8 @@ import pytest
 from engine import LLMEngine, SamplingParams
 from engine.constraint import MAX_GRAMMAR_SYMBOLS, Constraint, ConstraintKind, ConstraintLimits
 from services.common.convert import sampling_params_to_worker
-from services.common.worker_config import WorkerConfig
 from services.decode.server import start_decode_worker
+from services.worker.config import WorkerConfig
 from splitserve.v1 import worker_pb2, worker_pb2_grpc
 from tests.engine.test_constrained_generation import CHOICES, gated_grammars
 from tests.services.conftest import tiny_engine_config

@@ -11,7 +11,7 @@ from engine.backend import EngineBackend
 
 SERVICES = Path(__file__).resolve().parents[2] / "services"
 # The one module that builds an engine; everything else gets an EngineBackend.
-_BUILDS_THE_ENGINE = SERVICES / "common" / "worker_runtime.py"
+_BUILDS_THE_ENGINE = SERVICES / "worker" / "runtime.py"
 _NATIVE_ENGINE = "engine.llm_engine"
 
 

@@ -17,8 +17,8 @@ from services.cluster.config import ClusterConfig
 from services.cluster.driver import RayCluster, init_ray
 from services.cluster.planner import PlannerConfig
 from services.common.redis_config import RedisConfig
-from services.common.worker_config import WorkerConfig
 from services.router.config import RouterConfig
+from services.worker.config import WorkerConfig
 from splitserve.v1 import router_pb2, worker_pb2
 from tests.services.conftest import NUM_KV_BLOCKS, Client, greedy, tiny_engine_config
 from tests.waiting import wait_until

@@ -31,8 +31,8 @@ from engine.block_pool import KVCacheEvent
 from engine.outputs import RequestOutput
 from engine.scheduler import DuplicateRequestError
 from engine.stats import EngineStats
-from services.common.engine_thread import EngineThread
-from services.common.output_stream import OutputStream
+from services.worker.engine_thread import EngineThread
+from services.worker.output_stream import OutputStream
 
 logger = logging.getLogger(__name__)
 

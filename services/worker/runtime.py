@@ -21,11 +21,8 @@ from kvtransfer.registry import TLS_BACKENDS, make_backend
 from kvtransfer.tls import KVTransferTls
 from services.common.background import BackgroundTasks
 from services.common.convert import peer_info_to_proto
-from services.common.engine_loop import EngineHooks, EngineLoop
-from services.common.engine_thread import EngineThread
 from services.common.failures import FailureKind, abort_with
 from services.common.grpc_server import ServingServer, serve_until_signal, start_server
-from services.common.kv_events import KVEventPublisher
 from services.common.metrics import (
     WorkerLoadCollector,
     register_worker_metrics,
@@ -36,7 +33,10 @@ from services.common.roles import Role
 from services.common.serving_metrics import ServingMetrics
 from services.common.tls import Identity, RequirePeerIdentity, read_tls_dir
 from services.common.tracing import Tracing
-from services.common.worker_config import WorkerConfig
+from services.worker.config import WorkerConfig
+from services.worker.engine_loop import EngineHooks, EngineLoop
+from services.worker.engine_thread import EngineThread
+from services.worker.kv_events import KVEventPublisher
 from splitserve.v1 import worker_pb2
 
 logger = logging.getLogger(__name__)

@@ -1,6 +1,6 @@
 """The engine's thread: ``EngineThread`` runs every call on one OS thread in order, and a
 worker builds its engine on the thread that then steps it (two OpenMP pools throttle each
-other; see ``services.common.engine_thread``)."""
+other; see ``services.worker.engine_thread``)."""
 
 from __future__ import annotations
 
@@ -10,9 +10,9 @@ import threading
 
 import pytest
 
-from services.common.engine_thread import EngineThread
-from services.common.worker_config import WorkerConfig
 from services.decode.server import start_decode_worker
+from services.worker.config import WorkerConfig
+from services.worker.engine_thread import EngineThread
 from tests.services.conftest import tiny_engine_config
 
 
