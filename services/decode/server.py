@@ -25,7 +25,6 @@ from services.common.convert import (
     load_to_proto,
     logprobs_to_proto,
     peer_info_from_proto,
-    sampling_params_from_worker,
 )
 from services.common.failures import FailureKind, abort_with
 from services.common.roles import Role
@@ -34,13 +33,13 @@ from services.common.tracing import ending
 from services.decode.kv_puller import KVPullHooks, PullResult
 from services.decode.spans import record_decode
 from services.worker.config import WorkerConfig, parse_worker_args
-from services.worker.engine_loop import EngineDeadError, StreamEndedError
 from services.worker.runtime import (
     RunningWorker,
     WorkerRuntime,
     serve_worker,
     start_worker,
 )
+from services.worker.servicer import WorkerServicerBase, engine_errors
 from splitserve.v1 import worker_pb2, worker_pb2_grpc
 
 logger = logging.getLogger(__name__)
@@ -48,12 +47,12 @@ logger = logging.getLogger(__name__)
 SERVICE_NAME = "splitserve.v1.DecodeWorker"
 
 
-class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
+class DecodeServicer(WorkerServicerBase, worker_pb2_grpc.DecodeWorkerServicer):
     """Handlers run on the asyncio loop; the engine runs on ``runtime.loop``'s thread."""
 
     def __init__(self, runtime: WorkerRuntime) -> None:
         assert isinstance(runtime.loop.hooks, KVPullHooks)
-        self.runtime = runtime
+        super().__init__(runtime)
         self.puller: KVPullHooks = runtime.loop.hooks
 
     async def Decode(
@@ -69,12 +68,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         self, request: worker_pb2.DecodeRequest, context: grpc.aio.ServicerContext, span: Span
     ) -> None:
         req_id = request.request_id
-        await self.runtime.refuse_if_shutting_down(context)
-        try:
-            params = sampling_params_from_worker(request.sampling)
-        except ValueError as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"sampling.{exc}")
-        await self.runtime.compile_constraint(params, context)
+        params = await self.sampling_params(request.sampling, context)
         prompt = list(request.prompt_token_ids)
         output_token_ids = list(request.output_token_ids)
         src: KVRef | None = None
@@ -114,7 +108,8 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         num_generated_tokens = 0
         last_output_s: float | None = None
         try:
-            async with contextlib.aclosing(outputs):  # closing aborts an unfinished request
+            async with engine_errors(context), contextlib.aclosing(outputs):
+                # Closing the outputs aborts an unfinished request.
                 async for output in outputs:
                     now_s = time.perf_counter()
                     num_new_tokens = len(output.new_token_ids)
@@ -138,16 +133,6 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
                     if not await writer.write(response):
                         stalled = True
                         break
-        except DuplicateRequestError as exc:
-            await context.abort(grpc.StatusCode.ALREADY_EXISTS, str(exc))
-        except ValueError as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        except EngineDeadError as exc:
-            await abort_with(
-                context, grpc.StatusCode.UNAVAILABLE, FailureKind.ENGINE_DEAD, str(exc)
-            )
-        except StreamEndedError as exc:
-            await abort_with(context, grpc.StatusCode.UNAVAILABLE, FailureKind.SHUTDOWN, str(exc))
         except asyncio.CancelledError:
             logger.info("req_id=%s cancelled by the caller", req_id)
             raise
@@ -190,16 +175,6 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
                 response.num_transferred_blocks = pull.num_transferred_blocks
                 response.kv_transfer_failed = pull.failed
         return response
-
-    async def GetInfo(
-        self, request: worker_pb2.GetInfoRequest, context: grpc.aio.ServicerContext
-    ) -> worker_pb2.WorkerInfo:
-        return self.runtime.info()
-
-    async def GetLoad(
-        self, request: worker_pb2.GetLoadRequest, context: grpc.aio.ServicerContext
-    ) -> worker_pb2.WorkerLoad:
-        return self.load()
 
     def load(self) -> worker_pb2.WorkerLoad:
         return load_to_proto(

@@ -19,14 +19,12 @@ from opentelemetry.trace import Span
 
 from engine.backend import EngineBackend
 from engine.outputs import RequestOutput
-from engine.scheduler import DuplicateRequestError
 from kvtransfer.base import KVRef, KVTransferBackend
 from services.common.convert import (
     kv_ref_to_proto,
     load_to_proto,
     logprobs_to_proto,
     peer_info_to_proto,
-    sampling_params_from_worker,
 )
 from services.common.failures import FailureKind, abort_with
 from services.common.roles import Role
@@ -34,13 +32,13 @@ from services.common.tracing import ending
 from services.prefill.leases import LeaseHooks
 from services.prefill.spans import record_prefill
 from services.worker.config import WorkerConfig, parse_worker_args
-from services.worker.engine_loop import EngineDeadError, StreamEndedError
 from services.worker.runtime import (
     RunningWorker,
     WorkerRuntime,
     serve_worker,
     start_worker,
 )
+from services.worker.servicer import WorkerServicerBase, engine_errors
 from splitserve.v1 import worker_pb2, worker_pb2_grpc
 
 logger = logging.getLogger(__name__)
@@ -48,12 +46,12 @@ logger = logging.getLogger(__name__)
 SERVICE_NAME = "splitserve.v1.PrefillWorker"
 
 
-class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
+class PrefillServicer(WorkerServicerBase, worker_pb2_grpc.PrefillWorkerServicer):
     """Handlers run on the asyncio loop; the engine runs on ``runtime.loop``'s thread."""
 
     def __init__(self, runtime: WorkerRuntime) -> None:
         assert isinstance(runtime.loop.hooks, LeaseHooks)
-        self.runtime = runtime
+        super().__init__(runtime)
         self.leases: LeaseHooks = runtime.loop.hooks
 
     async def Prefill(
@@ -68,13 +66,8 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
         self, request: worker_pb2.PrefillRequest, context: grpc.aio.ServicerContext, span: Span
     ) -> worker_pb2.PrefillResponse:
         req_id = request.request_id
-        await self.runtime.refuse_if_shutting_down(context)
+        params = await self.sampling_params(request.sampling, context)
         prompt = list(request.prompt_token_ids)
-        try:
-            params = sampling_params_from_worker(request.sampling)
-        except ValueError as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"sampling.{exc}")
-        await self.runtime.compile_constraint(params, context)
         hold_kv = params.max_tokens > 1
         salt = request.cache_salt
         first_token_params = dataclasses.replace(params, max_tokens=1)
@@ -85,18 +78,9 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
         loop = self.runtime.loop
         final: RequestOutput | None = None
         try:
-            async for output in loop.generate(req_id, add):
-                final = output
-        except DuplicateRequestError as exc:
-            await context.abort(grpc.StatusCode.ALREADY_EXISTS, str(exc))
-        except ValueError as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        except EngineDeadError as exc:
-            await abort_with(
-                context, grpc.StatusCode.UNAVAILABLE, FailureKind.ENGINE_DEAD, str(exc)
-            )
-        except StreamEndedError as exc:
-            await abort_with(context, grpc.StatusCode.UNAVAILABLE, FailureKind.SHUTDOWN, str(exc))
+            async with engine_errors(context):
+                async for output in loop.generate(req_id, add):
+                    final = output
         except asyncio.CancelledError:
             # The request may have finished (and leased its blocks) just before the cancel.
             loop.abort(req_id)
@@ -151,16 +135,6 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
         released = await loop.call(lambda e: self.leases.release(e, req_id))
         aborted = await loop.abort_and_wait(req_id)
         return worker_pb2.ReleaseResponse(released=released or aborted)
-
-    async def GetInfo(
-        self, request: worker_pb2.GetInfoRequest, context: grpc.aio.ServicerContext
-    ) -> worker_pb2.WorkerInfo:
-        return self.runtime.info()
-
-    async def GetLoad(
-        self, request: worker_pb2.GetLoadRequest, context: grpc.aio.ServicerContext
-    ) -> worker_pb2.WorkerLoad:
-        return self.load()
 
     def load(self) -> worker_pb2.WorkerLoad:
         return load_to_proto(

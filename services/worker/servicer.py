@@ -1,0 +1,71 @@
+"""What the prefill and decode servicers share: a call's sampling parameters, the engine's
+errors as the call's status, ``GetInfo`` and ``GetLoad``."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator
+
+import grpc
+
+from engine.sampling_params import SamplingParams
+from engine.scheduler import DuplicateRequestError
+from services.common.convert import sampling_params_from_worker
+from services.common.failures import FailureKind, abort_with
+from services.worker.engine_loop import EngineDeadError, StreamEndedError
+from services.worker.runtime import WorkerRuntime
+from splitserve.v1 import worker_pb2
+
+
+class WorkerServicerBase:
+    """The part of a worker's gRPC servicer that does not depend on its role; a role's
+    servicer adds its calls and ``load``. Handlers run on the asyncio loop."""
+
+    def __init__(self, runtime: WorkerRuntime) -> None:
+        self.runtime = runtime
+
+    async def sampling_params(
+        self, sampling: worker_pb2.WorkerSamplingParams, context: grpc.aio.ServicerContext
+    ) -> SamplingParams:
+        """A new call's parameters: UNAVAILABLE while the worker drains, INVALID_ARGUMENT
+        naming the field when ``sampling`` is not valid or its constraint does not compile
+        (compiled here, off the engine thread)."""
+        await self.runtime.refuse_if_shutting_down(context)
+        try:
+            params = sampling_params_from_worker(sampling)
+        except ValueError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"sampling.{exc}")
+        await self.runtime.compile_constraint(params, context)
+        return params
+
+    async def GetInfo(
+        self, request: worker_pb2.GetInfoRequest, context: grpc.aio.ServicerContext
+    ) -> worker_pb2.WorkerInfo:
+        return self.runtime.info()
+
+    async def GetLoad(
+        self, request: worker_pb2.GetLoadRequest, context: grpc.aio.ServicerContext
+    ) -> worker_pb2.WorkerLoad:
+        return self.load()
+
+    def load(self) -> worker_pb2.WorkerLoad:
+        """What ``GetLoad`` returns: the engine's latest stats plus the role's counters."""
+        raise NotImplementedError
+
+
+@contextlib.asynccontextmanager
+async def engine_errors(context: grpc.aio.ServicerContext) -> AsyncIterator[None]:
+    """End the call with the status of an engine error raised inside: ALREADY_EXISTS for a
+    request id in flight or holding KV, INVALID_ARGUMENT for a request the engine refuses,
+    UNAVAILABLE (marked, so that routers retry elsewhere) when the engine died or the worker
+    ended the stream to shut down."""
+    try:
+        yield
+    except DuplicateRequestError as exc:
+        await context.abort(grpc.StatusCode.ALREADY_EXISTS, str(exc))
+    except ValueError as exc:
+        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+    except EngineDeadError as exc:
+        await abort_with(context, grpc.StatusCode.UNAVAILABLE, FailureKind.ENGINE_DEAD, str(exc))
+    except StreamEndedError as exc:
+        await abort_with(context, grpc.StatusCode.UNAVAILABLE, FailureKind.SHUTDOWN, str(exc))
