@@ -74,7 +74,7 @@ class MemberView:
 
     name: str
     role: Role
-    state: str
+    state: MemberState
     address: str
     metrics_port: int
     pid: int
@@ -190,7 +190,7 @@ class ClusterController:
 
     async def members(self) -> list[MemberView]:
         return [
-            MemberView(m.name, m.role, m.state.value, m.address, m.metrics_port, m.pid, m.hostname)
+            MemberView(m.name, m.role, m.state, m.address, m.metrics_port, m.pid, m.hostname)
             for pool in self._pools.values()
             for m in pool.members
         ]

@@ -18,7 +18,10 @@ from services.router.scaler import PoolSize
 from splitserve.v1 import worker_pb2
 
 
-class MemberState(enum.Enum):
+class MemberState(enum.StrEnum):
+    """Where a member is in its life; a ``str`` (its value), as ``Role`` is, so that
+    ``members()`` and logs show the name."""
+
     STARTING = "starting"  # actor created, service loading; not routable
     READY = "ready"  # serving; routable
     DRAINING = "draining"  # routers send it nothing new; removed once idle
