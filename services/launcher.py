@@ -44,7 +44,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from engine.config import EngineConfig
 from engine.flags import env_name, to_argv
-from services.common.roles import Role
+from services.common.roles import ClusterMode, Role
 from services.common.router_channel import api_key_metadata
 from services.common.tls import (
     Identity,
@@ -241,7 +241,7 @@ class LocalCluster:
     num_prefill: int = 1
     num_decode: int = 1
     num_routers: int = 1
-    mode: str = "disaggregated"
+    mode: ClusterMode = ClusterMode.DISAGGREGATED
     host: str = "127.0.0.1"
     port: int = 0
     # The first router's HTTP API port (the next ones: +1, +2, ...; 0: free ports; None: off).
@@ -289,7 +289,7 @@ class LocalCluster:
     def launch(self) -> None:
         """Spawn every worker and the routers at once (each router is given every worker's
         address and routes to a worker once it serves); returns without waiting."""
-        if self.mode == "colocated":
+        if self.mode is ClusterMode.COLOCATED:
             self.num_prefill = 0
         self._tls = read_tls_dir(identity_tls_dir(self.tls_dir, Identity.CONTROLLER))
         env = self._env = dict(os.environ, SPLITSERVE_LOG_LEVEL=self.log_level)

@@ -28,7 +28,7 @@ from engine.flags import add_flags, from_args, secret_env, to_argv
 from services.cluster.config import ClusterConfig
 from services.cluster.planner import PlannerConfig
 from services.common.redis_config import RedisConfig
-from services.common.roles import Role
+from services.common.roles import ClusterMode, Role
 from services.common.tracing import TracingConfig
 from services.launcher import LocalCluster, split_threads
 from services.router.config import RouterConfig
@@ -70,7 +70,7 @@ def configs_from_args(
     redis: RedisConfig = from_args(RedisConfig, args)
     tracing: TracingConfig = from_args(TracingConfig, args)
     num_engines = cluster.num_decode_workers + (
-        cluster.num_prefill_workers if cluster.mode == "disaggregated" else 0
+        cluster.num_prefill_workers if cluster.mode is ClusterMode.DISAGGREGATED else 0
     )
     # Workers hand text and stop strings to the router.
     worker_engine = dataclasses.replace(split_threads(engine, num_engines), detokenize=False)

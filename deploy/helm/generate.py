@@ -9,6 +9,7 @@ tracing) accepts exactly the flags of its dataclass, typed, as camelCase keys.
 from __future__ import annotations
 
 import dataclasses
+import enum
 import json
 import typing
 from pathlib import Path
@@ -71,6 +72,11 @@ def flag_fields(section: str) -> list[dataclasses.Field[Any]]:
     return [f for f in dataclasses.fields(cls) if "help" in f.metadata and f.name not in skip]
 
 
+def _json_type(kind: type) -> str:
+    """A flag type's JSON type: a ``StrEnum``'s is its values' (strings)."""
+    return _JSON_TYPES[str if issubclass(kind, enum.StrEnum) else kind]
+
+
 def _flag_schema(section: str) -> dict[str, Any]:
     cls, _ = FLAG_SECTIONS[section]
     hints = typing.get_type_hints(cls)
@@ -81,7 +87,7 @@ def _flag_schema(section: str) -> dict[str, Any]:
         kind = kinds[0] if kinds else hints[f.name]
         prop: dict[str, Any] = {
             "description": f.metadata["help"].replace("%%", "%"),
-            "type": [_JSON_TYPES[kind], "null"] if optional else _JSON_TYPES[kind],
+            "type": [_json_type(kind), "null"] if optional else _json_type(kind),
         }
         if f.metadata["choices"]:
             prop["enum"] = [*f.metadata["choices"], *([None] if optional else [])]

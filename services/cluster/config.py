@@ -5,9 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from engine.flags import flag
-from services.common.roles import POOL_ROLES, Role
+from services.common.roles import MODES, POOL_ROLES, ClusterMode, Role
 from services.common.tls import identity_tls_dir
-from services.router.config import MODES
 
 
 @dataclass(frozen=True, slots=True)
@@ -21,8 +20,8 @@ class ClusterConfig:
         "router replicas sharing the workers, on ports --port, --port+1, ... (above 1 needs "
         "--redis-url to share the prefix index and reservations)",
     )
-    mode: str = flag(
-        "disaggregated",
+    mode: ClusterMode = flag(
+        ClusterMode.DISAGGREGATED,
         "disaggregated: prefill and decode pools; colocated: decode workers run whole requests",
         choices=MODES,
     )
@@ -69,6 +68,8 @@ class ClusterConfig:
     def __post_init__(self) -> None:
         if self.mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
+        # Given as its name (a test, a caller's literal): the member, so that `is` holds.
+        object.__setattr__(self, "mode", ClusterMode(self.mode))
         if self.num_routers < 1:
             raise ValueError(f"num_routers must be >= 1, got {self.num_routers}")
         self.check_pool_size(Role.PREFILL, self.num_prefill_workers)
@@ -90,7 +91,7 @@ class ClusterConfig:
             )
         if role == Role.DECODE and num_workers < 1:
             raise ValueError("num_workers: the decode pool needs at least 1 worker")
-        if role == Role.PREFILL and num_workers > 0 and self.mode == "colocated":
+        if role == Role.PREFILL and num_workers > 0 and self.mode is ClusterMode.COLOCATED:
             raise ValueError("num_workers: a colocated cluster has no prefill pool")
 
     def num_gpus(self, role: Role) -> float:

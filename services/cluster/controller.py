@@ -38,7 +38,7 @@ from services.cluster.planner import PlannerConfig, PoolPlanner, PoolSignals
 from services.cluster.probes import ClusterProbes
 from services.common.background import BackgroundTasks
 from services.common.logs import configure_logging
-from services.common.roles import POOL_ROLES, Role
+from services.common.roles import POOL_ROLES, ClusterMode, Role
 from services.common.tls import read_tls_dir
 from services.router.config import RouterConfig
 from services.router.scaler import PoolSize
@@ -110,7 +110,9 @@ class ClusterController:
         self._worker_config = worker
         self._router_config = router
         self._log_level = log_level
-        num_prefill = cluster.num_prefill_workers if cluster.mode == "disaggregated" else 0
+        num_prefill = (
+            cluster.num_prefill_workers if cluster.mode is ClusterMode.DISAGGREGATED else 0
+        )
         self._pools = {
             Role.ROUTER: Pool(Role.ROUTER, cluster.num_routers),
             Role.PREFILL: Pool(Role.PREFILL, num_prefill),
@@ -469,7 +471,7 @@ class ClusterController:
 
     # ----------------------------------------------------------------------------- planner
     def _planned_roles(self) -> tuple[Role, ...]:
-        return POOL_ROLES if self._cluster.mode == "disaggregated" else (Role.DECODE,)
+        return POOL_ROLES if self._cluster.mode is ClusterMode.DISAGGREGATED else (Role.DECODE,)
 
     async def _plan_forever(self) -> None:
         loop = asyncio.get_running_loop()

@@ -12,6 +12,18 @@ _TO_PROTO: dict[str, worker_pb2.WorkerRole] = {
 }
 
 
+class ClusterMode(enum.StrEnum):
+    """How a cluster splits a request (``--mode``): a ``str``, as ``Role`` is."""
+
+    # Prefill workers build the KV, decode workers pull it.
+    DISAGGREGATED = "disaggregated"
+    # Decode workers run whole requests; there is no prefill pool.
+    COLOCATED = "colocated"
+
+
+MODES = tuple(mode.value for mode in ClusterMode)
+
+
 class Role(enum.StrEnum):
     """A process's role. Its value is the name used in flags, logs, metrics labels, actor
     names and Kubernetes (a ``str``, so it formats and serializes as that name)."""

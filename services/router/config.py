@@ -12,11 +12,11 @@ from engine.flags import add_flags, flag, from_args, parse_flags
 from engine.sampling_params import MAX_LOGPROBS
 from services.common.logs import add_log_flags, configure_logging
 from services.common.redis_config import RedisConfig
+from services.common.roles import MODES, ClusterMode
 from services.common.tracing import TracingConfig
 from services.router.openai.protocol import MAX_GENERATIONS
 from services.router.request_prep import RequestBounds
 
-MODES = ("disaggregated", "colocated")
 PREFILL_POLICIES = ("cost", "round_robin", "random")
 # The longest uncached part whose prefill in the decode worker's batch did not stretch its
 # running streams' p99 inter-token latency, measured on CPU with SmolLM2 (BENCHMARKS.md,
@@ -56,8 +56,8 @@ class RouterConfig:
     decode_workers: str = flag(
         "", "comma-separated host:port of decode workers (under Ray: set by the controller)"
     )
-    mode: str = flag(
-        "disaggregated",
+    mode: ClusterMode = flag(
+        ClusterMode.DISAGGREGATED,
         "disaggregated: prefill workers build the KV, decode workers pull it; "
         "colocated: decode workers run whole requests",
         choices=MODES,
@@ -206,6 +206,8 @@ class RouterConfig:
     def __post_init__(self) -> None:
         if self.mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
+        # Given as its name (a test, a caller's literal): the member, so that `is` holds.
+        object.__setattr__(self, "mode", ClusterMode(self.mode))
         if self.prefill_load_bound != 0 and self.prefill_load_bound < 1:
             raise ValueError(
                 f"prefill_load_bound must be 0 (off) or >= 1, got {self.prefill_load_bound}"

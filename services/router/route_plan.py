@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 from engine.block_hash import BlockHash, hash_block_tokens
 from services.common.prefix_index import InProcessPrefixIndex
+from services.common.roles import ClusterMode
 from services.router import metrics
 from services.router.config import RouterConfig
 from services.router.decode_choice import DecodeCandidate, DecodeChooser
@@ -169,7 +170,7 @@ def build_planner(
         load_bound_slack=config.prefill_load_bound_slack,
         saturation_blocks=config.prefill_saturation_blocks,
     )
-    colocated = config.mode == "colocated"
+    colocated = config.mode is ClusterMode.COLOCATED
     prefill_chooser = PrefillChooser(
         decode_pool if colocated else prefill_pool,
         ledger,

@@ -32,7 +32,7 @@ from services.common.background import BackgroundTasks
 from services.common.convert import FINISH_REASON_NAMES, validate_client_constraint
 from services.common.failures import FailureKind, abort
 from services.common.prefix_index import RedisPrefixIndex
-from services.common.roles import Role
+from services.common.roles import ClusterMode, Role
 from services.common.serving_metrics import ServingMetrics
 from services.common.stream_writer import StreamWriter
 from services.common.tls import TlsMaterial
@@ -98,7 +98,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         rng = random.Random(config.seed)
         # Resolved once: the id names both the router's Redis ledger entries and its traces.
         self.router_id = config.resolved_router_id()
-        prefill = config.prefill_address_list if config.mode == "disaggregated" else ()
+        prefill = config.prefill_address_list if config.mode is ClusterMode.DISAGGREGATED else ()
         fence_after = config.worker_fence_after_failed_polls
         self.prefill_pool = WorkerPool(Role.PREFILL, prefill, fence_after, tls)
         self.decode_pool = WorkerPool(Role.DECODE, config.decode_address_list, fence_after, tls)
