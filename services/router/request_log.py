@@ -10,6 +10,7 @@ Under ``--log-format json`` each is a key of the line.
 
 from __future__ import annotations
 
+import enum
 import logging
 from dataclasses import dataclass, field
 
@@ -19,18 +20,43 @@ from services.common.convert import FINISH_REASON_NAMES
 from services.common.logs import log_fields
 
 logger = logging.getLogger("splitserve.requests")
-_FINISH_REASONS = frozenset(FINISH_REASON_NAMES.values())
 
 
-def call_status(outcome: str, aborted_with: grpc.StatusCode | None) -> str:
+class Outcome(enum.StrEnum):
+    """How a request ended: its finish reason, or why it has none. The value is the label of
+    ``splitserve_router_requests_total`` and the log line's ``outcome``."""
+
+    STOP = "stop"
+    LENGTH = "length"
+    ABORT = "abort"
+    INVALID = "invalid"  # refused as bad input
+    REJECTED = "rejected"  # refused for capacity: --max-inflight-requests, no decode worker yet
+    CANCELLED = "cancelled"  # the caller went away
+    ERROR = "error"  # the server failed it
+
+    @classmethod
+    def of_finish_reason(cls, finish_reason: int) -> Outcome:
+        """The outcome of a ``router_pb2.FinishReason`` other than UNSPECIFIED."""
+        return cls(FINISH_REASON_NAMES[finish_reason])
+
+    @property
+    def finished(self) -> bool:
+        """Whether the generation reached a finish reason."""
+        return self in _FINISHED
+
+
+_FINISHED = frozenset({Outcome.STOP, Outcome.LENGTH, Outcome.ABORT})
+
+
+def call_status(outcome: Outcome, aborted_with: grpc.StatusCode | None) -> str:
     """The status name a request's call ended with: the code it was aborted with, else
     ``CANCELLED`` for a caller that went away, ``OK`` after a finish reason, and ``UNKNOWN``
     for an error raised without a status."""
     if aborted_with is not None:
         return aborted_with.name
-    if outcome == "cancelled":
+    if outcome is Outcome.CANCELLED:
         return grpc.StatusCode.CANCELLED.name
-    return grpc.StatusCode.OK.name if outcome in _FINISH_REASONS else grpc.StatusCode.UNKNOWN.name
+    return grpc.StatusCode.OK.name if outcome.finished else grpc.StatusCode.UNKNOWN.name
 
 
 @dataclass(slots=True)
@@ -48,7 +74,7 @@ class RequestLog:
     decode_workers: list[str] = field(default_factory=list)
     trace_id: str = ""
 
-    def emit(self, outcome: str, status: str) -> None:
+    def emit(self, outcome: Outcome, status: str) -> None:
         """Write the line: the request ended with ``outcome`` and its call with ``status``."""
         logger.info(
             "req_id=%s finished (%s, %s): %d prompt tokens (%d cached), %d output tokens, "
@@ -68,8 +94,8 @@ class RequestLog:
                 req_id=self.req_id,
                 request_id=self.request_id,
                 trace_id=self.trace_id,
-                outcome=outcome,
-                finish_reason=outcome if outcome in _FINISH_REASONS else "",
+                outcome=outcome.value,
+                finish_reason=outcome.value if outcome.finished else "",
                 status=status,
                 prompt_tokens=self.prompt_tokens,
                 cached_tokens=self.cached_tokens,

@@ -14,7 +14,7 @@ import time
 from services.common.serving_metrics import ServingMetrics
 from services.router import metrics
 from services.router.latency import LatencyWindow
-from services.router.request_log import RequestLog
+from services.router.request_log import Outcome, RequestLog
 from splitserve.v1 import router_pb2
 
 
@@ -53,7 +53,7 @@ class RequestMeter:
             self._latency.add_itl(gap_s, num_tokens)
         self._last_token_s = now_s
 
-    def finished(self, last: router_pb2.GenerateResponse, outcome: str) -> None:
+    def finished(self, last: router_pb2.GenerateResponse, outcome: Outcome) -> None:
         """The request ended with ``outcome`` (``stop``, ``length``, ...); ``last`` is its last
         message (with the usage)."""
         log = self._log
@@ -63,7 +63,7 @@ class RequestMeter:
         metrics.E2E.observe(e2e_s)
         metrics.PROMPT_TOKENS.inc(log.prompt_tokens)
         serving = self._serving
-        serving.finished(outcome, log.prompt_tokens, log.output_tokens)
+        serving.finished(outcome.value, log.prompt_tokens, log.output_tokens)
         serving.e2e.observe(e2e_s)
         if log.ttft_ms is not None:
             decode_s = e2e_s - log.ttft_ms / 1000

@@ -16,12 +16,9 @@ from opentelemetry.trace import Span, Status, StatusCode
 
 from services.router.prefill_choice import PrefillChoice
 from services.router.prefill_ledger import LocalPrefillLedger, RedisPrefillLedger
-from services.router.request_log import RequestLog
+from services.router.request_log import Outcome, RequestLog
 from services.router.request_prep import PreparedRequest
 from services.router.route_plan import RoutePlan
-
-# Outcomes that are the server's failure, not the client's choice or mistake.
-_FAILED_OUTCOMES = frozenset({"error"})
 
 
 def request_attributes(prepared: PreparedRequest, model: str) -> dict[str, Any]:
@@ -38,11 +35,11 @@ def request_attributes(prepared: PreparedRequest, model: str) -> dict[str, Any]:
     }
 
 
-def end_request_span(span: Span, log: RequestLog | None, outcome: str) -> None:
+def end_request_span(span: Span, log: RequestLog | None, outcome: Outcome) -> None:
     """Record how the request went (``log`` is None when it was refused before it was
     prepared) and end ``span``."""
     if span.is_recording():
-        span.set_attribute("splitserve.outcome", outcome)
+        span.set_attribute("splitserve.outcome", outcome.value)
         if log is not None:
             attributes: dict[str, Any] = {
                 "gen_ai.usage.completion_tokens": log.output_tokens,
@@ -55,8 +52,8 @@ def end_request_span(span: Span, log: RequestLog | None, outcome: str) -> None:
             if log.e2e_ms is not None:
                 attributes["gen_ai.latency.e2e"] = log.e2e_ms / 1000
             span.set_attributes(attributes)
-        if outcome in _FAILED_OUTCOMES:
-            span.set_status(Status(StatusCode.ERROR, outcome))
+        if outcome is Outcome.ERROR:  # the server's failure, not the client's choice or mistake
+            span.set_status(Status(StatusCode.ERROR, outcome.value))
     span.end()
 
 

@@ -1,41 +1,66 @@
-"""``RoutedRequest``: one ``Generate`` call's state in the router, and what it holds on workers.
+"""``RoutedRequest``: one generation's run in the router, from its route to its last token.
 
-A request holds up to three things on workers, each released exactly once:
+One generation (disaggregated mode)::
 
-- its **in-flight slot**: the decode worker that counts it (so that a burst spreads), moved
-  along on a failover;
-- its **prefill reservation** (``PrefillChoice.reservation``): the prompt tokens it adds to a
-  prefill worker's queue (or, colocated, to the decode replica's) until the prefill is done
-  (or, colocated, until the first token);
-- its **KV lease**: the prefill worker keeps the prompt's KV blocks for the decode worker to
-  pull; the router releases them if no decode worker takes the pull over (a failure before the
-  first decoded token, a failover that recomputes the prompt, a cancelled call).
+    run ─▶ no routable decode worker? wait for one (no prefill, no lease before)
+        ─▶ plan: prefill worker P (maybe), decode worker D
+        ─▶ P.Prefill ─▶ first token yielded at once, the KVRef of the leased prompt
+        ─▶ D.Decode(prompt, [first], KVRef) ─▶ D pulls the blocks, streams tokens 2..
 
-``close`` releases whatever is still held; the server calls it in a ``finally``.
+Failures degrade instead of failing the request: a prefill worker that is down or fails makes
+the decode worker prefill locally; a decode worker that fails mid-stream is replaced by another
+one that continues from the prompt plus the tokens already sent. With no routable decode worker
+(none when the request arrives, or none other after a failure) the request waits up to
+``--decode-failover-wait-s`` for one. A client cancel or an expired deadline cancels the worker
+calls (which abort the request and free its blocks); what the request holds on workers (slot,
+reservation, lease: ``Holdings``) is released whichever way ``run`` ends.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
 
 import grpc
+from opentelemetry.trace import Span, SpanKind
 
 from engine.tokenizer import Tokenizer
 from services.common.background import BackgroundTasks
 from services.common.convert import sampling_params_to_worker
+from services.common.failures import abort
+from services.common.tracing import Tracing, call_metadata, ending
+from services.router import metrics
+from services.router.call_context import CallContext
+from services.router.config import RouterConfig
+from services.router.decode_choice import DecodeCandidate
 from services.router.failure_policy import FailurePolicy
-from services.router.prefill_choice import PrefillChoice, PrefillChooser
+from services.router.request_holdings import Holdings, release_lease
+from services.router.request_log import RequestLog
 from services.router.request_prep import PreparedRequest
+from services.router.request_spans import end_call_span, route_attributes
 from services.router.response_stream import ResponseStream
-from services.router.route_plan import PrefillPlace, RoutePlan
-from services.router.worker_pool import InflightSlot, WorkerHandle
-from splitserve.v1 import worker_pb2
+from services.router.route_plan import PrefillPlace, RoutePlan, RoutePlanner
+from services.router.worker_pool import WorkerHandle
+from splitserve.v1 import router_pb2, worker_pb2
 
 logger = logging.getLogger(__name__)
 
-_RELEASE_TIMEOUT_S = 5.0
-# The places whose plan holds a reservation (see ``RoutePlan``).
-_RESERVING_PLACES = (PrefillPlace.PREFILL_WORKER, PrefillPlace.COLOCATED)
+# A decode call's error when its stream ended OK without a final message.
+_ENDED_UNFINISHED = "ENDED_UNFINISHED"
+
+
+@dataclass(frozen=True, slots=True)
+class Routing:
+    """What every request a router runs shares: its flags, tokenizer, planner (whose choosers
+    hold both pools), tracing, and the tasks nobody waits for."""
+
+    config: RouterConfig
+    tokenizer: Tokenizer
+    planner: RoutePlanner
+    tracing: Tracing
+    background: BackgroundTasks
 
 
 class RoutedRequest:
@@ -43,20 +68,31 @@ class RoutedRequest:
 
     ``stream`` turns worker tokens into client messages; ``decode_request`` is what the next
     decode worker is sent (the prompt, the tokens the client already has, the KV to pull);
-    ``failures`` judges worker errors across the whole request.
+    ``failures`` judges worker errors across the whole request. ``context`` is the client's
+    call: its deadline bounds every worker call, and a refusal aborts it.
     """
 
     def __init__(
         self,
         prepared: PreparedRequest,
-        tokenizer: Tokenizer,
-        chooser: PrefillChooser,
-        background: BackgroundTasks,
+        routing: Routing,
+        context: CallContext,
+        log: RequestLog,
+        span: Span,
     ) -> None:
         self.prepared = prepared
         self.req_id = prepared.req_id
+        self._routing = routing
+        self._config = routing.config
+        self._planner = routing.planner
+        self._context = context
+        self._log = log
+        self._span = span
         self.stream = ResponseStream(
-            prepared.client_request_id, tokenizer, prepared.prompt_token_ids, prepared.params
+            prepared.client_request_id,
+            routing.tokenizer,
+            prepared.prompt_token_ids,
+            prepared.params,
         )
         self.worker_params = sampling_params_to_worker(prepared.params)
         self.decode_request = worker_pb2.DecodeRequest(
@@ -66,81 +102,248 @@ class RoutedRequest:
             cache_salt=prepared.cache_salt,
         )
         self.failures = FailurePolicy()
-        self.slot = InflightSlot()
-        self.plan: RoutePlan | None = None
-        self._chooser = chooser
-        self._background = background
-        self._lease: WorkerHandle | None = None
-        self._reserved: PrefillChoice | None = None  # its reservation not yet released
+        self.holdings = Holdings(self.req_id, self._planner.prefill_chooser, routing.background)
 
-    def planned(self, plan: RoutePlan) -> None:
-        """Take ``plan`` (its reservation, if any, is now ours) and count the request on its
-        decode worker."""
-        self.plan = plan
-        if plan.place in _RESERVING_PLACES and plan.prefill.reservation is not None:
-            self._reserved = plan.prefill
-        self.slot.move_to(plan.decode.worker if plan.decode is not None else None)
+    async def run(self) -> AsyncIterator[router_pb2.GenerateResponse]:
+        """The client's messages: the first token from the prefill worker (when one runs),
+        then the decode workers' tokens. Aborts the call when no decode worker can go on."""
+        if self.prepared.client_request_id != self.req_id:
+            logger.info(
+                "req_id=%s is the client's request_id %r",
+                self.req_id,
+                self.prepared.client_request_id,
+            )
+        try:
+            if not self._planner.decode_chooser.pool.routable_workers():
+                # As in Dynamo, where a request enters through its decode worker: no prefill
+                # (nor its lease) for a request that no decode worker can continue yet.
+                await self._await_decode_worker(0, {}, set())
+            plan = await self._plan()
+            prefill = plan.prefill_worker
+            if prefill is not None:
+                self._log.prefill_worker = prefill.address
+                response = await self._prefill(plan, prefill)
+                if response is not None:
+                    yield self.stream.push(
+                        [response.token_id],
+                        [response.logprob] if response.HasField("logprob") else [],
+                        finish_reason=response.finish_reason if response.finished else "",
+                        stop_reason=response.stop_reason,
+                    )
+                    self.decode_request.output_token_ids.extend(self.stream.output_token_ids)
+                    if self.stream.finished:
+                        return
+            async for message in self._decode(plan):
+                self.holdings.decode_started()
+                yield message
+            if plan.place is PrefillPlace.COLOCATED:  # the replica's prefix hits, now known
+                self._planner.prefill_chooser.record_hits(
+                    plan.prefill, self.stream.num_cached_tokens
+                )
+        finally:
+            await self.holdings.close()
 
-    async def prefill_done(
-        self, worker: WorkerHandle, response: worker_pb2.PrefillResponse | None
-    ) -> None:
-        """The prefill on ``worker`` ended, with its ``response`` or without one (it failed:
-        the decode worker prefills instead, and the prefix index forgets what it assumed the
-        worker caches). Releases the reservation; a response with KV makes it our lease."""
-        assert self.plan is not None
-        self._reserved = None
-        self._chooser.done(self.plan.prefill, response)
-        if response is None:
-            await self._chooser.forget(worker)
-            return
-        if response.HasField("kv_ref"):
-            self._lease = worker
-            self.decode_request.kv_ref.CopyFrom(response.kv_ref)
-            self.decode_request.kv_peer.CopyFrom(response.kv_peer)
+    async def _plan(self) -> RoutePlan:
+        """Where the request runs (the span ``route``); the plan's reservation and decode
+        worker become its holdings."""
+        prepared = self.prepared
+        with ending(self._routing.tracing.start_child(self._span, "route")) as route_span:
+            plan = await self._planner.plan(
+                self.req_id, prepared.prompt_token_ids, prepared.cache_salt
+            )
+            self.holdings.planned(plan)
+            if route_span.is_recording():
+                route_span.set_attributes(route_attributes(plan))
+        return plan
 
-    def decode_started(self) -> None:
-        """A decode worker streams tokens: it owns the KV pull (and its release) now, and a
-        colocated replica has prefilled (its reservation is released)."""
-        self._lease = None
-        self._release_reservation()
+    async def _prefill(
+        self, plan: RoutePlan, worker: WorkerHandle
+    ) -> worker_pb2.PrefillResponse | None:
+        """Run the prefill (the span ``prefill_call``); None when the worker failed (the
+        decode worker prefills instead)."""
+        request = worker_pb2.PrefillRequest(
+            request_id=self.req_id,
+            prompt_token_ids=self.prepared.prompt_token_ids,
+            sampling=self.worker_params,
+            cache_salt=self.prepared.cache_salt,
+        )
+        worker.num_inflight += 1
+        call_span = self._call_span("prefill_call", worker)
+        call = worker.stub.Prefill(
+            request, timeout=self._call_timeout_s(), metadata=call_metadata(call_span)
+        )
+        worker.open_call(call)
+        response: worker_pb2.PrefillResponse | None = None
+        error = ""
+        try:
+            response = await call
+        except grpc.aio.AioRpcError as exc:
+            await self._worker_failed(worker, exc)
+            error = exc.code().name
+        except asyncio.CancelledError:
+            if not worker.fenced(call):
+                call.cancel()
+                # A prefill that completed as we were cancelled leaves a lease; drop it now.
+                self._routing.background.spawn(release_lease(worker, self.req_id))
+                raise
+            error = "fenced"
+        finally:
+            worker.close_call(call)
+            worker.num_inflight -= 1
+            end_call_span(call_span, error)
+        await self.holdings.prefill_done(plan, worker, response)
+        if response is not None:
+            if response.HasField("kv_ref"):
+                self.decode_request.kv_ref.CopyFrom(response.kv_ref)
+                self.decode_request.kv_peer.CopyFrom(response.kv_peer)
+            self.stream.num_cached_tokens = response.num_cached_tokens
+            return response
+        metrics.PREFILL_FALLBACKS.inc()
+        self._span.add_event(
+            "prefill_fallback", {"splitserve.worker": worker.address, "error": error}
+        )
+        logger.warning(
+            "req_id=%s prefill on %s failed (%s); the decode worker prefills locally",
+            self.req_id,
+            worker.address,
+            error,
+        )
+        return None
 
-    def recompute_prompt(self) -> None:
-        """The next decode worker computes the prompt instead of pulling it: no KV to pull,
-        the lease released (in the background)."""
+    async def _decode(self, plan: RoutePlan) -> AsyncIterator[router_pb2.GenerateResponse]:
+        """Stream the decode on the planned worker (the slot's); on a failure continue on
+        another one, moving the slot along, from the prompt and the tokens sent so far (the
+        next decode worker computes the prompt: the lease is released). A stream that ends
+        without its final message counts as a failure. Each call is a span ``decode_call``;
+        a failover is an event of the request's span."""
+        slot, stream, request = self.holdings.slot, self.stream, self.decode_request
+        tried: set[str] = set()
+        prompt_blocks = len(plan.prefill.block_hashes)
+        for _ in range(self._config.max_decode_retries + 1):
+            worker = slot.worker
+            if worker is None or tried or not worker.routable:
+                candidate = self._planner.decode_chooser.choose(
+                    prompt_blocks, plan.prefill.matched, exclude=tried
+                )
+                if candidate is None:
+                    candidate = await self._await_decode_worker(
+                        prompt_blocks, plan.prefill.matched, tried
+                    )
+                worker = candidate.worker
+                slot.move_to(worker)
+            tried.add(worker.address)
+            self._log.decode_workers.append(worker.address)
+            call_span = self._call_span("decode_call", worker)
+            call = worker.stub.Decode(
+                request, timeout=self._call_timeout_s(), metadata=call_metadata(call_span)
+            )
+            worker.open_call(call)
+            error = ""
+            try:
+                async for response in call:
+                    if response.finished and not request.HasField("kv_ref"):
+                        stream.num_cached_tokens = response.num_cached_tokens
+                    message = stream.push(
+                        response.token_ids,
+                        response.logprobs,
+                        finish_reason=response.finish_reason if response.finished else "",
+                        stop_reason=response.stop_reason,
+                    )
+                    if message.token_ids or message.text or stream.finished:
+                        yield message
+                    if stream.finished:
+                        return
+                # A stream that ends without its final message is cut short like any failure.
+                error = _ENDED_UNFINISHED
+            except grpc.aio.AioRpcError as exc:
+                await self._worker_failed(worker, exc)
+                error = exc.code().name
+            except asyncio.CancelledError:
+                if not worker.fenced(call):
+                    raise
+                error = "fenced"
+            finally:
+                worker.close_call(call)
+                # A no-op when the call completed; otherwise the worker aborts the request.
+                call.cancel()
+                end_call_span(call_span, error)
+            await self._failed_over(plan, worker, error)
+        await abort(self._context, grpc.StatusCode.UNAVAILABLE, "no healthy decode worker")
+
+    async def _failed_over(self, plan: RoutePlan, worker: WorkerHandle, error: str) -> None:
+        """Decode ``worker`` failed with ``error``: the next one continues from what the
+        client already has, computing the prompt itself."""
+        if plan.place is PrefillPlace.COLOCATED:  # it may come back with an empty cache
+            await self._planner.prefill_chooser.forget(worker)
+        metrics.DECODE_FAILOVERS.inc()
+        tokens_sent = self.stream.output_token_ids
+        self._span.add_event(
+            "decode_failover",
+            {
+                "splitserve.worker": worker.address,
+                "splitserve.tokens_sent": len(tokens_sent),
+                "error": error,
+            },
+        )
+        logger.warning(
+            "req_id=%s decode on %s failed after %d tokens (%s); moving on",
+            self.req_id,
+            worker.address,
+            len(tokens_sent),
+            error,
+        )
+        del self.decode_request.output_token_ids[:]
+        self.decode_request.output_token_ids.extend(tokens_sent)
         self.decode_request.ClearField("kv_ref")
         self.decode_request.ClearField("kv_peer")
-        if self._lease is not None:
-            self._background.spawn(release_lease(self._lease, self.req_id))
-            self._lease = None
+        self.holdings.drop_lease()
 
-    def finished(self) -> None:
-        """The whole generation reached the client: count a colocated replica's prefix hits."""
-        if self.plan is not None and self.plan.place is PrefillPlace.COLOCATED:
-            self._chooser.record_hits(self.plan.prefill, self.stream.num_cached_tokens)
-
-    async def close(self) -> None:
-        """Release everything still held: the slot, the reservation (a prefill that never
-        ended, a colocated replica that never answered), the lease. Idempotent."""
-        self.slot.move_to(None)
-        self._release_reservation()
-        if self._lease is not None:
-            lease, self._lease = self._lease, None
-            await release_lease(lease, self.req_id)
-
-    def _release_reservation(self) -> None:
-        if self._reserved is not None:
-            self._chooser.cancel(self._reserved)
-            self._reserved = None
-
-
-async def release_lease(worker: WorkerHandle, req_id: str) -> None:
-    """Tell prefill ``worker`` to free ``req_id``'s KV blocks. Best effort: a failure is
-    logged (the worker's lease expires on its own)."""
-    try:
-        await worker.stub.Release(
-            worker_pb2.ReleaseRequest(request_id=req_id), timeout=_RELEASE_TIMEOUT_S
+    async def _await_decode_worker(
+        self, prompt_blocks: int, matched: dict[str, int], tried: set[str]
+    ) -> DecodeCandidate:
+        """A decode worker not in ``tried`` for a request that has none (none routable when it
+        arrived, or its worker failed and no other is routable), waited for up to
+        ``--decode-failover-wait-s`` (at most until the client's deadline). Aborts the call
+        (UNAVAILABLE) if none came."""
+        remaining_s = self._context.time_remaining()
+        wait_s = self._config.decode_failover_wait_s
+        if remaining_s is not None:
+            wait_s = min(wait_s, remaining_s)
+        logger.info(
+            "req_id=%s no%s decode worker is routable; waiting up to %.1f s for one",
+            self.req_id,
+            " other" if tried else "",
+            wait_s,
         )
-    except grpc.aio.AioRpcError as exc:
-        logger.warning(
-            "req_id=%s release on %s failed: %s", req_id, worker.address, exc.code().name
+        candidate = await self._planner.decode_chooser.wait_for(
+            prompt_blocks, matched, tried, wait_s, self._config.health_check_interval_s
         )
+        if candidate is None:
+            await abort(self._context, grpc.StatusCode.UNAVAILABLE, "no healthy decode worker")
+        return candidate
+
+    def _call_span(self, name: str, worker: WorkerHandle) -> Span:
+        """The CLIENT span of one worker call, under the request's; its context goes out as
+        the call's metadata."""
+        return self._routing.tracing.start_child(
+            self._span,
+            name,
+            kind=SpanKind.CLIENT,
+            attributes={"splitserve.worker": worker.address},
+        )
+
+    def _call_timeout_s(self) -> float:
+        """A worker call's deadline: the client's, capped by ``--worker-call-timeout-s``."""
+        remaining_s = self._context.time_remaining()
+        cap_s = self._config.worker_call_timeout_s
+        return cap_s if remaining_s is None else min(remaining_s, cap_s)
+
+    async def _worker_failed(self, worker: WorkerHandle, exc: grpc.aio.AioRpcError) -> None:
+        """Fail the call if retrying cannot help (see ``FailurePolicy``); else mark the worker
+        unhealthy (until a poll succeeds) so that the run moves on to another path."""
+        remaining_s = self._context.time_remaining()
+        deadline_was_ours = remaining_s is None or remaining_s > 0
+        failure = self.failures.judge(exc, worker.role, deadline_was_ours)
+        if failure is not None:
+            await abort(self._context, failure.code, failure.details)
+        worker.mark_failed(f"{exc.code().name}: {exc.details()}")

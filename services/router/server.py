@@ -1,18 +1,8 @@
-"""``Router`` gRPC service: validate, tokenize, prefill on one worker, decode on another.
+"""``Router`` gRPC service: admission, validation and metrics around each generation, the
+worker pools and their polling, ``Explain``, ``Scale`` and ``Status``.
 
-One generation (disaggregated mode)::
-
-    Generate ─▶ prepare (INVALID_ARGUMENT on bad input) ─▶ pick prefill P, decode D
-       P.Prefill ─▶ first token streamed to the client at once, KVRef of the leased prompt
-       D.Decode(prompt, [first], KVRef) ─▶ D pulls the blocks, streams tokens 2.. ─▶ client
-
-Failures degrade instead of failing the request: a prefill worker that is down or fails makes
-the decode worker prefill locally; a decode worker that fails mid-stream is replaced by another
-one that continues from the prompt plus the tokens already sent. With no routable decode worker
-(none when the request arrives, or none other after a failure) the request waits up to
-``--decode-failover-wait-s`` for one, and is not prefilled before one is there. A client cancel
-or an expired deadline cancels the worker calls (which abort the request and free its blocks)
-and releases a lease that no decode worker has consumed yet.
+A generation's run (route, prefill, decode, failover) is its ``RoutedRequest``
+(``services/router/routed_request.py``); ``generate`` is where every API enters it.
 """
 
 from __future__ import annotations
@@ -22,31 +12,28 @@ import contextlib
 import logging
 import random
 import time
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator
 
 import grpc
-from opentelemetry.trace import Span, SpanKind
 
 from engine.tokenizer import Tokenizer
 from services.common.background import BackgroundTasks
-from services.common.convert import FINISH_REASON_NAMES, validate_client_constraint
+from services.common.convert import validate_client_constraint
 from services.common.failures import FailureKind, abort
 from services.common.prefix_index import RedisPrefixIndex
 from services.common.roles import ClusterMode, Role
 from services.common.serving_metrics import ServingMetrics
 from services.common.stream_writer import StreamWriter
 from services.common.tls import TlsMaterial
-from services.common.tracing import Tracing, call_metadata, ending, trace_id_hex
+from services.common.tracing import Tracing, trace_id_hex
 from services.router import metrics
 from services.router.auth import caller_name
 from services.router.call_context import CallContext, StatusRecorder
 from services.router.config import RouterConfig
-from services.router.decode_choice import DecodeCandidate
 from services.router.explain import explain_response
-from services.router.failure_policy import FailurePolicy
 from services.router.latency import LatencyWindow
 from services.router.pool_metrics import PoolCollector
-from services.router.request_log import RequestLog, call_status
+from services.router.request_log import Outcome, RequestLog, call_status
 from services.router.request_meter import RequestMeter
 from services.router.request_prep import (
     MaxTokensDefault,
@@ -55,22 +42,18 @@ from services.router.request_prep import (
     prepare_request,
 )
 from services.router.request_spans import (
-    end_call_span,
     end_request_span,
     request_attributes,
-    route_attributes,
 )
-from services.router.route_plan import PrefillPlace, build_planner
-from services.router.routed_request import RoutedRequest, release_lease
+from services.router.route_plan import build_planner
+from services.router.routed_request import RoutedRequest, Routing
 from services.router.scaler import PoolScaler, reported_pool_sizes
-from services.router.worker_pool import WorkerHandle, WorkerPool
-from splitserve.v1 import router_pb2, router_pb2_grpc, worker_pb2
+from services.router.worker_pool import WorkerPool
+from splitserve.v1 import router_pb2, router_pb2_grpc
 
 logger = logging.getLogger(__name__)
 
 SERVICE_NAME = "splitserve.v1.Router"
-# A decode call's error when its stream ended OK without a final message.
-_ENDED_UNFINISHED = "ENDED_UNFINISHED"
 # How often a router drops dead workers' prefix index entries (any router may: idempotent).
 _REAP_INTERVAL_S = 10.0
 # How often the pool metrics ask the orchestrator for the pools' sizes.
@@ -111,7 +94,6 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         self._limits_seen: ModelLimits | None = None
         self.bounds = config.request_bounds()
         self.latency = LatencyWindow()
-        self._background = BackgroundTasks()
         self._poller: asyncio.Task[None] | None = None
         # Redis only: the entries of workers that died without removing them are dropped here
         # (the in-process index is bounded instead).
@@ -127,6 +109,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             "splitserve-router",
             {"service.instance.id": self.router_id},
         )
+        self.routing = Routing(config, tokenizer, self.planner, self.tracing, BackgroundTasks())
 
     # ----------------------------------------------------------------------------- lifecycle
     async def start(self) -> None:
@@ -246,12 +229,12 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         # Counted from here: a burst of expensive prompts is bounded while it is tokenized.
         self._num_inflight += 1
         metrics.INFLIGHT.inc()
-        outcome = "invalid"
+        outcome = Outcome.INVALID
         log: RequestLog | None = None
         span = self.tracing.start_request_span("generate", context.invocation_metadata() or (), {})
         try:
             prepared = await self._prepare(request, limits, context, max_tokens_default)
-            outcome = "error"
+            outcome = Outcome.ERROR
             if span.is_recording():
                 span.set_attributes(request_attributes(prepared, self.config.served_name))
             log = RequestLog(
@@ -261,19 +244,21 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                 trace_id=trace_id_hex(span),
             )
             meter = RequestMeter(start_s, log, self.serving_metrics, self.latency)
-            async for message in self._generate(prepared, context, log, span):
-                meter.sent(message)
-                if message.finish_reason:
-                    outcome = FINISH_REASON_NAMES[message.finish_reason]
-                    meter.finished(message, outcome)
-                yield message
+            routed = RoutedRequest(prepared, self.routing, context, log, span)
+            async with contextlib.aclosing(routed.run()) as messages:
+                async for message in messages:
+                    meter.sent(message)
+                    if message.finish_reason:
+                        outcome = Outcome.of_finish_reason(message.finish_reason)
+                        meter.finished(message, outcome)
+                    yield message
         except (asyncio.CancelledError, GeneratorExit):
-            outcome = "cancelled"
+            outcome = Outcome.CANCELLED
             raise
         finally:
             self._num_inflight -= 1
             metrics.INFLIGHT.dec()
-            metrics.REQUESTS.labels(outcome).inc()
+            metrics.REQUESTS.labels(outcome.value).inc()
             if log is not None:
                 log.emit(outcome, call_status(outcome, context.code))
             end_request_span(span, log, outcome)
@@ -283,7 +268,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         before any decode worker answered, RESOURCE_EXHAUSTED at --max-inflight-requests)."""
         limits = await self._limits(context)
         if self._num_inflight >= self.config.max_inflight_requests:
-            metrics.REQUESTS.labels("rejected").inc()
+            metrics.REQUESTS.labels(Outcome.REJECTED.value).inc()
             await abort(
                 context,
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
@@ -296,7 +281,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         answered."""
         limits = self.limits()
         if limits is None:
-            metrics.REQUESTS.labels("rejected").inc()
+            metrics.REQUESTS.labels(Outcome.REJECTED.value).inc()
             await abort(context, grpc.StatusCode.UNAVAILABLE, "no decode worker has answered yet")
         return limits
 
@@ -321,244 +306,6 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         except ValueError as exc:
             await abort(context, grpc.StatusCode.INVALID_ARGUMENT, f"sampling.{exc}")
         return prepared
-
-    async def _generate(
-        self, prepared: PreparedRequest, context: CallContext, log: RequestLog, span: Span
-    ) -> AsyncIterator[router_pb2.GenerateResponse]:
-        if prepared.client_request_id != prepared.req_id:
-            logger.info(
-                "req_id=%s is the client's request_id %r",
-                prepared.req_id,
-                prepared.client_request_id,
-            )
-        routed = RoutedRequest(
-            prepared, self.tokenizer, self.planner.prefill_chooser, self._background
-        )
-        try:
-            if not self.decode_pool.routable_workers():
-                # As in Dynamo, where a request enters through its decode worker: no prefill
-                # (nor its lease) for a request that no decode worker can continue yet.
-                await self._await_decode_worker(routed.req_id, 0, {}, set(), context)
-            with ending(self.tracing.start_child(span, "route")) as route_span:
-                routed.planned(
-                    await self.planner.plan(
-                        prepared.req_id, prepared.prompt_token_ids, prepared.cache_salt
-                    )
-                )
-                assert routed.plan is not None
-                if route_span.is_recording():
-                    route_span.set_attributes(route_attributes(routed.plan))
-            prefill = routed.plan.prefill_worker
-            if prefill is not None:
-                log.prefill_worker = prefill.address
-                response = await self._prefill(prefill, routed, context, span)
-                if response is not None:
-                    yield routed.stream.push(
-                        [response.token_id],
-                        [response.logprob] if response.HasField("logprob") else [],
-                        finish_reason=response.finish_reason if response.finished else "",
-                        stop_reason=response.stop_reason,
-                    )
-                    routed.decode_request.output_token_ids.extend(routed.stream.output_token_ids)
-                    if routed.stream.finished:
-                        return
-            async for message in self._decode(routed, context, log, span):
-                routed.decode_started()
-                yield message
-            routed.finished()
-        finally:
-            await routed.close()
-
-    async def _prefill(
-        self, worker: WorkerHandle, routed: RoutedRequest, context: CallContext, span: Span
-    ) -> worker_pb2.PrefillResponse | None:
-        """Run the prefill; None when the worker failed (the decode worker prefills instead).
-        The call is the span ``prefill_call`` under the request's ``span``."""
-        request = worker_pb2.PrefillRequest(
-            request_id=routed.req_id,
-            prompt_token_ids=routed.prepared.prompt_token_ids,
-            sampling=routed.worker_params,
-            cache_salt=routed.prepared.cache_salt,
-        )
-        worker.num_inflight += 1
-        call_span = self._call_span(span, "prefill_call", worker)
-        call = worker.stub.Prefill(
-            request, timeout=self._call_timeout_s(context), metadata=call_metadata(call_span)
-        )
-        worker.open_call(call)
-        response: worker_pb2.PrefillResponse | None = None
-        error = ""
-        try:
-            response = await call
-        except grpc.aio.AioRpcError as exc:
-            await self._worker_failed(worker, exc, context, routed.failures)
-            error = exc.code().name
-        except asyncio.CancelledError:
-            if not worker.fenced(call):
-                call.cancel()
-                # A prefill that completed as we were cancelled leaves a lease; drop it now.
-                self._background.spawn(release_lease(worker, routed.req_id))
-                raise
-            error = "fenced"
-        finally:
-            worker.close_call(call)
-            worker.num_inflight -= 1
-            end_call_span(call_span, error)
-        await routed.prefill_done(worker, response)
-        if response is not None:
-            routed.stream.num_cached_tokens = response.num_cached_tokens
-            return response
-        metrics.PREFILL_FALLBACKS.inc()
-        span.add_event("prefill_fallback", {"splitserve.worker": worker.address, "error": error})
-        logger.warning(
-            "req_id=%s prefill on %s failed (%s); the decode worker prefills locally",
-            routed.req_id,
-            worker.address,
-            error,
-        )
-        return None
-
-    async def _decode(
-        self, routed: RoutedRequest, context: CallContext, log: RequestLog, span: Span
-    ) -> AsyncIterator[router_pb2.GenerateResponse]:
-        """Stream the decode on the planned worker (``routed.slot``'s); on a failure continue
-        on another one, moving the slot along, from the prompt and the tokens sent so far (the
-        next decode worker computes the prompt: the prefill worker's lease is released). A
-        stream that ends without its final message counts as a failure. With no worker to go
-        on to, it waits for one (``_await_decode_worker``). Each call is a span ``decode_call``
-        under the request's ``span``; a failover is its event."""
-        assert routed.plan is not None
-        plan, slot, stream, request = routed.plan, routed.slot, routed.stream, routed.decode_request
-        tried: set[str] = set()
-        prompt_blocks = len(plan.prefill.block_hashes)
-        for _ in range(self.config.max_decode_retries + 1):
-            worker = slot.worker
-            if worker is None or tried or not worker.routable:
-                candidate = self.planner.decode_chooser.choose(
-                    prompt_blocks, plan.prefill.matched, exclude=tried
-                )
-                if candidate is None:
-                    candidate = await self._await_decode_worker(
-                        routed.req_id, prompt_blocks, plan.prefill.matched, tried, context
-                    )
-                worker = candidate.worker
-                slot.move_to(worker)
-            tried.add(worker.address)
-            log.decode_workers.append(worker.address)
-            call_span = self._call_span(span, "decode_call", worker)
-            call = worker.stub.Decode(
-                request, timeout=self._call_timeout_s(context), metadata=call_metadata(call_span)
-            )
-            worker.open_call(call)
-            error = ""
-            try:
-                async for response in call:
-                    if response.finished and not request.HasField("kv_ref"):
-                        stream.num_cached_tokens = response.num_cached_tokens
-                    message = stream.push(
-                        response.token_ids,
-                        response.logprobs,
-                        finish_reason=response.finish_reason if response.finished else "",
-                        stop_reason=response.stop_reason,
-                    )
-                    if message.token_ids or message.text or stream.finished:
-                        yield message
-                    if stream.finished:
-                        return
-                # A stream that ends without its final message is cut short like any failure.
-                error = _ENDED_UNFINISHED
-            except grpc.aio.AioRpcError as exc:
-                await self._worker_failed(worker, exc, context, routed.failures)
-                error = exc.code().name
-            except asyncio.CancelledError:
-                if not worker.fenced(call):
-                    raise
-                error = "fenced"
-            finally:
-                worker.close_call(call)
-                # A no-op when the call completed; otherwise the worker aborts the request.
-                call.cancel()
-                end_call_span(call_span, error)
-            if plan.place is PrefillPlace.COLOCATED:  # it may come back with an empty cache
-                await self.planner.prefill_chooser.forget(worker)
-            metrics.DECODE_FAILOVERS.inc()
-            span.add_event(
-                "decode_failover",
-                {
-                    "splitserve.worker": worker.address,
-                    "splitserve.tokens_sent": len(stream.output_token_ids),
-                    "error": error,
-                },
-            )
-            logger.warning(
-                "req_id=%s decode on %s failed after %d tokens (%s); moving on",
-                routed.req_id,
-                worker.address,
-                len(stream.output_token_ids),
-                error,
-            )
-            # Continue from what the client already has, prefilling it locally.
-            del request.output_token_ids[:]
-            request.output_token_ids.extend(stream.output_token_ids)
-            routed.recompute_prompt()
-        await abort(context, grpc.StatusCode.UNAVAILABLE, "no healthy decode worker")
-
-    async def _await_decode_worker(
-        self,
-        req_id: str,
-        prompt_blocks: int,
-        matched: dict[str, int],
-        tried: set[str],
-        context: CallContext,
-    ) -> DecodeCandidate:
-        """A decode worker not in ``tried`` for a request that has none (none routable when it
-        arrived, or its worker failed and no other is routable), waited for up to
-        ``--decode-failover-wait-s`` (at most until the client's deadline). Aborts the call
-        (UNAVAILABLE) if none came."""
-        remaining_s = context.time_remaining()
-        wait_s = self.config.decode_failover_wait_s
-        if remaining_s is not None:
-            wait_s = min(wait_s, remaining_s)
-        logger.info(
-            "req_id=%s no%s decode worker is routable; waiting up to %.1f s for one",
-            req_id,
-            " other" if tried else "",
-            wait_s,
-        )
-        candidate = await self.planner.decode_chooser.wait_for(
-            prompt_blocks, matched, tried, wait_s, self.config.health_check_interval_s
-        )
-        if candidate is None:
-            await abort(context, grpc.StatusCode.UNAVAILABLE, "no healthy decode worker")
-        return candidate
-
-    def _call_span(self, parent: Span, name: str, worker: WorkerHandle) -> Span:
-        """The CLIENT span of one worker call; its context goes out as the call's metadata."""
-        return self.tracing.start_child(
-            parent, name, kind=SpanKind.CLIENT, attributes={"splitserve.worker": worker.address}
-        )
-
-    def _call_timeout_s(self, context: CallContext) -> float:
-        """A worker call's deadline: the client's, capped by ``--worker-call-timeout-s``."""
-        remaining_s = context.time_remaining()
-        cap_s = self.config.worker_call_timeout_s
-        return cap_s if remaining_s is None else min(remaining_s, cap_s)
-
-    @staticmethod
-    async def _worker_failed(
-        worker: WorkerHandle,
-        exc: grpc.aio.AioRpcError,
-        context: CallContext,
-        failures: FailurePolicy,
-    ) -> None:
-        """Fail the call if retrying cannot help (see ``FailurePolicy``); else mark the worker
-        unhealthy (until a poll succeeds) so that the caller moves on to another path."""
-        remaining_s = context.time_remaining()
-        deadline_was_ours = remaining_s is None or remaining_s > 0
-        failure = failures.judge(exc, worker.role, deadline_was_ours)
-        if failure is not None:
-            await abort(context, failure.code, failure.details)
-        worker.mark_failed(f"{exc.code().name}: {exc.details()}")
 
     # ----------------------------------------------------------------------------- Explain
     async def Explain(

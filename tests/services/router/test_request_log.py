@@ -5,19 +5,19 @@ from __future__ import annotations
 import grpc
 import pytest
 
-from services.router.request_log import call_status
+from services.router.request_log import Outcome, call_status
 
 
 @pytest.mark.parametrize(
     ("outcome", "aborted_with", "status"),
     [
-        ("stop", None, "OK"),
-        ("length", None, "OK"),
-        ("abort", None, "OK"),
-        ("cancelled", None, "CANCELLED"),
-        ("error", grpc.StatusCode.UNAVAILABLE, "UNAVAILABLE"),
-        ("invalid", grpc.StatusCode.INVALID_ARGUMENT, "INVALID_ARGUMENT"),
-        ("error", None, "UNKNOWN"),
+        (Outcome.STOP, None, "OK"),
+        (Outcome.LENGTH, None, "OK"),
+        (Outcome.ABORT, None, "OK"),
+        (Outcome.CANCELLED, None, "CANCELLED"),
+        (Outcome.ERROR, grpc.StatusCode.UNAVAILABLE, "UNAVAILABLE"),
+        (Outcome.INVALID, grpc.StatusCode.INVALID_ARGUMENT, "INVALID_ARGUMENT"),
+        (Outcome.ERROR, None, "UNKNOWN"),
     ],
 )
 def test_call_status(outcome, aborted_with, status):
