@@ -31,7 +31,8 @@ import grpc
 
 from engine.config import EngineConfig
 from engine.flags import add_flags, from_args, parse_flags
-from services.launcher import LocalCluster, PortReservation, ServiceProcess, wait_healthy
+from services.launcher import LocalCluster
+from services.service_process import PortReservation, ServiceProcess, wait_healthy
 from splitserve.v1 import router_pb2, router_pb2_grpc
 
 PATHS = ("remote", "local")

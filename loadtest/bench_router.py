@@ -48,7 +48,8 @@ from loadtest.tiny_model import make_tiny_llama
 from services.common.redis_config import RedisConfig
 from services.launcher import LocalCluster
 from services.router.prefill_cost import CandidateLoad, PrefillWeights
-from services.router.prefill_ledger import RedisPrefillLedger, Selection
+from services.router.prefill_ledger import Selection
+from services.router.redis_prefill_ledger import RedisPrefillLedger
 from splitserve.v1 import router_pb2, router_pb2_grpc, worker_pb2
 
 BLOCK_SIZE = 16

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import grpc
 
-from services.launcher import PortReservation
+from services.service_process import PortReservation
 from splitserve.v1 import router_pb2, router_pb2_grpc, worker_pb2
 
 

@@ -47,7 +47,8 @@ from loadtest.peak_rss import PeakRss, cluster_pids
 from loadtest.redis_server import RedisServer
 from services.common.grpc_server import CHANNEL_OPTIONS
 from services.common.roles import Role
-from services.launcher import LocalCluster, Placement, ProcessState, ServiceProcess, wait_healthy
+from services.launcher import LocalCluster, Placement
+from services.service_process import ProcessState, ServiceProcess, wait_healthy
 from splitserve.v1 import router_pb2, router_pb2_grpc
 
 logger = logging.getLogger(__name__)

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import redis
 
-from services.launcher import PortReservation
+from services.service_process import PortReservation
 
 
 class RedisServer:

@@ -51,7 +51,8 @@ from loadtest.experiments import load_runs, warm_up
 from loadtest.openai_http import OpenAIClient
 from loadtest.report import RunResult, write_reports
 from loadtest.sweep import LoadSpec, ServedModel, load_served_model, run_sweep
-from services.launcher import LocalCluster, PortReservation
+from services.launcher import LocalCluster
+from services.service_process import PortReservation
 
 logger = logging.getLogger(__name__)
 

@@ -22,25 +22,17 @@ them ``Router.Status`` and every client, say why it does not serve.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import enum
 import logging
 import os
 import signal
-import socket
 import subprocess
 import sys
-import threading
 import time
-from collections import deque
 from collections.abc import Callable, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import IO
 
 import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from engine.config import EngineConfig
 from engine.flags import env_name, to_argv
@@ -53,174 +45,21 @@ from services.common.tls import (
     member_channel_blocking,
     read_tls_dir,
 )
-from services.startup import WorkerFailure, last_line
+from services.service_process import (
+    PortReservation,
+    ProcessState,
+    ServiceProcess,
+    serves,
+    wait_healthy,
+    wait_while_alive,
+)
+from services.startup import WorkerFailure
 from splitserve.v1 import router_pb2, router_pb2_grpc
 
 logger = logging.getLogger(__name__)
 
-_HEALTH_POLL_S = 0.2
-_HEALTH_CHECK_TIMEOUT_S = 1.0
-_STDERR_TAIL_LINES = 20
-# How long the last lines of an exited process may take to come through its pipe.
-_STDERR_DRAIN_S = 1.0
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A port free on ``host`` now, and free for anyone to take: for an address nothing should
-    answer on. A port that a child process is to bind is a ``PortReservation``'s."""
-    with socket.socket() as sock:
-        sock.bind((host, 0))
-        port: int = sock.getsockname()[1]
-    return port
-
-
-class PortReservation:
-    """A free port on ``host``, held until ``close`` for a child process to bind.
-
-    The port is bound (``SO_REUSEADDR``, never listening): Linux lets another socket with
-    ``SO_REUSEADDR`` bind and listen on it meanwhile (every server we start sets it: gRPC, the
-    HTTP servers, Prometheus', redis-server), but hands it to no one else (neither ``bind`` to
-    port 0 nor a connection's ephemeral port), so there is no window between picking the port
-    and the child's bind in which another process takes it. Hold it for as long as the child
-    may bind the port again (a restart). Not inherited by children; a context manager.
-    """
-
-    def __init__(self, host: str = "127.0.0.1") -> None:
-        self._socket = socket.socket()
-        self._socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self._socket.bind((host, 0))
-        self.port: int = self._socket.getsockname()[1]
-
-    def close(self) -> None:
-        """Stop holding the port (idempotent)."""
-        self._socket.close()
-
-    def __enter__(self) -> PortReservation:
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        self.close()
-
-
-class ProcessState(enum.Enum):
-    STARTING = "starting"  # spawned, not answering SERVING on gRPC health yet
-    SERVING = "serving"
-    EXITED = "exited"  # seen gone by LocalCluster.supervise (reported once)
-
-
-@dataclass(slots=True)
-class ServiceProcess:
-    """One child process and the gRPC address it serves. Its stderr passes through to ours
-    (file descriptor 2); the last lines are kept to tell why it exited (``exit_reason``).
-    ``reservations`` hold the ports it binds until ``release_ports``."""
-
-    role: Role
-    address: str
-    metrics_port: int
-    argv: list[str]
-    http_port: int | None = None  # a router's HTTP API (None: none)
-    reservations: list[PortReservation] = field(default_factory=list, repr=False)
-    popen: subprocess.Popen[bytes] | None = None
-    state: ProcessState = ProcessState.STARTING
-    num_restarts: int = 0
-    stderr_tail: deque[str] = field(default_factory=lambda: deque(maxlen=_STDERR_TAIL_LINES))
-    _stderr_pump: threading.Thread | None = field(default=None, init=False, repr=False)
-    _stand_in: grpc.Server | None = field(default=None, init=False, repr=False)
-
-    def start(self, env: dict[str, str]) -> None:
-        self.stderr_tail.clear()
-        self.popen = subprocess.Popen(
-            self.argv, env=env, start_new_session=True, stderr=subprocess.PIPE
-        )
-        self.state = ProcessState.STARTING
-        assert self.popen.stderr is not None
-        self._stderr_pump = threading.Thread(
-            target=_pass_through,
-            args=(self.popen.stderr, self.stderr_tail),
-            name=f"{self.role}-{self.address}-stderr",
-            daemon=True,
-        )
-        self._stderr_pump.start()
-
-    @property
-    def alive(self) -> bool:
-        return self.popen is not None and self.popen.poll() is None
-
-    def signal(self, sig: int) -> None:
-        if self.alive:
-            assert self.popen is not None
-            os.killpg(self.popen.pid, sig)
-
-    def exit_reason(self) -> str:
-        """How the (exited) process ended: its exit status and the last line it wrote."""
-        assert self.popen is not None and self.popen.returncode is not None
-        if self._stderr_pump is not None:
-            self._stderr_pump.join(_STDERR_DRAIN_S)
-        code = self.popen.returncode
-        status = f"killed by {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
-        line = last_line("".join(self.stderr_tail))
-        return f"{status}: {line}" if line else status
-
-    def answer_in_place(self, details: str, tls: TlsMaterial | None = None) -> None:
-        """Serve on the (exited) process's address (TLS with its own ``tls``): every call gets
-        UNAVAILABLE with ``details``. Logs and does nothing if the address cannot be bound."""
-        server = grpc.server(
-            ThreadPoolExecutor(max_workers=1),
-            handlers=(_Unavailable(details),),
-            # Never share the port with a process that would take it back.
-            options=(("grpc.so_reuseport", 0),),
-        )
-        try:
-            if tls is None:
-                bound = server.add_insecure_port(self.address)
-            else:
-                credentials = tls.server_credentials(require_client_auth=False)
-                bound = server.add_secure_port(self.address, credentials)
-        except RuntimeError:
-            bound = 0
-        if not bound:
-            logger.warning("cannot answer in place of %s at %s", self.role, self.address)
-            return
-        server.start()
-        self._stand_in = server
-
-    def close_stand_in(self) -> None:
-        if self._stand_in is not None:
-            self._stand_in.stop(None)
-            self._stand_in = None
-
-    def release_ports(self) -> None:
-        """Stop holding the process's ports (it will not bind them again)."""
-        for reservation in self.reservations:
-            reservation.close()
-
-
-class _Unavailable(grpc.GenericRpcHandler):
-    """Answers every method with UNAVAILABLE and fixed details."""
-
-    def __init__(self, details: str) -> None:
-        self._handler = grpc.unary_unary_rpc_method_handler(self._abort)
-        self._details = details
-
-    def service(
-        self, handler_call_details: grpc.HandlerCallDetails
-    ) -> grpc.RpcMethodHandler | None:
-        return self._handler
-
-    def _abort(self, request: bytes, context: grpc.ServicerContext) -> None:
-        context.abort(grpc.StatusCode.UNAVAILABLE, self._details)
-
-
-def _pass_through(pipe: IO[bytes], tail: deque[str]) -> None:
-    """Copy a child's stderr to ours line by line until it closes, keeping the last lines."""
-    with pipe:
-        for line in pipe:
-            tail.append(line.decode(errors="replace"))
-            # Our stderr gone (a closed pipe): keep draining, or the child would block on it.
-            with contextlib.suppress(OSError):
-                view = memoryview(line)
-                while view:
-                    view = view[os.write(2, view) :]
+# A router's Status call, which polls every worker, may take a few health checks' time.
+_STATUS_TIMEOUT_S = 5.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -373,7 +212,7 @@ class LocalCluster:
                         read_tls_dir(identity_tls_dir(self.tls_dir, process.role)),
                     )
                 failures.append(WorkerFailure(process.role, process.address, reason, 1, None))
-            elif process.state is ProcessState.STARTING and _serves(process, self._tls):
+            elif process.state is ProcessState.STARTING and serves(process, self._tls):
                 process.state = ProcessState.SERVING
         return failures
 
@@ -480,25 +319,11 @@ def split_threads(engine: EngineConfig, num_engines: int) -> EngineConfig:
     return dataclasses.replace(engine, num_threads=threads)
 
 
-def wait_healthy(
-    process: ServiceProcess, deadline_s: float, tls: TlsMaterial | None = None
-) -> None:
-    """Block until ``process`` answers SERVING on gRPC health (calling with ``tls``, if it
-    serves TLS); raise if it dies or times out."""
-    _wait(
-        lambda: _serves(process, tls),
-        deadline_s,
-        lambda: f"{process.role} at {process.address} is not healthy in time",
-        process,
-    )
-    process.state = ProcessState.SERVING
-
-
 def _wait_routed(
     router: ServiceProcess, deadline_s: float, api_key: str, tls: TlsMaterial | None
 ) -> None:
     """Block until ``router`` reports every worker it was given as healthy."""
-    _wait(
+    wait_while_alive(
         lambda: _routes(router, api_key, tls),
         deadline_s,
         lambda: f"router at {router.address} sees no healthy workers",
@@ -513,39 +338,9 @@ def _routes(router: ServiceProcess, api_key: str, tls: TlsMaterial | None) -> bo
         try:
             status = router_pb2_grpc.RouterStub(channel).Status(
                 router_pb2.StatusRequest(),
-                timeout=_HEALTH_CHECK_TIMEOUT_S * 5,
+                timeout=_STATUS_TIMEOUT_S,
                 metadata=api_key_metadata(api_key),
             )
         except grpc.RpcError:
             return False
     return all(w.healthy for w in status.workers)
-
-
-def _wait(
-    done: Callable[[], bool],
-    deadline_s: float,
-    timeout_message: Callable[[], str],
-    process: ServiceProcess,
-) -> None:
-    while not done():
-        if not process.alive:
-            raise RuntimeError(
-                f"{process.role} at {process.address} exited ({process.exit_reason()}): "
-                f"{' '.join(process.argv)}"
-            )
-        if time.monotonic() > deadline_s:
-            raise TimeoutError(timeout_message())
-        time.sleep(_HEALTH_POLL_S)
-
-
-def _serves(process: ServiceProcess, tls: TlsMaterial | None) -> bool:
-    """One gRPC health check: does ``process`` answer SERVING?"""
-    identity = Identity(process.role)
-    with member_channel_blocking(process.address, identity, tls) as channel:
-        try:
-            reply = health_pb2_grpc.HealthStub(channel).Check(
-                health_pb2.HealthCheckRequest(), timeout=_HEALTH_CHECK_TIMEOUT_S
-            )
-        except grpc.RpcError:
-            return False
-    return reply.status == health_pb2.HealthCheckResponse.SERVING

@@ -12,6 +12,7 @@ line on stderr that changes only when the reason does (``WaitMessages``).
 from __future__ import annotations
 
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TextIO
@@ -41,6 +42,25 @@ class WorkerFailure:
     retry_in_s: float | None  # when the next start is tried; None: never (no orchestrator)
     # It had served and then exited (its engine died, it was killed): it is being restarted.
     restarting: bool = False
+
+
+class FailureLog:
+    """The last ``keep`` failures and how many there were in all, so that a reader that polls
+    with the count it has seen (``since``) gets each failure once."""
+
+    def __init__(self, keep: int) -> None:
+        self._failures: deque[WorkerFailure] = deque(maxlen=keep)
+        self._num_failures = 0
+
+    def add(self, failure: WorkerFailure) -> None:
+        self._failures.append(failure)
+        self._num_failures += 1
+
+    def since(self, after: int) -> tuple[int, list[WorkerFailure]]:
+        """How many failures there were in all, and those after the first ``after`` (at most
+        the last ``keep``), oldest first."""
+        missed = min(self._num_failures - after, len(self._failures))
+        return self._num_failures, list(self._failures)[len(self._failures) - missed :]
 
 
 class ClusterNotReady(Exception):

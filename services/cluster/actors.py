@@ -20,11 +20,11 @@ import ray
 from services.common.grpc_server import freeze_startup_heap
 from services.common.logs import configure_logging
 from services.common.roles import Role
-from services.launcher import PortReservation
 from services.router.app import RunningRouter, start_router
 from services.router.config import RouterConfig
 from services.router.latency import LatencySamples
 from services.router.scaler import PoolSize
+from services.service_process import PortReservation
 from services.worker.config import WorkerConfig
 from services.worker.runtime import RunningWorker
 

@@ -20,21 +20,25 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import itertools
 import logging
 import secrets
-import traceback
-from collections import deque
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import ray
 
-from services.cluster.actors import ACTOR_CLASSES, Endpoint
+from services.cluster.actor_ops import (
+    ActorFactory,
+    alive,
+    error_line,
+    push_pools_to,
+    stop,
+)
+from services.cluster.actors import Endpoint
+from services.cluster.autoscaler import Autoscaler
 from services.cluster.config import ClusterConfig
-from services.cluster.members import Member, MemberState, Pool, pick_victims
-from services.cluster.planner import PlannerConfig, PoolPlanner, PoolSignals
+from services.cluster.members import Member, MemberState, MemberView, Pool, pick_victims
+from services.cluster.planner import PlannerConfig
 from services.cluster.probes import ClusterProbes
 from services.common.background import BackgroundTasks
 from services.common.logs import configure_logging
@@ -42,7 +46,7 @@ from services.common.roles import POOL_ROLES, ClusterMode, Role
 from services.common.tls import read_tls_dir
 from services.router.config import RouterConfig
 from services.router.scaler import PoolSize
-from services.startup import WorkerFailure, last_line
+from services.startup import FailureLog, WorkerFailure
 from services.worker.config import WorkerConfig
 
 if TYPE_CHECKING:
@@ -50,35 +54,12 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-# Ray's resource of the head node: routers and the controller live there (the chart's Service
-# targets the head pod).
-HEAD_RESOURCE = "node:__internal_head__"
-_PING_TIMEOUT_S = 10.0
-# Pings in a row an actor may miss before it counts as hung and is replaced (a worker whose
-# engine thread holds the GIL for a long step may miss one).
-_MAX_MISSED_PINGS = 3
-_CALL_TIMEOUT_S = 5.0
 _DRAIN_POLL_S = 0.25
 # A drained worker must look idle this many polls in a row (a routing decision made just
 # before the pool change may still be on its way to it).
 _DRAIN_QUIET_POLLS = 2
-_STOP_GRACE_S = 5.0
-_MAX_START_BACKOFF_S = 30.0
 # Failed starts kept for ``start_failures`` (the driver fetches them every second).
 _FAILURES_KEPT = 100
-
-
-@dataclass(frozen=True, slots=True)
-class MemberView:
-    """One actor as ``members`` reports it."""
-
-    name: str
-    role: Role
-    state: MemberState
-    address: str
-    metrics_port: int
-    pid: int
-    hostname: str
 
 
 class ClusterController:
@@ -99,9 +80,6 @@ class ClusterController:
         configure_logging(log_level)
         self._cluster = cluster
         self._planner = planner or PlannerConfig()
-        self._pool_planners = {
-            role: PoolPlanner(role, self._planner) for role in self._planned_roles()
-        }
         self._groups: KubeRayGroups | None = None
         if cluster.kuberay_cluster:
             from services.cluster.kuberay import KubeRayGroups
@@ -118,13 +96,10 @@ class ClusterController:
             Role.PREFILL: Pool(Role.PREFILL, num_prefill),
             Role.DECODE: Pool(Role.DECODE, cluster.num_decode_workers),
         }
-        self._failures: deque[WorkerFailure] = deque(maxlen=_FAILURES_KEPT)
-        self._num_failures = 0
-        self._actor_classes: dict[Role, Any] = {
-            role: ray.remote(cls) for role, cls in ACTOR_CLASSES.items()
-        }
+        self._failures = FailureLog(_FAILURES_KEPT)
         self._names = itertools.count()
         self._token = secrets.token_hex(2)
+        self._actors = ActorFactory(cluster, worker, router, log_level, self._token)
         self._probes = ClusterProbes(read_tls_dir(cluster.identity_tls_dir("controller")))
         self._wakeup = asyncio.Event()
         self._push_lock = asyncio.Lock()
@@ -140,7 +115,13 @@ class ClusterController:
             loop = asyncio.get_running_loop()
             self._loop_task = loop.create_task(self._run())
             if self._planner.autoscale:
-                self._planner_task = loop.create_task(self._plan_forever())
+                roles = (
+                    POOL_ROLES
+                    if self._cluster.mode is ClusterMode.DISAGGREGATED
+                    else (Role.DECODE,)
+                )
+                autoscaler = Autoscaler(self._planner, roles, self._pools, self._probes, self.scale)
+                self._planner_task = loop.create_task(autoscaler.run_forever())
 
     async def wait_ready(self, timeout_s: float) -> list[str]:
         """Wait until every pool and router is at its size with nothing starting or draining,
@@ -187,15 +168,10 @@ class ClusterController:
     async def start_failures(self, after: int) -> tuple[int, list[WorkerFailure]]:
         """How many starts have failed in all, and those after the first ``after`` (at most the
         last ``_FAILURES_KEPT``), oldest first."""
-        missed = min(self._num_failures - after, len(self._failures))
-        return self._num_failures, list(self._failures)[len(self._failures) - missed :]
+        return self._failures.since(after)
 
     async def members(self) -> list[MemberView]:
-        return [
-            MemberView(m.name, m.role, m.state, m.address, m.metrics_port, m.pid, m.hostname)
-            for pool in self._pools.values()
-            for m in pool.members
-        ]
+        return [m.view() for pool in self._pools.values() for m in pool.members]
 
     async def shutdown(self) -> None:
         """Stop the routers, then every worker (gracefully), and kill their actors."""
@@ -208,11 +184,11 @@ class ClusterController:
                 if member.task is not None:
                     member.task.cancel()
         routers, self._pools[Role.ROUTER].members = self._pools[Role.ROUTER].members, []
-        await asyncio.gather(*(self._stop(m) for m in routers))
+        await asyncio.gather(*(stop(m) for m in routers))
         workers = [m for role in POOL_ROLES for m in self._pools[role].members]
         for role in POOL_ROLES:
             self._pools[role].members = []
-        await asyncio.gather(*(self._stop(m) for m in workers))
+        await asyncio.gather(*(stop(m) for m in workers))
 
     # ----------------------------------------------------------------------------- loop
     def _sizes(self) -> list[PoolSize]:
@@ -227,20 +203,8 @@ class ClusterController:
         )
 
     async def _routers_route_all(self) -> bool:
-        """Whether every ready router would choose among all ready workers (a router's first
-        health poll can miss a worker that answers slowly; its next one catches up)."""
         workers = {m.address for role in POOL_ROLES for m in self._ready(role)}
-        try:
-            views = await asyncio.gather(
-                *(
-                    asyncio.wait_for(r.actor.routable_addresses.remote(), _CALL_TIMEOUT_S)
-                    for r in self._ready(Role.ROUTER)
-                )
-            )
-        except Exception as exc:  # a router that does not answer is not routing yet
-            logger.debug("router view unavailable (%r)", exc)
-            return False
-        return all(workers <= view for view in views)
+        return await self._probes.route_all(self._ready(Role.ROUTER), workers)
 
     async def _run(self) -> None:
         while not self._closed:
@@ -270,7 +234,7 @@ class ClusterController:
                 for victim in pick_victims(live, busy, -missing):
                     if victim.state is MemberState.STARTING:
                         self._forget(victim)
-                        self._background.spawn(self._stop(victim))
+                        self._background.spawn(stop(victim))
                     else:
                         victim.state = MemberState.DRAINING
                         draining.append(victim)
@@ -294,15 +258,8 @@ class ClusterController:
         starting = any(m.state is MemberState.STARTING for pool in pools for m in pool.members)
         slots = ray.cluster_resources() if starting else {}
         for pool in pools:
-            resource = pool.role.value
-            num_slots = int(slots.get(resource, 0.0))
-            num_live = len(pool.live())
-            pool.shortage = (
-                f"{num_live - num_slots} of {num_live} workers wait for a node: the Ray "
-                f"cluster's live nodes offer {num_slots} '{resource}' slots (a node started "
-                f"with --resources='{{\"{resource}\": 1}}' adds one)"
-                if starting and num_live > num_slots
-                else ""
+            pool.note_shortage(
+                int(slots.get(pool.role.value, 0.0)) if starting else len(pool.live())
             )
 
     # ----------------------------------------------------------------------------- start
@@ -312,40 +269,10 @@ class ClusterController:
         if loop.time() < pool.retry_at_s:
             return
         name = f"{role}-{next(self._names)}-{self._token}"
-        member = Member(name, role, self._create_actor(role, name, slot), slot)
+        pools = {r: self._addresses(r) for r in POOL_ROLES}
+        member = Member(name, role, self._actors.create(role, name, slot, pools), slot)
         pool.members.append(member)
         member.task = loop.create_task(self._start(member))
-
-    def _create_actor(self, role: Role, name: str, slot: int) -> Any:
-        actor_class = self._actor_classes[role]
-        if role is Role.ROUTER:
-            pools = {r: self._addresses(r) for r in POOL_ROLES}
-            port = self._cluster.port + slot if self._cluster.port else 0
-            metrics_port = self._cluster.router_metrics_port
-            router_config = dataclasses.replace(
-                self._router_config,
-                port=port,
-                metrics_port=metrics_port + slot if metrics_port else 0,
-                http_port=self._router_config.http_port + slot
-                if self._router_config.http_port
-                else 0,
-                router_id=f"{self._router_config.router_id or 'router'}-{slot}-{self._token}",
-                prefill_workers=",".join(pools[Role.PREFILL]),
-                decode_workers=",".join(pools[Role.DECODE]),
-            )
-            handle = ray.get_runtime_context().current_actor
-            return actor_class.options(num_cpus=0, resources={HEAD_RESOURCE: 0.001}).remote(
-                router_config, handle, self._log_level
-            )
-        config = dataclasses.replace(
-            self._worker_config,
-            worker_id=name,
-            metrics_port=self._cluster.worker_metrics_port,
-            tls_dir=self._cluster.identity_tls_dir(role.value),
-        )
-        return actor_class.options(
-            num_cpus=0, num_gpus=self._cluster.num_gpus(role), resources={role.value: 1}
-        ).remote(config, self._log_level)
 
     async def _start(self, member: Member) -> None:
         role = member.role
@@ -355,14 +282,10 @@ class ClusterController:
                 member.actor.start.remote(), self._cluster.worker_start_timeout_s
             )
         except Exception as exc:
-            pool.num_failed_starts += 1
+            error = error_line(exc, self._cluster.worker_start_timeout_s)
+            backoff_s = pool.start_failed(error, asyncio.get_running_loop().time())
             failures = pool.num_failed_starts
-            backoff_s = min(2.0 ** (failures - 1), _MAX_START_BACKOFF_S)
-            pool.retry_at_s = asyncio.get_running_loop().time() + backoff_s
-            error = _error_line(exc, self._cluster.worker_start_timeout_s)
-            pool.last_error = error
-            self._failures.append(WorkerFailure(role, member.name, error, failures, backoff_s))
-            self._num_failures += 1
+            self._failures.add(WorkerFailure(role, member.name, error, failures, backoff_s))
             # `splitserve up` prints each failure on its console (without repeating an error):
             # one line here, the whole traceback only at DEBUG.
             logger.info(
@@ -375,7 +298,7 @@ class ClusterController:
             )
             logger.debug("%s %s: failed start", role, member.name, exc_info=exc)
             self._forget(member)
-            self._background.spawn(self._stop(member))
+            self._background.spawn(stop(member))
             return
         member.address = endpoint.address
         member.metrics_port = endpoint.metrics_port
@@ -396,7 +319,7 @@ class ClusterController:
             for m in pool.members
             if m.state is not MemberState.STARTING
         ]
-        alive = await asyncio.gather(*(self._alive(m) for m in watched))
+        alive = await asyncio.gather(*(alive(m) for m in watched))
         for member, ok in zip(watched, alive, strict=True):
             if ok or member not in self._pools[member.role].members:
                 continue
@@ -412,27 +335,7 @@ class ClusterController:
             if member.task is not None:
                 member.task.cancel()
             self._forget(member)
-            self._background.spawn(self._stop(member))
-
-    @staticmethod
-    async def _alive(member: Member) -> bool:
-        """False for a dead actor, and for a hung one (``_MAX_MISSED_PINGS`` in a row)."""
-        try:
-            await asyncio.wait_for(member.actor.ping.remote(), _PING_TIMEOUT_S)
-        except ray.exceptions.RayActorError:
-            return False
-        except TimeoutError:
-            member.num_missed_pings += 1
-            logger.warning(
-                "%s %s did not answer a ping in %.0f s (%d in a row)",
-                member.role,
-                member.name,
-                _PING_TIMEOUT_S,
-                member.num_missed_pings,
-            )
-            return member.num_missed_pings < _MAX_MISSED_PINGS
-        member.num_missed_pings = 0
-        return True
+            self._background.spawn(stop(member))
 
     # ----------------------------------------------------------------------------- drain
     async def _drain(self, member: Member) -> None:
@@ -453,7 +356,7 @@ class ClusterController:
             quiet_polls = quiet_polls + 1 if busy[member.name] == 0 else 0
         self._forget(member)
         await self._push_pools()
-        await self._stop(member)
+        await stop(member)
         logger.info("%s %s drained and removed", member.role, member.name)
         if self._groups is not None:
             try:
@@ -468,30 +371,6 @@ class ClusterController:
 
     async def _busy(self, members: list[Member]) -> dict[str, int]:
         return await self._probes.busy(members, self._ready(Role.ROUTER))
-
-    # ----------------------------------------------------------------------------- planner
-    def _planned_roles(self) -> tuple[Role, ...]:
-        return POOL_ROLES if self._cluster.mode is ClusterMode.DISAGGREGATED else (Role.DECODE,)
-
-    async def _plan_forever(self) -> None:
-        loop = asyncio.get_running_loop()
-        while not self._closed:
-            await asyncio.sleep(self._planner.planner_interval_s)
-            try:
-                signals = await self._signals()
-                for role, planner in self._pool_planners.items():
-                    size = planner.decide(signals[role], loop.time())
-                    if size != self._pools[role].desired:
-                        logger.info("planner: %s pool %s", role, signals[role])
-                        await self.scale(role, size)
-            except Exception:
-                logger.exception("planner evaluation failed; retrying")
-
-    async def _signals(self) -> dict[Role, PoolSignals]:
-        pools = {
-            role: (self._pools[role].desired, self._ready(role)) for role in self._planned_roles()
-        }
-        return await self._probes.signals(self._ready(Role.ROUTER), pools)
 
     # ----------------------------------------------------------------------------- membership
     def _ready(self, role: Role) -> list[Member]:
@@ -517,40 +396,4 @@ class ClusterController:
                 for role in POOL_ROLES
             }
             routers = self._ready(Role.ROUTER)
-            await asyncio.gather(*(self._push_to(r, pools) for r in routers))
-
-    @staticmethod
-    async def _push_to(router: Member, pools: dict[Role, dict[str, bool]]) -> None:
-        try:
-            for role, members in pools.items():
-                await asyncio.wait_for(router.actor.set_pool.remote(role, members), _CALL_TIMEOUT_S)
-        except Exception as exc:  # the reaper replaces a dead router, which starts up to date
-            logger.warning("router %s: pool update failed (%r)", router.name, exc)
-
-    @staticmethod
-    async def _stop(member: Member) -> None:
-        """Stop the service gracefully if it still answers, then end the actor. A starting one
-        has nothing to finish: it is ended at once (its model load may hold its loop)."""
-        if member.state is MemberState.STARTING:
-            ray.kill(member.actor)
-            return
-        try:
-            await asyncio.wait_for(
-                member.actor.stop.remote(_STOP_GRACE_S), _STOP_GRACE_S + _CALL_TIMEOUT_S
-            )
-        except Exception as exc:
-            logger.debug("%s %s: no graceful stop (%r)", member.role, member.name, exc)
-        ray.kill(member.actor)
-
-
-def _error_line(exc: BaseException, timeout_s: float) -> str:
-    """What a failed start raised, in one line: the last line of the worker's own exception
-    (not Ray's wrapping with the remote traceback)."""
-    if isinstance(exc, ray.exceptions.RayTaskError) and exc.cause is not None:
-        exc = exc.cause
-    elif isinstance(exc, TimeoutError):
-        return f"not serving after {timeout_s:g} s (--worker-start-timeout-s)"
-    elif isinstance(exc, ray.exceptions.RayError):
-        # e.g. ActorDiedError: the first line says what happened, the rest are ids.
-        return f"{type(exc).__name__}: {(str(exc).strip().splitlines() or [''])[0]}"
-    return last_line("".join(traceback.format_exception_only(exc)))
+            await asyncio.gather(*(push_pools_to(r, pools) for r in routers))

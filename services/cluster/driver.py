@@ -4,7 +4,7 @@ SIGINT and SIGTERM stop it at any point: while Ray starts (once ``ray.init`` ret
 it half way would orphan the processes it started; but ``ray.init`` installs a SIGTERM handler
 of its own, which exits at once), while the workers load or fail to start, and while it serves
 (every wait polls at most ``_WAIT_POLL_S`` apart). Stopping takes the controller's graceful
-shutdown (routers, then ready workers, each given ``controller._STOP_GRACE_S``; starting ones
+shutdown (routers, then ready workers, each given ``actor_ops.STOP_GRACE_S``; starting ones
 are killed at once), then ``ray.shutdown``.
 """
 
@@ -21,8 +21,10 @@ from typing import Any
 
 import ray
 
+from services.cluster.actor_ops import HEAD_RESOURCE
 from services.cluster.config import ClusterConfig
-from services.cluster.controller import HEAD_RESOURCE, ClusterController, MemberView
+from services.cluster.controller import ClusterController
+from services.cluster.members import MemberView
 from services.cluster.planner import PlannerConfig
 from services.common.roles import POOL_ROLES
 from services.router.config import RouterConfig

@@ -17,6 +17,8 @@ from services.common.roles import Role
 from services.router.scaler import PoolSize
 from splitserve.v1 import worker_pb2
 
+_MAX_START_BACKOFF_S = 30.0
+
 
 class MemberState(enum.StrEnum):
     """Where a member is in its life; a ``str`` (its value), as ``Role`` is, so that
@@ -47,6 +49,30 @@ class Member:
     def live(self) -> bool:
         """Counts toward the pool's size (a draining member is on its way out)."""
         return self.state is not MemberState.DRAINING
+
+    def view(self) -> MemberView:
+        return MemberView(
+            self.name,
+            self.role,
+            self.state,
+            self.address,
+            self.metrics_port,
+            self.pid,
+            self.hostname,
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class MemberView:
+    """One actor as the controller's ``members`` reports it."""
+
+    name: str
+    role: Role
+    state: MemberState
+    address: str
+    metrics_port: int
+    pid: int
+    hostname: str
 
 
 def busy_units(load: worker_pb2.WorkerLoad, num_router_inflight: int) -> int:
@@ -106,6 +132,29 @@ class Pool:
     def start_succeeded(self) -> None:
         self.num_failed_starts = 0
         self.last_error = ""
+
+    def start_failed(self, error: str, now_s: float) -> float:
+        """A start failed with ``error`` at ``now_s`` (the event loop's clock): the next waits
+        a backoff that doubles with each failure in a row, up to ``_MAX_START_BACKOFF_S``.
+        Returns the backoff."""
+        self.num_failed_starts += 1
+        backoff_s = min(2.0 ** (self.num_failed_starts - 1), _MAX_START_BACKOFF_S)
+        self.retry_at_s = now_s + backoff_s
+        self.last_error = error
+        return backoff_s
+
+    def note_shortage(self, num_slots: int) -> None:
+        """Say, in the pool's status, when its live members outnumber the ``num_slots`` the
+        Ray cluster's live nodes offer its role (those beyond wait for a node)."""
+        resource = self.role.value
+        num_live = len(self.live())
+        self.shortage = (
+            f"{num_live - num_slots} of {num_live} workers wait for a node: the Ray "
+            f"cluster's live nodes offer {num_slots} '{resource}' slots (a node started "
+            f"with --resources='{{\"{resource}\": 1}}' adds one)"
+            if num_live > num_slots
+            else ""
+        )
 
     def size(self) -> PoolSize:
         states = [m.state for m in self.members]

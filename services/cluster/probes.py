@@ -96,6 +96,22 @@ class ClusterProbes:
             )
         return signals
 
+    @staticmethod
+    async def route_all(routers: Sequence[Member], workers: set[str]) -> bool:
+        """Whether every router would choose among all ``workers`` (addresses): a router's
+        first health poll can miss a worker that answers slowly; its next one catches up."""
+        try:
+            views = await asyncio.gather(
+                *(
+                    asyncio.wait_for(r.actor.routable_addresses.remote(), CALL_TIMEOUT_S)
+                    for r in routers
+                )
+            )
+        except Exception as exc:  # a router that does not answer is not routing yet
+            logger.debug("router view unavailable (%r)", exc)
+            return False
+        return all(workers <= view for view in views)
+
     def forget(self, address: str) -> None:
         """Close the channel to a removed worker."""
         entry = self._stubs.pop(address, None)

@@ -15,7 +15,8 @@ from typing import Any
 from opentelemetry.trace import Span, Status, StatusCode
 
 from services.router.prefill_choice import PrefillChoice
-from services.router.prefill_ledger import LocalPrefillLedger, RedisPrefillLedger
+from services.router.prefill_ledger import LocalPrefillLedger
+from services.router.redis_prefill_ledger import RedisPrefillLedger
 from services.router.request_log import Outcome, RequestLog
 from services.router.request_prep import PreparedRequest
 from services.router.route_plan import RoutePlan

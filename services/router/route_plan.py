@@ -32,7 +32,8 @@ from services.router.config import RouterConfig
 from services.router.decode_choice import DecodeCandidate, DecodeChooser
 from services.router.prefill_choice import PrefillChoice, PrefillChooser, PrefillPolicy
 from services.router.prefill_cost import PrefillWeights
-from services.router.prefill_ledger import LocalPrefillLedger, PrefillLedger, RedisPrefillLedger
+from services.router.prefill_ledger import LocalPrefillLedger, PrefillLedger
+from services.router.redis_prefill_ledger import RedisPrefillLedger
 from services.router.worker_pool import WorkerHandle, WorkerPool
 
 

@@ -14,7 +14,8 @@ import pytest
 
 from engine.tokenizer import Tokenizer
 from loadtest.datasets import DatasetKind, load_dataset, write_sharegpt_file
-from services.launcher import LocalCluster, PortReservation, ServiceProcess, wait_healthy
+from services.launcher import LocalCluster
+from services.service_process import PortReservation, ServiceProcess, wait_healthy
 from tests.services.conftest import Client, tiny_engine_config
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"

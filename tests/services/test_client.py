@@ -11,7 +11,7 @@ import sys
 import time
 
 from engine import LLM, SamplingParams
-from services.launcher import PortReservation, ServiceProcess, wait_healthy
+from services.service_process import PortReservation, ServiceProcess, wait_healthy
 from tests.waiting import wait_until
 
 

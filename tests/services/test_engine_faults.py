@@ -19,7 +19,8 @@ from engine import LLM, SamplingParams
 from loadtest.tiny_model import make_poisoned_model
 from services.common.convert import sampling_params_to_worker
 from services.common.failures import FailureKind, failure_kind
-from services.launcher import LocalCluster, ProcessState
+from services.launcher import LocalCluster
+from services.service_process import ProcessState
 from splitserve.v1 import router_pb2, worker_pb2, worker_pb2_grpc
 from tests.services.conftest import NUM_KV_BLOCKS, Client, greedy, tiny_engine_config
 from tests.waiting import wait_until

@@ -19,7 +19,8 @@ from engine import LLM, EngineConfig, SamplingParams
 from engine.flags import add_flags, from_args, to_argv
 from services.certs import write_cluster_certs
 from services.common.router_channel import API_KEY_ENV
-from services.launcher import LocalCluster, PortReservation, wait_healthy
+from services.launcher import LocalCluster
+from services.service_process import PortReservation, wait_healthy
 from tests.services.conftest import scrape, stop_like_ctrl_c, tiny_engine_config
 from tests.waiting import wait_until
 

@@ -14,7 +14,7 @@ import pytest
 
 from engine.cpu_isa import host_isa
 from services.cli import build_parser
-from services.launcher import PortReservation
+from services.service_process import PortReservation
 from services.up import configs_from_args
 from tests.services.conftest import stop_like_ctrl_c
 

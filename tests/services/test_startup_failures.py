@@ -18,7 +18,7 @@ import grpc
 import psutil
 import pytest
 
-from services.launcher import PortReservation
+from services.service_process import PortReservation
 from splitserve.v1 import router_pb2, router_pb2_grpc, worker_pb2
 from tests.waiting import wait_until
 

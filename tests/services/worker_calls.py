@@ -7,7 +7,7 @@ import grpc
 
 from engine import SamplingParams
 from services.common.convert import sampling_params_to_worker
-from services.launcher import ServiceProcess
+from services.service_process import ServiceProcess
 from splitserve.v1 import worker_pb2, worker_pb2_grpc
 
 

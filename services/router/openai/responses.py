@@ -9,40 +9,34 @@ prefix cache (``prompt_tokens_details.cached_tokens``, as the first choice of ea
 them).
 
 A non-streaming response holds each choice's text as UTF-8 and its logprobs as flat arrays
-(``LogprobColumns``, 8 bytes per top alternative and 12 per token) while it waits for
-every choice, then writes its JSON in pieces (``JsonPiecesResponse``): a body of hundreds of
-MB is never held whole, nor as Python objects per token, and its serialization does not stall
-the event loop.
+(``LogprobColumns``, 8 bytes per top alternative and 12 per token) while it waits for every
+choice, then writes its JSON in pieces (``streaming.JsonPiecesResponse``): a body of hundreds
+of MB is never held whole, nor as Python objects per token, and its serialization does not
+stall the event loop.
 """
 
 from __future__ import annotations
 
-import asyncio
 import functools
-import json
 import logging
 from array import array
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from starlette.responses import Response
-from starlette.types import Receive, Scope, Send
-
 from engine.tokenizer import Tokenizer
 from services.common.convert import FINISH_REASON_NAMES
 from services.router.openai.choices import ChoiceMessage
 from services.router.openai.requests import Endpoint, GenerationPlan
-from services.router.openai.streaming import ClientDisconnected, until_disconnect
+from services.router.openai.streaming import json_array, json_text
 from splitserve.v1 import router_pb2, worker_pb2
 
 logger = logging.getLogger(__name__)
 
 _TOKEN_TEXT_CACHE = 1 << 16
-# Logprob entries serialized per piece of a whole body (about 1 KB each at top_logprobs=20),
-# and the bytes of body sent per write: each piece takes the loop for a millisecond or so.
+# Logprob entries serialized per piece of a whole body (about 1 KB each at top_logprobs=20):
+# each piece takes the loop for a millisecond or so.
 _ENTRIES_PER_PIECE = 64
-_SEND_BYTES = 1 << 16
 
 # One logprob entry: its token id, its logprob, and its top alternatives' (id, logprob).
 LogprobEntry = tuple[int, float, Iterable[tuple[int, float]]]
@@ -228,11 +222,11 @@ class ResponseBuilder:
         """The non-streaming body, once every choice has finished: in pieces whose
         concatenation is ``json.dumps`` of the whole object (as ``JSONResponse`` renders it),
         each built from at most ``_ENTRIES_PER_PIECE`` logprob entries."""
-        yield _dumps(self._envelope(self.endpoint.value))[:-1] + ',"choices":['
+        yield json_text(self._envelope(self.endpoint.value))[:-1] + ',"choices":['
         for i, state in enumerate(self.choices):
             yield "," if i else ""
             yield from self._choice(state)
-        yield '],"usage":' + _dumps(self.usage()) + "}"
+        yield '],"usage":' + json_text(self.usage()) + "}"
 
     def _choice(self, state: ChoiceState) -> Iterator[str]:
         text = state.text.decode()
@@ -241,37 +235,37 @@ class ResponseBuilder:
             head["message"] = {"role": "assistant", "content": text}
         else:
             head["text"] = text
-        yield _dumps(head)[:-1] + ',"logprobs":'
+        yield json_text(head)[:-1] + ',"logprobs":'
         columns = state.logprobs
         if not columns:
             yield "null"
         elif self.endpoint is Endpoint.CHAT:
             yield '{"content":'
-            yield from _json_array(self._chat_entries(batch) for batch in _batches(columns))
+            yield from json_array(self._chat_entries(batch) for batch in _batches(columns))
             yield "}"
         else:
             yield from self._completion_columns(columns)
         yield (
-            f',"finish_reason":{_dumps(state.finish_reason)}'
-            f',"stop_reason":{_dumps(state.stop_reason)}}}'
+            f',"finish_reason":{json_text(state.finish_reason)}'
+            f',"stop_reason":{json_text(state.stop_reason)}}}'
         )
 
     def _completion_columns(self, columns: LogprobColumns) -> Iterator[str]:
         """The legacy shape's four arrays, each in pieces."""
         text = self._texts.text
         yield '{"tokens":'
-        yield from _json_array(
+        yield from json_array(
             [text(token_id) for token_id, _, _ in batch] for batch in _batches(columns)
         )
         yield ',"token_logprobs":'
-        yield from _json_array([logprob for _, logprob, _ in batch] for batch in _batches(columns))
+        yield from json_array([logprob for _, logprob, _ in batch] for batch in _batches(columns))
         yield ',"top_logprobs":'
-        yield from _json_array(
+        yield from json_array(
             [_completion_top(text(entry[0]), entry, text) for entry in batch]
             for batch in _batches(columns)
         )
         yield ',"text_offset":'
-        yield from _json_array(_text_offsets(columns, text))
+        yield from json_array(_text_offsets(columns, text))
         yield "}"
 
     def usage(self) -> dict[str, int | dict[str, int]]:
@@ -321,58 +315,6 @@ class ResponseBuilder:
             "top_logprobs": tops,
             "text_offset": offsets,
         }
-
-
-class JsonPiecesResponse(Response):
-    """A 200 ``application/json`` body written as ``pieces`` come (chunked, without a
-    content-length), giving the event loop back between writes; it stops, quietly, when the
-    client goes."""
-
-    def __init__(self, pieces: Iterable[str]) -> None:
-        super().__init__()
-        self._pieces = pieces
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        try:
-            await until_disconnect(receive, self._send(send))
-        except ClientDisconnected:
-            logger.debug("client disconnected while its response was written")
-
-    async def _send(self, send: Send) -> None:
-        await send(
-            {
-                "type": "http.response.start",
-                "status": 200,
-                "headers": [(b"content-type", b"application/json")],
-            }
-        )
-        buffer = bytearray()
-        for piece in self._pieces:
-            buffer += piece.encode()
-            if len(buffer) >= _SEND_BYTES:
-                await send({"type": "http.response.body", "body": bytes(buffer), "more_body": True})
-                buffer.clear()
-                # A send that does not block does not yield: let the loop run other requests.
-                await asyncio.sleep(0)
-        await send({"type": "http.response.body", "body": bytes(buffer), "more_body": False})
-
-
-def _dumps(value: Any) -> str:
-    """``value`` as JSON text, exactly as ``JSONResponse`` renders it."""
-    return json.dumps(
-        value, ensure_ascii=False, allow_nan=False, indent=None, separators=(",", ":")
-    )
-
-
-def _json_array(batches: Iterable[list[Any]]) -> Iterator[str]:
-    """A JSON array of every item of ``batches``, in one piece per batch."""
-    yield "["
-    separator = ""
-    for batch in batches:
-        if batch:
-            yield separator + _dumps(batch)[1:-1]
-            separator = ","
-    yield "]"
 
 
 def _batches(columns: LogprobColumns) -> Iterator[list[LogprobEntry]]:

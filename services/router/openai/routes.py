@@ -42,10 +42,11 @@ from services.router.openai.requests import (
     chat_plan,
     completion_plan,
 )
-from services.router.openai.responses import JsonPiecesResponse, ResponseBuilder, TokenTexts
+from services.router.openai.responses import ResponseBuilder, TokenTexts
 from services.router.openai.streaming import (
     ClientDisconnected,
     EventStreamResponse,
+    JsonPiecesResponse,
     error_response,
     until_disconnect,
 )

@@ -3,6 +3,8 @@
 A client that disconnects (closes the stream, times out, dies) cancels what its request runs:
 the generations abort on every worker and free their blocks, as a gRPC cancel does. Both the
 streamed and the whole responses watch the connection for ``http.disconnect`` while they work.
+A whole body is written as its JSON pieces come (``JsonPiecesResponse``; ``json_text`` and
+``json_array`` make the pieces), never held whole.
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ import asyncio
 import contextlib
 import json
 import logging
-from collections.abc import AsyncGenerator, Awaitable
+from collections.abc import AsyncGenerator, Awaitable, Iterable, Iterator
 from typing import Any, TypeVar
 
 from starlette.responses import JSONResponse, Response
@@ -24,6 +26,8 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
 _DONE = b"data: [DONE]\n\n"
+# The bytes of a whole body sent per write.
+_SEND_BYTES = 1 << 16
 _SSE_HEADERS = [
     (b"content-type", b"text/event-stream; charset=utf-8"),
     (b"cache-control", b"no-cache"),
@@ -114,3 +118,55 @@ async def _send_body(send: Send, body: bytes, more_body: bool = True) -> None:
 
 async def _no_receive() -> Message:
     raise AssertionError("an error response reads nothing")
+
+
+class JsonPiecesResponse(Response):
+    """A 200 ``application/json`` body written as ``pieces`` come (chunked, without a
+    content-length), giving the event loop back between writes; it stops, quietly, when the
+    client goes."""
+
+    def __init__(self, pieces: Iterable[str]) -> None:
+        super().__init__()
+        self._pieces = pieces
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await until_disconnect(receive, self._send(send))
+        except ClientDisconnected:
+            logger.debug("client disconnected while its response was written")
+
+    async def _send(self, send: Send) -> None:
+        await send(
+            {
+                "type": "http.response.start",
+                "status": 200,
+                "headers": [(b"content-type", b"application/json")],
+            }
+        )
+        buffer = bytearray()
+        for piece in self._pieces:
+            buffer += piece.encode()
+            if len(buffer) >= _SEND_BYTES:
+                await send({"type": "http.response.body", "body": bytes(buffer), "more_body": True})
+                buffer.clear()
+                # A send that does not block does not yield: let the loop run other requests.
+                await asyncio.sleep(0)
+        await send({"type": "http.response.body", "body": bytes(buffer), "more_body": False})
+
+
+def json_text(value: Any) -> str:
+    """``value`` as JSON text, exactly as ``JSONResponse`` renders it."""
+    return json.dumps(
+        value, ensure_ascii=False, allow_nan=False, indent=None, separators=(",", ":")
+    )
+
+
+def json_array(batches: Iterable[list[Any]]) -> Iterator[str]:
+    """A JSON array of every item of ``batches``, in one piece per batch."""
+    yield "["
+    separator = ""
+    for batch in batches:
+        if batch:
+            yield separator + json_text(batch)[1:-1]
+            separator = ","
+    yield "]"

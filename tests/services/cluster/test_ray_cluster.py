@@ -21,7 +21,7 @@ import redis
 from engine import SamplingParams
 from services.cluster.config import ClusterConfig
 from services.cluster.planner import PlannerConfig
-from services.launcher import PortReservation
+from services.service_process import PortReservation
 from splitserve.v1 import router_pb2
 from tests.services.cluster.conftest import (
     ROLES,

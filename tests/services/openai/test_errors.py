@@ -13,9 +13,9 @@ from typing import Any
 import openai
 import pytest
 
-from services.launcher import free_port
 from services.router.app import start_router
 from services.router.config import RouterConfig
+from services.service_process import free_port
 from tests.services.openai.conftest import CLIENT_OPTIONS
 from tests.services.openai.standin import (
     StandInDecodeWorker,

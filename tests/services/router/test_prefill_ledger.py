@@ -22,12 +22,8 @@ from services.common.prefix_index import (
 )
 from services.common.redis_config import RedisConfig
 from services.router.prefill_cost import CandidateLoad, PrefillWeights
-from services.router.prefill_ledger import (
-    LocalPrefillLedger,
-    PrefillLedger,
-    RedisPrefillLedger,
-    Selection,
-)
+from services.router.prefill_ledger import LocalPrefillLedger, PrefillLedger, Selection
+from services.router.redis_prefill_ledger import RedisPrefillLedger
 from tests.waiting import wait_until
 
 _namespaces = itertools.count()
