@@ -79,7 +79,7 @@ def resolve_kv_cache_dtype(name: str, dtype: str, device: torch.device) -> str:
     """``--kv-cache-dtype`` made concrete for a model running in ``dtype`` on ``device``.
 
     ``auto``: int8 for a bfloat16 model on CPU, else the model's dtype. The rule comes from
-    ``loadtest.kv_cache_quality`` (BENCHMARKS.md): int8's distance from a bfloat16 cache is
+    ``loadtest.bench.kv_cache_quality`` (BENCHMARKS.md): int8's distance from a bfloat16 cache is
     bfloat16's own distance from float32 (greedy agreement, top-1, NLL), so it costs nothing a
     bfloat16 model had not already given up; a float32 model keeps its exactness (token for
     token with Hugging Face); on CUDA the Triton kernels read 8-bit rows too, but their speed

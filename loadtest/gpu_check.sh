@@ -34,10 +34,10 @@ stage() {  # stage NAME SECONDS CMD...: run CMD with a time limit, its output to
 } | tee "$out/summary.txt"
 
 stage tests-gpu 120 python3 -m pytest -q -p no:cacheprovider tests/gpu
-stage make-models 50 bash -c "python3 -m loadtest.bench_engine --make-tiny-model /tmp/smol --shape smollm2-135m && python3 -m loadtest.bench_engine --make-tiny-model /tmp/llama3-8b --shape llama3-8b"
+stage make-models 50 bash -c "python3 -m loadtest.bench.engine --make-tiny-model /tmp/smol --shape smollm2-135m && python3 -m loadtest.bench.engine --make-tiny-model /tmp/llama3-8b --shape llama3-8b"
 common=(--model /tmp/smol --device cuda --threads 16)
-stage bench-64 90 python3 -m loadtest.bench_engine "${common[@]}" --systems splitserve,transformers --out "$out/engine-64"
-stage bench-256 80 python3 -m loadtest.bench_engine "${common[@]}" --systems splitserve,transformers --num-prompts 256 --max-num-seqs 256 --hf-batch-size 64 --out "$out/engine-256"
-stage profile-64 50 python3 -m loadtest.profile_engine --model /tmp/smol --device cuda --threads 16
-stage profile-llama3-8b-256 80 python3 -m loadtest.profile_engine --model /tmp/llama3-8b --load-format dummy --device cuda --threads 16 --num-prompts 256 --max-num-seqs 256 --output-tokens 64
+stage bench-64 90 python3 -m loadtest.bench.engine "${common[@]}" --systems splitserve,transformers --out "$out/engine-64"
+stage bench-256 80 python3 -m loadtest.bench.engine "${common[@]}" --systems splitserve,transformers --num-prompts 256 --max-num-seqs 256 --hf-batch-size 64 --out "$out/engine-256"
+stage profile-64 50 python3 -m loadtest.bench.profile_engine --model /tmp/smol --device cuda --threads 16
+stage profile-llama3-8b-256 80 python3 -m loadtest.bench.profile_engine --model /tmp/llama3-8b --load-format dummy --device cuda --threads 16 --num-prompts 256 --max-num-seqs 256 --output-tokens 64
 cat "$out/summary.txt"

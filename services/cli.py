@@ -60,7 +60,7 @@ COMMANDS = (
     ),
     Command(
         "loadtest",
-        "loadtest.cli",
+        "loadtest.generator.cli",
         "configure",
         "open-loop load against a running router; JSON, Markdown and PNG reports",
     ),

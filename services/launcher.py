@@ -66,7 +66,7 @@ _STATUS_TIMEOUT_S = 5.0
 class Placement:
     """Where one process of a ``LocalCluster`` runs: the address it binds and advertises
     (gRPC, metrics, KV) and the command its own is run under (``argv_prefix``, e.g.
-    ``ip netns exec NS`` for a test host of ``loadtest.netns_hosts``)."""
+    ``ip netns exec NS`` for a test host of ``loadtest.fixtures.netns_hosts``)."""
 
     host: str
     argv_prefix: tuple[str, ...] = ()

@@ -11,7 +11,7 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from loadtest.tiny_model import ARCHITECTURES, make_tiny_model
+from loadtest.fixtures.tiny_model import ARCHITECTURES, make_tiny_model
 
 torch.set_num_threads(2)
 

@@ -7,7 +7,7 @@ import pytest
 from engine import LLMEngine, SamplingParams
 from engine.batch_runner import NON_FINITE_LOGITS, EngineBrokenError
 from engine.config import EngineConfig
-from loadtest.tiny_model import make_poisoned_model
+from loadtest.fixtures.tiny_model import make_poisoned_model
 from tests.engine.test_engine import random_prompt
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12)

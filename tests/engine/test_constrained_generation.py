@@ -25,7 +25,7 @@ from engine.grammar_pool import GrammarPool
 from engine.outputs import RequestOutput
 from engine.scheduler import DuplicateRequestError
 from engine.structured_output import CompiledGrammar, GrammarCompiler
-from loadtest.schemas import random_schema
+from loadtest.fixtures.schemas import random_schema
 from tests.engine.test_grammar_pool import GATE_TIMEOUT_S
 
 CHOICES = ("alpha", "beta", "gamma delta")

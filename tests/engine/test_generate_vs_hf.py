@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
-from loadtest.tiny_model import ARCHITECTURES, make_tiny_model
+from loadtest.fixtures.tiny_model import ARCHITECTURES, make_tiny_model
 
 PROMPT_LENS = (1, 5, 16, 17, 31, 48, 64, 97)
 MAX_TOKENS = 12

@@ -84,7 +84,7 @@ SMOLLM2_PROMPTS = [
 def test_8bit_caches_keep_smollm2s_greedy_output():
     """SmolLM2-135M's real weights in float32: greedy text from an int8 cache agrees with a
     float32 cache on most prompts and most tokens; fp8 e4m3 (3 mantissa bits) a little less.
-    ``loadtest.kv_cache_quality`` measures the same on the benchmark set (BENCHMARKS.md)."""
+    ``loadtest.bench.kv_cache_quality`` measures the same on the benchmark set (BENCHMARKS.md)."""
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
     outputs = {}
     for kv_cache_dtype in ("float32", "int8", "fp8_e4m3"):

@@ -24,7 +24,7 @@ from engine.constraint import (
 )
 from engine.structured_output import GrammarCompiler, GuidedMatcher, apply_bitmask
 from engine.tokenizer import Tokenizer
-from loadtest.schemas import random_schema
+from loadtest.fixtures.schemas import random_schema
 
 MAX_TOKENS = 400
 

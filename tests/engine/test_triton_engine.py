@@ -12,7 +12,7 @@ import random
 import pytest
 
 from engine import LLM, SamplingParams
-from loadtest.tiny_model import ARCHITECTURES
+from loadtest.fixtures.tiny_model import ARCHITECTURES
 from tests.engine.test_speculative_decoding import OracleProposer
 
 pytest.importorskip("triton")

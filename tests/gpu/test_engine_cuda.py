@@ -18,7 +18,7 @@ from engine import LLM, LLMEngine, SamplingParams
 from engine.config import EngineConfig
 from engine.constraint import Constraint, ConstraintKind
 from engine.model.kernel_plan import KernelImpl
-from loadtest.tiny_model import ARCHITECTURES
+from loadtest.fixtures.tiny_model import ARCHITECTURES
 from tests.engine.test_generate_vs_hf import hf_generate
 
 pytestmark = [

@@ -13,7 +13,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from engine import EngineConfig
-from loadtest.redis_server import RedisServer
+from loadtest.fixtures.redis_server import RedisServer
 from services.common.router_channel import open_router_channel
 from services.launcher import LocalCluster
 from splitserve.v1 import router_pb2, router_pb2_grpc, worker_pb2

@@ -16,7 +16,7 @@ import grpc
 import pytest
 
 from engine import LLM, SamplingParams
-from loadtest.tiny_model import make_poisoned_model
+from loadtest.fixtures.tiny_model import make_poisoned_model
 from services.common.convert import sampling_params_to_worker
 from services.common.failures import FailureKind, failure_kind
 from services.launcher import LocalCluster

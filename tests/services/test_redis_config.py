@@ -11,7 +11,7 @@ import pytest
 import redis
 
 from engine.block_hash import hash_block_tokens
-from loadtest.redis_server import RedisServer
+from loadtest.fixtures.redis_server import RedisServer
 from services.common.prefix_index import RedisPrefixIndex
 from services.common.redis_config import RedisConfig
 from tests.services.conftest import greedy

@@ -21,7 +21,7 @@ import pytest
 from engine import LLM, SamplingParams
 from engine.constraint import Constraint, ConstraintKind
 from kvtransfer.registry import available_backends
-from loadtest.schemas import random_schema
+from loadtest.fixtures.schemas import random_schema
 from services.common.convert import constraint_to_proto
 from splitserve.v1 import router_pb2, worker_pb2
 from tests.services.conftest import NUM_KV_BLOCKS, greedy

@@ -14,7 +14,7 @@ import openai
 import pytest
 
 from engine.kv_cache_manager import cdiv
-from loadtest.otlp_receiver import OtlpReceiver, ReceivedSpan
+from loadtest.fixtures.otlp_receiver import OtlpReceiver, ReceivedSpan
 from services.common.logs import LOG_FORMAT_ENV
 from services.launcher import LocalCluster
 from splitserve.v1 import router_pb2

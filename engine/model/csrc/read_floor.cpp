@@ -1,6 +1,6 @@
 // The memory floor of paged decode: read exactly the bytes a decode step's attention reads for
 // one layer (each sequence's K and V tiles of every KV head, block by block through its table)
-// and nothing else. loadtest/bench_cpu_kernels.py times it beside the decode kernels.
+// and nothing else. loadtest/bench/cpu_kernels.py times it beside the decode kernels.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <c10/util/Exception.h>

@@ -10,7 +10,7 @@ import torch
 
 from engine import LLM, SamplingParams
 from engine.loader.hf import load_model
-from loadtest.tiny_model import TEST_SPEC, make_tiny_model
+from loadtest.fixtures.tiny_model import TEST_SPEC, make_tiny_model
 
 
 def test_a_config_only_model_loads_random_weights_and_generates(tmp_path: Path) -> None:

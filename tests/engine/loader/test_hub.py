@@ -25,7 +25,7 @@ from transformers import AutoModelForCausalLM
 from engine import LLM, SamplingParams
 from engine.loader.hub import ModelFetchError, is_repo_id
 from engine.loader.models import resolve_model
-from loadtest.tiny_model import make_tiny_model
+from loadtest.fixtures.tiny_model import make_tiny_model
 from tests.engine.loader.hf_cache import add_snapshot, commit_hash, repo_dir
 
 REPO = "tiny-org/tiny-llama"

@@ -21,7 +21,7 @@ from transformers import (
     Qwen2ForCausalLM,
 )
 
-from loadtest.tiny_model import hf_config
+from loadtest.fixtures.tiny_model import hf_config
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 USER_DEFINED_TOKEN = "<think>"

@@ -93,7 +93,7 @@ def test_latency_percentile_is_nearest_rank():
 
 
 def test_recorded_noisy_trace_does_not_flap():
-    """A trace recorded from a real cluster under a steady load (``loadtest.record_signals``),
+    """A trace recorded from a real cluster under a steady load (``loadtest.bench.record_signals``),
     with the targets placed at its median latency, so the signal keeps crossing them."""
     path = Path(__file__).parents[2] / "fixtures" / "planner_trace.json"
     windows = json.loads(path.read_text())["windows"]

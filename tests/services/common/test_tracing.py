@@ -9,7 +9,7 @@ import pytest
 from opentelemetry import trace
 from opentelemetry.trace import SpanKind
 
-from loadtest.otlp_receiver import OtlpReceiver
+from loadtest.fixtures.otlp_receiver import OtlpReceiver
 from services.common.tracing import (
     Tracing,
     TracingConfig,

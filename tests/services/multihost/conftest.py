@@ -1,5 +1,6 @@
-"""Test hosts (``loadtest.netns_hosts``): each test module makes its own network of hosts and
-must leave nothing behind (no namespace, no link, no process), which its teardown checks."""
+"""Test hosts (``loadtest.fixtures.netns_hosts``): each test module makes its own network of
+hosts and must leave nothing behind (no namespace, no link, no process), which its teardown
+checks."""
 
 from __future__ import annotations
 
@@ -7,8 +8,8 @@ from collections.abc import Callable, Iterator, Sequence
 
 import pytest
 
-from loadtest import netns_hosts
-from loadtest.netns_hosts import HostNetwork
+from loadtest.fixtures import netns_hosts
+from loadtest.fixtures.netns_hosts import HostNetwork
 
 
 @pytest.fixture(scope="module")

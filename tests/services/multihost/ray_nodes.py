@@ -17,7 +17,7 @@ from pathlib import Path
 
 import grpc
 
-from loadtest.netns_hosts import UCX_ACROSS_HOSTS, HostNetwork
+from loadtest.fixtures.netns_hosts import UCX_ACROSS_HOSTS, HostNetwork
 from splitserve.v1 import router_pb2, router_pb2_grpc
 
 RAY_PORT = 6379

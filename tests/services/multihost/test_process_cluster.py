@@ -18,8 +18,8 @@ import pytest
 
 from engine import LLM, SamplingParams
 from kvtransfer.registry import is_available
-from loadtest.netns_hosts import ucx_across_hosts
-from loadtest.redis_server import RedisServer
+from loadtest.fixtures.netns_hosts import ucx_across_hosts
+from loadtest.fixtures.redis_server import RedisServer
 from services.common.convert import sampling_params_to_worker
 from services.common.roles import Role
 from services.launcher import LocalCluster, Placement

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from engine import LLM, SamplingParams
-from loadtest.redis_server import RedisServer
+from loadtest.fixtures.redis_server import RedisServer
 from splitserve.v1 import router_pb2
 from tests.services.conftest import NUM_KV_BLOCKS, Client, greedy
 from tests.services.multihost.ray_nodes import RayHosts
