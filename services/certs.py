@@ -32,7 +32,8 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
-from services.common.tls import CA_FILE, CERT_FILE, KEY_FILE, Identity
+from services.common.roles import Role
+from services.common.tls import CA_FILE, CERT_FILE, KEY_FILE, service_name
 
 _DEFAULT_HOSTS = ("localhost", "127.0.0.1", "::1")
 
@@ -67,8 +68,9 @@ def run(args: argparse.Namespace) -> int:
 
 
 def write_cluster_certs(out_dir: Path, hosts: Sequence[str], days: int = 365) -> list[Path]:
-    """Write a new CA and a certificate per ``Identity`` under ``out_dir``; return the paths.
-    Every certificate names its identity's service name and ``hosts``."""
+    """Write a new CA and a certificate per ``Role`` (each party of the cluster) under
+    ``out_dir``; return the paths. Every certificate names its role's service name and
+    ``hosts``."""
     out_dir.mkdir(parents=True, exist_ok=True)
     now = datetime.datetime.now(datetime.UTC)
     not_after = now + datetime.timedelta(days=days)
@@ -103,7 +105,7 @@ def write_cluster_certs(out_dir: Path, hosts: Sequence[str], days: int = 365) ->
         _write(out_dir / CA_FILE, ca_cert.public_bytes(serialization.Encoding.PEM)),
         _write_key(out_dir / "ca.key", ca_key),
     ]
-    for identity in Identity:
+    for identity in Role:
         key = ec.generate_private_key(ec.SECP256R1())
         cert = (
             x509.CertificateBuilder()
@@ -114,7 +116,7 @@ def write_cluster_certs(out_dir: Path, hosts: Sequence[str], days: int = 365) ->
             .not_valid_before(now - datetime.timedelta(minutes=5))
             .not_valid_after(not_after)
             .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
-            .add_extension(_subject_alt_names(identity.service_name, hosts), critical=False)
+            .add_extension(_subject_alt_names(service_name(identity), hosts), critical=False)
             .add_extension(
                 x509.ExtendedKeyUsage(
                     [ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]

@@ -39,7 +39,6 @@ from engine.flags import env_name, to_argv
 from services.common.roles import ClusterMode, Role
 from services.common.router_channel import api_key_metadata
 from services.common.tls import (
-    Identity,
     TlsMaterial,
     identity_tls_dir,
     member_channel_blocking,
@@ -130,7 +129,7 @@ class LocalCluster:
         address and routes to a worker once it serves); returns without waiting."""
         if self.mode is ClusterMode.COLOCATED:
             self.num_prefill = 0
-        self._tls = read_tls_dir(identity_tls_dir(self.tls_dir, Identity.CONTROLLER))
+        self._tls = read_tls_dir(identity_tls_dir(self.tls_dir, Role.CONTROLLER))
         env = self._env = dict(os.environ, SPLITSERVE_LOG_LEVEL=self.log_level)
         if self.admin_api_key:
             env[env_name("admin_api_key")] = self.admin_api_key
@@ -149,7 +148,7 @@ class LocalCluster:
                     *where.argv_prefix, python, "-m", f"services.{role}", "--host", where.host,
                     "--port", str(port), "--metrics-port", str(metrics_port),
                 ]  # fmt: skip
-                argv += [*worker_argv, *self._tls_flags(Identity(role))]
+                argv += [*worker_argv, *self._tls_flags(role)]
                 argv += self.extra_role_flags.get(role, ())
                 if self.worker_cpu_cores:
                     argv += ["--cpu-cores", next(cpu_cores)]
@@ -235,7 +234,7 @@ class LocalCluster:
         """Where the ``index``-th process of ``role`` runs."""
         return Placement(self.host) if self.placement is None else self.placement(role, index)
 
-    def _tls_flags(self, identity: Identity) -> list[str]:
+    def _tls_flags(self, identity: Role) -> list[str]:
         return ["--tls-dir", identity_tls_dir(self.tls_dir, identity)] if self.tls_dir else []
 
     @property
@@ -266,7 +265,7 @@ class LocalCluster:
                 *where.argv_prefix, sys.executable, "-m", "services.router",
                 "--model", self.engine.model,
                 *_router_model_flags(self.engine),
-                *self._tls_flags(Identity.ROUTER),
+                *self._tls_flags(Role.ROUTER),
                 "--host", where.host,
                 "--port", str(port),
                 "--mode", self.mode,
@@ -334,7 +333,7 @@ def _wait_routed(
 def _routes(router: ServiceProcess, api_key: str, tls: TlsMaterial | None) -> bool:
     """One ``Router.Status`` (presenting ``api_key``): does ``router`` report every worker it
     was given as healthy?"""
-    with member_channel_blocking(router.address, Identity.ROUTER, tls) as channel:
+    with member_channel_blocking(router.address, Role.ROUTER, tls) as channel:
         try:
             status = router_pb2_grpc.RouterStub(channel).Status(
                 router_pb2.StatusRequest(),

@@ -26,7 +26,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from services.common.roles import Role
-from services.common.tls import Identity, TlsMaterial, member_channel_blocking
+from services.common.tls import TlsMaterial, member_channel_blocking
 from services.startup import last_line
 
 logger = logging.getLogger(__name__)
@@ -231,7 +231,7 @@ def wait_while_alive(
 
 def serves(process: ServiceProcess, tls: TlsMaterial | None) -> bool:
     """One gRPC health check: does ``process`` answer SERVING?"""
-    identity = Identity(process.role)
+    identity = process.role
     with member_channel_blocking(process.address, identity, tls) as channel:
         try:
             reply = health_pb2_grpc.HealthStub(channel).Check(

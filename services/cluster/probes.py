@@ -19,7 +19,7 @@ from services.cluster.members import Member, busy_units
 from services.cluster.planner import PoolSignals, percentile
 from services.common.background import BackgroundTasks
 from services.common.roles import Role
-from services.common.tls import Identity, TlsMaterial, member_channel
+from services.common.tls import TlsMaterial, member_channel
 from services.router.latency import LatencySamples
 from splitserve.v1 import worker_pb2, worker_pb2_grpc
 
@@ -40,7 +40,7 @@ class ClusterProbes:
     async def load(self, worker: Member) -> worker_pb2.WorkerLoad:
         """The worker's ``GetLoad`` (empty if it does not answer)."""
         if worker.address not in self._stubs:
-            channel = member_channel(worker.address, Identity(worker.role.value), self._tls)
+            channel = member_channel(worker.address, worker.role, self._tls)
             stub_class = (
                 worker_pb2_grpc.PrefillWorkerStub
                 if worker.role is Role.PREFILL

@@ -25,17 +25,21 @@ MODES = tuple(mode.value for mode in ClusterMode)
 
 
 class Role(enum.StrEnum):
-    """A process's role. Its value is the name used in flags, logs, metrics labels, actor
-    names and Kubernetes (a ``str``, so it formats and serializes as that name)."""
+    """Who a party of the cluster is: a process's role (a pool's worker or a router), the
+    controller, or a client. Its value is the name used in flags, logs, metrics labels, actor
+    names, Kubernetes and the common name of the party's certificate (a ``str``, so it formats
+    and serializes as that name)."""
 
     PREFILL = "prefill"
     DECODE = "decode"
     ROUTER = "router"
+    CONTROLLER = "controller"  # the cluster controller (Ray) or the launcher (--no-ray)
+    CLIENT = "client"  # a caller from outside the cluster (splitserve client, an application)
 
     @property
     def is_pool(self) -> bool:
         """A worker pool's role (the router is not a pool: it is replicated, not scaled)."""
-        return self is not Role.ROUTER
+        return self in POOL_ROLES
 
     def to_proto(self) -> worker_pb2.WorkerRole:
         """The ``WorkerRole`` of a pool role; ``ValueError`` for the router."""

@@ -14,7 +14,6 @@ cluster every gRPC hop is mutual TLS under that CA:
 
 from __future__ import annotations
 
-import enum
 import logging
 from collections.abc import Collection
 from dataclasses import dataclass
@@ -25,6 +24,7 @@ import grpc
 
 from services.common.grpc_guard import GuardingInterceptor, guarded
 from services.common.grpc_server import CHANNEL_OPTIONS
+from services.common.roles import Role
 
 logger = logging.getLogger(__name__)
 
@@ -35,19 +35,9 @@ _SERVICE_DOMAIN = "splitserve.internal"
 _HEALTH_SERVICE = "grpc.health.v1.Health"
 
 
-class Identity(enum.StrEnum):
-    """Who a certificate says its holder is (its subject's common name)."""
-
-    ROUTER = "router"
-    PREFILL = "prefill"
-    DECODE = "decode"
-    CONTROLLER = "controller"
-    CLIENT = "client"
-
-    @property
-    def service_name(self) -> str:
-        """The DNS name in the identity's certificate that members verify it by."""
-        return f"{self.value}.{_SERVICE_DOMAIN}"
+def service_name(role: Role) -> str:
+    """The DNS name in ``role``'s certificates that members verify its holder by."""
+    return f"{role.value}.{_SERVICE_DOMAIN}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,7 +86,7 @@ def read_tls_dir(tls_dir: str) -> TlsMaterial | None:
     return TlsMaterial.from_dir(tls_dir) if tls_dir else None
 
 
-def member_channel(address: str, callee: Identity, tls: TlsMaterial | None) -> grpc.aio.Channel:
+def member_channel(address: str, callee: Role, tls: TlsMaterial | None) -> grpc.aio.Channel:
     """An asyncio channel to the cluster member at ``address``: mutual TLS verifying it as
     ``callee`` (whatever address is dialed) with ``tls``, plaintext without."""
     if tls is None:
@@ -106,17 +96,15 @@ def member_channel(address: str, callee: Identity, tls: TlsMaterial | None) -> g
     )
 
 
-def member_channel_blocking(
-    address: str, callee: Identity, tls: TlsMaterial | None
-) -> grpc.Channel:
+def member_channel_blocking(address: str, callee: Role, tls: TlsMaterial | None) -> grpc.Channel:
     """``member_channel`` for blocking code."""
     if tls is None:
         return grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
     return grpc.secure_channel(address, tls.channel_credentials(), options=_member_options(callee))
 
 
-def _member_options(callee: Identity) -> tuple[tuple[str, Any], ...]:
-    return (*CHANNEL_OPTIONS, ("grpc.ssl_target_name_override", callee.service_name))
+def _member_options(callee: Role) -> tuple[tuple[str, Any], ...]:
+    return (*CHANNEL_OPTIONS, ("grpc.ssl_target_name_override", service_name(callee)))
 
 
 def peer_identity(context: grpc.aio.ServicerContext) -> str | None:
@@ -130,7 +118,7 @@ class RequirePeerIdentity(GuardingInterceptor):
     health checks excepted); ``PERMISSION_DENIED`` naming the identity otherwise. The TLS
     handshake has already checked that the CA signed it."""
 
-    def __init__(self, allowed: Collection[Identity]) -> None:
+    def __init__(self, allowed: Collection[Role]) -> None:
         self._allowed = frozenset(allowed)
 
     def wrap(

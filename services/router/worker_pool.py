@@ -26,7 +26,7 @@ import grpc
 from services.common.background import BackgroundTasks
 from services.common.logs import rate_limited
 from services.common.roles import Role
-from services.common.tls import Identity, TlsMaterial, member_channel
+from services.common.tls import TlsMaterial, member_channel
 from splitserve.v1 import worker_pb2, worker_pb2_grpc
 
 logger = logging.getLogger(__name__)
@@ -168,7 +168,7 @@ class WorkerPool:
         self._background = BackgroundTasks()
 
     def _connect(self, address: str) -> WorkerHandle:
-        channel = member_channel(address, Identity(self.role.value), self._tls)
+        channel = member_channel(address, self.role, self._tls)
         return WorkerHandle(
             address,
             self.role,

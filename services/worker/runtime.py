@@ -31,7 +31,7 @@ from services.common.metrics import (
 from services.common.prefix_index import RedisPrefixIndex
 from services.common.roles import Role
 from services.common.serving_metrics import ServingMetrics
-from services.common.tls import Identity, RequirePeerIdentity, read_tls_dir
+from services.common.tls import RequirePeerIdentity, read_tls_dir
 from services.common.tracing import Tracing
 from services.worker.config import WorkerConfig
 from services.worker.engine_loop import EngineHooks, EngineLoop
@@ -45,7 +45,7 @@ _DRAIN_POLL_S = 0.05
 # What a drained server still gives its calls (ending streams only takes a loop turn).
 _STOP_GRACE_S = 1.0
 # Who may call a worker over mutual TLS: the router routes, the controller probes loads.
-_CALLERS = (Identity.ROUTER, Identity.CONTROLLER)
+_CALLERS = (Role.ROUTER, Role.CONTROLLER)
 
 
 class WorkerServicer(Protocol):
@@ -157,7 +157,7 @@ def kv_transfer_tls(config: WorkerConfig, role: Role) -> KVTransferTls | None:
             " or ".join(TLS_BACKENDS),
         )
         return None
-    peer = Identity.DECODE if role is Role.PREFILL else Identity.PREFILL
+    peer = Role.DECODE if role is Role.PREFILL else Role.PREFILL
     return KVTransferTls.from_dir(config.tls_dir, {peer.value})
 
 

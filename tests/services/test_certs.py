@@ -11,7 +11,8 @@ from cryptography import x509
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
-from services.common.tls import Identity, TlsMaterial
+from services.common.roles import Role
+from services.common.tls import TlsMaterial, service_name
 
 
 def test_certs_writes_a_ca_and_one_verifiable_certificate_per_identity(tmp_path):
@@ -29,7 +30,7 @@ def test_certs_writes_a_ca_and_one_verifiable_certificate_per_identity(tmp_path)
     assert first.returncode == 0, first.stderr
     ca = x509.load_pem_x509_certificate((out / "ca.crt").read_bytes())
     assert ca.extensions.get_extension_for_class(x509.BasicConstraints).value.ca
-    for identity in Identity:
+    for identity in Role:
         material = TlsMaterial.from_dir(out / identity.value)
         assert material.ca_pem == (out / "ca.crt").read_bytes()
         cert = x509.load_pem_x509_certificate(material.cert_pem)
@@ -37,7 +38,7 @@ def test_certs_writes_a_ca_and_one_verifiable_certificate_per_identity(tmp_path)
         assert cert.subject.get_attributes_for_oid(NameOID.COMMON_NAME)[0].value == identity
         names = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
         assert set(names.get_values_for_type(x509.DNSName)) >= {
-            identity.service_name,
+            service_name(identity),
             "localhost",
             "router.example",
         }

@@ -23,7 +23,7 @@ from services.certs import write_cluster_certs
 from services.common.convert import kv_ref_to_proto, peer_info_to_proto, sampling_params_to_worker
 from services.common.grpc_server import CHANNEL_OPTIONS
 from services.common.roles import Role
-from services.common.tls import Identity, TlsMaterial, member_channel_blocking
+from services.common.tls import TlsMaterial, member_channel_blocking, service_name
 from splitserve.v1 import router_pb2, router_pb2_grpc, worker_pb2, worker_pb2_grpc
 from tests.services.conftest import greedy, tiny_engine_config
 
@@ -83,7 +83,7 @@ def test_a_client_without_the_cluster_ca_cannot_complete_a_handshake(cluster, ce
     assert status_code(grpc.secure_channel(address, trusts_cluster)) == grpc.StatusCode.OK
 
 
-def material(cert_dir: Path, identity: Identity, ca_dir: Path) -> TlsMaterial:
+def material(cert_dir: Path, identity: Role, ca_dir: Path) -> TlsMaterial:
     """``identity``'s certificate and key from ``cert_dir``, trusting ``ca_dir``'s CA."""
     own = TlsMaterial.from_dir(cert_dir / identity.value)
     return TlsMaterial(own.cert_pem, own.key_pem, (ca_dir / "ca.crt").read_bytes())
@@ -91,7 +91,7 @@ def material(cert_dir: Path, identity: Identity, ca_dir: Path) -> TlsMaterial:
 
 def get_load(address: str, tls: TlsMaterial) -> grpc.StatusCode:
     return call_code(
-        member_channel_blocking(address, Identity.DECODE, tls),
+        member_channel_blocking(address, Role.DECODE, tls),
         lambda ch: worker_pb2_grpc.DecodeWorkerStub(ch).GetLoad(
             worker_pb2.GetLoadRequest(), timeout=5
         ),
@@ -103,14 +103,14 @@ def test_a_worker_admits_only_the_clusters_router_and_controller(cluster, certs)
     root, rogue = certs
     decode = local.workers(Role.DECODE)[0].address
 
-    assert get_load(decode, material(root, Identity.ROUTER, root)) == grpc.StatusCode.OK
-    assert get_load(decode, material(root, Identity.CONTROLLER, root)) == grpc.StatusCode.OK
-    for identity in (Identity.CLIENT, Identity.DECODE, Identity.PREFILL):
+    assert get_load(decode, material(root, Role.ROUTER, root)) == grpc.StatusCode.OK
+    assert get_load(decode, material(root, Role.CONTROLLER, root)) == grpc.StatusCode.OK
+    for identity in (Role.CLIENT, Role.DECODE, Role.PREFILL):
         assert get_load(decode, material(root, identity, root)) == grpc.StatusCode.PERMISSION_DENIED
     # A certificate the cluster CA did not sign fails the handshake, whatever it claims.
-    assert get_load(decode, material(rogue, Identity.ROUTER, root)) == grpc.StatusCode.UNAVAILABLE
+    assert get_load(decode, material(rogue, Role.ROUTER, root)) == grpc.StatusCode.UNAVAILABLE
     no_certificate = grpc.ssl_channel_credentials((root / "ca.crt").read_bytes())
-    options = (*CHANNEL_OPTIONS, ("grpc.ssl_target_name_override", Identity.DECODE.service_name))
+    options = (*CHANNEL_OPTIONS, ("grpc.ssl_target_name_override", service_name(Role.DECODE)))
     with (
         grpc.secure_channel(decode, no_certificate, options=options) as channel,
         pytest.raises(grpc.RpcError) as info,
@@ -118,9 +118,7 @@ def test_a_worker_admits_only_the_clusters_router_and_controller(cluster, certs)
         worker_pb2_grpc.DecodeWorkerStub(channel).GetLoad(worker_pb2.GetLoadRequest(), timeout=5)
     assert info.value.code() == grpc.StatusCode.UNAVAILABLE
     # Health checks are for every cluster certificate (probes know nothing of identities).
-    with member_channel_blocking(
-        decode, Identity.DECODE, material(root, Identity.CLIENT, root)
-    ) as ch:
+    with member_channel_blocking(decode, Role.DECODE, material(root, Role.CLIENT, root)) as ch:
         reply = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=5)
     assert reply.status == health_pb2.HealthCheckResponse.SERVING
 
@@ -151,7 +149,7 @@ def test_a_decode_request_naming_a_forged_kv_peer_pulls_nothing(
     kv_ref = KVRef(peer.engine_id, "bait", tuple(block_ids), len(prompt))
     kv_ref = dataclasses.replace(kv_ref, grant=source.publish("bait", block_ids))
     decode = local.workers(Role.DECODE)[0].address
-    as_router = material(root, Identity.ROUTER, root)
+    as_router = material(root, Role.ROUTER, root)
 
     def decode_call(request_id: str, **kv) -> list[worker_pb2.DecodeResponse]:
         request = worker_pb2.DecodeRequest(
@@ -161,7 +159,7 @@ def test_a_decode_request_naming_a_forged_kv_peer_pulls_nothing(
             sampling=sampling_params_to_worker(params),
             **kv,
         )
-        with member_channel_blocking(decode, Identity.DECODE, as_router) as channel:
+        with member_channel_blocking(decode, Role.DECODE, as_router) as channel:
             stub = worker_pb2_grpc.DecodeWorkerStub(channel)
             return list(stub.Decode(request, timeout=60))
 
