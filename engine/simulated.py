@@ -10,8 +10,9 @@ leases, KV events and preemption behave as they do on a real worker. The executo
   (``simulated_token_id``), so a request gives the same ids on any worker: migration and
   output checks still hold; it never samples an eos id (requests run to their limits);
 - writes each computed token's KV as real bytes (``kv_value`` of its id and position, in every
-  layer and head of the model's KV layout), which the KV backends move like any other, and
-  which ``kv_matches`` checks on the receiving side.
+  layer and head of the model's KV layout), which the KV backends move like any other; a
+  request that arrives with computed tokens (pulled from a peer, or prefix hits) is checked
+  against them (``kv_matches``) and fails alone if a byte is wrong.
 
 Many fit on one machine: nothing is loaded but the model's ``config.json`` and tokenizer, and
 the KV cache is as large as ``--num-kv-blocks`` or ``--kv-cache-memory-gb`` make it (0.5 GiB
@@ -104,11 +105,15 @@ def kv_matches(
 ) -> bool:
     """Whether the blocks ``block_ids`` hold the simulated KV of ``token_ids`` (positions from
     0): what a decode worker finds after a transfer that moved every byte."""
-    for position, token_id in enumerate(token_ids):
-        rows = kv_cache[block_ids[position // block_size], :, :, :, position % block_size]
-        if not bool((rows == kv_value(token_id, position)).all()):
-            return False
-    return True
+    if not token_ids:
+        return True
+    positions = range(len(token_ids))
+    blocks = torch.tensor([block_ids[p // block_size] for p in positions])
+    slots = torch.tensor([p % block_size for p in positions])
+    want = torch.tensor(
+        [kv_value(t, p) for t, p in zip(token_ids, positions, strict=True)], dtype=kv_cache.dtype
+    )
+    return bool((kv_cache[blocks, :, :, :, slots] == want.view(-1, 1, 1, 1, 1)).all())
 
 
 class SimulatedExecutor:
@@ -146,8 +151,10 @@ class SimulatedExecutor:
         self._num_kv_blocks = num_kv_blocks or max(int(memory_bytes) // self._spec.block_bytes, 1)
         dtype = torch.uint8 if self._spec.quantized else _TORCH_DTYPES[kv_cache_dtype]
         self._kv_cache = torch.zeros((self._num_kv_blocks, *self._spec.block_shape), dtype=dtype)
-        # Keyed by the request object's identity, which the entry keeps alive.
+        # Keyed by the request object's identity, which the entry keeps alive: the digests of
+        # the last step's sampling requests, and every request of the last step (checked).
         self._digests: dict[int, tuple[Request, bytes]] = {}
+        self._seen: dict[int, Request] = {}
 
     @property
     def max_model_len(self) -> int:
@@ -182,12 +189,24 @@ class SimulatedExecutor:
         )
 
     def run(self, scheduled: list[ScheduledRequest]) -> tuple[SamplerOutput, dict[str, str]]:
+        """Write the scheduled tokens' KV, sample their simulated ids, and take the profile's
+        time. A request that arrives with computed tokens (a prefix hit, KV pulled from a peer)
+        fails alone when their blocks do not hold their simulated KV: the bytes moved wrong."""
         start_s = time.perf_counter()
         digests: dict[int, tuple[Request, bytes]] = {}
+        seen: dict[int, Request] = {}
+        errors: dict[str, str] = {}
         tokens: list[int] = []
         logprobs: list[TokenLogprobs | None] = []
         for item in scheduled:
             request = item.request
+            seen[id(request)] = request
+            if id(request) not in self._seen and not self._computed_kv_holds(item):
+                errors[request.req_id] = (
+                    f"the KV of its {request.num_computed_tokens} computed tokens is not the "
+                    "simulated KV of their ids (a KV transfer or prefix hit moved wrong bytes)"
+                )
+                continue
             self._write_kv(item)
             if not item.num_sample_rows:
                 continue
@@ -204,12 +223,19 @@ class SimulatedExecutor:
                 logprobs.append(
                     TokenLogprobs(token_id, 0.0, 1, ((token_id, 0.0),)) if wants_logprobs else None
                 )
-        # Only the ids of requests still sampling are kept: the cache cannot outgrow a batch.
+        # Only the requests of this step are kept: neither map can outgrow a batch.
         self._digests = digests
+        self._seen = seen
         left_s = self.profile.step_s(scheduled, self._block_size) - (time.perf_counter() - start_s)
         if left_s > 0:
             time.sleep(left_s)
-        return SamplerOutput(tokens, logprobs), {}
+        return SamplerOutput(tokens, logprobs), errors
+
+    def _computed_kv_holds(self, item: ScheduledRequest) -> bool:
+        """Whether the blocks of ``item``'s already computed tokens hold their simulated KV."""
+        request = item.request
+        computed = request.all_token_ids[: request.num_computed_tokens]
+        return kv_matches(self._kv_cache, item.block_ids, computed, self._block_size)
 
     def _write_kv(self, item: ScheduledRequest) -> None:
         """Every computed token's rows, in all layers and heads, hold ``kv_value``."""

@@ -92,6 +92,31 @@ def test_held_kv_holds_each_tokens_value_and_a_copy_of_it_matches(tiny_llama_dir
     assert len(_run(decode)["r"]) == 3
 
 
+def test_pulled_kv_with_a_wrong_byte_fails_its_request_alone(tiny_llama_dir: Path) -> None:
+    prefill, decode = _mock(tiny_llama_dir), _mock(tiny_llama_dir)
+    prefill.add_request("r", PROMPT, SamplingParams(max_tokens=1), hold_kv=True)
+    first_token = _run(prefill)["r"]
+    held = prefill.held_kv_block_ids("r")
+    decode.add_request(
+        "r",
+        PROMPT,
+        SamplingParams(max_tokens=4),
+        output_token_ids=first_token,
+        num_external_tokens=len(PROMPT),
+    )
+    decode.add_request("other", [7, *PROMPT], SamplingParams(max_tokens=4))
+    decode.step()
+    (load,) = decode.take_kv_loads()
+    decode.kv_cache[load.block_ids] = prefill.kv_cache[held]
+    decode.kv_cache[load.block_ids[-1]].view(-1)[0] += 1  # one byte the transfer got wrong
+    decode.finish_kv_load("r", True)
+    finals = {}
+    while decode.has_unfinished_requests():
+        finals.update({out.req_id: out for out in decode.step() if out.finished})
+    assert finals["r"].error is not None and "wrong bytes" in finals["r"].error
+    assert finals["other"].error is None and len(finals["other"].token_ids) == 4
+
+
 def test_prefix_caching_hits_as_on_the_native_engine(tiny_llama_dir: Path) -> None:
     engine = _mock(tiny_llama_dir)
     engine.add_request("a", PROMPT, SamplingParams(max_tokens=2))
