@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
 
 from engine.constraint import ConstraintLimits
@@ -16,7 +17,16 @@ KERNEL_BACKENDS = ("auto", "torch", "cpp", "triton")
 LOAD_FORMATS = ("auto", "dummy")
 # vLLM's names; "fp8" is its alias of fp8_e4m3. The 8-bit ones are engine/model/kv_quant.py's.
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16", "fp8", "fp8_e4m3", "int8")
-ENGINES = ("native", "mock")
+
+
+class EngineKind(enum.StrEnum):
+    """Which engine a worker runs (``--engine``): a ``str``, as ``Role`` is."""
+
+    NATIVE = "native"  # this repository's model code
+    MOCK = "mock"  # simulated: no model math (engine/simulated.py)
+
+
+ENGINES = tuple(kind.value for kind in EngineKind)
 # --engine mock's step profile: the native engine's, fitted on SmolLM2-135M (float32) on an
 # AVX2 host (BENCHMARKS.md, "The simulated engine's profile").
 MOCK_STEP_MS = 0.0
@@ -41,8 +51,8 @@ class EngineConfig:
         help="model directory, .gguf file, alias (e.g. smollm2-135m) or Hugging Face repo id "
         "(org/name, downloaded into the Hugging Face cache; HF_TOKEN for gated models)"
     )
-    engine: str = flag(
-        "native",
+    engine: EngineKind = flag(
+        EngineKind.NATIVE,
         "native: this repository's model code; mock: a simulated engine that runs no model "
         "math (the native scheduler and KV block pool, steps that take the --mock-* profile's "
         "time, token ids that depend on the prompt alone, deterministic KV bytes): for testing "
@@ -151,6 +161,8 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.engine not in ENGINES:
             raise ValueError(f"engine must be one of {ENGINES}, got {self.engine!r}")
+        # Given as its name (a test, a caller's literal): the member, so that `is` holds.
+        object.__setattr__(self, "engine", EngineKind(self.engine))
         for name in _MOCK_PROFILE_FIELDS:
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")

@@ -21,7 +21,7 @@ from engine.backend import EngineInfo
 from engine.batch_runner import BatchRunner
 from engine.block_hash import BlockHash
 from engine.block_pool import KVCacheEvent
-from engine.config import EngineConfig
+from engine.config import EngineConfig, EngineKind
 from engine.constraint import Constraint
 from engine.cpu_isa import CpuIsa, cpu_auto_dtype, host_isa, resolve_isa
 from engine.cpu_tuning import (
@@ -236,7 +236,7 @@ class LLMEngine:
         """The model side: this repository's model code, or the simulated one (``--engine
         mock``)."""
         config = self.config
-        if config.engine == "mock":
+        if config.engine is EngineKind.MOCK:
             return SimulatedExecutor(
                 self.model_dir,
                 self.kv_cache_dtype,
