@@ -5,7 +5,8 @@ Torch-free, so the router can use it.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import dataclasses
+from typing import TYPE_CHECKING, Any
 
 from engine.constraint import Constraint, ConstraintKind, ConstraintLimits
 from engine.grammar_pool import GrammarPool
@@ -163,47 +164,26 @@ def logprobs_to_proto(logprobs: TokenLogprobs) -> worker_pb2.TokenLogprob:
 
 
 def peer_info_to_proto(info: PeerInfo) -> worker_pb2.KVPeerInfo:
-    return worker_pb2.KVPeerInfo(
-        engine_id=info.engine_id,
-        backend=info.backend,
-        address=info.address,
-        metadata=info.metadata,
-        compat_hash=info.compat_hash,
-        version=info.version,
-        kv_layout=info.kv_layout,
-    )
+    return worker_pb2.KVPeerInfo(**_same_named_fields(info, PeerInfo))
 
 
 def peer_info_from_proto(msg: worker_pb2.KVPeerInfo) -> PeerInfo:
-    return PeerInfo(
-        engine_id=msg.engine_id,
-        backend=msg.backend,
-        address=msg.address,
-        compat_hash=msg.compat_hash,
-        version=msg.version,
-        metadata=msg.metadata,
-        kv_layout=msg.kv_layout,
-    )
+    return PeerInfo(**_same_named_fields(msg, PeerInfo))
 
 
 def kv_ref_to_proto(ref: KVRef) -> worker_pb2.KVRef:
-    return worker_pb2.KVRef(
-        engine_id=ref.engine_id,
-        req_id=ref.req_id,
-        block_ids=ref.block_ids,
-        num_tokens=ref.num_tokens,
-        grant=ref.grant,
-    )
+    return worker_pb2.KVRef(**_same_named_fields(ref, KVRef))
 
 
 def kv_ref_from_proto(msg: worker_pb2.KVRef) -> KVRef:
-    return KVRef(
-        engine_id=msg.engine_id,
-        req_id=msg.req_id,
-        block_ids=tuple(msg.block_ids),
-        num_tokens=msg.num_tokens,
-        grant=msg.grant,
-    )
+    fields = _same_named_fields(msg, KVRef)
+    return KVRef(**{**fields, "block_ids": tuple(msg.block_ids)})
+
+
+def _same_named_fields(source: object, dataclass_type: type) -> dict[str, Any]:
+    """``source``'s values of ``dataclass_type``'s fields: the dataclass and its message name
+    their fields alike."""
+    return {f.name: getattr(source, f.name) for f in dataclasses.fields(dataclass_type)}
 
 
 def load_to_proto(
