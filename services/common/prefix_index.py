@@ -14,6 +14,7 @@ through a server-side Lua script). Torch-free: the router imports it.
 from __future__ import annotations
 
 import abc
+import enum
 import time
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -216,6 +217,13 @@ return out
 )
 
 
+class _SetOp(enum.Enum):
+    """A Redis set command, by its name."""
+
+    ADD = "sadd"
+    REMOVE = "srem"
+
+
 class RedisPrefixIndex(PrefixIndex):
     """The index in Redis, shared by every router and worker of one cluster (``namespace``).
 
@@ -236,19 +244,13 @@ class RedisPrefixIndex(PrefixIndex):
         return cls(config.client(), config.redis_namespace)
 
     async def store(self, worker_id: str, block_hashes: Sequence[BlockHash]) -> None:
-        if not block_hashes:
-            return
-        async with self._redis.pipeline(transaction=False) as pipe:
-            for block_hash in block_hashes:
-                pipe.sadd(self._blk + block_hash, worker_id)
-            pipe.sadd(f"{self._ns}worker:{worker_id}", *block_hashes)
-            await pipe.execute()
+        await self._update(_SetOp.ADD, worker_id, block_hashes)
 
     async def remove(self, worker_id: str, block_hashes: Sequence[BlockHash]) -> None:
-        await self._remove(worker_id, block_hashes)
+        await self._update(_SetOp.REMOVE, worker_id, block_hashes)
 
     async def clear(self, worker_id: str) -> None:
-        await self._remove(worker_id, await self.entries(worker_id))
+        await self.remove(worker_id, await self.entries(worker_id))
 
     async def forget(self, worker_id: str) -> None:
         await self.clear(worker_id)
@@ -285,11 +287,14 @@ class RedisPrefixIndex(PrefixIndex):
     async def close(self) -> None:
         await self._redis.aclose()
 
-    async def _remove(self, worker_id: str, block_hashes: Sequence[BlockHash]) -> None:
+    async def _update(self, op: _SetOp, worker_id: str, block_hashes: Sequence[BlockHash]) -> None:
+        """Add ``worker_id`` to (or remove it from) each block's set, and the blocks to (from)
+        the worker's own set, in one round trip."""
         if not block_hashes:
             return
         async with self._redis.pipeline(transaction=False) as pipe:
+            command = getattr(pipe, op.value)
             for block_hash in block_hashes:
-                pipe.srem(self._blk + block_hash, worker_id)
-            pipe.srem(f"{self._ns}worker:{worker_id}", *block_hashes)
+                command(self._blk + block_hash, worker_id)
+            command(f"{self._ns}worker:{worker_id}", *block_hashes)
             await pipe.execute()
