@@ -18,6 +18,7 @@ import grpc
 
 from services.common.convert import FINISH_REASON_NAMES
 from services.common.logs import log_fields
+from splitserve.v1 import router_pb2
 
 logger = logging.getLogger("splitserve.requests")
 
@@ -35,7 +36,7 @@ class Outcome(enum.StrEnum):
     ERROR = "error"  # the server failed it
 
     @classmethod
-    def of_finish_reason(cls, finish_reason: int) -> Outcome:
+    def of_finish_reason(cls, finish_reason: router_pb2.FinishReason) -> Outcome:
         """The outcome of a ``router_pb2.FinishReason`` other than UNSPECIFIED."""
         return cls(FINISH_REASON_NAMES[finish_reason])
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass
 
 import grpc
@@ -104,7 +104,7 @@ class RoutedRequest:
         self.failures = FailurePolicy()
         self.holdings = Holdings(self.req_id, self._planner.prefill_chooser, routing.background)
 
-    async def run(self) -> AsyncIterator[router_pb2.GenerateResponse]:
+    async def run(self) -> AsyncGenerator[router_pb2.GenerateResponse, None]:
         """The client's messages: the first token from the prefill worker (when one runs),
         then the decode workers' tokens. Aborts the call when no decode worker can go on."""
         if self.prepared.client_request_id != self.req_id:
