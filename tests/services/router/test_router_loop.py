@@ -83,7 +83,7 @@ def test_a_request_with_no_routable_decode_worker_waits_for_one_before_its_prefi
 ) -> None:
     """The only decode worker is shutting down when the request arrives: the request waits
     (``--decode-failover-wait-s``) without prefilling, then runs on it once it is routable."""
-    caplog.set_level(logging.INFO, logger="services.router.server")
+    caplog.set_level(logging.INFO, logger="services.router.routed_request")
 
     async def main() -> None:
         prefill, decode = StandInPrefill("p0"), StandInDecode("d0", routable=False)
