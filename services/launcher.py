@@ -104,6 +104,10 @@ class LocalCluster:
     _env: dict[str, str] = field(default_factory=dict, init=False, repr=False)
     _tls: TlsMaterial | None = field(default=None, init=False, repr=False)
 
+    def __post_init__(self) -> None:
+        # Given as its name (a test, a caller's literal): the member, so that `is` holds.
+        self.mode = ClusterMode(self.mode)
+
     @property
     def router_address(self) -> str:
         return self.workers(Role.ROUTER)[0].address
