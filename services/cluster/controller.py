@@ -319,8 +319,8 @@ class ClusterController:
             for m in pool.members
             if m.state is not MemberState.STARTING
         ]
-        alive = await asyncio.gather(*(alive(m) for m in watched))
-        for member, ok in zip(watched, alive, strict=True):
+        answers = await asyncio.gather(*(alive(m) for m in watched))
+        for member, ok in zip(watched, answers, strict=True):
             if ok or member not in self._pools[member.role].members:
                 continue
             logger.warning(
