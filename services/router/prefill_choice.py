@@ -28,7 +28,12 @@ from services.common.logs import rate_limited
 from services.common.prefix_index import InProcessPrefixIndex
 from services.router import metrics
 from services.router.prefill_cost import CandidateLoad, CandidateScore, PrefillWeights
-from services.router.prefill_ledger import LocalPrefillLedger, PrefillLedger, Reservation
+from services.router.prefill_ledger import (
+    LocalPrefillLedger,
+    PrefillLedger,
+    PrefillQuery,
+    Reservation,
+)
 from services.router.worker_pool import WorkerHandle, WorkerPool
 from splitserve.v1 import worker_pb2
 
@@ -134,12 +139,13 @@ class PrefillChooser:
         if not loads and not block_hashes:
             return PrefillChoice(None, block_hashes, (), {}, None, self.ledger)
         tie_value = self._tie_value(len(loads))
+        query = PrefillQuery(block_hashes, loads, self._weights, tie_value)
         ledger = self.ledger
         start_s = time.perf_counter()
         try:
             with metrics.DECISION_SECONDS.time():
                 selection = await asyncio.wait_for(
-                    ledger.select(req_id, block_hashes, loads, self._weights, tie_value),
+                    ledger.select(req_id, query),
                     _SELECT_TIMEOUT_S,
                 )
         except Exception as exc:  # Redis down or slow: decide on load alone
@@ -152,7 +158,7 @@ class PrefillChooser:
                 extra=rate_limited("redis"),
             )
             ledger = self._fallback
-            selection = await ledger.select(req_id, block_hashes, loads, self._weights, tie_value)
+            selection = await ledger.select(req_id, query)
         scored = zip(workers, selection.scores, strict=True)
         candidates = tuple(PrefillCandidate(w, s) for w, s in scored)
         chosen = workers[selection.chosen] if selection.chosen is not None else None

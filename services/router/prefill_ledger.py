@@ -39,6 +39,17 @@ RESERVATION_MAX_S = 600.0
 
 
 @dataclass(frozen=True, slots=True)
+class PrefillQuery:
+    """What one decision is asked: the prompt's blocks, the candidates with their reported
+    load, the policy's weights and the tie value that breaks equal scores (0..1)."""
+
+    block_hashes: Sequence[BlockHash]
+    candidates: Sequence[CandidateLoad]
+    weights: PrefillWeights
+    tie_value: float
+
+
+@dataclass(frozen=True, slots=True)
 class Reservation:
     """Blocks reserved on one worker; ``member`` names it in the ledger. ``recorded`` are the
     prompt's blocks past the worker's match, which the decision recorded in the prefix index as
@@ -70,16 +81,9 @@ class PrefillLedger(abc.ABC):
     """Decides and reserves for one router; shared with other routers when in Redis."""
 
     @abc.abstractmethod
-    async def select(
-        self,
-        req_id: str | None,
-        block_hashes: Sequence[BlockHash],
-        candidates: Sequence[CandidateLoad],
-        weights: PrefillWeights,
-        tie_value: float,
-    ) -> Selection:
-        """Match ``block_hashes``, score ``candidates`` (``prefill_cost``), pick one and, when
-        ``req_id`` is given, reserve its uncached blocks, all as one atomic step."""
+    async def select(self, req_id: str | None, query: PrefillQuery) -> Selection:
+        """Match ``query.block_hashes``, score its candidates (``prefill_cost``), pick one and,
+        when ``req_id`` is given, reserve its uncached blocks, all as one atomic step."""
 
     @abc.abstractmethod
     async def release(self, reservation: Reservation) -> None:
@@ -114,14 +118,8 @@ class LocalPrefillLedger(PrefillLedger):
         """Whether it matches prefixes (False: it decides on load alone)."""
         return self._index is not None
 
-    async def select(
-        self,
-        req_id: str | None,
-        block_hashes: Sequence[BlockHash],
-        candidates: Sequence[CandidateLoad],
-        weights: PrefillWeights,
-        tie_value: float,
-    ) -> Selection:
+    async def select(self, req_id: str | None, query: PrefillQuery) -> Selection:
+        block_hashes, candidates, weights = query.block_hashes, query.candidates, query.weights
         matched = await self._index.match(block_hashes) if self._index and block_hashes else {}
         reserved = [self._reserved.get(c.worker_id, {}) for c in candidates]
         scores = score_candidates(
@@ -132,7 +130,7 @@ class LocalPrefillLedger(PrefillLedger):
             [len(r) for r in reserved],
             weights,
         )
-        chosen = pick(scores, weights, tie_value)
+        chosen = pick(scores, weights, query.tie_value)
         reservation = None
         if chosen is not None and req_id is not None:
             worker_id = candidates[chosen].worker_id

@@ -17,18 +17,17 @@ from collections.abc import Sequence
 
 import redis.asyncio as aioredis
 
-from engine.block_hash import BlockHash
 from services.common.background import BackgroundTasks
 from services.common.logs import rate_limited
 from services.common.prefix_index import MATCH_PREFIX_LUA
 from services.router.prefill_cost import (
     CandidateLoad,
-    PrefillWeights,
     score_candidates,
 )
 from services.router.prefill_ledger import (
     RESERVATION_MAX_S,
     PrefillLedger,
+    PrefillQuery,
     Reservation,
     Selection,
     reservation_member,
@@ -174,14 +173,8 @@ class RedisPrefillLedger(PrefillLedger):
         """Heartbeat the router's key every third of its TTL (on the running loop)."""
         self._heartbeat = asyncio.get_running_loop().create_task(self._heartbeat_forever())
 
-    async def select(
-        self,
-        req_id: str | None,
-        block_hashes: Sequence[BlockHash],
-        candidates: Sequence[CandidateLoad],
-        weights: PrefillWeights,
-        tie_value: float,
-    ) -> Selection:
+    async def select(self, req_id: str | None, query: PrefillQuery) -> Selection:
+        weights, candidates = query.weights, query.candidates
         args: list[str | bytes | float | int] = [
             self._ns,
             self._router_id,
@@ -193,12 +186,12 @@ class RedisPrefillLedger(PrefillLedger):
             weights.load_bound,
             weights.load_bound_slack,
             weights.saturation_blocks,
-            tie_value,
+            query.tie_value,
             len(candidates),
         ]
         for candidate in candidates:
             args += [candidate.worker_id, candidate.reported_queued_blocks]
-        args.append(b"".join(block_hashes))
+        args.append(b"".join(query.block_hashes))
         try:
             reply = await self._select(args=args)
         except asyncio.CancelledError:
@@ -206,7 +199,7 @@ class RedisPrefillLedger(PrefillLedger):
             if req_id is not None:
                 self._background.spawn(self._abandon_reservation(req_id, candidates))
             raise
-        return self._selection(req_id, block_hashes, candidates, weights, reply)
+        return self._selection(req_id, query, reply)
 
     async def release(self, reservation: Reservation) -> None:
         await self._redis.zrem(f"{self._ns}resv:{reservation.worker_id}", reservation.member)
@@ -231,14 +224,8 @@ class RedisPrefillLedger(PrefillLedger):
             await self._redis.delete(f"{self._ns}router:{self._router_id}")
         await self._redis.aclose()
 
-    def _selection(
-        self,
-        req_id: str | None,
-        block_hashes: Sequence[BlockHash],
-        candidates: Sequence[CandidateLoad],
-        weights: PrefillWeights,
-        reply: list,
-    ) -> Selection:
+    def _selection(self, req_id: str | None, query: PrefillQuery, reply: list) -> Selection:
+        block_hashes, candidates = query.block_hashes, query.candidates
         n = len(candidates)
         matched = {c.worker_id: int(reply[1 + 3 * i]) for i, c in enumerate(candidates)}
         rest = reply[1 + 3 * n :]
@@ -249,7 +236,7 @@ class RedisPrefillLedger(PrefillLedger):
             matched,
             [int(reply[2 + 3 * i]) for i in range(n)],
             [int(reply[3 + 3 * i]) for i in range(n)],
-            weights,
+            query.weights,
         )
         chosen = int(reply[0]) - 1 if int(reply[0]) > 0 else None
         reservation = None

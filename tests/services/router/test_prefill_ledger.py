@@ -22,7 +22,12 @@ from services.common.prefix_index import (
 )
 from services.common.redis_config import RedisConfig
 from services.router.prefill_cost import CandidateLoad, PrefillWeights
-from services.router.prefill_ledger import LocalPrefillLedger, PrefillLedger, Selection
+from services.router.prefill_ledger import (
+    LocalPrefillLedger,
+    PrefillLedger,
+    PrefillQuery,
+    Selection,
+)
 from services.router.redis_prefill_ledger import RedisPrefillLedger
 from tests.waiting import wait_until
 
@@ -93,8 +98,8 @@ def test_redis_script_decides_exactly_as_the_python_reference(redis_server):
                 loads = [CandidateLoad(w, rng.choice([0.0, 1.5, 4.0])) for w in WORKERS]
                 tie = rng.random()
                 req_id = f"req-{step}" if rng.random() < 0.8 else None
-                ours = await local.select(req_id, prompt, loads, weights, tie)
-                theirs = await remote.select(req_id, prompt, loads, weights, tie)
+                ours = await local.select(req_id, PrefillQuery(prompt, loads, weights, tie))
+                theirs = await remote.select(req_id, PrefillQuery(prompt, loads, weights, tie))
                 assert theirs == ours, (trial, step)
                 if ours.reservation is not None and rng.random() < 0.3:
                     await local.release(ours.reservation)
@@ -118,7 +123,7 @@ def test_a_hot_prefix_spills_within_the_load_bound(ledger_kind, redis_server):
         weights = PrefillWeights(load_bound=1.25)
         chosen = []
         for i in range(32):
-            selection = await ledger.select(f"req-{i}", prompt, idle(), weights, 0.5)
+            selection = await ledger.select(f"req-{i}", PrefillQuery(prompt, idle(), weights, 0.5))
             assert selection.reservation is not None
             chosen.append(selection.reservation.worker_id)
         counts = {w: chosen.count(w) for w in WORKERS}
@@ -138,14 +143,14 @@ def test_released_reservations_stop_counting_and_explain_reserves_nothing(
         _, ledger = await index_and_ledger(ledger_kind, redis_server.url)
         prompt = chain(seed=2, num_blocks=5)
         weights = PrefillWeights()
-        first = await ledger.select("a", prompt, idle(("w0",)), weights, 0.0)
+        first = await ledger.select("a", PrefillQuery(prompt, idle(("w0",)), weights, 0.0))
         assert first.reservation is not None and first.reservation.blocks == 5
-        peek = await ledger.select(None, prompt, idle(("w0",)), weights, 0.0)
+        peek = await ledger.select(None, PrefillQuery(prompt, idle(("w0",)), weights, 0.0))
         assert peek.reservation is None
         assert (peek.scores[0].reserved_blocks, peek.scores[0].reserved_requests) == (5, 1)
         await ledger.release(first.reservation)
         await ledger.release(first.reservation)  # idempotent
-        after = await ledger.select(None, prompt, idle(("w0",)), weights, 0.0)
+        after = await ledger.select(None, PrefillQuery(prompt, idle(("w0",)), weights, 0.0))
         assert (after.scores[0].reserved_blocks, after.scores[0].reserved_requests) == (0, 0)
         await ledger.close()
 
@@ -162,7 +167,7 @@ def test_a_withdrawn_reservation_leaves_only_what_the_worker_held_before(ledger_
         await index.heartbeat("w0", ttl_s=60)
         await index.store("w0", prompt[:2])
         weights = PrefillWeights()
-        selection = await ledger.select("a", prompt, idle(("w0",)), weights, 0.0)
+        selection = await ledger.select("a", PrefillQuery(prompt, idle(("w0",)), weights, 0.0))
         assert selection.reservation is not None
         assert selection.reservation.recorded == tuple(prompt[2:])
         assert await index.match(prompt) == {"w0": 5}
@@ -170,7 +175,7 @@ def test_a_withdrawn_reservation_leaves_only_what_the_worker_held_before(ledger_
         await ledger.withdraw(selection.reservation)  # idempotent
         assert await index.match(prompt) == {"w0": 2}
         assert sorted(await index.entries("w0")) == sorted(prompt[:2])
-        after = await ledger.select(None, prompt, idle(("w0",)), weights, 0.0)
+        after = await ledger.select(None, PrefillQuery(prompt, idle(("w0",)), weights, 0.0))
         assert (after.scores[0].reserved_blocks, after.scores[0].reserved_requests) == (0, 0)
         await index.close()
         await ledger.close()
@@ -184,10 +189,10 @@ def test_every_worker_saturated_chooses_none(ledger_kind, redis_server):
         prompt = chain(seed=3, num_blocks=4)
         weights = PrefillWeights(saturation_blocks=10)
         busy = [CandidateLoad("w0", 10.0), CandidateLoad("w1", 12.0)]
-        selection = await ledger.select("a", prompt, busy, weights, 0.0)
+        selection = await ledger.select("a", PrefillQuery(prompt, busy, weights, 0.0))
         assert selection.chosen is None and selection.reservation is None
         one_free = [CandidateLoad("w0", 10.0), CandidateLoad("w1", 9.0)]
-        assert (await ledger.select("a", prompt, one_free, weights, 0.0)).chosen == 1
+        assert (await ledger.select("a", PrefillQuery(prompt, one_free, weights, 0.0))).chosen == 1
         await ledger.close()
 
     asyncio.run(main())
@@ -204,7 +209,7 @@ def _router_process(url: str, namespace: str, router_id: str, num_requests: int,
         start.wait(timeout=60)
         await asyncio.gather(
             *(
-                ledger.select(f"req-{i}", prompt, idle(), weights, random.random())
+                ledger.select(f"req-{i}", PrefillQuery(prompt, idle(), weights, random.random()))
                 for i in range(num_requests)
             )
         )
@@ -267,7 +272,8 @@ def test_a_crashed_routers_reservations_stop_counting_after_its_ttl(redis_server
 
     async def reserved() -> int:
         _, ledger = await make_pair(redis_server.url, "survivor", namespace)
-        selection: Selection = await ledger.select(None, [], idle(), PrefillWeights(), 0)
+        query = PrefillQuery([], idle(), PrefillWeights(), 0)
+        selection: Selection = await ledger.select(None, query)
         await ledger.close()
         return sum(s.reserved_requests for s in selection.scores)
 
@@ -288,9 +294,8 @@ def _crashing_router_with_ttl(url: str, namespace: str, conn) -> None:
         ledger = RedisPrefillLedger(client, "doomed", router_ttl_s=1.0, namespace=namespace)
         ledger.start()
         for i in range(3):
-            await ledger.select(
-                f"req-{i}", chain(seed=5, num_blocks=4), idle(), PrefillWeights(), 0
-            )
+            query = PrefillQuery(chain(seed=5, num_blocks=4), idle(), PrefillWeights(), 0)
+            await ledger.select(f"req-{i}", query)
         conn.send("reserved")
         await asyncio.sleep(3600)  # hang, holding the reservations, until the test kills it
 

@@ -20,7 +20,7 @@ from services.common.prefix_index import InProcessPrefixIndex
 from services.router.config import RouterConfig
 from services.router.explain import explain_response
 from services.router.prefill_cost import CandidateLoad, PrefillWeights
-from services.router.prefill_ledger import PrefillLedger, Reservation, Selection
+from services.router.prefill_ledger import PrefillLedger, PrefillQuery, Reservation, Selection
 from services.router.route_plan import PrefillPlace, RoutePlan, RoutePlanner, build_planner
 from splitserve.v1 import worker_pb2
 from tests.services.router.fakes import BLOCK_SIZE, DECODE, PREFILL, W, make_pool
@@ -101,7 +101,8 @@ async def reserved(planner: RoutePlanner) -> dict[str, int]:
     await asyncio.sleep(0)  # let the releases that ``cancel`` spawned run (no time passes)
     pools = (planner.prefill_chooser.pool, planner.decode_chooser.pool)
     loads = [CandidateLoad(w.address, 0.0) for pool in pools for w in pool.workers]
-    selection = await planner.prefill_chooser.ledger.select(None, (), loads, PrefillWeights(), 0)
+    query = PrefillQuery((), loads, PrefillWeights(), 0)
+    selection = await planner.prefill_chooser.ledger.select(None, query)
     return {s.worker_id: s.reserved_blocks for s in selection.scores if s.reserved_requests}
 
 
@@ -378,10 +379,10 @@ class HealthFlipLedger(PrefillLedger):
         self.inner = inner
         self.planner = planner
 
-    async def select(self, req_id, block_hashes, candidates, weights, tie_value) -> Selection:  # type: ignore[no-untyped-def]
-        selection = await self.inner.select(req_id, block_hashes, candidates, weights, tie_value)
+    async def select(self, req_id: str | None, query: PrefillQuery) -> Selection:
+        selection = await self.inner.select(req_id, query)
         if selection.chosen is not None:
-            chosen_id = candidates[selection.chosen].worker_id
+            chosen_id = query.candidates[selection.chosen].worker_id
             for worker in self.planner.decode_chooser.pool.workers:
                 if worker.address == chosen_id:
                     worker.mark_failed("UNAVAILABLE: poll failed")
