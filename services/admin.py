@@ -9,9 +9,10 @@ does not serve yet if it does not.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import grpc
 from google.protobuf import json_format
@@ -64,18 +65,10 @@ def configure_scale(scale: argparse.ArgumentParser) -> None:
 
 def run_status(args: argparse.Namespace) -> int:
     deadline_s = time.monotonic() + args.timeout_s
-    with open_router_channel(args.target, **router_credentials(args)) as channel:
-        stub = router_pb2_grpc.RouterStub(channel)
-        try:
-            status = wait_for_cluster(
-                stub, args.target, deadline_s, WaitMessages(sys.stderr), router_answers
-            )
-        except grpc.RpcError as exc:
-            print(f"error: {exc.code().name}: {exc.details()}", file=sys.stderr)
-            return 2
-        except ClusterNotReady as exc:
-            print(f"error: {exc}", file=sys.stderr)
-            return 2
+    with _router(args, not_ready="") as stub:
+        status = wait_for_cluster(
+            stub, args.target, deadline_s, WaitMessages(sys.stderr), router_answers
+        )
     if args.json:
         print(json_format.MessageToJson(status, preserving_proto_field_name=True))
     else:
@@ -90,22 +83,30 @@ def run_scale(args: argparse.Namespace) -> int:
     request = router_pb2.ScaleRequest(role=Role(args.pool).to_proto(), num_workers=args.num_workers)
     deadline_s = time.monotonic() + args.timeout_s
     messages = WaitMessages(sys.stderr)
-    with open_router_channel(args.target, **router_credentials(args)) as channel:
-        stub = router_pb2_grpc.RouterStub(channel)
-        try:
-            wait_for_cluster(stub, args.target, deadline_s, messages, router_answers)
-            pools: Sequence[router_pb2.PoolStatus] = stub.Scale(request, timeout=30.0).pools
-            if args.wait:
-                why_not = why_pool_not_at_size(request.role)
-                pools = wait_for_cluster(stub, args.target, deadline_s, messages, why_not).pools
-        except grpc.RpcError as exc:
-            print(f"error: {exc.code().name}: {exc.details()}", file=sys.stderr)
-            return 2
-        except ClusterNotReady as exc:
-            print(f"error: not done after {args.timeout_s:g} s: {exc}", file=sys.stderr)
-            return 2
+    with _router(args, not_ready=f"not done after {args.timeout_s:g} s: ") as stub:
+        wait_for_cluster(stub, args.target, deadline_s, messages, router_answers)
+        pools: Sequence[router_pb2.PoolStatus] = stub.Scale(request, timeout=30.0).pools
+        if args.wait:
+            why_not = why_pool_not_at_size(request.role)
+            pools = wait_for_cluster(stub, args.target, deadline_s, messages, why_not).pools
     print(format_pools(pools))
     return 0
+
+
+@contextlib.contextmanager
+def _router(args: argparse.Namespace, not_ready: str) -> Iterator[router_pb2_grpc.RouterStub]:
+    """A stub on the router at ``--target``. A failed call, or a cluster still not ready at
+    the deadline (its reason after ``not_ready``), ends the command: one ``error:`` line on
+    stderr and exit status 2."""
+    with open_router_channel(args.target, **router_credentials(args)) as channel:
+        try:
+            yield router_pb2_grpc.RouterStub(channel)
+        except grpc.RpcError as exc:
+            print(f"error: {exc.code().name}: {exc.details()}", file=sys.stderr)
+            raise SystemExit(2) from exc
+        except ClusterNotReady as exc:
+            print(f"error: {not_ready}{exc}", file=sys.stderr)
+            raise SystemExit(2) from exc
 
 
 def format_pools(pools: Sequence[router_pb2.PoolStatus]) -> str:

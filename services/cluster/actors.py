@@ -55,7 +55,24 @@ def _advertised_host(host: str) -> str:
     return ray.util.get_node_ip_address() if host in _ANY_ADDRESS else host
 
 
-class _WorkerActor:
+class _ServiceActor:
+    """What every actor does alike: say where its started service is reached, answer pings."""
+
+    _host: str  # the address its service binds
+    _metrics_port: int
+
+    def _started(self, port: int) -> Endpoint:
+        """Its service serves on ``port`` now: what it allocated to start stays for good (out
+        of the cyclic GC's passes), and peers reach it at the returned endpoint."""
+        freeze_startup_heap()
+        address = f"{_advertised_host(self._host)}:{port}"
+        return Endpoint(address, self._metrics_port, os.getpid(), socket.gethostname())
+
+    async def ping(self) -> int:
+        return os.getpid()
+
+
+class _WorkerActor(_ServiceActor):
     """A prefill or decode worker; ``start`` loads the model and returns once it serves."""
 
     role: ClassVar[Role]
@@ -69,20 +86,14 @@ class _WorkerActor:
         self._config = dataclasses.replace(
             config, port=0, metrics_port=metrics_port, kv_advertise_host=kv_advertise_host
         )
+        self._host, self._metrics_port = config.host, metrics_port
         self._worker: RunningWorker | None = None
         self._watcher: asyncio.Task[None] | None = None
 
     async def start(self) -> Endpoint:
         self._worker = await self._start_worker(self._config)
-        freeze_startup_heap()
         self._watcher = asyncio.create_task(self._exit_when_engine_dies(self._worker))
-        host = _advertised_host(self._config.host)
-        return Endpoint(
-            f"{host}:{self._worker.port}",
-            self._config.metrics_port,
-            os.getpid(),
-            socket.gethostname(),
-        )
+        return self._started(self._worker.port)
 
     async def _start_worker(self, config: WorkerConfig) -> RunningWorker:
         raise NotImplementedError
@@ -100,9 +111,6 @@ class _WorkerActor:
         if self._worker is not None:
             await self._worker.stop(grace_s)
             self._worker = None
-
-    async def ping(self) -> int:
-        return os.getpid()
 
 
 class PrefillActor(_WorkerActor):
@@ -141,7 +149,7 @@ class ControllerScaler:
         return await self._controller.pools.remote()
 
 
-class RouterActor:
+class RouterActor(_ServiceActor):
     """A router; pool membership comes from the controller through ``set_pool``."""
 
     role: ClassVar[Role] = Role.ROUTER
@@ -150,19 +158,13 @@ class RouterActor:
         configure_logging(log_level)
         metrics_port, self._metrics_reservation = _metrics_port(config.metrics_port, config.host)
         self._config = dataclasses.replace(config, metrics_port=metrics_port)
+        self._host, self._metrics_port = config.host, metrics_port
         self._controller = controller
         self._router: RunningRouter | None = None
 
     async def start(self) -> Endpoint:
         self._router = await start_router(self._config, ControllerScaler(self._controller))
-        freeze_startup_heap()
-        host = _advertised_host(self._config.host)
-        return Endpoint(
-            f"{host}:{self._router.port}",
-            self._config.metrics_port,
-            os.getpid(),
-            socket.gethostname(),
-        )
+        return self._started(self._router.port)
 
     async def set_pool(self, role: Role, members: dict[str, bool]) -> None:
         """See ``RouterServicer.set_pool``."""
@@ -190,9 +192,6 @@ class RouterActor:
         if self._router is not None:
             await self._router.stop(grace_s)
             self._router = None
-
-    async def ping(self) -> int:
-        return os.getpid()
 
 
 ACTOR_CLASSES: dict[Role, type] = {

@@ -112,19 +112,25 @@ def constraint_to_proto(constraint: Constraint) -> worker_pb2.OutputConstraint:
     return msg
 
 
+# The sampling fields that a worker's message carries as they are (the same name and value).
+_SCALAR_SAMPLING_FIELDS = (
+    "max_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "repetition_penalty",
+    "presence_penalty",
+    "frequency_penalty",
+    "ignore_eos",
+)
+
+
 def sampling_params_to_worker(params: SamplingParams) -> worker_pb2.WorkerSamplingParams:
     """The model-facing part of ``params``; stop strings stay with the router."""
     msg = worker_pb2.WorkerSamplingParams(
-        max_tokens=params.max_tokens,
-        temperature=params.temperature,
-        top_p=params.top_p,
-        top_k=params.top_k,
-        min_p=params.min_p,
+        **{name: getattr(params, name) for name in _SCALAR_SAMPLING_FIELDS},
         stop_token_ids=params.stop_token_ids,
-        ignore_eos=params.ignore_eos,
-        repetition_penalty=params.repetition_penalty,
-        presence_penalty=params.presence_penalty,
-        frequency_penalty=params.frequency_penalty,
     )
     if params.seed is not None:
         msg.seed = params.seed
@@ -138,17 +144,9 @@ def sampling_params_to_worker(params: SamplingParams) -> worker_pb2.WorkerSampli
 def sampling_params_from_worker(msg: worker_pb2.WorkerSamplingParams) -> SamplingParams:
     """Raises ``ValueError`` naming the field on a bad value."""
     return SamplingParams(
-        max_tokens=msg.max_tokens,
-        temperature=msg.temperature,
-        top_p=msg.top_p,
-        top_k=msg.top_k,
-        min_p=msg.min_p,
-        repetition_penalty=msg.repetition_penalty,
-        presence_penalty=msg.presence_penalty,
-        frequency_penalty=msg.frequency_penalty,
+        **{name: getattr(msg, name) for name in _SCALAR_SAMPLING_FIELDS},
         seed=msg.seed if msg.HasField("seed") else None,
         stop_token_ids=tuple(msg.stop_token_ids),
-        ignore_eos=msg.ignore_eos,
         logprobs=msg.logprobs if msg.HasField("logprobs") else None,
         constraint=(constraint_from_proto(msg.constraint) if msg.HasField("constraint") else None),
     )
@@ -164,25 +162,25 @@ def logprobs_to_proto(logprobs: TokenLogprobs) -> worker_pb2.TokenLogprob:
 
 
 def peer_info_to_proto(info: PeerInfo) -> worker_pb2.KVPeerInfo:
-    return worker_pb2.KVPeerInfo(**_same_named_fields(info, PeerInfo))
+    return worker_pb2.KVPeerInfo(**field_values(info, PeerInfo))
 
 
 def peer_info_from_proto(msg: worker_pb2.KVPeerInfo) -> PeerInfo:
-    return PeerInfo(**_same_named_fields(msg, PeerInfo))
+    return PeerInfo(**field_values(msg, PeerInfo))
 
 
 def kv_ref_to_proto(ref: KVRef) -> worker_pb2.KVRef:
-    return worker_pb2.KVRef(**_same_named_fields(ref, KVRef))
+    return worker_pb2.KVRef(**field_values(ref, KVRef))
 
 
 def kv_ref_from_proto(msg: worker_pb2.KVRef) -> KVRef:
-    fields = _same_named_fields(msg, KVRef)
+    fields = field_values(msg, KVRef)
     return KVRef(**{**fields, "block_ids": tuple(msg.block_ids)})
 
 
-def _same_named_fields(source: object, dataclass_type: type) -> dict[str, Any]:
-    """``source``'s values of ``dataclass_type``'s fields: the dataclass and its message name
-    their fields alike."""
+def field_values(source: object, dataclass_type: type) -> dict[str, Any]:
+    """``source``'s values of ``dataclass_type``'s fields, by name: ``source`` is an instance,
+    or a message that names those fields alike (so that either converts into the other)."""
     return {f.name: getattr(source, f.name) for f in dataclasses.fields(dataclass_type)}
 
 
@@ -194,19 +192,15 @@ def load_to_proto(
     num_leases_expired: int = 0,
     shutting_down: bool = False,
 ) -> worker_pb2.WorkerLoad:
+    # The engine's figures are named as the message's fields (kv_usage is a property).
+    from_stats = {
+        f.name: getattr(stats, f.name)
+        for f in worker_pb2.WorkerLoad.DESCRIPTOR.fields
+        if hasattr(stats, f.name)
+    }
     return worker_pb2.WorkerLoad(
-        num_running=stats.num_running,
-        num_waiting=stats.num_waiting,
-        num_waiting_for_kv=stats.num_waiting_for_kv,
+        **from_stats,
         num_kv_leases=num_kv_leases,
-        num_total_blocks=stats.num_total_blocks,
-        num_used_blocks=stats.num_used_blocks,
-        num_cached_blocks=stats.num_cached_blocks,
-        kv_usage=stats.kv_usage,
-        num_queued_prefill_tokens=stats.num_queued_prefill_tokens,
-        num_preemptions=stats.num_preemptions,
-        num_draft_tokens=stats.num_draft_tokens,
-        num_accepted_draft_tokens=stats.num_accepted_draft_tokens,
         num_transfers_failed=num_transfers_failed,
         num_leases_expired=num_leases_expired,
         shutting_down=shutting_down,

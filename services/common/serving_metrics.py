@@ -22,7 +22,7 @@ What each pool measures:
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 from prometheus_client import Counter, Histogram
 
@@ -114,21 +114,18 @@ class ServingMetrics:
     """The standard metrics of one process, bound to its ``model_name`` and ``pool``."""
 
     def __init__(self, model_name: str, pool: str) -> None:
-        labels = (model_name, pool)
-        self.ttft = TTFT.labels(*labels)
-        self.itl = ITL.labels(*labels)
-        self.tpot = TPOT.labels(*labels)
-        self.e2e = E2E.labels(*labels)
-        self.queue_time = QUEUE_TIME.labels(*labels)
-        self.prefill_time = PREFILL_TIME.labels(*labels)
-        self.decode_time = DECODE_TIME.labels(*labels)
-        self.prompt_tokens_hist = PROMPT_TOKENS_HIST.labels(*labels)
-        self.generation_tokens_hist = GENERATION_TOKENS_HIST.labels(*labels)
-        self.prompt_tokens = PROMPT_TOKENS.labels(*labels)
-        self.generation_tokens = GENERATION_TOKENS.labels(*labels)
-        self.prefix_cache_queries = PREFIX_CACHE_QUERIES.labels(*labels)
-        self.prefix_cache_hits = PREFIX_CACHE_HITS.labels(*labels)
-        self._labels = labels
+        labels = self._labels = (model_name, pool)
+        self.ttft, self.itl, self.tpot, self.e2e = _bind(labels, TTFT, ITL, TPOT, E2E)
+        self.queue_time, self.prefill_time, self.decode_time = _bind(
+            labels, QUEUE_TIME, PREFILL_TIME, DECODE_TIME
+        )
+        self.prompt_tokens_hist, self.generation_tokens_hist = _bind(
+            labels, PROMPT_TOKENS_HIST, GENERATION_TOKENS_HIST
+        )
+        self.prompt_tokens, self.generation_tokens = _bind(labels, PROMPT_TOKENS, GENERATION_TOKENS)
+        self.prefix_cache_queries, self.prefix_cache_hits = _bind(
+            labels, PREFIX_CACHE_QUERIES, PREFIX_CACHE_HITS
+        )
 
     def tokens_streamed(self, num_tokens: int, gap_s: float | None) -> None:
         """``num_tokens`` were output ``gap_s`` after the request's previous output (None: its
@@ -165,3 +162,11 @@ class ServingMetrics:
         self.decode_time.observe(now_s - first_token_s)
         if num_generated_tokens > 1:
             self.tpot.observe((now_s - first_token_s) / (num_generated_tokens - 1))
+
+
+_Metric = TypeVar("_Metric", Counter, Histogram)
+
+
+def _bind(labels: tuple[str, str], *metrics: _Metric) -> tuple[_Metric, ...]:
+    """Each of ``metrics``' child for ``labels`` (model name, pool), in order."""
+    return tuple(metric.labels(*labels) for metric in metrics)

@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import sys
 import time
 
 import grpc
@@ -19,7 +18,7 @@ from opentelemetry.trace import Span
 from engine.backend import EngineBackend
 from engine.outputs import RequestOutput
 from engine.scheduler import DuplicateRequestError
-from kvtransfer.base import KVRef, KVTransferBackend
+from kvtransfer.base import KVRef
 from services.common.convert import (
     kv_ref_from_proto,
     load_to_proto,
@@ -32,28 +31,17 @@ from services.common.stream_writer import StreamWriter
 from services.common.tracing import ending
 from services.decode.kv_puller import KVPullHooks, PullResult
 from services.decode.spans import record_decode
-from services.worker.config import WorkerConfig, parse_worker_args
-from services.worker.runtime import (
-    RunningWorker,
-    WorkerRuntime,
-    serve_worker,
-    start_worker,
-)
+from services.worker.config import WorkerConfig
+from services.worker.runtime import RunningWorker, WorkerService, start_worker
 from services.worker.servicer import WorkerServicerBase, engine_errors
 from splitserve.v1 import worker_pb2, worker_pb2_grpc
 
 logger = logging.getLogger(__name__)
 
-SERVICE_NAME = "splitserve.v1.DecodeWorker"
 
-
-class DecodeServicer(WorkerServicerBase, worker_pb2_grpc.DecodeWorkerServicer):
-    """Handlers run on the asyncio loop; the engine runs on ``runtime.loop``'s thread."""
-
-    def __init__(self, runtime: WorkerRuntime) -> None:
-        assert isinstance(runtime.loop.hooks, KVPullHooks)
-        super().__init__(runtime)
-        self.puller: KVPullHooks = runtime.loop.hooks
+class DecodeServicer(WorkerServicerBase[KVPullHooks], worker_pb2_grpc.DecodeWorkerServicer):
+    """Handlers run on the asyncio loop; the engine runs on ``runtime.loop``'s thread, with
+    the KV puller (``hooks``) around its steps."""
 
     async def Decode(
         self, request: worker_pb2.DecodeRequest, context: grpc.aio.ServicerContext
@@ -82,7 +70,7 @@ class DecodeServicer(WorkerServicerBase, worker_pb2_grpc.DecodeWorkerServicer):
         salt = request.cache_salt
 
         def add(engine: EngineBackend) -> None:
-            if src is None or not self.puller.expect(req_id, src, peer):
+            if src is None or not self.hooks.expect(req_id, src, peer):
                 engine.add_request(
                     req_id, prompt, params, output_token_ids=output_token_ids, cache_salt=salt
                 )
@@ -99,7 +87,7 @@ class DecodeServicer(WorkerServicerBase, worker_pb2_grpc.DecodeWorkerServicer):
             except DuplicateRequestError:
                 raise  # the id's pull, if any, is another request's
             except ValueError:
-                self.puller.abort(engine, req_id)
+                self.hooks.abort(engine, req_id)
                 raise
 
         outputs = self.runtime.loop.generate(req_id, add)
@@ -123,7 +111,7 @@ class DecodeServicer(WorkerServicerBase, worker_pb2_grpc.DecodeWorkerServicer):
                             context, grpc.StatusCode.INTERNAL, FailureKind.REQUEST, output.error
                         )
                     # Taken with the final output; a request that ended otherwise leaves it.
-                    pull = self.puller.take_result(req_id) if output.finished else None
+                    pull = self.hooks.take_result(req_id) if output.finished else None
                     response = self._response(output, pull)
                     if output.finished:
                         record_decode(
@@ -137,7 +125,7 @@ class DecodeServicer(WorkerServicerBase, worker_pb2_grpc.DecodeWorkerServicer):
             logger.info("req_id=%s cancelled by the caller", req_id)
             raise
         finally:
-            self.puller.take_result(req_id)
+            self.hooks.take_result(req_id)
         if stalled:
             idle_s = writer.idle_s
             logger.warning("req_id=%s aborted: its reader took no output for %g s", req_id, idle_s)
@@ -179,31 +167,20 @@ class DecodeServicer(WorkerServicerBase, worker_pb2_grpc.DecodeWorkerServicer):
     def load(self) -> worker_pb2.WorkerLoad:
         return load_to_proto(
             self.runtime.loop.stats,
-            num_transfers_failed=self.puller.num_transfers_failed,
+            num_transfers_failed=self.hooks.num_transfers_failed,
             shutting_down=self.runtime.shutting_down,
         )
 
 
+DECODE_WORKER = WorkerService(
+    Role.DECODE,
+    "splitserve.v1.DecodeWorker",
+    lambda config, backend: KVPullHooks(backend, config.engine.block_size),
+    DecodeServicer,
+    worker_pb2_grpc.add_DecodeWorkerServicer_to_server,
+)
+
+
 async def start_decode_worker(config: WorkerConfig) -> RunningWorker:
     """Load the engine and serve ``DecodeWorker``; health is SERVING on return."""
-
-    def make_hooks(backend: KVTransferBackend) -> KVPullHooks:
-        return KVPullHooks(backend, config.engine.block_size)
-
-    return await start_worker(
-        config,
-        Role.DECODE,
-        SERVICE_NAME,
-        make_hooks,
-        DecodeServicer,
-        worker_pb2_grpc.add_DecodeWorkerServicer_to_server,
-    )
-
-
-def main(argv: list[str] | None = None) -> int:
-    config = parse_worker_args(Role.DECODE, argv)
-    return asyncio.run(serve_worker(start_decode_worker(config)))
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+    return await start_worker(config, DECODE_WORKER)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import sys
 
-from services.prefill.server import main
+from services.prefill.server import PREFILL_WORKER
+from services.worker.runtime import worker_main
 
-sys.exit(main())
+sys.exit(worker_main(PREFILL_WORKER, sys.argv[1:]))

@@ -12,14 +12,13 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-import sys
 
 import grpc
 from opentelemetry.trace import Span
 
 from engine.backend import EngineBackend
 from engine.outputs import RequestOutput
-from kvtransfer.base import KVRef, KVTransferBackend
+from kvtransfer.base import KVRef
 from services.common.convert import (
     kv_ref_to_proto,
     load_to_proto,
@@ -31,28 +30,17 @@ from services.common.roles import Role
 from services.common.tracing import ending
 from services.prefill.leases import LeaseHooks
 from services.prefill.spans import record_prefill
-from services.worker.config import WorkerConfig, parse_worker_args
-from services.worker.runtime import (
-    RunningWorker,
-    WorkerRuntime,
-    serve_worker,
-    start_worker,
-)
+from services.worker.config import WorkerConfig
+from services.worker.runtime import RunningWorker, WorkerService, start_worker
 from services.worker.servicer import WorkerServicerBase, engine_errors
 from splitserve.v1 import worker_pb2, worker_pb2_grpc
 
 logger = logging.getLogger(__name__)
 
-SERVICE_NAME = "splitserve.v1.PrefillWorker"
 
-
-class PrefillServicer(WorkerServicerBase, worker_pb2_grpc.PrefillWorkerServicer):
-    """Handlers run on the asyncio loop; the engine runs on ``runtime.loop``'s thread."""
-
-    def __init__(self, runtime: WorkerRuntime) -> None:
-        assert isinstance(runtime.loop.hooks, LeaseHooks)
-        super().__init__(runtime)
-        self.leases: LeaseHooks = runtime.loop.hooks
+class PrefillServicer(WorkerServicerBase[LeaseHooks], worker_pb2_grpc.PrefillWorkerServicer):
+    """Handlers run on the asyncio loop; the engine, with the leases (``hooks``) around its
+    steps, on ``runtime.loop``'s thread."""
 
     async def Prefill(
         self, request: worker_pb2.PrefillRequest, context: grpc.aio.ServicerContext
@@ -112,9 +100,9 @@ class PrefillServicer(WorkerServicerBase, worker_pb2_grpc.PrefillWorkerServicer)
             response.finish_reason = final.finish_reason or "length"
             if final.stop_reason is not None:
                 response.stop_reason = str(final.stop_reason)
-            await self.runtime.loop.call(lambda e: self.leases.release(e, req_id))
+            await self.runtime.loop.call(lambda e: self.hooks.release(e, req_id))
             return response
-        lease = self.leases.get(req_id)
+        lease = self.hooks.get(req_id)
         assert lease is not None, f"req_id={req_id} finished prefill without a lease"
         ref = KVRef(
             engine_id=self.runtime.kv_peer.engine_id,
@@ -132,39 +120,28 @@ class PrefillServicer(WorkerServicerBase, worker_pb2_grpc.PrefillWorkerServicer)
     ) -> worker_pb2.ReleaseResponse:
         req_id = request.request_id
         loop = self.runtime.loop
-        released = await loop.call(lambda e: self.leases.release(e, req_id))
+        released = await loop.call(lambda e: self.hooks.release(e, req_id))
         aborted = await loop.abort_and_wait(req_id)
         return worker_pb2.ReleaseResponse(released=released or aborted)
 
     def load(self) -> worker_pb2.WorkerLoad:
         return load_to_proto(
             self.runtime.loop.stats,
-            num_kv_leases=self.leases.num_leases,
-            num_leases_expired=self.leases.num_leases_expired,
+            num_kv_leases=self.hooks.num_leases,
+            num_leases_expired=self.hooks.num_leases_expired,
             shutting_down=self.runtime.shutting_down,
         )
 
 
+PREFILL_WORKER = WorkerService(
+    Role.PREFILL,
+    "splitserve.v1.PrefillWorker",
+    lambda config, backend: LeaseHooks(backend, config.lease_ttl_s),
+    PrefillServicer,
+    worker_pb2_grpc.add_PrefillWorkerServicer_to_server,
+)
+
+
 async def start_prefill_worker(config: WorkerConfig) -> RunningWorker:
     """Load the engine and serve ``PrefillWorker``; health is SERVING on return."""
-
-    def make_hooks(backend: KVTransferBackend) -> LeaseHooks:
-        return LeaseHooks(backend, config.lease_ttl_s)
-
-    return await start_worker(
-        config,
-        Role.PREFILL,
-        SERVICE_NAME,
-        make_hooks,
-        PrefillServicer,
-        worker_pb2_grpc.add_PrefillWorkerServicer_to_server,
-    )
-
-
-def main(argv: list[str] | None = None) -> int:
-    config = parse_worker_args(Role.PREFILL, argv)
-    return asyncio.run(serve_worker(start_prefill_worker(config)))
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+    return await start_worker(config, PREFILL_WORKER)

@@ -8,7 +8,7 @@ import ipaddress
 import logging
 import signal
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 from engine.loader.models import resolve_model
 from engine.tokenizer import Tokenizer
@@ -152,15 +152,11 @@ def _max_body_bytes(config: RouterConfig) -> int:
 
 
 def _http_limits(config: RouterConfig) -> HttpLimits:
-    return HttpLimits(
-        max_header_bytes=config.http_max_header_bytes,
-        header_timeout_s=config.http_header_timeout_s,
-        body_timeout_s=config.http_body_timeout_s,
-        keep_alive_timeout_s=config.http_keep_alive_timeout_s,
-        max_connections=config.http_max_connections,
-        stream_idle_timeout_s=config.stream_idle_timeout_s,
-        send_buffer_bytes=config.http_send_buffer_bytes,
-    )
+    # Each limit is the router flag of its name after --http-, but for the streams' own bound.
+    idle = "stream_idle_timeout_s"
+    names = [f.name for f in fields(HttpLimits) if f.name != idle]
+    limits = {name: getattr(config, f"http_{name}") for name in names}
+    return HttpLimits(**limits, stream_idle_timeout_s=config.stream_idle_timeout_s)
 
 
 def _is_loopback(host: str) -> bool:

@@ -2,17 +2,16 @@
 
 from __future__ import annotations
 
-import argparse
 import os
 import secrets
 import socket
 from dataclasses import dataclass, field
 
-from engine.flags import add_flags, flag, from_args, parse_flags
+from engine.flags import flag, from_args
 from engine.sampling_params import MAX_LOGPROBS
-from services.common.logs import add_log_flags, configure_logging
 from services.common.redis_config import RedisConfig
 from services.common.roles import MODES, ClusterMode
+from services.common.service_flags import parse_service_args, shared_configs
 from services.common.tracing import TracingConfig
 from services.router.openai.protocol import MAX_GENERATIONS
 from services.router.request_prep import RequestBounds
@@ -112,7 +111,6 @@ class RouterConfig:
         "each HTTP connection's kernel send buffer (SO_SNDBUF; the kernel doubles it), in bytes: "
         "what a client that stops reading leaves buffered before its generations pause",
     )
-    health_check_interval_s: float = flag(0.5, "seconds between worker load/health polls")
     max_decode_retries: int = flag(
         2, "times a request moves to another decode worker when its worker fails"
     )
@@ -127,6 +125,7 @@ class RouterConfig:
         "deadline of each call to a worker when the client set none or a later one (a worker "
         "that runs past it is given up and the request continues elsewhere)",
     )
+    health_check_interval_s: float = flag(0.5, "seconds between worker load/health polls")
     worker_fence_after_failed_polls: int = flag(
         2,
         "health polls in a row a worker may fail before the router fences it: its open calls "
@@ -283,21 +282,11 @@ class RouterConfig:
 def parse_router_args(argv: list[str] | None) -> RouterConfig:
     """Flags of ``python -m services.router``; configures logging (``--log-level``,
     ``--log-format``)."""
-    parser = argparse.ArgumentParser(
-        prog="python -m services.router", description="splitserve router"
+    parser, args = parse_service_args(
+        "python -m services.router", "splitserve router", (RouterConfig,), argv
     )
-    add_flags(parser, RouterConfig)
-    add_flags(parser, RedisConfig)
-    add_flags(parser, TracingConfig)
-    add_log_flags(parser)
-    args = parse_flags(parser, argv)
-    configure_logging(args.log_level, args.log_format)
-    config = from_args(
-        RouterConfig,
-        args,
-        redis=from_args(RedisConfig, args),
-        tracing=from_args(TracingConfig, args),
-    )
+    redis, tracing = shared_configs(args)
+    config = from_args(RouterConfig, args, redis=redis, tracing=tracing)
     if not config.decode_address_list:
         # Only an orchestrator (services.cluster) starts a router with empty pools.
         parser.error("--decode-workers: at least one decode worker address is required")

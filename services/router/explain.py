@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from services.common.convert import field_values
+from services.router.prefill_cost import CandidateScore
 from services.router.route_plan import PrefillPlace, RoutePlan
 from splitserve.v1 import router_pb2
 
@@ -19,14 +21,7 @@ def explain_response(plan: RoutePlan, prompt_tokens: int) -> router_pb2.ExplainR
         score = candidate.score
         response.prefill.append(
             router_pb2.PrefillCandidateScore(
-                address=candidate.worker.address,
-                worker_id=score.worker_id,
-                matched_blocks=score.matched_blocks,
-                queued_blocks=score.queued_blocks,
-                cost=score.cost,
-                reserved_blocks=score.reserved_blocks,
-                reserved_requests=score.reserved_requests,
-                eligible=score.eligible,
+                address=candidate.worker.address, **field_values(score, CandidateScore)
             )
         )
     for decode in plan.decode_candidates:

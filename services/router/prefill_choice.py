@@ -58,14 +58,6 @@ _BLIND = PrefillWeights(cache_weight=0.0, load_weight=0.0)
 
 
 @dataclass(frozen=True, slots=True)
-class PrefillCandidate:
-    """One healthy prefill worker and its score for a prompt."""
-
-    worker: WorkerHandle
-    score: CandidateScore
-
-
-@dataclass(frozen=True, slots=True)
 class PrefillChoice:
     """One decision. ``worker`` is None when no prefill worker is healthy or all are saturated;
     ``matched`` holds the index's matches for every live worker, decode workers included."""
@@ -87,6 +79,14 @@ class PrefillChoice:
     @property
     def saturated(self) -> bool:
         return self.worker is None and bool(self.candidates)
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillCandidate:
+    """One healthy prefill worker and its score for a prompt."""
+
+    worker: WorkerHandle
+    score: CandidateScore
 
 
 class PrefillChooser:

@@ -43,14 +43,6 @@ class PrefillWeights:
 
 
 @dataclass(frozen=True, slots=True)
-class CandidateLoad:
-    """What the router knows of one healthy prefill worker before asking the index."""
-
-    worker_id: str
-    reported_queued_blocks: float
-
-
-@dataclass(frozen=True, slots=True)
 class CandidateScore:
     """One candidate as scored for one prompt."""
 
@@ -61,6 +53,14 @@ class CandidateScore:
     queued_blocks: float
     eligible: bool
     cost: float
+
+
+@dataclass(frozen=True, slots=True)
+class CandidateLoad:
+    """What the router knows of one healthy prefill worker before asking the index."""
+
+    worker_id: str
+    reported_queued_blocks: float
 
 
 def score_candidates(

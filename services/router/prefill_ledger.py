@@ -17,7 +17,6 @@ router without Redis, and for routing on load alone while Redis is unreachable.
 from __future__ import annotations
 
 import abc
-import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -30,8 +29,6 @@ from services.router.prefill_cost import (
     pick,
     score_candidates,
 )
-
-logger = logging.getLogger(__name__)
 
 # A reservation whose router never released it and kept heartbeating (a bug, not a crash)
 # still ends after this long.

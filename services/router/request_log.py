@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from services.common.convert import FINISH_REASON_NAMES
+from services.common.convert import FINISH_REASON_NAMES, field_values
 from services.common.logs import log_fields
 from splitserve.v1 import router_pb2
 
@@ -92,19 +92,10 @@ class RequestLog:
             ",".join(self.decode_workers) or "-",
             f", trace_id {self.trace_id}" if self.trace_id else "",
             extra=log_fields(
-                req_id=self.req_id,
-                request_id=self.request_id,
-                trace_id=self.trace_id,
+                **field_values(self, RequestLog),
                 outcome=outcome.value,
                 finish_reason=outcome.value if outcome.finished else "",
                 status=status,
-                prompt_tokens=self.prompt_tokens,
-                cached_tokens=self.cached_tokens,
-                output_tokens=self.output_tokens,
-                ttft_ms=self.ttft_ms,
-                e2e_ms=self.e2e_ms,
-                prefill_worker=self.prefill_worker,
-                decode_workers=self.decode_workers,
             ),
         )
 

@@ -34,6 +34,8 @@ class MaxTokensDefault(enum.Enum):
 
 @dataclass(frozen=True, slots=True)
 class ModelLimits:
+    """What the decode workers' model takes: its vocabulary and longest sequence."""
+
     vocab_size: int
     max_model_len: int
 

@@ -18,11 +18,10 @@ request with the same prefix follows it.
 
 from __future__ import annotations
 
-import dataclasses
 import enum
 import random
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, replace
 
 from engine.block_hash import BlockHash, hash_block_tokens
 from services.common.prefix_index import InProcessPrefixIndex
@@ -137,7 +136,7 @@ class RoutePlanner:
         decode = chosen[0] if chosen else self.decode_chooser.pick(candidates)
         if not chosen:
             await self.prefill_chooser.withdraw(choice)
-            choice = dataclasses.replace(choice, reservation=None)
+            choice = replace(choice, reservation=None)
         return RoutePlan(choice, PrefillPlace.COLOCATED, candidates, decode)
 
 
@@ -164,12 +163,9 @@ def build_planner(
     else:
         local_index = InProcessPrefixIndex()
         ledger = LocalPrefillLedger(router_id, local_index)
+    # Each weight is the router flag of its name after --prefill-.
     weights = PrefillWeights(
-        cache_weight=config.prefill_cache_weight,
-        load_weight=config.prefill_load_weight,
-        load_bound=config.prefill_load_bound,
-        load_bound_slack=config.prefill_load_bound_slack,
-        saturation_blocks=config.prefill_saturation_blocks,
+        **{f.name: getattr(config, f"prefill_{f.name}") for f in fields(PrefillWeights)}
     )
     colocated = config.mode is ClusterMode.COLOCATED
     prefill_chooser = PrefillChooser(

@@ -13,6 +13,7 @@ import logging
 from dataclasses import dataclass
 from typing import Protocol
 
+from services.common.convert import field_values
 from services.common.logs import rate_limited
 from services.common.roles import Role
 from splitserve.v1 import router_pb2
@@ -38,16 +39,9 @@ class PoolSize:
     num_failed_starts: int = 0
 
     def to_proto(self) -> router_pb2.PoolStatus:
-        return router_pb2.PoolStatus(
-            role=self.role.to_proto(),
-            desired_workers=self.desired_workers,
-            num_ready=self.num_ready,
-            num_starting=self.num_starting,
-            num_draining=self.num_draining,
-            num_restarts=self.num_restarts,
-            last_error=self.last_error,
-            num_failed_starts=self.num_failed_starts,
-        )
+        """The message names every field alike; the role is its enum there."""
+        fields = field_values(self, PoolSize)
+        return router_pb2.PoolStatus(**{**fields, "role": self.role.to_proto()})
 
 
 class PoolScaler(Protocol):

@@ -62,13 +62,8 @@ class WorkerHandle:
 
     def mark_failed(self, error: str) -> None:
         if self.healthy:
-            logger.warning(
-                "%s worker %s marked unhealthy: %s",
-                self.role,
-                self.address,
-                error,
-                extra=rate_limited(self.address),
-            )
+            limited = rate_limited(self.address)
+            self._log(logging.WARNING, "marked unhealthy: %s", error, extra=limited)
         self.healthy = False
         self.last_error = error
 
@@ -95,13 +90,8 @@ class WorkerHandle:
     def fence(self, reason: str) -> None:
         """Cancel every call this router has open on the worker (it is unhealthy already)."""
         if self._open_calls:
-            logger.warning(
-                "%s worker %s fenced: cancelling %d open calls (%s)",
-                self.role,
-                self.address,
-                len(self._open_calls),
-                reason,
-            )
+            num_calls = len(self._open_calls)
+            self._log(logging.WARNING, "fenced: cancelling %d open calls (%s)", num_calls, reason)
         for call in self._open_calls:
             self._fenced_calls.add(call)
             call.cancel()
@@ -124,9 +114,13 @@ class WorkerHandle:
             return
         self.num_failed_polls = 0
         if not self.healthy:
-            logger.info("%s worker %s is healthy", self.role, self.address)
+            self._log(logging.INFO, "is healthy")
         self.healthy = True
         self.last_error = ""
+
+    def _log(self, level: int, what: str, *args: object, extra: Any = None) -> None:
+        """Log ``what`` (a %-format over ``args``) as "<role> worker <address> <what>"."""
+        logger.log(level, "%s worker %s " + what, self.role, self.address, *args, extra=extra)
 
 
 class InflightSlot:

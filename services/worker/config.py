@@ -2,16 +2,15 @@
 
 from __future__ import annotations
 
-import argparse
 import socket
 from dataclasses import dataclass, field
 
 from engine.config import EngineConfig
-from engine.flags import add_flags, flag, from_args, parse_flags
+from engine.flags import flag, from_args
 from kvtransfer.registry import default_backend, is_available
-from services.common.logs import add_log_flags, configure_logging
 from services.common.redis_config import RedisConfig
 from services.common.roles import Role
+from services.common.service_flags import parse_service_args, shared_configs
 from services.common.tracing import TracingConfig
 
 KV_TRANSFER_BACKENDS = ("nixl", "ucx", "tcp")
@@ -89,22 +88,13 @@ class WorkerConfig:
 
 def parse_worker_args(role: Role, argv: list[str] | None) -> WorkerConfig:
     """``python -m services.<role>`` flags: every engine flag plus the worker's own."""
-    parser = argparse.ArgumentParser(
-        prog=f"python -m services.{role}", description=f"splitserve {role} worker"
+    _, args = parse_service_args(
+        f"python -m services.{role}",
+        f"splitserve {role} worker",
+        (EngineConfig, WorkerConfig),
+        argv,
     )
-    add_flags(parser, EngineConfig)
-    add_flags(parser, WorkerConfig)
-    add_flags(parser, RedisConfig)
-    add_flags(parser, TracingConfig)
-    add_log_flags(parser)
-    args = parse_flags(parser, argv)
-    configure_logging(args.log_level, args.log_format)
     # Workers hand text and stop strings to the router.
     engine = from_args(EngineConfig, args, detokenize=False)
-    return from_args(
-        WorkerConfig,
-        args,
-        engine=engine,
-        redis=from_args(RedisConfig, args),
-        tracing=from_args(TracingConfig, args),
-    )
+    redis, tracing = shared_configs(args)
+    return from_args(WorkerConfig, args, engine=engine, redis=redis, tracing=tracing)

@@ -7,7 +7,7 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Generic, Protocol, TypeVar, cast
 
 import grpc
 from opentelemetry.trace import Span
@@ -33,7 +33,7 @@ from services.common.roles import Role
 from services.common.serving_metrics import ServingMetrics
 from services.common.tls import RequirePeerIdentity, read_tls_dir
 from services.common.tracing import Tracing
-from services.worker.config import WorkerConfig
+from services.worker.config import WorkerConfig, parse_worker_args
 from services.worker.engine_loop import EngineHooks, EngineLoop
 from services.worker.engine_thread import EngineThread
 from services.worker.kv_events import KVEventPublisher
@@ -222,31 +222,43 @@ class RunningWorker:
         await self.runtime.tracing.shutdown()
 
 
-async def start_worker(
-    config: WorkerConfig,
-    role: Role,
-    service_name: str,
-    make_hooks: Callable[[KVTransferBackend], EngineHooks],
-    make_servicer: Callable[[WorkerRuntime], WorkerServicer],
-    add_to_server: Callable[[Any, grpc.aio.Server], None],
-) -> RunningWorker:
-    """Load the engine and serve; health is SERVING on return.
+HooksT = TypeVar("HooksT", bound=EngineHooks)
 
-    ``add_to_server`` is the generated ``add_<Service>Servicer_to_server``.
-    """
+
+@dataclass(frozen=True, slots=True)
+class WorkerService(Generic[HooksT]):
+    """What makes a worker a prefill or a decode worker: its role, its gRPC service, the
+    hooks its engine loop runs around each step (made once the KV backend exists) and the
+    servicer of its calls."""
+
+    role: Role
+    service_name: str  # the gRPC service's full name, as health checks and reflection say it
+    make_hooks: Callable[[WorkerConfig, KVTransferBackend], HooksT]
+    make_servicer: Callable[[WorkerRuntime, HooksT], WorkerServicer]
+    add_to_server: Callable[[Any, grpc.aio.Server], None]  # add_<Service>Servicer_to_server
+
+
+async def start_worker(config: WorkerConfig, service: WorkerService[HooksT]) -> RunningWorker:
+    """Load the engine and serve ``service``; health is SERVING on return."""
+    role, service_name = service.role, service.service_name
     tls = read_tls_dir(config.tls_dir)  # before the model loads: a bad path fails at once
     # The engine is built on the thread that will step it (see engine_thread).
     engine_thread = EngineThread()
+
+    def make_hooks(backend: KVTransferBackend) -> HooksT:
+        return service.make_hooks(config, backend)
+
     try:
         runtime = await engine_thread.run(build_runtime, config, role, config.port, make_hooks)
     except BaseException:
         engine_thread.shutdown()
         raise
-    servicer = make_servicer(runtime)
+    hooks = cast(HooksT, runtime.loop.hooks)  # make_hooks made them, above
+    servicer = service.make_servicer(runtime, hooks)
     serving = await start_server(
         config.host,
         config.port,
-        lambda server: add_to_server(servicer, server),
+        lambda server: service.add_to_server(servicer, server),
         (service_name,),
         (RequirePeerIdentity(_CALLERS),) if tls else (),
         tls.server_credentials(require_client_auth=True) if tls else None,
@@ -283,6 +295,13 @@ async def start_worker(
         runtime.kv_peer.address,
     )
     return RunningWorker(runtime, servicer, serving, publisher, engine_died, load_collector)
+
+
+def worker_main(service: WorkerService[Any], argv: list[str] | None) -> int:
+    """``python -m services.<role>``: parse the flags, start the worker and serve until a
+    signal or the engine's death (see ``serve_worker``); returns the exit status."""
+    config = parse_worker_args(service.role, argv)
+    return asyncio.run(serve_worker(start_worker(config, service)))
 
 
 async def serve_worker(starting: Awaitable[RunningWorker]) -> int:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import AsyncIterator
+from typing import Generic
 
 import grpc
 
@@ -13,16 +14,18 @@ from engine.scheduler import DuplicateRequestError
 from services.common.convert import sampling_params_from_worker
 from services.common.failures import FailureKind, abort_with
 from services.worker.engine_loop import EngineDeadError, StreamEndedError
-from services.worker.runtime import WorkerRuntime
+from services.worker.runtime import HooksT, WorkerRuntime
 from splitserve.v1 import worker_pb2
 
 
-class WorkerServicerBase:
+class WorkerServicerBase(Generic[HooksT]):
     """The part of a worker's gRPC servicer that does not depend on its role; a role's
-    servicer adds its calls and ``load``. Handlers run on the asyncio loop."""
+    servicer adds its calls and ``load``. ``hooks`` are the role's engine-loop hooks (they
+    run on the engine thread). Handlers run on the asyncio loop."""
 
-    def __init__(self, runtime: WorkerRuntime) -> None:
+    def __init__(self, runtime: WorkerRuntime, hooks: HooksT) -> None:
         self.runtime = runtime
+        self.hooks = hooks
 
     async def sampling_params(
         self, sampling: worker_pb2.WorkerSamplingParams, context: grpc.aio.ServicerContext

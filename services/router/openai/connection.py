@@ -104,8 +104,7 @@ class LimitedHttpProtocol(HttpToolsProtocol):
         if self._body_timer is not None and not self._cut:
             logger.info("HTTP client %s went away during its request body", self._peer)
         for timer in (self._head_timer, self._body_timer, self._write_timer):
-            if timer is not None:
-                timer.cancel()
+            _cancel(timer)
         self._head_timer = self._body_timer = self._write_timer = None
         super().connection_lost(exc)
 
@@ -136,17 +135,15 @@ class LimitedHttpProtocol(HttpToolsProtocol):
     # ----------------------------------------------------------------------------- parser
     def on_headers_complete(self) -> None:
         self._in_head = False
-        if self._head_timer is not None:
-            self._head_timer.cancel()
-            self._head_timer = None
+        _cancel(self._head_timer)
+        self._head_timer = None
         super().on_headers_complete()
         self._body_timer = self.loop.call_later(self.limits.body_timeout_s, self._body_late)
 
     def on_message_complete(self) -> None:
         super().on_message_complete()
-        if self._body_timer is not None:
-            self._body_timer.cancel()
-            self._body_timer = None
+        _cancel(self._body_timer)
+        self._body_timer = None
         self._in_head = True
         self._head_bytes = 0
 
@@ -160,37 +157,33 @@ class LimitedHttpProtocol(HttpToolsProtocol):
 
     def resume_writing(self) -> None:
         super().resume_writing()
-        if self._write_timer is not None:
-            self._write_timer.cancel()
-            self._write_timer = None
+        _cancel(self._write_timer)
+        self._write_timer = None
 
     # ----------------------------------------------------------------------------- limits
     def _head_late(self) -> None:
         self._head_timer = None
         # A connection that never sent a byte (a preconnect, a TCP probe) is not news.
-        log = logger.info if self._head_bytes else logger.debug
-        log(
-            "HTTP client %s sent no complete request head within %.1f s; connection closed",
-            self._peer,
-            self.limits.header_timeout_s,
-        )
-        self._refuse(
-            HTTPStatus.REQUEST_TIMEOUT,
-            f"the request head took longer than {self.limits.header_timeout_s:g} s "
-            "(http_header_timeout_s)",
-        )
+        quiet = not self._head_bytes
+        self._late("head", self.limits.header_timeout_s, "http_header_timeout_s", quiet)
 
     def _body_late(self) -> None:
         self._body_timer = None
-        logger.info(
-            "HTTP client %s sent no complete request body within %.1f s; connection closed",
+        self._late("body", self.limits.body_timeout_s, "http_body_timeout_s")
+
+    def _late(self, part: str, timeout_s: float, flag: str, quiet: bool = False) -> None:
+        """The request's ``part`` (head or body) did not arrive within ``timeout_s`` (the
+        router's ``flag``): answer 408 and close."""
+        log = logger.debug if quiet else logger.info
+        log(
+            "HTTP client %s sent no complete request %s within %.1f s; connection closed",
             self._peer,
-            self.limits.body_timeout_s,
+            part,
+            timeout_s,
         )
         self._refuse(
             HTTPStatus.REQUEST_TIMEOUT,
-            f"the request body took longer than {self.limits.body_timeout_s:g} s "
-            "(http_body_timeout_s)",
+            f"the request {part} took longer than {timeout_s:g} s ({flag})",
         )
 
     def _write_stalled(self) -> None:
@@ -228,3 +221,8 @@ class LimitedHttpProtocol(HttpToolsProtocol):
     @property
     def _peer(self) -> str:
         return f"{self.client[0]}:{self.client[1]}" if self.client else "?"
+
+
+def _cancel(timer: asyncio.TimerHandle | None) -> None:
+    if timer is not None:
+        timer.cancel()

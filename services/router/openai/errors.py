@@ -6,6 +6,7 @@ status a client library maps to its exception classes (400 ``BadRequestError``, 
 from __future__ import annotations
 
 import re
+from dataclasses import KW_ONLY, dataclass
 from http import HTTPStatus
 from typing import Any
 
@@ -48,22 +49,19 @@ _GRPC_PREFIX = "sampling."
 _TYPE_TAGS = frozenset({"str", "int", "float", "bool", "dict", "list", "none"})
 
 
+@dataclass(eq=False)
 class OpenAIError(Exception):
-    """An error response: ``status`` and the body's fields."""
+    """An error response: ``status`` and the body's fields (``param`` and ``code`` by
+    keyword)."""
 
-    def __init__(
-        self,
-        status: HTTPStatus,
-        message: str,
-        *,
-        param: str | None = None,
-        code: str | None = None,
-    ) -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.param = param
-        self.code = code
+    status: HTTPStatus
+    message: str
+    _: KW_ONLY
+    param: str | None = None
+    code: str | None = None
+
+    def __post_init__(self) -> None:
+        super().__init__(self.message)
 
     def body(self) -> dict[str, Any]:
         return {

@@ -139,29 +139,29 @@ class ChoiceState:
         return stop_reason
 
 
+@dataclass(slots=True)
 class ResponseBuilder:
-    """Shapes one HTTP request's response (or its chunks): ids, model and choices."""
+    """Shapes one HTTP request's response (or its chunks): ids, model and choices. ``choices``
+    holds one state per generation, in the plan's order (prompt by prompt, ``n`` each)."""
 
-    def __init__(
-        self,
-        plan: GenerationPlan,
-        response_id: str,
-        model: str,
-        created_s: int,
-        token_texts: TokenTexts,
-    ) -> None:
-        self.plan = plan
-        self.endpoint = plan.endpoint
-        self.response_id = response_id
-        self.model = model
-        self.created_s = created_s
-        self._texts = token_texts
-        requests = [request for choices in plan.requests for request in choices]
+    plan: GenerationPlan
+    response_id: str
+    model: str
+    created_s: int
+    token_texts: TokenTexts
+    choices: list[ChoiceState] = field(init=False)
+
+    def __post_init__(self) -> None:
+        requests = [request for choices in self.plan.requests for request in choices]
+        eos_ids = self.token_texts.eos_token_ids
         self.choices = [
-            ChoiceState(i, token_texts.eos_token_ids - set(request.sampling.stop_token_ids))
+            ChoiceState(i, eos_ids - set(request.sampling.stop_token_ids))
             for i, request in enumerate(requests)
         ]
-        self._num_choices_per_prompt = [len(choices) for choices in plan.requests]
+
+    @property
+    def endpoint(self) -> Endpoint:
+        return self.plan.endpoint
 
     @property
     def _chunk_object(self) -> str:
@@ -252,7 +252,7 @@ class ResponseBuilder:
 
     def _completion_columns(self, columns: LogprobColumns) -> Iterator[str]:
         """The legacy shape's four arrays, each in pieces."""
-        text = self._texts.text
+        text = self.token_texts.text
         yield '{"tokens":'
         yield from json_array(
             [text(token_id) for token_id, _, _ in batch] for batch in _batches(columns)
@@ -271,12 +271,12 @@ class ResponseBuilder:
     def usage(self) -> dict[str, int | dict[str, int]]:
         prompt_tokens = cached_tokens = 0
         first = 0
-        for num_choices in self._num_choices_per_prompt:
+        for choices in self.plan.requests:  # the prompt's usage is on its first choice
             usage = self.choices[first].usage
             if usage is not None:
                 prompt_tokens += usage.prompt_tokens
                 cached_tokens += usage.cached_tokens
-            first += num_choices
+            first += len(choices)
         completion_tokens = sum(state.num_tokens for state in self.choices)
         return {
             "prompt_tokens": prompt_tokens,
@@ -287,7 +287,7 @@ class ResponseBuilder:
 
     # ---------------------------------------------------------------------------- logprobs
     def _chat_entries(self, entries: Iterable[LogprobEntry]) -> list[dict[str, Any]]:
-        text = self._texts.text
+        text = self.token_texts.text
         return [
             {
                 **_chat_token(text(token_id), logprob),
@@ -300,7 +300,7 @@ class ResponseBuilder:
         self, entries: Iterable[LogprobEntry], state: ChoiceState
     ) -> dict[str, Any]:
         """The legacy shape; ``state.num_token_chars`` carries text_offset across chunks."""
-        text = self._texts.text
+        text = self.token_texts.text
         tokens, token_logprobs, tops, offsets = [], [], [], []
         for entry in entries:
             token = text(entry[0])

@@ -71,7 +71,23 @@ def sse_event(data: dict[str, Any]) -> bytes:
     return b"data: " + json.dumps(data, separators=(",", ":")).encode() + b"\n\n"
 
 
-class EventStreamResponse(Response):
+class _WrittenResponse(Response):
+    """A response that ``_write``-s its body as it is produced and stops, quietly, when the
+    client goes (its write is cancelled)."""
+
+    _gone: str  # the debug line once the client went
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await until_disconnect(receive, self._write(send))
+        except ClientDisconnected:
+            logger.debug(self._gone)
+
+    async def _write(self, send: Send) -> None:
+        raise NotImplementedError
+
+
+class EventStreamResponse(_WrittenResponse):
     """Server-sent events from ``events`` (JSON chunks), ending with ``data: [DONE]``.
 
     The status line waits for the first chunk: a request the router refuses (validation,
@@ -79,17 +95,13 @@ class EventStreamResponse(Response):
     that is an ``{"error": ...}`` event before ``[DONE]``.
     """
 
+    _gone = "client disconnected; request cancelled"
+
     def __init__(self, events: AsyncGenerator[dict[str, Any], None]) -> None:
         super().__init__()
         self._events = events
 
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        try:
-            await until_disconnect(receive, self._stream(send))
-        except ClientDisconnected:
-            logger.debug("client disconnected; request cancelled")
-
-    async def _stream(self, send: Send) -> None:
+    async def _write(self, send: Send) -> None:
         events = self._events
         try:
             try:
@@ -120,22 +132,18 @@ async def _no_receive() -> Message:
     raise AssertionError("an error response reads nothing")
 
 
-class JsonPiecesResponse(Response):
+class JsonPiecesResponse(_WrittenResponse):
     """A 200 ``application/json`` body written as ``pieces`` come (chunked, without a
     content-length), giving the event loop back between writes; it stops, quietly, when the
     client goes."""
+
+    _gone = "client disconnected while its response was written"
 
     def __init__(self, pieces: Iterable[str]) -> None:
         super().__init__()
         self._pieces = pieces
 
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        try:
-            await until_disconnect(receive, self._send(send))
-        except ClientDisconnected:
-            logger.debug("client disconnected while its response was written")
-
-    async def _send(self, send: Send) -> None:
+    async def _write(self, send: Send) -> None:
         await send(
             {
                 "type": "http.response.start",
