@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from engine import LLMEngine, SamplingParams
-from engine.config import EngineConfig
+from engine.config import EngineConfig, EngineKind
 from engine.kv_cache_manager import cdiv
 from engine.sampler import SamplerOutput
 from engine.scheduler import ScheduledRequest
@@ -24,7 +24,7 @@ PROMPT = list(range(5, 45))  # 40 tokens: 2.5 blocks of 16
 def _mock(model_dir: Path, **fields: object) -> LLMEngine:
     config = EngineConfig(
         model=str(model_dir),
-        engine="mock",
+        engine=EngineKind.MOCK,
         num_kv_blocks=64,
         check_kv_integrity=True,
         num_speculative_tokens=0,
@@ -77,13 +77,7 @@ def test_held_kv_holds_each_tokens_value_and_a_copy_of_it_matches(tiny_llama_dir
     assert kv_matches(prefill.kv_cache, held, PROMPT, 16)
     assert not kv_matches(prefill.kv_cache, held, [PROMPT[0] + 1, *PROMPT[1:]], 16)
     # What a KV backend does: the held blocks' bytes into the blocks the decode engine loads.
-    decode.add_request(
-        "r",
-        PROMPT,
-        SamplingParams(max_tokens=4),
-        output_token_ids=first_token,
-        num_external_tokens=len(PROMPT),
-    )
+    _add_pulled(decode, first_token)
     decode.step()
     (load,) = decode.take_kv_loads()
     decode.kv_cache[load.block_ids] = prefill.kv_cache[held]
@@ -97,13 +91,7 @@ def test_pulled_kv_with_a_wrong_byte_fails_its_request_alone(tiny_llama_dir: Pat
     prefill.add_request("r", PROMPT, SamplingParams(max_tokens=1), hold_kv=True)
     first_token = _run(prefill)["r"]
     held = prefill.held_kv_block_ids("r")
-    decode.add_request(
-        "r",
-        PROMPT,
-        SamplingParams(max_tokens=4),
-        output_token_ids=first_token,
-        num_external_tokens=len(PROMPT),
-    )
+    _add_pulled(decode, first_token)
     decode.add_request("other", [7, *PROMPT], SamplingParams(max_tokens=4))
     decode.step()
     (load,) = decode.take_kv_loads()
@@ -160,3 +148,14 @@ def test_steps_take_the_profiles_time_within_10_percent(
     # The whole step (scheduling and bookkeeping included) is the profile's time.
     assert len(ratios) >= 6
     assert 0.9 <= statistics.median(ratios) <= 1.1, ratios
+
+
+def _add_pulled(decode: LLMEngine, first_token: list[int]) -> None:
+    """Queue request "r" as a decode worker does after a prefill: its prompt's KV to load."""
+    decode.add_request(
+        "r",
+        PROMPT,
+        SamplingParams(max_tokens=4),
+        output_token_ids=first_token,
+        num_external_tokens=len(PROMPT),
+    )
