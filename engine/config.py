@@ -29,10 +29,10 @@ class EngineKind(enum.StrEnum):
 ENGINES = tuple(kind.value for kind in EngineKind)
 # --engine mock's step profile: the native engine's, fitted on SmolLM2-135M (float32) on an
 # AVX2 host (BENCHMARKS.md, "The simulated engine's profile").
-MOCK_STEP_MS = 0.0
-MOCK_PREFILL_US_PER_TOKEN = 0.0
-MOCK_DECODE_US_PER_SEQ = 0.0
-MOCK_KV_READ_US_PER_BLOCK = 0.0
+MOCK_STEP_MS = 70.5
+MOCK_PREFILL_US_PER_TOKEN = 2162.0
+MOCK_DECODE_US_PER_SEQ = 2360.0
+MOCK_KV_READ_US_PER_BLOCK = 81.4
 _MOCK_PROFILE_FIELDS = (
     "mock_step_ms",
     "mock_prefill_us_per_token",

@@ -1,4 +1,5 @@
-"""Run one HTTP request's generations through the router's request path and merge them.
+"""Run one HTTP request's generations through the router's request path, merge them and
+answer the request: the whole body once every generation ended, or a stream of chunks.
 
 Every generation is ``RouterServicer.generate``, the code path of gRPC ``Generate``. With
 several choices of one prompt, the first runs alone until its first token (its prefill) and
@@ -17,18 +18,82 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
+from starlette.requests import Request
+from starlette.responses import Response
+
+from services.common.tracing import TRACE_HEADERS
 from services.router.call_context import CallAborted, HttpCallContext
 from services.router.openai.errors import from_call_aborted
 from services.router.openai.requests import GenerationPlan
+from services.router.openai.streaming import (
+    ClientDisconnected,
+    EventStreamResponse,
+    JsonPiecesResponse,
+    until_disconnect,
+)
 from services.router.request_prep import MaxTokensDefault
 from splitserve.v1 import router_pb2
 
 if TYPE_CHECKING:
+    from services.router.openai.responses import ResponseBuilder
     from services.router.server import RouterServicer
+
+logger = logging.getLogger(__name__)
+
+
+async def respond(
+    servicer: RouterServicer,
+    request: Request,
+    builder: ResponseBuilder,
+    stream: bool,
+    include_usage: bool,
+) -> Response:
+    """Run ``builder.plan``'s generations and answer ``request`` with what ``builder`` makes of
+    them: server-sent chunks (``stream``; the usage chunk last when ``include_usage``), or the
+    whole body once they all ended (499 and nothing else when the client went first)."""
+    # The W3C trace context travels on as the worker calls' metadata.
+    context = HttpCallContext(
+        [(key, request.headers[key]) for key in TRACE_HEADERS if key in request.headers]
+    )
+    if stream:
+        return EventStreamResponse(_chunks(servicer, builder, context, include_usage))
+    try:
+        await until_disconnect(request.receive, _whole(servicer, builder, context))
+    except ClientDisconnected:
+        logger.debug("%s: client disconnected; request cancelled", builder.response_id)
+        return Response(status_code=499)
+    return JsonPiecesResponse(builder.body())
+
+
+async def _chunks(
+    servicer: RouterServicer,
+    builder: ResponseBuilder,
+    context: HttpCallContext,
+    include_usage: bool,
+) -> AsyncGenerator[dict[str, Any], None]:
+    messages = run_plan(servicer, builder.plan, context)
+    try:
+        async for item in messages:
+            chunk = builder.chunk(item, include_usage)
+            if chunk is not None:
+                yield chunk
+    finally:
+        await messages.aclose()
+    if include_usage:
+        yield builder.usage_chunk()
+
+
+async def _whole(
+    servicer: RouterServicer, builder: ResponseBuilder, context: HttpCallContext
+) -> None:
+    """Run the plan to its end, ``builder`` keeping every choice for the body."""
+    async for item in run_plan(servicer, builder.plan, context):
+        builder.add(item)
 
 
 @dataclass(frozen=True, slots=True)

@@ -16,7 +16,6 @@ import importlib.metadata
 import logging
 import time
 import uuid
-from collections.abc import AsyncGenerator
 from http import HTTPStatus
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -29,11 +28,10 @@ from starlette.requests import ClientDisconnect
 from starlette.responses import JSONResponse, Response
 
 from services.common.api_keys import BEARER_PREFIX, ApiKeyStore, KeyRole
-from services.common.tracing import TRACE_HEADERS
 from services.router.auth import CALLER
 from services.router.call_context import HttpCallContext
 from services.router.openai.body_parser import BodyParser
-from services.router.openai.choices import run_plan
+from services.router.openai.choices import respond
 from services.router.openai.errors import OpenAIError, bad_request
 from services.router.openai.protocol import ChatCompletionRequest, CompletionRequest
 from services.router.openai.requests import (
@@ -44,11 +42,7 @@ from services.router.openai.requests import (
 )
 from services.router.openai.responses import ResponseBuilder, TokenTexts
 from services.router.openai.streaming import (
-    ClientDisconnected,
-    EventStreamResponse,
-    JsonPiecesResponse,
     error_response,
-    until_disconnect,
 )
 from splitserve.v1 import router_pb2
 
@@ -156,45 +150,8 @@ class _Api:
         builder = ResponseBuilder(
             plan, response_id, self._model_name, self._created_s, self._token_texts
         )
-        # The W3C trace context travels on as the worker calls' metadata.
-        context = HttpCallContext(
-            [(key, request.headers[key]) for key in TRACE_HEADERS if key in request.headers]
-        )
-        if body.stream:
-            include_usage = body.stream_options is not None and body.stream_options.include_usage
-            return EventStreamResponse(self._chunks(plan, builder, context, include_usage))
-        whole = self._whole(plan, builder, context)
-        try:
-            await until_disconnect(request.receive, whole)
-        except ClientDisconnected:
-            logger.debug("%s: client disconnected; request cancelled", response_id)
-            return Response(status_code=499)
-        return JsonPiecesResponse(builder.body())
-
-    async def _chunks(
-        self,
-        plan: GenerationPlan,
-        builder: ResponseBuilder,
-        context: HttpCallContext,
-        include_usage: bool,
-    ) -> AsyncGenerator[dict[str, Any], None]:
-        messages = run_plan(self._servicer, plan, context)
-        try:
-            async for item in messages:
-                chunk = builder.chunk(item, include_usage)
-                if chunk is not None:
-                    yield chunk
-        finally:
-            await messages.aclose()
-        if include_usage:
-            yield builder.usage_chunk()
-
-    async def _whole(
-        self, plan: GenerationPlan, builder: ResponseBuilder, context: HttpCallContext
-    ) -> None:
-        """Run ``plan`` to its end, ``builder`` keeping every choice for the body."""
-        async for item in run_plan(self._servicer, plan, context):
-            builder.add(item)
+        include_usage = body.stream_options is not None and body.stream_options.include_usage
+        return await respond(self._servicer, request, builder, bool(body.stream), include_usage)
 
     # ----------------------------------------------------------------------------- the rest
     async def models(self, request: Request) -> dict[str, Any]:
