@@ -9,15 +9,19 @@ only, like the engine.
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Protocol
 
 import torch
 
 from engine.batch_runner import BatchRunner
+from engine.config import EngineConfig, EngineKind
+from engine.cpu_isa import CpuIsa
 from engine.kv_cache_spec import KVCacheSpec
 from engine.model_runner import ModelRunner
-from engine.sampler import SamplerOutput
+from engine.sampler import Sampler, SamplerOutput
 from engine.scheduler import ScheduledRequest
+from engine.simulated import SimulatedExecutor, StepProfile
 
 
 class ModelExecutor(Protocol):
@@ -92,3 +96,52 @@ class NativeExecutor:
 
     def run(self, scheduled: list[ScheduledRequest]) -> tuple[SamplerOutput, dict[str, str]]:
         return self._batch.run(scheduled)
+
+
+def build_executor(
+    config: EngineConfig,
+    model_dir: Path,
+    dtype: str,
+    kv_cache_dtype: str,
+    device: torch.device,
+    cpu_isa: CpuIsa,
+    sampler: Sampler,
+    eos_token_ids: frozenset[int],
+) -> ModelExecutor:
+    """The model side of an engine of ``config``: this repository's model code (loads the
+    weights, allocates the KV cache), or the simulated one (``--engine mock``)."""
+    if config.engine is EngineKind.MOCK:
+        return SimulatedExecutor(
+            model_dir,
+            kv_cache_dtype,
+            config.block_size,
+            StepProfile(
+                overhead_s=config.mock_step_ms / 1e3,
+                prefill_s_per_token=config.mock_prefill_us_per_token / 1e6,
+                decode_s_per_seq=config.mock_decode_us_per_seq / 1e6,
+                kv_read_s_per_block=config.mock_kv_read_us_per_block / 1e6,
+            ),
+            eos_token_ids,
+            max_model_len=config.max_model_len,
+            num_kv_blocks=config.num_kv_blocks,
+            kv_cache_memory_gb=config.kv_cache_memory_gb,
+        )
+    runner = ModelRunner(
+        model_dir,
+        dtype,
+        kv_cache_dtype,
+        device,
+        config.block_size,
+        config.max_model_len,
+        config.num_kv_blocks,
+        config.kv_cache_memory_gb,
+        config.kernel_backend,
+        cpu_isa,
+        enforce_eager=config.enforce_eager,
+        load_format=config.load_format,
+        max_decode_rows=min(
+            config.max_num_seqs * (1 + config.num_speculative_tokens),
+            config.max_num_batched_tokens,
+        ),
+    )
+    return NativeExecutor(runner, BatchRunner(runner, sampler))

@@ -18,12 +18,11 @@ from dataclasses import dataclass
 import torch
 
 from engine.backend import EngineInfo
-from engine.batch_runner import BatchRunner
 from engine.block_hash import BlockHash
 from engine.block_pool import KVCacheEvent
-from engine.config import EngineConfig, EngineKind
+from engine.config import EngineConfig
 from engine.constraint import Constraint
-from engine.cpu_isa import CpuIsa, cpu_auto_dtype, host_isa, resolve_isa
+from engine.cpu_isa import CpuIsa, host_isa, resolve_isa
 from engine.cpu_tuning import (
     BuildThread,
     keep_freed_memory_in_heap,
@@ -31,10 +30,10 @@ from engine.cpu_tuning import (
     pin_process_to_cpus,
 )
 from engine.detokenizer import IncrementalDetokenizer
-from engine.executor import ModelExecutor, NativeExecutor
+from engine.executor import NativeExecutor, build_executor
 from engine.grammar_pool import GrammarPool
 from engine.kv_cache_manager import KVCacheManager
-from engine.kv_cache_spec import QUANTIZED_KV_DTYPES, KVCacheSpec
+from engine.kv_cache_spec import KVCacheSpec
 from engine.loader.models import resolve_model
 from engine.model.kernel_plan import KernelPlan
 from engine.model_runner import ModelRunner
@@ -42,6 +41,7 @@ from engine.ngram_proposer import NgramProposer
 from engine.outputs import RequestOutput
 from engine.request import Request, RequestStatus
 from engine.request_limits import check_cache_salt, check_request_limits
+from engine.resolve import resolve_device, resolve_dtype, resolve_kv_cache_dtype
 from engine.sampler import Sampler, TokenLogprobs
 from engine.sampling_params import SamplingParams
 from engine.scheduler import (
@@ -51,51 +51,11 @@ from engine.scheduler import (
     SchedulerConfig,
     SchedulerOutput,
 )
-from engine.simulated import SimulatedExecutor, StepProfile
 from engine.stats import EngineStats, make_stats
 from engine.structured_output import CompiledGrammar, GrammarCompiler
 from engine.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
-
-
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
-
-
-def resolve_dtype(name: str, device: torch.device, level: CpuIsa) -> str:
-    """``--dtype``, with ``auto`` made concrete: on CUDA bfloat16 where supported, else
-    float16; on CPU ``cpu_isa.cpu_auto_dtype`` (bfloat16 from AVX512_BF16, else float32)."""
-    if name != "auto":
-        return name
-    if device.type == "cuda":
-        return "bfloat16" if torch.cuda.is_bf16_supported() else "float16"
-    return cpu_auto_dtype(level)
-
-
-def resolve_kv_cache_dtype(name: str, dtype: str, device: torch.device) -> str:
-    """``--kv-cache-dtype`` made concrete for a model running in ``dtype`` on ``device``.
-
-    ``auto``: int8 for a bfloat16 model on CPU, else the model's dtype. The rule comes from
-    ``loadtest.bench.kv_cache_quality`` (BENCHMARKS.md): int8's distance from a bfloat16 cache is
-    bfloat16's own distance from float32 (greedy agreement, top-1, NLL), so it costs nothing a
-    bfloat16 model had not already given up; a float32 model keeps its exactness (token for
-    token with Hugging Face); on CUDA the Triton kernels read 8-bit rows too, but their speed
-    there is not measured yet. ``fp8`` is ``fp8_e4m3``; an unquantized cache must have the
-    model's dtype.
-    """
-    if name == "auto":
-        return "int8" if dtype == "bfloat16" and device.type == "cpu" else dtype
-    if name == "fp8":
-        return "fp8_e4m3"
-    if name in QUANTIZED_KV_DTYPES or name == dtype:
-        return name
-    raise ValueError(
-        f"--kv-cache-dtype {name} with --dtype {dtype}: an unquantized KV cache has the model's "
-        f"dtype ({dtype}); choose auto, int8 or fp8_e4m3"
-    )
 
 
 def _check_kv_capacity(num_kv_blocks: int, block_size: int, max_model_len: int) -> None:
@@ -183,9 +143,16 @@ class LLMEngine:
         self._compiling: dict[str, _Compiling] = {}
         self.kv_cache_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, self.dtype, self.device)
         self.sampler = Sampler(config.seed)
-        # The native model (tests and benchmarks reach into it); None on a simulated engine.
-        self.runner: ModelRunner | None = None
-        self.executor = self._build_executor(cpu_isa)
+        self.executor = build_executor(
+            config,
+            self.model_dir,
+            self.dtype,
+            self.kv_cache_dtype,
+            self.device,
+            cpu_isa,
+            self.sampler,
+            self.tokenizer.eos_token_ids,
+        )
         self.max_model_len = self.executor.max_model_len
         _check_kv_capacity(self.executor.num_kv_blocks, config.block_size, self.max_model_len)
         self.kv_cache_manager = KVCacheManager(
@@ -231,46 +198,6 @@ class LLMEngine:
             )
         else:
             logger.info("kernels: %s", self.executor.describe())
-
-    def _build_executor(self, cpu_isa: CpuIsa) -> ModelExecutor:
-        """The model side: this repository's model code, or the simulated one (``--engine
-        mock``)."""
-        config = self.config
-        if config.engine is EngineKind.MOCK:
-            return SimulatedExecutor(
-                self.model_dir,
-                self.kv_cache_dtype,
-                config.block_size,
-                StepProfile(
-                    overhead_s=config.mock_step_ms / 1e3,
-                    prefill_s_per_token=config.mock_prefill_us_per_token / 1e6,
-                    decode_s_per_seq=config.mock_decode_us_per_seq / 1e6,
-                    kv_read_s_per_block=config.mock_kv_read_us_per_block / 1e6,
-                ),
-                self.tokenizer.eos_token_ids,
-                max_model_len=config.max_model_len,
-                num_kv_blocks=config.num_kv_blocks,
-                kv_cache_memory_gb=config.kv_cache_memory_gb,
-            )
-        self.runner = ModelRunner(
-            self.model_dir,
-            self.dtype,
-            self.kv_cache_dtype,
-            self.device,
-            config.block_size,
-            config.max_model_len,
-            config.num_kv_blocks,
-            config.kv_cache_memory_gb,
-            config.kernel_backend,
-            cpu_isa,
-            enforce_eager=config.enforce_eager,
-            load_format=config.load_format,
-            max_decode_rows=min(
-                config.max_num_seqs * (1 + config.num_speculative_tokens),
-                config.max_num_batched_tokens,
-            ),
-        )
-        return NativeExecutor(self.runner, BatchRunner(self.runner, self.sampler))
 
     # ----------------------------------------------------------------------------- requests
     def validate_request(
@@ -498,12 +425,18 @@ class LLMEngine:
         return self.executor.kv_cache_spec
 
     @property
+    def runner(self) -> ModelRunner | None:
+        """The native model (tests and benchmarks reach into it); None on a simulated engine."""
+        return self.executor.runner if isinstance(self.executor, NativeExecutor) else None
+
+    @property
     def kernels(self) -> KernelPlan:
         """Which implementation runs each part of the model on this host (the native engine's;
         ``info.kernels`` describes any engine's)."""
-        if self.runner is None:
+        runner = self.runner
+        if runner is None:
             raise AttributeError("a simulated engine runs no kernels")
-        return self.runner.kernels
+        return runner.kernels
 
     def take_kv_cache_events(self) -> list[KVCacheEvent]:
         """Prefix-cache changes (blocks stored, removed, all cleared) since the last call, in

@@ -33,7 +33,8 @@ import torch
 from engine.config import EngineConfig
 from engine.cpu_isa import ISA_CHOICES, resolve_isa
 from engine.llm import LLM
-from engine.llm_engine import LLMEngine, resolve_dtype
+from engine.llm_engine import LLMEngine
+from engine.resolve import resolve_dtype
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledRequest
 from loadtest.bench.engine import resolve_model_dir

@@ -9,7 +9,7 @@ import torch
 
 from engine import LLM, SamplingParams
 from engine.config import EngineConfig
-from engine.llm_engine import resolve_kv_cache_dtype
+from engine.resolve import resolve_kv_cache_dtype
 from tests.engine.loader.tiny_gguf import needs_smollm2
 from tests.engine.test_generate_vs_hf import make_prompts
 
