@@ -26,7 +26,7 @@ import hashlib
 import time
 from array import array
 from collections.abc import Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -56,11 +56,6 @@ class StepProfile:
     prefill_s_per_token: float
     decode_s_per_seq: float
     kv_read_s_per_block: float
-
-    def __post_init__(self) -> None:
-        for f in fields(self):
-            if getattr(self, f.name) < 0:
-                raise ValueError(f"{f.name} must be >= 0, got {getattr(self, f.name)}")
 
     def step_s(self, scheduled: Sequence[ScheduledRequest], block_size: int) -> float:
         """The time a step computing ``scheduled`` takes."""
@@ -107,13 +102,26 @@ def kv_matches(
     0): what a decode worker finds after a transfer that moved every byte."""
     if not token_ids:
         return True
-    positions = range(len(token_ids))
+    blocks, slots, want = _kv_rows(block_ids, 0, token_ids, block_size, kv_cache.dtype)
+    return bool((kv_cache[blocks, :, :, :, slots] == want).all())
+
+
+def _kv_rows(
+    block_ids: Sequence[int],
+    start: int,
+    token_ids: Sequence[int],
+    block_size: int,
+    dtype: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Where the KV of ``token_ids`` at positions ``start``... lies (block and slot indices of
+    the cache) and its simulated value there, shaped to broadcast over layers and heads."""
+    positions = range(start, start + len(token_ids))
     blocks = torch.tensor([block_ids[p // block_size] for p in positions])
     slots = torch.tensor([p % block_size for p in positions])
-    want = torch.tensor(
-        [kv_value(t, p) for t, p in zip(token_ids, positions, strict=True)], dtype=kv_cache.dtype
+    values = torch.tensor(
+        [kv_value(t, p) for t, p in zip(token_ids, positions, strict=True)], dtype=dtype
     )
-    return bool((kv_cache[blocks, :, :, :, slots] == want.view(-1, 1, 1, 1, 1)).all())
+    return blocks, slots, values.view(-1, 1, 1, 1, 1)
 
 
 class SimulatedExecutor:
@@ -240,12 +248,7 @@ class SimulatedExecutor:
     def _write_kv(self, item: ScheduledRequest) -> None:
         """Every computed token's rows, in all layers and heads, hold ``kv_value``."""
         start = item.request.num_computed_tokens
-        token_ids = item.token_ids
-        positions = range(start, start + len(token_ids))
-        blocks = torch.tensor([item.block_ids[p // self._block_size] for p in positions])
-        slots = torch.tensor([p % self._block_size for p in positions])
-        values = torch.tensor(
-            [kv_value(t, p) for t, p in zip(token_ids, positions, strict=True)],
-            dtype=self._kv_cache.dtype,
+        blocks, slots, values = _kv_rows(
+            item.block_ids, start, item.token_ids, self._block_size, self._kv_cache.dtype
         )
-        self._kv_cache[blocks, :, :, :, slots] = values.view(-1, 1, 1, 1, 1)
+        self._kv_cache[blocks, :, :, :, slots] = values
