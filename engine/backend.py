@@ -56,13 +56,16 @@ class EngineBackend(Protocol):
         """*Any thread.* What the engine serves; fixed at load."""
 
     @property
-    def kv_cache(self) -> torch.Tensor:
+    def kv_cache(self) -> torch.Tensor | None:
         """*Any thread.* The paged KV cache memory a KV transfer backend registers, laid out
-        as ``kv_cache_spec`` says; allocated once at load, so its storage never moves."""
+        as ``kv_cache_spec`` says; allocated once at load, so its storage never moves. None
+        when this engine's KV cannot move between workers: its worker prefills every prompt
+        itself, and a prefill worker cannot run it."""
 
     @property
-    def kv_cache_spec(self) -> KVCacheSpec:
-        """*Any thread.* The layout of ``kv_cache``: block shape, dtype, bytes per block."""
+    def kv_cache_spec(self) -> KVCacheSpec | None:
+        """*Any thread.* The layout of ``kv_cache``: block shape, dtype, bytes per block (None
+        with ``kv_cache``)."""
 
     # ----------------------------------------------------------------------------- requests
     def add_request(

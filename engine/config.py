@@ -24,6 +24,7 @@ class EngineKind(enum.StrEnum):
 
     NATIVE = "native"  # this repository's model code
     MOCK = "mock"  # simulated: no model math (engine/simulated.py)
+    VLLM = "vllm"  # vLLM's engine core, in-process (engine/vllm_engine/)
 
 
 ENGINES = tuple(kind.value for kind in EngineKind)
@@ -53,11 +54,19 @@ class EngineConfig:
     )
     engine: EngineKind = flag(
         EngineKind.NATIVE,
-        "native: this repository's model code; mock: a simulated engine that runs no model "
-        "math (the native scheduler and KV block pool, steps that take the --mock-* profile's "
-        "time, token ids that depend on the prompt alone, deterministic KV bytes): for testing "
-        "routing, scaling and KV transfer with many workers on one machine",
+        "native: this repository's model code; vllm: vLLM's engine (every model family vLLM "
+        "runs, on its GPU and CPU platforms; needs the vllm extra, with --vllm-args for vLLM's "
+        "own engine options); mock: a simulated engine that runs no model math (the native "
+        "scheduler and KV block pool, steps that take the --mock-* profile's time, token ids "
+        "that depend on the prompt alone, deterministic KV bytes): for testing routing, "
+        "scaling and KV transfer with many workers on one machine",
         choices=ENGINES,
+    )
+    vllm_args: str = flag(
+        "",
+        "--engine vllm: vLLM engine arguments, as on vllm serve's command line, e.g. "
+        "'--tensor-parallel-size 4 --quantization awq --gpu-memory-utilization 0.85'; they "
+        "override what splitserve's own flags set",
     )
     revision: str | None = flag(
         None, "branch, tag or commit of a Hugging Face repo id --model (default: main)"

@@ -88,7 +88,10 @@ class KVPullHooks:
             elapsed_s = end_s - start_s
             backend = self.backend.name
             labels = (engine.info.served_model_name, backend)
-            num_bytes = num_blocks * engine.kv_cache_spec.block_bytes if ok else 0
+            spec = engine.kv_cache_spec
+            # A transfer finished, so this engine's cache is registered: it has a spec.
+            assert spec is not None
+            num_bytes = num_blocks * spec.block_bytes if ok else 0
             KV_PULL_SECONDS.labels(*labels, "done" if ok else "failed").observe(elapsed_s)
             if ok:
                 KV_PULLED_BLOCKS.labels(*labels).inc(num_blocks)

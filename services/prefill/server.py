@@ -86,10 +86,14 @@ class PrefillServicer(WorkerServicerBase[LeaseHooks], worker_pb2_grpc.PrefillWor
     ) -> worker_pb2.PrefillResponse:
         token_id = final.token_ids[0]
         assert final.first_token_time_s is not None
+        # A prefill worker's engine always has a KV cache to share (worker.config's
+        # engine_unavailable refuses the others at start).
+        kv_peer = self.runtime.kv_peer
+        assert kv_peer is not None
         response = worker_pb2.PrefillResponse(
             token_id=token_id,
             num_cached_tokens=final.num_cached_tokens,
-            kv_peer=peer_info_to_proto(self.runtime.kv_peer),
+            kv_peer=peer_info_to_proto(kv_peer),
             prefill_time_s=final.first_token_time_s - final.arrival_time_s,
         )
         if final.logprobs:
@@ -105,7 +109,7 @@ class PrefillServicer(WorkerServicerBase[LeaseHooks], worker_pb2_grpc.PrefillWor
         lease = self.hooks.get(req_id)
         assert lease is not None, f"req_id={req_id} finished prefill without a lease"
         ref = KVRef(
-            engine_id=self.runtime.kv_peer.engine_id,
+            engine_id=kv_peer.engine_id,
             req_id=req_id,
             block_ids=lease.block_ids,
             num_tokens=len(prompt),

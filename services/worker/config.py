@@ -5,8 +5,9 @@ from __future__ import annotations
 import socket
 from dataclasses import dataclass, field
 
-from engine.config import EngineConfig
+from engine.config import EngineConfig, EngineKind
 from engine.flags import flag, from_args
+from engine.vllm_engine.args import VLLMNotInstalledError, require_vllm
 from kvtransfer.registry import default_backend, is_available
 from services.common.redis_config import RedisConfig
 from services.common.roles import Role
@@ -88,7 +89,7 @@ class WorkerConfig:
 
 def parse_worker_args(role: Role, argv: list[str] | None) -> WorkerConfig:
     """``python -m services.<role>`` flags: every engine flag plus the worker's own."""
-    _, args = parse_service_args(
+    parser, args = parse_service_args(
         f"python -m services.{role}",
         f"splitserve {role} worker",
         (EngineConfig, WorkerConfig),
@@ -96,5 +97,26 @@ def parse_worker_args(role: Role, argv: list[str] | None) -> WorkerConfig:
     )
     # Workers hand text and stop strings to the router.
     engine = from_args(EngineConfig, args, detokenize=False)
+    problem = engine_unavailable(role, engine)
+    if problem:
+        parser.exit(2, f"{parser.prog}: error: {problem}\n")
     redis, tracing = shared_configs(args)
     return from_args(WorkerConfig, args, engine=engine, redis=redis, tracing=tracing)
+
+
+def engine_unavailable(role: Role, engine: EngineConfig) -> str | None:
+    """Why a ``role`` worker cannot run ``engine`` here, in one line (None: it can): checked
+    before the model loads, so the worker fails at once."""
+    if engine.engine is not EngineKind.VLLM:
+        return None
+    try:
+        require_vllm()
+    except VLLMNotInstalledError as exc:
+        return str(exc)
+    if role is Role.PREFILL:
+        return (
+            "--engine vllm on a prefill worker: vLLM's KV does not move to decode workers yet; "
+            "serve it colocated (splitserve up --mode colocated: decode workers run whole "
+            "requests)"
+        )
+    return None

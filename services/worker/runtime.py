@@ -14,7 +14,7 @@ from opentelemetry.trace import Span
 from prometheus_client import REGISTRY
 
 from engine.backend import EngineBackend
-from engine.llm_engine import LLMEngine
+from engine.build import build_engine
 from engine.sampling_params import SamplingParams
 from kvtransfer.base import KVTransferBackend, PeerInfo
 from kvtransfer.registry import TLS_BACKENDS, make_backend
@@ -63,7 +63,7 @@ class WorkerRuntime:
     engine: EngineBackend
     loop: EngineLoop
     kv_backend: KVTransferBackend
-    kv_peer: PeerInfo
+    kv_peer: PeerInfo | None  # None: the engine's KV does not move (it prefills everything)
     tracing: Tracing
     metrics: ServingMetrics
     # Set by ``RunningWorker.drain``: new calls are refused (UNAVAILABLE, retryable).
@@ -110,7 +110,7 @@ class WorkerRuntime:
             vocab_size=info.vocab_size,
             max_model_len=info.max_model_len,
             block_size=info.block_size,
-            kv_peer=peer_info_to_proto(self.kv_peer),
+            kv_peer=None if self.kv_peer is None else peer_info_to_proto(self.kv_peer),
             kv_transfer_backend=self.kv_backend.name,
             dtype=info.dtype,
             cpu_isa=info.cpu_isa,
@@ -127,7 +127,7 @@ def build_runtime(
     """Load the model and register its KV cache with the transfer backend (blocking)."""
     worker_id = config.resolved_worker_id(role, port)
     kv_tls = kv_transfer_tls(config, role)
-    engine: EngineBackend = LLMEngine(config.engine)
+    engine = build_engine(config.engine)
     backend = make_backend(
         config.kv_transfer,
         worker_id,
@@ -136,7 +136,9 @@ def build_runtime(
         io_timeout_s=config.kv_io_timeout_s,
         tls=kv_tls,
     )
-    kv_peer = backend.register_kv_cache(engine.kv_cache, engine.kv_cache_spec)
+    kv_peer = None
+    if engine.kv_cache is not None and engine.kv_cache_spec is not None:
+        kv_peer = backend.register_kv_cache(engine.kv_cache, engine.kv_cache_spec)
     loop = EngineLoop(engine, make_hooks(backend))
     tracing = Tracing(config.tracing, f"splitserve-{role}", {"service.instance.id": worker_id})
     metrics = ServingMetrics(engine.info.served_model_name, str(role))
@@ -285,6 +287,7 @@ async def start_worker(config: WorkerConfig, service: WorkerService[HooksT]) -> 
     if publisher is not None:
         publisher.start()
     await serving.set_serving((service_name,))
+    kv_at = "no KV transfer" if runtime.kv_peer is None else runtime.kv_peer.address
     logger.info(
         "%s worker %s serving on %s:%d (KV over %s at %s)",
         role,
@@ -292,7 +295,7 @@ async def start_worker(config: WorkerConfig, service: WorkerService[HooksT]) -> 
         config.host,
         serving.port,
         runtime.kv_backend.name,
-        runtime.kv_peer.address,
+        kv_at,
     )
     return RunningWorker(runtime, servicer, serving, publisher, engine_died, load_collector)
 

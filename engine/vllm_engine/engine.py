@@ -1,0 +1,336 @@
+"""``VLLMEngine``: vLLM's engine core behind splitserve's ``EngineBackend``.
+
+vLLM runs in the worker's process: its ``EngineCore`` (scheduler, KV cache manager, structured
+outputs) is built and stepped on the worker's engine thread, exactly where the native engine
+runs, and its model executor is in-process at tensor parallel size 1 (vLLM's multiprocess
+executor beyond). vLLM's ``InputProcessor`` validates each request as ``vllm serve`` would.
+The worker streams token ids only; the router detokenizes and matches stop strings for both
+engines, so vLLM's output processor is not used.
+
+Not yet behind this engine (docs/engines.md): moving KV to or from another worker (a worker
+on it prefills every prompt itself) and ``set_paused`` (a slow reader's tokens are buffered).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from engine.backend import EngineInfo
+from engine.block_hash import BlockHash
+from engine.block_pool import KVCacheEvent
+from engine.config import EngineConfig
+from engine.constraint import Constraint
+from engine.cpu_isa import resolve_isa
+from engine.kv_cache_spec import KVCacheSpec
+from engine.outputs import RequestOutput
+from engine.request_limits import check_cache_salt
+from engine.sampler import TokenLogprobs
+from engine.sampling_params import SamplingParams
+from engine.scheduler import DuplicateRequestError, KVLoad
+from engine.stats import EngineStats
+from engine.vllm_engine.args import engine_args, prepare_process_env, require_vllm
+from engine.vllm_engine.convert import sampling_params, token_logprobs
+from engine.vllm_engine.events import EventCollector, EventTranslator
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class _RequestState:
+    """What a request's outputs report beyond vLLM's per-step deltas."""
+
+    prompt_token_ids: list[int]
+    token_ids: list[int]  # given (sampled elsewhere) and generated so far
+    logprobs: list[TokenLogprobs] | None
+    arrival_time_s: float
+    first_token_time_s: float | None = None
+    scheduled_time_s: float | None = None
+    num_cached_tokens: int = 0
+    num_preemptions: int = field(default=0)
+
+
+class VLLMEngine:
+    """One vLLM engine core, driven through ``EngineBackend`` (see ``engine.backend``).
+
+    Built on the engine thread; every method but the properties runs there. Request ids are
+    the workers' own (vLLM's random suffixing is not applied), so aborts and outputs match.
+    """
+
+    def __init__(self, config: EngineConfig) -> None:
+        require_vllm()
+        prepare_process_env()
+        from vllm.renderers.registry import renderer_from_config
+        from vllm.v1.engine.core import EngineCore
+        from vllm.v1.engine.input_processor import InputProcessor
+        from vllm.v1.executor import Executor
+
+        vllm_config = engine_args(config, cuda=torch.cuda.is_available()).create_engine_config()
+        self.vllm_config = vllm_config
+        self._core = EngineCore(vllm_config, Executor.get_class(vllm_config), log_stats=True)
+        self._inputs = InputProcessor(vllm_config, renderer_from_config(vllm_config))
+        self._supported_tasks = self._core.get_supported_tasks()
+        scheduler: Any = self._core.scheduler
+        self._scheduler = scheduler
+        self._last_num_scheduled_tokens = 0
+        schedule = scheduler.schedule
+
+        def schedule_and_count(*args: Any, **kwargs: Any) -> Any:
+            output = schedule(*args, **kwargs)
+            self._last_num_scheduled_tokens = output.total_num_scheduled_tokens
+            return output
+
+        scheduler.schedule = schedule_and_count
+        self._events = EventCollector()
+        if getattr(scheduler, "kv_event_publisher", None) is not None:
+            scheduler.kv_event_publisher = self._events
+        model_config = vllm_config.model_config
+        block_size = vllm_config.cache_config.block_size
+        self._translator = EventTranslator(block_size)
+        self._states: dict[str, _RequestState] = {}
+        self._num_preemptions = 0
+        self.on_constraint_compiled: Callable[[], object] | None = None
+        device_type = torch.device(vllm_config.device_config.device or "cpu").type
+        self._info = EngineInfo(
+            served_model_name=config.served_model_name or config.model,
+            vocab_size=model_config.get_vocab_size(),
+            max_model_len=model_config.max_model_len,
+            block_size=block_size,
+            dtype=str(model_config.dtype).removeprefix("torch."),
+            cpu_isa=resolve_isa("auto").value if device_type == "cpu" else "",
+            kernels=f"vLLM {_vllm_version()} ({device_type})",
+        )
+        logger.info("vLLM engine ready: %s", self._info.kernels)
+
+    # ----------------------------------------------------------------------------- facts
+    @property
+    def info(self) -> EngineInfo:
+        return self._info
+
+    @property
+    def kv_cache(self) -> torch.Tensor | None:
+        """None: this engine's KV does not move through splitserve's KV backends yet."""
+        return None
+
+    @property
+    def kv_cache_spec(self) -> KVCacheSpec | None:
+        return None
+
+    # ----------------------------------------------------------------------------- requests
+    def add_request(
+        self,
+        req_id: str,
+        prompt_token_ids: Sequence[int],
+        params: SamplingParams,
+        *,
+        output_token_ids: Sequence[int] = (),
+        num_external_tokens: int = 0,
+        hold_kv: bool = False,
+        cache_salt: str = "",
+    ) -> None:
+        """Validate through vLLM's input processor and queue. Tokens sampled elsewhere
+        (``output_token_ids``: a resumed stream) extend the prompt and count towards
+        ``max_tokens``: the continuation is the same for greedy decoding."""
+        from vllm.inputs.engine import tokens_input
+
+        if hold_kv or num_external_tokens:
+            field_name = "hold_kv" if hold_kv else "num_external_tokens"
+            raise ValueError(f"{field_name}: --engine vllm does not move KV between workers yet")
+        if req_id in self._states:
+            raise DuplicateRequestError(f"request_id {req_id!r} is already in flight")
+        if len(output_token_ids) >= params.max_tokens:
+            raise ValueError(
+                f"output_token_ids: {len(output_token_ids)} tokens given, max_tokens is "
+                f"{params.max_tokens}"
+            )
+        check_cache_salt(cache_salt)
+        prompt = [*prompt_token_ids, *output_token_ids]
+        request = self._inputs.process_inputs(
+            req_id,
+            tokens_input(prompt, cache_salt=cache_salt or None),
+            sampling_params(params, len(output_token_ids)),
+            self._supported_tasks,
+        )
+        self._core.add_request(*self._core.preprocess_add_request(request))
+        self._states[req_id] = _RequestState(
+            prompt_token_ids=list(prompt_token_ids),
+            token_ids=list(output_token_ids),
+            logprobs=[] if params.logprobs is not None else None,
+            arrival_time_s=time.perf_counter(),
+        )
+
+    def abort_requests(self, req_ids: Iterable[str]) -> list[RequestOutput]:
+        live = [req_id for req_id in req_ids if req_id in self._states]
+        if not live:
+            return []
+        self._core.abort_requests(live)
+        return [self._finish(req_id, "abort", None) for req_id in live]
+
+    def set_paused(self, req_id: str, paused: bool) -> None:
+        """vLLM has no per-request pause: a slow reader's tokens stay buffered in its stream."""
+
+    async def prepare_constraint(self, constraint: Constraint) -> None:
+        """vLLM compiles grammars itself, off its step loop, while the request waits."""
+
+    # ----------------------------------------------------------------------------- stepping
+    def step(self) -> list[RequestOutput]:
+        self._last_num_scheduled_tokens = 0
+        outputs_by_client, model_executed = self._core.step_fn()
+        self._core.post_step(model_executed)
+        core_outputs = (outputs_by_client or {}).get(0)
+        if core_outputs is None:
+            return []
+        now_s = time.perf_counter()
+        return [
+            self._output(output, now_s)
+            for output in core_outputs.outputs
+            if output.request_id in self._states
+        ]
+
+    def _output(self, output: Any, now_s: float) -> RequestOutput:
+        from vllm.v1.engine import EngineCoreEventType
+
+        state = self._states[output.request_id]
+        for event in output.events or ():
+            if event.type == EngineCoreEventType.SCHEDULED and state.scheduled_time_s is None:
+                state.scheduled_time_s = now_s
+            elif event.type == EngineCoreEventType.PREEMPTED:
+                self._num_preemptions += 1
+        if output.prefill_stats is not None:
+            state.num_cached_tokens = output.prefill_stats.num_cached_tokens
+        new_token_ids = list(output.new_token_ids)
+        if new_token_ids and state.first_token_time_s is None:
+            state.first_token_time_s = now_s
+        state.token_ids += new_token_ids
+        new_logprobs = None
+        if state.logprobs is not None and output.new_logprobs is not None:
+            new_logprobs = token_logprobs(output.new_logprobs)
+            state.logprobs += new_logprobs
+        if output.finish_reason is not None:
+            error = None
+            if str(output.finish_reason) == "error":
+                error = "vLLM failed this request (see the worker's log)"
+            return self._finish(
+                output.request_id,
+                str(output.finish_reason),
+                output.stop_reason,
+                new_token_ids=new_token_ids,
+                new_logprobs=new_logprobs,
+                error=error,
+            )
+        return self._make_output(output.request_id, state, new_token_ids, new_logprobs)
+
+    def _finish(
+        self,
+        req_id: str,
+        finish_reason: str,
+        stop_reason: int | str | None,
+        *,
+        new_token_ids: list[int] | None = None,
+        new_logprobs: list[TokenLogprobs] | None = None,
+        error: str | None = None,
+    ) -> RequestOutput:
+        state = self._states.pop(req_id)
+        return RequestOutput(
+            req_id=req_id,
+            prompt_token_ids=state.prompt_token_ids,
+            token_ids=state.token_ids,
+            new_token_ids=new_token_ids or [],
+            text="",
+            delta_text="",
+            finished=True,
+            finish_reason=finish_reason,
+            stop_reason=stop_reason,
+            num_cached_tokens=state.num_cached_tokens,
+            logprobs=state.logprobs,
+            arrival_time_s=state.arrival_time_s,
+            first_token_time_s=state.first_token_time_s,
+            scheduled_time_s=state.scheduled_time_s,
+            new_logprobs=new_logprobs,
+            error=error,
+        )
+
+    @staticmethod
+    def _make_output(
+        req_id: str,
+        state: _RequestState,
+        new_token_ids: list[int],
+        new_logprobs: list[TokenLogprobs] | None,
+    ) -> RequestOutput:
+        return RequestOutput(
+            req_id=req_id,
+            prompt_token_ids=state.prompt_token_ids,
+            token_ids=[],
+            new_token_ids=new_token_ids,
+            text="",
+            delta_text="",
+            finished=False,
+            finish_reason=None,
+            stop_reason=None,
+            num_cached_tokens=state.num_cached_tokens,
+            logprobs=None,
+            arrival_time_s=state.arrival_time_s,
+            first_token_time_s=state.first_token_time_s,
+            scheduled_time_s=state.scheduled_time_s,
+            new_logprobs=new_logprobs,
+        )
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._scheduler.has_requests())
+
+    @property
+    def last_num_scheduled_tokens(self) -> int:
+        return self._last_num_scheduled_tokens
+
+    def stats(self) -> EngineStats:
+        scheduler = self._scheduler
+        pool = scheduler.kv_cache_manager.block_pool
+        num_running, num_waiting = scheduler.get_request_counts()
+        queued_tokens = sum(r.num_tokens - r.num_computed_tokens for r in scheduler.waiting)
+        # vLLM's pool keeps block 0 as its null block, never free and never used by a request.
+        num_usable_blocks = pool.num_gpu_blocks - 1
+        return EngineStats(
+            num_running=num_running,
+            num_waiting=num_waiting,
+            num_waiting_for_kv=0,
+            num_held_kv=0,
+            num_total_blocks=num_usable_blocks,
+            num_used_blocks=num_usable_blocks - pool.get_num_free_blocks(),
+            num_cached_blocks=len(self._translator.live_block_hashes()),
+            num_queued_prefill_tokens=queued_tokens,
+            num_preemptions=self._num_preemptions,
+        )
+
+    # ----------------------------------------------------------------------------- prefix cache
+    def take_kv_cache_events(self) -> list[KVCacheEvent]:
+        return self._translator.translate(self._events.take())
+
+    def prefix_cache_block_hashes(self) -> list[BlockHash]:
+        return self._translator.live_block_hashes()
+
+    # ----------------------------------------------------------------------------- KV transfer
+    def holds_kv(self, req_id: str) -> bool:
+        return False
+
+    def held_kv_block_ids(self, req_id: str) -> list[int]:
+        return []
+
+    def release_held_kv(self, req_id: str) -> bool:
+        return False
+
+    def take_kv_loads(self) -> list[KVLoad]:
+        return []
+
+    def finish_kv_load(self, req_id: str, success: bool) -> None:
+        """No load is ever started here (``take_kv_loads`` is always empty)."""
+
+
+def _vllm_version() -> str:
+    import vllm
+
+    return str(vllm.__version__)

@@ -1,0 +1,65 @@
+"""The reference of the vLLM engine's tests: vLLM run offline (``vllm.LLM``) on the same model
+and settings, in a child process (vLLM sets process-wide threads and CPU affinity, which the
+test process must not inherit).
+
+``python -m tests.services.vllm_offline JOB_JSON`` prints one JSON line: per prompt, the greedy
+``token_ids`` and ``text``. A prompt is a list of token ids, a text (tokenized by vLLM) or a
+list of chat messages (``{"role": ..., "content": ...}``, vLLM's chat template).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+def offline_greedy(
+    model_dir: Path, prompts: list[Any], max_tokens: int, **llm_kwargs: Any
+) -> list[dict[str, Any]]:
+    """Greedy outputs of offline vLLM for ``prompts`` (``llm_kwargs``: ``vllm.LLM``'s)."""
+    job = {"model": str(model_dir), "prompts": prompts, "max_tokens": max_tokens, **llm_kwargs}
+    env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", HF_HUB_OFFLINE="1")
+    done = subprocess.run(
+        [sys.executable, "-m", "tests.services.vllm_offline", json.dumps(job)],
+        cwd=REPO_ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
+    if done.returncode != 0:
+        raise RuntimeError(f"offline vLLM failed:\n{done.stderr[-4000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    job = json.loads(sys.argv[1])
+    prompts = job.pop("prompts")
+    max_tokens = job.pop("max_tokens")
+    llm = LLM(**job)
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
+    outputs = []
+    for prompt in prompts:
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], dict):
+            outputs += llm.chat(prompt, params)
+        else:
+            one = prompt if isinstance(prompt, str) else TokensPrompt(prompt_token_ids=prompt)
+            outputs += llm.generate([one], params)
+    results = [
+        {"token_ids": list(o.outputs[0].token_ids), "text": o.outputs[0].text} for o in outputs
+    ]
+    print(json.dumps(results))
+
+
+if __name__ == "__main__":
+    main()

