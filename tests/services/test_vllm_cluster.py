@@ -3,11 +3,12 @@ behind one router and a real Redis. Greedy output is token-identical to vLLM run
 gRPC and through the ``openai`` client, streamed and not; prompts sharing a long prefix land on the
 worker that holds it (``cached_tokens``, the Redis index built from vLLM's KV events) and two
 cache salts never share; a cancelled stream frees its blocks; bad input is refused without
-harming the workers."""
+harming the workers; a worker killed mid-stream costs the stream nothing."""
 
 from __future__ import annotations
 
 import asyncio
+import signal
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -189,3 +190,25 @@ def test_a_cancelled_stream_frees_its_kv_on_the_worker(cluster):
     assert busy_blocks() > 0
     stream.cancel()
     wait_until(lambda: busy_blocks() == 0, 60, "the cancelled request's blocks are freed")
+
+
+def test_a_decode_worker_killed_mid_stream_costs_the_stream_nothing(cluster, smollm2_dir):
+    """Last in this module: it leaves one worker. The router resumes the stream on the other
+    worker from the prompt and the tokens sent; greedy, the continuation is the same."""
+    local, client = cluster
+    prompt = list(range(4000, 4040))
+    (reference,) = offline_greedy(smollm2_dir, [prompt], 200, ignore_eos=True, **OFFLINE_KWARGS)
+    call = client.stub.Generate(
+        router_pb2.GenerateRequest(token_ids=prompt, sampling=greedy(200, ignore_eos=True)),
+        timeout=300,
+    )
+    token_ids: list[int] = []
+    victim = None
+    for message in call:
+        token_ids.extend(message.token_ids)
+        if victim is None and len(token_ids) >= 20:
+            (busy,) = [w.address for w in client.status().workers if w.load.num_running]
+            victim = next(p for p in local.workers("decode") if p.address == busy)
+            victim.signal(signal.SIGKILL)
+    assert victim is not None
+    assert token_ids == reference["token_ids"]

@@ -2,7 +2,8 @@
 and settings, in a child process (vLLM sets process-wide threads and CPU affinity, which the
 test process must not inherit).
 
-``python -m tests.services.vllm_offline JOB_JSON`` prints one JSON line: per prompt, the greedy
+``python -m tests.services.vllm_offline JOB_JSON`` (``ignore_eos`` besides ``vllm.LLM``'s
+arguments) prints one JSON line: per prompt, the greedy
 ``token_ids`` and ``text``. A prompt is a list of token ids, a text (tokenized by vLLM) or a
 list of chat messages (``{"role": ..., "content": ...}``, vLLM's chat template).
 """
@@ -46,8 +47,9 @@ def main() -> None:
     job = json.loads(sys.argv[1])
     prompts = job.pop("prompts")
     max_tokens = job.pop("max_tokens")
+    ignore_eos = job.pop("ignore_eos", False)
     llm = LLM(**job)
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=ignore_eos)
     outputs = []
     for prompt in prompts:
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], dict):

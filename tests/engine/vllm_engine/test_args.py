@@ -38,7 +38,7 @@ def test_shared_flags_map_and_vllm_args_come_last(tiny_llama_dir):
     assert argv[-2:] == ["--speculative-config", '{"method": "ngram"}']
 
 
-def test_dtype_auto_resolves_as_the_native_engine_does_on_cpu(tiny_llama_dir):
+def test_cpu_defaults_are_the_native_engines(tiny_llama_dir):
     from engine.cpu_isa import cpu_auto_dtype, resolve_isa
 
     argv = vllm_argv(EngineConfig(model=str(tiny_llama_dir), engine="vllm"), cuda=False)
