@@ -44,6 +44,7 @@ class PrefillPlace(enum.Enum):
     SATURATED = "saturated"  # every prefill worker has too much queued
     NO_PREFILL_WORKER = "no_prefill_worker"  # none healthy
     COLOCATED = "colocated"  # colocated mode: the decode worker chosen by the prefill cost
+    KV_CANNOT_MOVE = "kv_cannot_move"  # the decode worker cannot read the prefill worker's KV
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,7 +112,10 @@ class RoutePlanner:
             uncached_tokens = len(prompt_token_ids) - (
                 decode.matched_blocks * block_size if decode is not None else 0
             )
-            if uncached_tokens > self._local_prefill_max_tokens:
+            if decode is not None and not kv_can_move(choice.worker, decode.worker):
+                await self.prefill_chooser.withdraw(choice)
+                place = PrefillPlace.KV_CANNOT_MOVE
+            elif uncached_tokens > self._local_prefill_max_tokens:
                 place = PrefillPlace.PREFILL_WORKER
             else:
                 await self.prefill_chooser.withdraw(choice)
@@ -138,6 +142,21 @@ class RoutePlanner:
             await self.prefill_chooser.withdraw(choice)
             choice = replace(choice, reservation=None)
         return RoutePlan(choice, PrefillPlace.COLOCATED, candidates, decode)
+
+
+def kv_can_move(prefill: WorkerHandle, decode: WorkerHandle) -> bool:
+    """Whether ``decode`` can read KV that ``prefill`` computes: both engines expose a KV cache
+    (a vLLM worker's does not move yet) of one layout (``compat_hash``) and backend. Unknown until both
+    have answered ``GetInfo``: assumed, as a failed pairing still falls back to local prefill."""
+    if prefill.info is None or decode.info is None:
+        return True
+    source, reader = prefill.info, decode.info
+    if not source.HasField("kv_peer") or not reader.HasField("kv_peer"):
+        return False
+    return (source.kv_peer.backend, source.kv_peer.compat_hash) == (
+        reader.kv_peer.backend,
+        reader.kv_peer.compat_hash,
+    )
 
 
 def build_planner(

@@ -75,6 +75,7 @@ class StandInDecodeWorker(worker_pb2_grpc.DecodeWorkerServicer):
             vocab_size=self.vocab_size,
             max_model_len=MAX_MODEL_LEN,
             block_size=16,
+            kv_peer=worker_pb2.KVPeerInfo(backend="tcp", compat_hash="stand-in"),
         )
 
     async def GetLoad(

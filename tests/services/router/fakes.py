@@ -35,6 +35,8 @@ class W:
     draining: bool = False
     shutting_down: bool = False
     block_size: int = BLOCK_SIZE
+    # Its KV cache's compat_hash; None: its engine's KV cannot move (a vLLM worker's today).
+    kv_layout: str | None = "fake"
 
     def build(self, role: Role) -> WorkerHandle:
         return WorkerHandle(
@@ -44,7 +46,14 @@ class W:
             stub=cast(Any, None),
             healthy=self.healthy,
             info=worker_pb2.WorkerInfo(
-                worker_id=self.address, role=role.to_proto(), block_size=self.block_size
+                worker_id=self.address,
+                role=role.to_proto(),
+                block_size=self.block_size,
+                kv_peer=(
+                    None
+                    if self.kv_layout is None
+                    else worker_pb2.KVPeerInfo(backend="tcp", compat_hash=self.kv_layout)
+                ),
             ),
             load=worker_pb2.WorkerLoad(
                 num_running=self.running,

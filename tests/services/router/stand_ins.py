@@ -37,6 +37,7 @@ def _info(worker_id: str, role: worker_pb2.WorkerRole) -> worker_pb2.WorkerInfo:
         vocab_size=VOCAB_SIZE,
         max_model_len=MAX_MODEL_LEN,
         block_size=BLOCK_SIZE,
+        kv_peer=worker_pb2.KVPeerInfo(backend="tcp", compat_hash="stand-in"),
     )
 
 

@@ -240,6 +240,17 @@ def check_plan(plan: RoutePlan, case: PlanCase, prompt_len: int) -> None:
             id="colocated-the-replica-with-the-least-prefill-cost",
         ),
         pytest.param(
+            # The decode worker cannot read the prefill worker's KV: it prefills the prompt.
+            PlanCase(PREFILL2, (W("d0", kv_layout=None),), LONG, PrefillPlace.KV_CANNOT_MOVE,
+                     None, "d0", want_chosen="p0"),
+            id="decode-engine-without-kv-transfer",
+        ),
+        pytest.param(
+            PlanCase(PREFILL2, (W("d0", kv_layout="bfloat16-cache"),), LONG,
+                     PrefillPlace.KV_CANNOT_MOVE, None, "d0", want_chosen="p0"),
+            id="decode-kv-layout-differs",
+        ),
+        pytest.param(
             PlanCase((), (W("d0", running=2), W("d1")), LONG, PrefillPlace.COLOCATED, None, "d0",
                      hits={"d0": 6}, want_chosen="d0", colocated=True,
                      want_reserved={"d0": 0}),
