@@ -1,26 +1,32 @@
 """``--engine vllm``: a colocated cluster of two vLLM decode workers serving SmolLM2 (float32)
 behind one router and a real Redis. Greedy output is token-identical to vLLM run offline, through
-gRPC and through the ``openai`` client, streamed and not; prompts sharing a long prefix land on the
-worker that holds it (``cached_tokens``, the Redis index built from vLLM's KV events) and two
-cache salts never share; a cancelled stream frees its blocks; bad input is refused without
-harming the workers; a worker killed mid-stream costs the stream nothing."""
+gRPC and through the ``openai`` client, streamed and not; prompts sharing a long prefix land on
+the worker that holds it (``cached_tokens``, the Redis index built from vLLM's KV events) and two
+cache salts never share; structured output satisfies its constraint; a cancelled stream frees its
+blocks; bad input is refused without harming the workers; a worker killed mid-stream costs the
+stream nothing."""
 
 from __future__ import annotations
 
 import asyncio
+import json
+import re
 import signal
 from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
+import jsonschema
 import openai
 import pytest
 import redis.asyncio as aioredis
 
 from engine import EngineConfig
 from engine.block_hash import hash_block_tokens
+from engine.constraint import Constraint, ConstraintKind
 from engine.loader.models import resolve_model
 from services.cluster.config import ClusterMode
+from services.common.convert import constraint_to_proto
 from services.common.prefix_index import RedisPrefixIndex
 from services.launcher import LocalCluster
 from splitserve.v1 import router_pb2
@@ -190,6 +196,34 @@ def test_a_cancelled_stream_frees_its_kv_on_the_worker(cluster):
     assert busy_blocks() > 0
     stream.cancel()
     wait_until(lambda: busy_blocks() == 0, 60, "the cancelled request's blocks are freed")
+
+
+def test_structured_output_satisfies_its_constraint(cluster):
+    """Constraints go to vLLM's structured outputs; every output satisfies its own."""
+    _, client = cluster
+    schema = {
+        "type": "object",
+        "properties": {"city": {"type": "string", "maxLength": 20}, "year": {"type": "integer"}},
+        "required": ["city", "year"],
+        "additionalProperties": False,
+    }
+    regex = r"[A-Z][a-z]{2,6}-[0-9]{2,4}"
+    choices = ("approve", "reject", "escalate to a human")
+    cases = [
+        (Constraint(ConstraintKind.JSON_SCHEMA, json.dumps(schema)), "A city and a year, as JSON:"),
+        (Constraint(ConstraintKind.REGEX, regex), "A product code:"),
+        (Constraint(ConstraintKind.CHOICE, choices=choices), "Decide on the refund request:"),
+    ]
+    for constraint, prompt in cases:
+        sampling = greedy(120, constraint=constraint_to_proto(constraint))
+        served = client.generate(prompt=prompt, sampling=sampling)
+        assert served.last.finish_reason == router_pb2.FINISH_REASON_STOP, served.text
+        if constraint.kind is ConstraintKind.JSON_SCHEMA:
+            jsonschema.validate(json.loads(served.text), schema)
+        elif constraint.kind is ConstraintKind.REGEX:
+            assert re.fullmatch(regex, served.text), served.text
+        else:
+            assert served.text in choices
 
 
 def test_a_decode_worker_killed_mid_stream_costs_the_stream_nothing(cluster, smollm2_dir):
