@@ -146,8 +146,9 @@ class RoutePlanner:
 
 def kv_can_move(prefill: WorkerHandle, decode: WorkerHandle) -> bool:
     """Whether ``decode`` can read KV that ``prefill`` computes: both engines expose a KV cache
-    (a vLLM worker's does not move yet) of one layout (``compat_hash``) and backend. Unknown until both
-    have answered ``GetInfo``: assumed, as a failed pairing still falls back to local prefill."""
+    (a vLLM worker's does not move yet) of one layout (``compat_hash``) over one backend.
+    Unknown until both have answered ``GetInfo``: assumed, as a failed pairing still falls back
+    to local prefill."""
     if prefill.info is None or decode.info is None:
         return True
     source, reader = prefill.info, decode.info
