@@ -52,11 +52,10 @@ def vllm_argv(config: EngineConfig, *, cuda: bool) -> list[str]:
     resolved as the native engine resolves it on CPU (float32 below AVX-512 BF16, where
     bfloat16 is emulated); on CUDA vLLM's own ``auto`` applies.
     """
+    # A local directory: aliases and GGUF files converted, a repo id fetched at --revision.
     argv = ["--model", str(resolve_model(config.model, revision=config.revision))]
     if config.served_model_name:
         argv += ["--served-model-name", config.served_model_name]
-    if config.revision:
-        argv += ["--revision", config.revision]
     dtype = config.dtype
     if dtype == "auto" and not cuda:
         dtype = cpu_auto_dtype(resolve_isa(config.cpu_isa))

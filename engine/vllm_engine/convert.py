@@ -1,5 +1,5 @@
-"""splitserve's request vocabulary to vLLM's and back: sampling parameters, constraints,
-logprobs and finish reasons. Torch-free; vLLM types are imported by the caller's module."""
+"""splitserve's request vocabulary to vLLM's and back: sampling parameters, constraints and
+logprobs. vLLM is imported inside the functions (it is an optional dependency)."""
 
 from __future__ import annotations
 
@@ -16,8 +16,8 @@ if TYPE_CHECKING:
 
 
 def structured_outputs(constraint: Constraint) -> StructuredOutputsParams:
-    """``constraint`` as vLLM's structured outputs (compiled by its backend, llguidance by
-    default here, as the native engine's is)."""
+    """``constraint`` as vLLM's structured outputs, compiled by the backend vLLM picks (its
+    ``--structured-outputs-config``, through ``--vllm-args``)."""
     from vllm.sampling_params import StructuredOutputsParams
 
     match constraint.kind:

@@ -16,7 +16,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -52,7 +52,6 @@ class _RequestState:
     first_token_time_s: float | None = None
     scheduled_time_s: float | None = None
     num_cached_tokens: int = 0
-    num_preemptions: int = field(default=0)
 
 
 class VLLMEngine:
@@ -71,7 +70,6 @@ class VLLMEngine:
         from vllm.v1.executor import Executor
 
         vllm_config = engine_args(config, cuda=torch.cuda.is_available()).create_engine_config()
-        self.vllm_config = vllm_config
         self._core = EngineCore(vllm_config, Executor.get_class(vllm_config), log_stats=True)
         self._inputs = InputProcessor(vllm_config, renderer_from_config(vllm_config))
         self._supported_tasks = self._core.get_supported_tasks()
@@ -169,7 +167,10 @@ class VLLMEngine:
         if not live:
             return []
         self._core.abort_requests(live)
-        return [self._finish(req_id, "abort", None) for req_id in live]
+        return [
+            self._report(req_id, self._states[req_id], [], None, finish_reason="abort")
+            for req_id in live
+        ]
 
     def set_paused(self, req_id: str, paused: bool) -> None:
         """vLLM has no per-request pause: a slow reader's tokens stay buffered in its stream."""
@@ -211,73 +212,52 @@ class VLLMEngine:
         if state.logprobs is not None and output.new_logprobs is not None:
             new_logprobs = token_logprobs(output.new_logprobs)
             state.logprobs += new_logprobs
-        if output.finish_reason is not None:
-            error = None
-            if str(output.finish_reason) == "error":
-                error = "vLLM failed this request (see the worker's log)"
-            return self._finish(
-                output.request_id,
-                str(output.finish_reason),
-                output.stop_reason,
-                new_token_ids=new_token_ids,
-                new_logprobs=new_logprobs,
-                error=error,
-            )
-        return self._make_output(output.request_id, state, new_token_ids, new_logprobs)
+        finish_reason = None if output.finish_reason is None else str(output.finish_reason)
+        return self._report(
+            output.request_id,
+            state,
+            new_token_ids,
+            new_logprobs,
+            finish_reason=finish_reason,
+            stop_reason=output.stop_reason,
+            error="vLLM failed this request (see the worker's log)"
+            if finish_reason == "error"
+            else None,
+        )
 
-    def _finish(
+    def _report(
         self,
         req_id: str,
-        finish_reason: str,
-        stop_reason: int | str | None,
+        state: _RequestState,
+        new_token_ids: list[int],
+        new_logprobs: list[TokenLogprobs] | None,
         *,
-        new_token_ids: list[int] | None = None,
-        new_logprobs: list[TokenLogprobs] | None = None,
+        finish_reason: str | None = None,
+        stop_reason: int | str | None = None,
         error: str | None = None,
     ) -> RequestOutput:
-        state = self._states.pop(req_id)
+        """``req_id``'s output for this step; a finished one carries the cumulative token ids
+        and logprobs, and the request is forgotten."""
+        finished = finish_reason is not None
+        if finished:
+            del self._states[req_id]
         return RequestOutput(
             req_id=req_id,
             prompt_token_ids=state.prompt_token_ids,
-            token_ids=state.token_ids,
-            new_token_ids=new_token_ids or [],
+            token_ids=state.token_ids if finished else [],
+            new_token_ids=new_token_ids,
             text="",
             delta_text="",
-            finished=True,
+            finished=finished,
             finish_reason=finish_reason,
             stop_reason=stop_reason,
             num_cached_tokens=state.num_cached_tokens,
-            logprobs=state.logprobs,
+            logprobs=state.logprobs if finished else None,
             arrival_time_s=state.arrival_time_s,
             first_token_time_s=state.first_token_time_s,
             scheduled_time_s=state.scheduled_time_s,
             new_logprobs=new_logprobs,
             error=error,
-        )
-
-    @staticmethod
-    def _make_output(
-        req_id: str,
-        state: _RequestState,
-        new_token_ids: list[int],
-        new_logprobs: list[TokenLogprobs] | None,
-    ) -> RequestOutput:
-        return RequestOutput(
-            req_id=req_id,
-            prompt_token_ids=state.prompt_token_ids,
-            token_ids=[],
-            new_token_ids=new_token_ids,
-            text="",
-            delta_text="",
-            finished=False,
-            finish_reason=None,
-            stop_reason=None,
-            num_cached_tokens=state.num_cached_tokens,
-            logprobs=None,
-            arrival_time_s=state.arrival_time_s,
-            first_token_time_s=state.first_token_time_s,
-            scheduled_time_s=state.scheduled_time_s,
-            new_logprobs=new_logprobs,
         )
 
     def has_unfinished_requests(self) -> bool:
@@ -301,7 +281,7 @@ class VLLMEngine:
             num_held_kv=0,
             num_total_blocks=num_usable_blocks,
             num_used_blocks=num_usable_blocks - pool.get_num_free_blocks(),
-            num_cached_blocks=len(self._translator.live_block_hashes()),
+            num_cached_blocks=self._translator.num_live_blocks,
             num_queued_prefill_tokens=queued_tokens,
             num_preemptions=self._num_preemptions,
         )

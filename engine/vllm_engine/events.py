@@ -95,6 +95,11 @@ class EventTranslator:
             return None
         return BlockStored(tuple(hashes), first_parent, self.block_size)
 
+    @property
+    def num_live_blocks(self) -> int:
+        """How many blocks vLLM can hit now (``stats`` reads it every loop turn: no copy)."""
+        return len(self._live)
+
     def live_block_hashes(self) -> list[BlockHash]:
         """splitserve's hashes of every block vLLM can hit now."""
         return [splitserve_hash for splitserve_hash, _ in self._live.values()]

@@ -23,8 +23,6 @@ import json
 import os
 import subprocess
 import sys
-import time
-import urllib.request
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -32,6 +30,7 @@ from pathlib import Path
 from engine.config import EngineConfig
 from engine.cpu_isa import host_isa
 from loadtest.bench.engine import resolve_model_dir
+from loadtest.comparisons.vs_vllm import wait_healthy
 from services.cluster.config import ClusterMode
 from services.launcher import LocalCluster
 from services.service_process import PortReservation
@@ -66,7 +65,7 @@ def vllm_serve(args: argparse.Namespace, *, inproc: bool = False) -> Iterator[st
         proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env)
     url = f"http://127.0.0.1:{reservation.port}"
     try:
-        _wait_healthy(url, proc, log_path)
+        wait_healthy(url, proc, 600, log_path)
         yield url
     finally:
         proc.terminate()
@@ -76,20 +75,6 @@ def vllm_serve(args: argparse.Namespace, *, inproc: bool = False) -> Iterator[st
             proc.kill()
             proc.wait()
         reservation.close()
-
-
-def _wait_healthy(url: str, proc: subprocess.Popen[bytes], log_path: Path) -> None:
-    deadline_s = time.monotonic() + 600
-    while time.monotonic() < deadline_s:
-        if proc.poll() is not None:
-            raise RuntimeError(f"vllm serve exited ({proc.returncode}); see {log_path}")
-        try:
-            with urllib.request.urlopen(url + "/health", timeout=2) as response:
-                if response.status == 200:
-                    return
-        except OSError:
-            time.sleep(1.0)
-    raise TimeoutError(f"vllm serve not healthy within 600 s; see {log_path}")
 
 
 @contextmanager

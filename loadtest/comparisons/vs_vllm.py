@@ -119,7 +119,7 @@ def vllm_server(args: argparse.Namespace, model_dir: Path, cores: Sequence[str])
         proc = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     try:
-        _wait_healthy(url, proc, args.start_timeout_s, log_path)
+        wait_healthy(url, proc, args.start_timeout_s, log_path)
         yield url
     finally:
         proc.terminate()
@@ -131,7 +131,7 @@ def vllm_server(args: argparse.Namespace, model_dir: Path, cores: Sequence[str])
         reservation.close()
 
 
-def _wait_healthy(url: str, proc: subprocess.Popen, timeout_s: float, log_path: Path) -> None:
+def wait_healthy(url: str, proc: subprocess.Popen, timeout_s: float, log_path: Path) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if proc.poll() is not None:
