@@ -17,8 +17,11 @@ KV_SCALE_BYTES = 4
 class KVCacheSpec:
     """Layout of one engine's KV cache.
 
-    The cache is one tensor ``[num_blocks, num_layers, 2, num_kv_heads, block_size, row]`` so
-    a block is a single contiguous region across all layers: one transfer descriptor per block.
+    The cache is one tensor ``[num_blocks, num_layers, 2, num_kv_heads, block_size, row]``. In
+    memory it is block-major (contiguous: a block is one region across all layers, one transfer
+    descriptor per block, the native engine's layout) or, with ``layer_major``, layer-major (its
+    ``transpose(0, 1)`` is contiguous: layer ``l`` of every block is one region, vLLM's layout
+    on CPU), so a block is ``num_layers`` regions that move as ``num_layers`` segments.
     ``row`` is ``head_dim`` elements of ``dtype``, or for an 8-bit ``dtype``
     (``QUANTIZED_KV_DTYPES``) ``head_dim`` one-byte codes followed by the row's float32 scale
     (``head_dim + KV_SCALE_BYTES`` bytes, the tensor is ``uint8``): each token's K and V rows
@@ -32,6 +35,7 @@ class KVCacheSpec:
     head_dim: int
     block_size: int
     dtype: str
+    layer_major: bool = False
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPE_SIZE_BYTES and self.dtype not in QUANTIZED_KV_DTYPES:
@@ -58,12 +62,18 @@ class KVCacheSpec:
         n = self.num_layers * 2 * self.block_size * self.num_kv_heads * self.row_size
         return n * (1 if self.quantized else DTYPE_SIZE_BYTES[self.dtype])
 
+    @property
+    def num_segments(self) -> int:
+        """Contiguous regions per block: ``num_layers`` when ``layer_major``, else 1."""
+        return self.num_layers if self.layer_major else 1
+
     def describe(self) -> str:
         """One line naming every field, e.g. ``int8 KV cache: 30 layers x 3 KV heads x
         head_dim 64, 16-token blocks``: what a refused peer's error shows of each side."""
+        order = ", layer-major" if self.layer_major else ""
         return (
             f"{self.dtype} KV cache: {self.num_layers} layers x {self.num_kv_heads} KV heads x "
-            f"head_dim {self.head_dim}, {self.block_size}-token blocks"
+            f"head_dim {self.head_dim}, {self.block_size}-token blocks{order}"
         )
 
     def compat_hash(self) -> str:

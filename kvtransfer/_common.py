@@ -2,8 +2,8 @@
 
 ``PublishedBlocks`` is the source side (what each request exposes under which grant, reads in
 progress, releases) and ``ReadStates`` the destination side (the state of each read); both are
-shared with the backends' I/O threads. ``cache_rows`` and ``check_block_ids`` validate a cache
-and block ids.
+shared with the backends' I/O threads. ``cache_segments`` and ``check_block_ids`` validate a
+cache and block ids; ``segment_rows`` orders a read's segments.
 """
 
 from __future__ import annotations
@@ -28,10 +28,14 @@ _TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16"
 logger = logging.getLogger(__name__)
 
 
-def cache_rows(kv_cache: torch.Tensor, spec: KVCacheSpec) -> torch.Tensor:
-    """Validate ``kv_cache`` against ``spec`` and return it as ``uint8 [num_blocks, block_bytes]``.
+def cache_segments(kv_cache: torch.Tensor, spec: KVCacheSpec) -> torch.Tensor:
+    """Validate ``kv_cache`` against ``spec``; return its bytes as contiguous ``uint8
+    [num_segments, num_blocks, segment_bytes]``: row ``[s, b]`` is segment ``s`` of block ``b``.
 
-    The result shares memory with ``kv_cache``: writing a row writes that block.
+    A block-major cache is one segment per block; a layer-major one (``spec.layer_major``) has
+    one per layer. The result shares memory with ``kv_cache``: writing a row writes that block.
+    A block's bytes travel segment by segment (``spec.num_segments`` regions, each
+    ``block_bytes // num_segments`` long), so both sides of a transfer agree on the order.
     """
     if kv_cache.dim() != 1 + len(spec.block_shape) or kv_cache.shape[1:] != spec.block_shape:
         raise ValueError(
@@ -39,10 +43,21 @@ def cache_rows(kv_cache: torch.Tensor, spec: KVCacheSpec) -> torch.Tensor:
         )
     if kv_cache.dtype != (torch.uint8 if spec.quantized else _TORCH_DTYPES[spec.dtype]):
         raise ValueError(f"kv_cache dtype {kv_cache.dtype} does not match spec dtype {spec.dtype}")
-    if not kv_cache.is_contiguous():
-        raise ValueError("kv_cache must be contiguous: one block is one contiguous region")
     num_blocks = kv_cache.shape[0]
-    return kv_cache.view(torch.uint8).view(num_blocks, spec.block_bytes)
+    memory_order = kv_cache.transpose(0, 1) if spec.layer_major else kv_cache
+    if not memory_order.is_contiguous():
+        order = "layer-major (its transpose(0, 1))" if spec.layer_major else "block-major"
+        raise ValueError(f"kv_cache must be contiguous {order}: each segment is one region")
+    num_segments = spec.num_segments
+    return memory_order.view(torch.uint8).view(
+        num_segments, num_blocks, spec.block_bytes // num_segments
+    )
+
+
+def segment_rows(block_ids: Sequence[int], num_segments: int, num_blocks: int) -> list[int]:
+    """Row ids, in ``cache_segments(...).view(-1, segment_bytes)``, of ``block_ids``' segments
+    in the order they travel: every block's segment 0, then every block's segment 1, ...."""
+    return [s * num_blocks + b for s in range(num_segments) for b in block_ids]
 
 
 def check_block_ids(block_ids: Iterable[int], num_blocks: int, what: str) -> None:

@@ -223,9 +223,9 @@ class PullBackend(BackendSkeleton):
                 f"the {self.name} backend needs a CPU KV cache, got one on {kv_cache.device}"
             )
 
-    def _expose(self, kv_cache: torch.Tensor, rows: torch.Tensor) -> tuple[str, bytes]:
+    def _expose(self, kv_cache: torch.Tensor, segments: torch.Tensor) -> tuple[str, bytes]:
         self._source = PullSource(self._published, self._compat_hash, self._block_bytes)
-        port = self._listen(rows)
+        port = self._listen(segments)
         return f"{self._advertise_host or self._host}:{port}", b""
 
     def _check_peer_info(self, peer: PeerInfo) -> None:
@@ -235,6 +235,6 @@ class PullBackend(BackendSkeleton):
         return hello_frame(self.engine_id, self._compat_hash)
 
     @abc.abstractmethod
-    def _listen(self, rows: torch.Tensor) -> int:
-        """Start serving ``rows`` (``uint8 [num_blocks, block_bytes]``, the cache's memory) on
-        ``self._port``; return the port listened on."""
+    def _listen(self, segments: torch.Tensor) -> int:
+        """Start serving ``segments`` (``uint8 [num_segments, num_blocks, segment_bytes]``, the
+        cache's memory) on ``self._port``; return the port listened on."""

@@ -89,7 +89,8 @@ class KVTransferBackend(abc.ABC):
 
     @abc.abstractmethod
     def register_kv_cache(self, kv_cache: torch.Tensor, spec: KVCacheSpec) -> PeerInfo:
-        """Expose ``kv_cache`` (``[num_blocks, *spec.block_shape]``, contiguous) for transfers.
+        """Expose ``kv_cache`` (``[num_blocks, *spec.block_shape]``, contiguous block-major, or
+        layer-major when ``spec.layer_major``) for transfers.
 
         Called once, before anything else; returns the info peers pass to ``add_peer``.
         """

@@ -41,13 +41,14 @@ class InprocBackend(BackendSkeleton):
     def __init__(self, engine_id: str) -> None:
         # Reads are over when start_read returns: unpublish has nothing to wait for.
         super().__init__(engine_id, io_timeout_s=0.0)
-        self._rows: torch.Tensor | None = None  # guarded by _lock against a concurrent close
+        # [num_segments, num_blocks, segment_bytes]; guarded by _lock against a concurrent close
+        self._segments: torch.Tensor | None = None
 
     def _check_registrable(self) -> None:
         if self._registered:
             raise KVTransferError(f"engine {self.engine_id!r} already registered a KV cache")
 
-    def _expose(self, kv_cache: torch.Tensor, rows: torch.Tensor) -> tuple[str, bytes]:
+    def _expose(self, kv_cache: torch.Tensor, segments: torch.Tensor) -> tuple[str, bytes]:
         """Enter the process registry; ``KVTransferError`` if our ``engine_id`` is taken."""
         with _registry_lock:
             if self.engine_id in _registry:
@@ -56,7 +57,7 @@ class InprocBackend(BackendSkeleton):
                 )
             _registry[self.engine_id] = self
         with self._lock:
-            self._rows = rows
+            self._segments = segments
         return f"pid:{os.getpid()}", b""
 
     def _check_peer_info(self, peer: PeerInfo) -> None:
@@ -69,30 +70,32 @@ class InprocBackend(BackendSkeleton):
     def _copy_out(
         self, req_id: str, grant: bytes, block_ids: Sequence[int], device: torch.device
     ) -> torch.Tensor:
-        """Rows of ``block_ids`` (published under ``req_id`` with ``grant``) copied to ``device``.
+        """Segments of ``block_ids`` (published under ``req_id`` with ``grant``) copied to
+        ``device``, as ``[num_segments, len(block_ids), segment_bytes]``.
 
         Raises ``KVTransferError`` when the read is refused or this backend is closed.
         """
         with self._lock:
-            if self._rows is None or self._closed:
+            if self._segments is None or self._closed:
                 raise KVTransferError(f"engine {self.engine_id!r} is closed")
             error = self._published.check_read(req_id, grant, block_ids)
             if error is not None:
                 raise KVTransferError(error)
-            index = torch.tensor(block_ids, dtype=torch.long, device=self._rows.device)
-            return self._rows.index_select(0, index).to(device)
+            index = torch.tensor(block_ids, dtype=torch.long, device=self._segments.device)
+            return self._segments.index_select(1, index).to(device)
 
     def _start_transfer(self, req_id: str, src: KVRef, dst_block_ids: tuple[int, ...]) -> None:
         """Copy the blocks now; the outcome is reported by the next ``poll``."""
-        assert self._rows is not None
+        assert self._segments is not None
         with _registry_lock:
             source = _registry.get(src.engine_id)
         try:
             if source is None:
                 raise KVTransferError(f"engine {src.engine_id!r} is not registered (closed?)")
-            rows = source._copy_out(src.req_id, src.grant, src.block_ids, self._rows.device)
-            index = torch.tensor(list(dst_block_ids), dtype=torch.long, device=self._rows.device)
-            self._rows.index_copy_(0, index, rows)
+            device = self._segments.device
+            segments = source._copy_out(src.req_id, src.grant, src.block_ids, device)
+            index = torch.tensor(list(dst_block_ids), dtype=torch.long, device=device)
+            self._segments.index_copy_(1, index, segments)
         except KVTransferError as exc:
             logger.warning("kv read failed req_id=%s from %s: %s", req_id, src.engine_id, exc)
             self._reads.finish(req_id, TransferState.FAILED)

@@ -4,7 +4,8 @@ The engine's whole paged cache is registered with a NIXL agent once (host memory
 on CUDA). ``PeerInfo.metadata`` carries a ``NixlPeerMetadata``: the agent's metadata (its UCX
 connection info and memory keys) and where block 0 lives, so a reader can describe every
 remote block itself. Pairing is lazy: the first read from a peer loads its metadata, prepares a
-descriptor list with one entry per remote block and connects; the pair stays warm.
+descriptor list with one entry per remote block (per block and layer for a layer-major cache)
+and connects; the pair stays warm.
 
 Every read is granted by the source, so a source never frees blocks under a READ. The READ is
 posted with ``read_begin`` rather than after the grant, so the transfer overlaps the round
@@ -40,13 +41,14 @@ import queue
 import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
 
+from kvtransfer._common import segment_rows
 from kvtransfer._nixl_source import NixlSource, notif_bytes, remove_agent, send_notif
 from kvtransfer.base import KVRef, KVTransferError, PeerInfo, TransferState
 from kvtransfer.skeleton import BackendSkeleton
@@ -69,7 +71,8 @@ class _Remote:
     """A peer paired on the I/O thread: its agent name and prepared block descriptors."""
 
     agent_name: str
-    blocks: Any  # nixl_prepped_dlist_handle, one descriptor per remote block
+    blocks: Any  # nixl_prepped_dlist_handle, one descriptor per remote block segment
+    num_blocks: int
 
 
 @dataclass(slots=True)
@@ -124,10 +127,10 @@ class NixlBackend(BackendSkeleton):
         if kv_cache.device.type not in _MEM_TYPES:
             raise ValueError(f"the nixl backend needs a CPU or CUDA cache, got {kv_cache.device}")
 
-    def _expose(self, kv_cache: torch.Tensor, rows: torch.Tensor) -> tuple[str, bytes]:
-        """Register the cache with a new NIXL agent and start the I/O thread; our address is
-        the agent's name, our metadata a ``NixlPeerMetadata``."""
-        self._kv_cache = kv_cache  # registered memory must outlive the agent's use of it
+    def _expose(self, kv_cache: torch.Tensor, segments: torch.Tensor) -> tuple[str, bytes]:
+        """Register the cache's memory (``segments``) with a new NIXL agent and start the I/O
+        thread; our address is the agent's name, our metadata a ``NixlPeerMetadata``."""
+        self._kv_cache = segments  # registered memory must outlive the agent's use of it
         from nixl._api import nixl_agent, nixl_agent_config, nixlBind
 
         mem_type = _MEM_TYPES[kv_cache.device.type]
@@ -136,16 +139,14 @@ class NixlBackend(BackendSkeleton):
         # instead (every NIXL call progresses it), polling fast only while there is work.
         config = nixl_agent_config(enable_prog_thread=False, backends=["UCX"])
         self._agent = nixl_agent(self._agent_name, config)
-        self._agent.register_memory(kv_cache)
+        self._agent.register_memory(segments)
         no_memory = nixlBind.nixlRegDList(self._agent.nixl_mems[mem_type])
         self._connection_metadata = self._agent.get_partial_agent_metadata(
             no_memory, inc_conn_info=True
         )
-        base_addr = kv_cache.data_ptr()
+        base_addr = segments.data_ptr()
         self._local_blocks = self._agent.prep_xfer_dlist(
-            "NIXL_INIT_AGENT",
-            _block_descs(base_addr, self._num_blocks, self._block_bytes, device_id),
-            mem_type,
+            "NIXL_INIT_AGENT", self._segment_descs(base_addr, self._num_blocks, device_id), mem_type
         )
         metadata = pb.NixlPeerMetadata(
             agent_metadata=self._agent.get_agent_metadata(),
@@ -227,6 +228,18 @@ class NixlBackend(BackendSkeleton):
         for engine_id in list(self._remotes):
             self._forget_remote(engine_id)
 
+    def _segment_descs(self, base_addr: int, num_blocks: int, device_id: int) -> np.ndarray:
+        """Descriptors of a cache of ``num_blocks`` blocks shaped like ours: one per segment of
+        each block, row ``s * num_blocks + b`` (see ``cache_segments``)."""
+        return _block_descs(
+            base_addr, self._num_segments * num_blocks, self._segment_bytes, device_id
+        )
+
+    def _descs_of(self, block_ids: Sequence[int], num_blocks: int) -> np.ndarray:
+        """Indices into ``_segment_descs(..., num_blocks, ...)`` of ``block_ids``' segments."""
+        rows = segment_rows(block_ids, self._num_segments, num_blocks)
+        return np.asarray(rows, dtype=np.int32)
+
     def _remote(self, engine_id: str) -> _Remote:
         remote = self._remotes.get(engine_id)
         if remote is not None:
@@ -237,18 +250,17 @@ class NixlBackend(BackendSkeleton):
         start_s = time.perf_counter()
         agent_name = self._agent.add_remote_agent(metadata.agent_metadata)
         agent_name = agent_name.decode() if isinstance(agent_name, bytes) else agent_name
+        # The peer's compat_hash equals ours, so its blocks have our segments.
         blocks = self._agent.prep_xfer_dlist(
             agent_name,
-            _block_descs(
-                metadata.base_addr, metadata.num_blocks, metadata.block_bytes, metadata.device_id
-            ),
+            self._segment_descs(metadata.base_addr, metadata.num_blocks, metadata.device_id),
             metadata.mem_type,
         )
         self._agent.make_connection(agent_name)
         setup_s = time.perf_counter() - start_s
         self._record_setup(engine_id, setup_s)
         logger.info("kv nixl paired with %s in %.1f ms", engine_id, setup_s * 1e3)
-        remote = _Remote(agent_name, blocks)
+        remote = _Remote(agent_name, blocks, metadata.num_blocks)
         self._remotes[engine_id] = remote
         return remote
 
@@ -283,9 +295,9 @@ class NixlBackend(BackendSkeleton):
             read.handle = self._agent.make_prepped_xfer(
                 "READ",
                 self._local_blocks,
-                np.asarray(read.dst_block_ids, dtype=np.int32),
+                self._descs_of(read.dst_block_ids, self._num_blocks),
                 read.remote.blocks,
-                np.asarray(read.src.block_ids, dtype=np.int32),
+                self._descs_of(read.src.block_ids, read.remote.num_blocks),
             )
             self._agent.transfer(read.handle)
         except Exception as exc:
@@ -388,7 +400,8 @@ class NixlBackend(BackendSkeleton):
 
 
 def _block_descs(base_addr: int, num_blocks: int, block_bytes: int, device_id: int) -> np.ndarray:
-    """One ``(address, length, device)`` row per block of a cache starting at ``base_addr``."""
+    """One ``(address, length, device)`` row per block of a cache starting at ``base_addr``
+    (per segment of a block, with ``num_blocks`` rows of ``block_bytes`` each)."""
     descs = np.empty((num_blocks, 3), dtype=np.int64)
     descs[:, 0] = base_addr + np.arange(num_blocks, dtype=np.int64) * block_bytes
     descs[:, 1] = block_bytes

@@ -27,7 +27,7 @@ from collections.abc import Sequence
 import torch
 
 from engine.kv_cache_spec import KVCacheSpec
-from kvtransfer._common import PublishedBlocks, ReadStates, cache_rows, check_block_ids
+from kvtransfer._common import PublishedBlocks, ReadStates, cache_segments, check_block_ids
 from kvtransfer.base import (
     KV_TRANSFER_VERSION,
     KVRef,
@@ -46,10 +46,10 @@ class BackendSkeleton(KVTransferBackend):
     ``io_timeout_s`` bounds how long a read may wait on a silent peer, and how long an
     unpublished request's blocks stay pinned for reads of them still being sent.
 
-    Invariants: once ``_registered``, ``_num_blocks``, ``_block_bytes`` and ``_compat_hash``
-    describe the registered cache; ``_read_sources`` holds exactly the reads started and not
-    yet released (or closed), each with the grant it presented; ``_closed`` only ever turns
-    True. ``_lock`` guards ``_peers``,
+    Invariants: once ``_registered``, ``_num_blocks``, ``_block_bytes``, ``_num_segments``,
+    ``_segment_bytes`` and ``_compat_hash`` describe the registered cache; ``_read_sources``
+    holds exactly the reads started and not yet released (or closed), each with the grant it
+    presented; ``_closed`` only ever turns True. ``_lock`` guards ``_peers``,
     ``_closed`` and ``connection_setup_s`` (a subclass may guard more of its own state with
     it); I/O threads take it too, so it is held only briefly, never across network I/O.
     """
@@ -61,6 +61,8 @@ class BackendSkeleton(KVTransferBackend):
         self._registered = False
         self._num_blocks = 0
         self._block_bytes = 0
+        self._num_segments = 1
+        self._segment_bytes = 0
         self._compat_hash = ""
         self._kv_layout = ""
         self._published = PublishedBlocks()
@@ -78,11 +80,12 @@ class BackendSkeleton(KVTransferBackend):
         registered now (see ``_check_registrable``)."""
         self._check_cache(kv_cache)
         self._check_registrable()
-        rows = cache_rows(kv_cache, spec)
-        self._num_blocks, self._block_bytes = rows.shape
+        segments = cache_segments(kv_cache, spec)
+        self._num_segments, self._num_blocks, self._segment_bytes = segments.shape
+        self._block_bytes = spec.block_bytes
         self._compat_hash = spec.compat_hash()
         self._kv_layout = spec.describe()
-        address, metadata = self._expose(kv_cache, rows)
+        address, metadata = self._expose(kv_cache, segments)
         self._registered = True
         return PeerInfo(
             engine_id=self.engine_id,
@@ -218,10 +221,10 @@ class BackendSkeleton(KVTransferBackend):
             raise KVTransferError("register_kv_cache must be called once, before close")
 
     @abc.abstractmethod
-    def _expose(self, kv_cache: torch.Tensor, rows: torch.Tensor) -> tuple[str, bytes]:
-        """Start serving the validated cache (``rows``: it as ``uint8 [num_blocks,
-        block_bytes]``, sharing its memory); return our address and metadata for ``PeerInfo``.
-        Reads from peers may arrive before this returns."""
+    def _expose(self, kv_cache: torch.Tensor, segments: torch.Tensor) -> tuple[str, bytes]:
+        """Start serving the validated cache (``segments``: its memory as contiguous ``uint8
+        [num_segments, num_blocks, segment_bytes]``, see ``cache_segments``); return our address
+        and metadata for ``PeerInfo``. Reads from peers may arrive before this returns."""
 
     @abc.abstractmethod
     def _check_peer_info(self, peer: PeerInfo) -> None:

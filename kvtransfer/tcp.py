@@ -7,7 +7,8 @@ mutual TLS 1.3 (``kvtransfer.tls``), blocks included.
 
 Raw block bytes go straight from the source cache's memory to the socket and from the socket
 into the destination blocks (``sendall`` / ``recv_into`` on memoryviews of cache rows; runs
-of adjacent blocks move as one region), so a transfer copies nothing in Python.
+of adjacent blocks move as one region, segment by segment for a layer-major cache), so a
+transfer copies nothing in Python.
 
 The listener is hardened against peers that misbehave: at most ``MAX_SERVER_CONNECTIONS`` are
 served at once, a connection must say a valid hello (at most ``MAX_HELLO_BYTES``) within the io
@@ -23,11 +24,13 @@ import socket
 import ssl
 import threading
 import time
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 
 import torch
 
+from kvtransfer._common import segment_rows
 from kvtransfer._pull_protocol import (
     LOOPBACK_ENDPOINT,
     ProtocolError,
@@ -114,8 +117,8 @@ class TcpBackend(PullBackend):
         self._server_context: ssl.SSLContext | None = None
 
     # ------------------------------------------------------------------ source side
-    def _listen(self, rows: torch.Tensor) -> int:
-        self._flat = rows.numpy().reshape(-1).data
+    def _listen(self, segments: torch.Tensor) -> int:
+        self._flat = segments.numpy().reshape(-1).data
         if self._tls is not None:
             self._server_context = self._tls.stream_context(server_side=True)
         listener = socket.create_server((self._host, self._port), backlog=128)
@@ -206,10 +209,14 @@ class TcpBackend(PullBackend):
         with self._source.serving(read) as response:
             send_frame(conn, response)
             if response.read_response.ok:
-                for first, count in contiguous_runs(read.block_ids):
-                    conn.sendall(
-                        self._flat[first * self._block_bytes : (first + count) * self._block_bytes]
-                    )
+                for begin, end in self._regions(read.block_ids):
+                    conn.sendall(self._flat[begin:end])
+
+    def _regions(self, block_ids: Sequence[int]) -> list[tuple[int, int]]:
+        """Byte ranges of ``_flat`` holding ``block_ids``, in the order they travel."""
+        rows = segment_rows(block_ids, self._num_segments, self._num_blocks)
+        size = self._segment_bytes
+        return [(first * size, (first + count) * size) for first, count in contiguous_runs(rows)]
 
     # ------------------------------------------------------------------ destination side
     def _forget_peer(self, engine_id: str) -> None:
@@ -304,9 +311,8 @@ class TcpBackend(PullBackend):
             if refusal is not None:
                 reusable = True  # a clean refusal leaves the stream in sync
                 raise refusal
-            for first, count in contiguous_runs(dst_block_ids):
-                begin = first * self._block_bytes
-                recv_exact_into(sock, self._flat[begin : begin + count * self._block_bytes])
+            for begin, end in self._regions(dst_block_ids):
+                recv_exact_into(sock, self._flat[begin:end])
             reusable = True
         finally:
             pool.give_back(sock, reusable)

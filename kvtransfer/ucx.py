@@ -2,10 +2,11 @@
 
 It speaks the pull protocol of ``_pull_protocol`` in the framing of ``_ucx_wire``: each frame is
 UCX tagged messages on one endpoint pair, which arrive in order, and a granted read's blocks
-follow as one message per run the reader asked for (ids consecutive on both sides). Each run
-moves as one message straight from a numpy view of the source's cache rows into one of the
-destination's: no copy on either side. With ``PullEndpoint.tls`` each endpoint opens with a
-mutual TLS handshake and every frame is sealed (``kvtransfer.tls``); the blocks still move raw.
+follow as one message per run the reader asked for (ids consecutive on both sides), and per
+segment of a layer-major cache. Each message moves straight from a numpy view of the source's
+cache rows into one of the destination's: no copy on either side. With ``PullEndpoint.tls``
+each endpoint opens with a mutual TLS handshake and every frame is sealed (``kvtransfer.tls``);
+the blocks still move raw.
 
 Threading: ``ucxx`` has one context per process, and completes requests through futures of the
 event loop that ran ``ucxx.init``. So all ``UcxBackend`` objects of a process share one asyncio
@@ -94,7 +95,8 @@ class UcxBackend(PullBackend):
         endpoint: PullEndpoint = LOOPBACK_ENDPOINT,
     ) -> None:
         super().__init__(engine_id, endpoint)
-        self._rows: npt.NDArray[np.uint8] | None = None  # [num_blocks, block_bytes]
+        # [num_segments, num_blocks, segment_bytes]
+        self._segments: npt.NDArray[np.uint8] | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         # Loop thread only.
         self._listener: Listener | None = None
@@ -103,9 +105,9 @@ class UcxBackend(PullBackend):
         self._tasks: set[asyncio.Task[Any]] = set()
 
     # ------------------------------------------------------------------ source side
-    def _listen(self, rows: torch.Tensor) -> int:
+    def _listen(self, segments: torch.Tensor) -> int:
         """Start the shared loop if needed and listen on it."""
-        self._rows = rows.numpy()
+        self._segments = segments.numpy()
         self._loop = ucx_loop()
         port = asyncio.run_coroutine_threadsafe(self._create_listener(), self._loop).result()
         logger.info("kv ucx engine %s listening on port %d", self.engine_id, port)
@@ -146,13 +148,17 @@ class UcxBackend(PullBackend):
             self._tasks.discard(task)
 
     async def _serve_read(self, channel: FrameChannel, read: pb.KVReadRequest) -> None:
-        assert self._rows is not None
+        assert self._segments is not None
         runs = requested_runs(read)
         with self._source.serving(read) as response:
             await channel.send(response, self._io_timeout_s)
             if response.read_response.ok:
                 # All posted at once: UCX keeps their order, and they pipeline on the wire.
-                views = [self._rows[first : first + count] for first, count in runs]
+                views = [
+                    segment[first : first + count]
+                    for segment in self._segments
+                    for first, count in runs
+                ]
                 sends = asyncio.gather(*(channel.ep.send(view) for view in views))
                 await within(sends, self._io_timeout_s, "sending blocks")
 
@@ -233,14 +239,19 @@ class UcxBackend(PullBackend):
     async def _recv_blocks(
         self, ep: Endpoint, run_lengths: Sequence[int], dst_block_ids: Sequence[int]
     ) -> None:
-        """Receive the source's messages, one per run, each straight into its blocks."""
-        assert self._rows is not None
-        views = []
+        """Receive the source's messages, one per run and segment, each straight into its
+        blocks."""
+        assert self._segments is not None
+        firsts = []
         start = 0
         for count in run_lengths:
-            first = dst_block_ids[start]
+            firsts.append(dst_block_ids[start])
             start += count
-            views.append(self._rows[first : first + count])
+        views = [
+            segment[first : first + count]
+            for segment in self._segments
+            for first, count in zip(firsts, run_lengths, strict=True)
+        ]
         # Posted at once, matched in posting order (same endpoint and tag).
         recvs = asyncio.gather(*(ep.recv(view) for view in views))
         await within(recvs, self._io_timeout_s, "receiving blocks")

@@ -28,20 +28,30 @@ SMALL_SPEC = KVCacheSpec(num_layers=2, num_kv_heads=2, head_dim=32, block_size=8
 BIG_SPEC = KVCacheSpec(num_layers=4, num_kv_heads=4, head_dim=64, block_size=16, dtype="bfloat16")
 # SMALL_SPEC's shape with 8-bit rows (codes and a scale): what --kv-cache-dtype int8 registers.
 INT8_SPEC = dataclasses.replace(SMALL_SPEC, dtype="int8")
+# SMALL_SPEC laid out layer-major, as vLLM's CPU cache is: each block is one segment per layer.
+LAYER_MAJOR_SPEC = dataclasses.replace(SMALL_SPEC, layer_major=True)
 NUM_BLOCKS = 64  # small: 64 x 4 KiB; big: 64 x 64 KiB = 4 MiB
 DONE, FAILED, PENDING = TransferState.DONE, TransferState.FAILED, TransferState.PENDING
 
 
 def make_cache(spec: KVCacheSpec, seed: int) -> torch.Tensor:
-    """The random cache a source process fills (bf16, or quantized rows for an 8-bit spec);
-    the same seed gives the same bytes."""
+    """The random cache a source process fills (bf16, or quantized rows for an 8-bit spec),
+    in the spec's memory order; the same seed gives the same bytes."""
     generator = torch.Generator().manual_seed(seed)
     if spec.quantized:
         values = torch.randn(
             (NUM_BLOCKS, *spec.block_shape[:-1], spec.head_dim), generator=generator
         )
-        return quantize_rows(values, KVQuant(spec.dtype)).contiguous()
-    return torch.randn((NUM_BLOCKS, *spec.block_shape), generator=generator).to(torch.bfloat16)
+        return in_memory_order(quantize_rows(values, KVQuant(spec.dtype)), spec)
+    values = torch.randn((NUM_BLOCKS, *spec.block_shape), generator=generator)
+    return in_memory_order(values.to(torch.bfloat16), spec)
+
+
+def in_memory_order(kv_cache: torch.Tensor, spec: KVCacheSpec) -> torch.Tensor:
+    """``kv_cache``'s values, laid out block-major or (``spec.layer_major``) layer-major."""
+    if spec.layer_major:
+        return kv_cache.transpose(0, 1).contiguous().transpose(0, 1)
+    return kv_cache.contiguous()
 
 
 def rows(kv_cache: torch.Tensor) -> torch.Tensor:
@@ -201,12 +211,14 @@ def make_dst(
     io_timeout_s: float = 5.0,
     device: str = "cpu",
     tls: KVTransferTls | None = None,
+    num_blocks: int = NUM_BLOCKS,
 ) -> tuple[KVTransferBackend, torch.Tensor]:
-    """A registered destination backend over a zeroed cache of ``NUM_BLOCKS`` blocks."""
+    """A registered destination backend over a zeroed cache of ``num_blocks`` blocks, in the
+    spec's memory order."""
     backend = make_backend(backend_name, engine_id, io_timeout_s=io_timeout_s, tls=tls)
-    shape = (NUM_BLOCKS, *spec.block_shape)
+    shape = (num_blocks, *spec.block_shape)
     dtype = torch.uint8 if spec.quantized else torch.bfloat16
-    kv_cache = torch.zeros(shape, dtype=dtype, device=device)
+    kv_cache = in_memory_order(torch.zeros(shape, dtype=dtype, device=device), spec)
     backend.register_kv_cache(kv_cache, spec)
     return backend, kv_cache
 

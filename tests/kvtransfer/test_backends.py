@@ -19,6 +19,7 @@ from tests.kvtransfer.harness import (
     DONE,
     FAILED,
     INT8_SPEC,
+    LAYER_MAJOR_SPEC,
     NUM_BLOCKS,
     PENDING,
     SMALL_SPEC,
@@ -48,7 +49,12 @@ def sources(backend_name: str) -> Iterator[dict[str, SourceProcess]]:
     procs = {
         "shared": SourceProcess(
             backend_name,
-            [("small", SMALL_SPEC, 1), ("big", BIG_SPEC, 2), ("small_int8", INT8_SPEC, 5)],
+            [
+                ("small", SMALL_SPEC, 1),
+                ("big", BIG_SPEC, 2),
+                ("small_int8", INT8_SPEC, 5),
+                ("layers", LAYER_MAJOR_SPEC, 6),
+            ],
         ),
         "hung": SourceProcess(backend_name, [("hung", SMALL_SPEC, 3)]),
         "killed": SourceProcess(backend_name, [("killed", SMALL_SPEC, 4)]),
@@ -108,6 +114,33 @@ def test_an_8bit_cache_moves_bit_exact_codes_and_scales(backend_name, sources):
         assert INT8_SPEC.block_bytes == SMALL_SPEC.block_bytes * (32 + 4) // 64
     finally:
         dst.close()
+
+
+def test_a_layer_major_cache_moves_every_layer_of_each_block(backend_name, sources):
+    """vLLM's CPU layout: each block is one region per layer, at an offset that depends on how
+    many blocks a cache has. A destination with fewer blocks than the source gets every layer
+    of each block in place (runs and single blocks alike), and nothing else is written."""
+    dst, dst_cache = make_dst(backend_name, LAYER_MAJOR_SPEC, num_blocks=40)
+    try:
+        assert not dst_cache.is_contiguous() and dst_cache.transpose(0, 1).is_contiguous()
+        dst.add_peer(sources["shared"].info("layers"))
+        src_ids, dst_ids = [60, 61, 62, 7, 30, 31], [3, 4, 5, 39, 0, 20]
+        grant = sources["shared"].publish("layers", "l", src_ids)
+        assert read(dst, "l", KVRef("layers", "l", tuple(src_ids), 48, grant), dst_ids) is DONE
+        expected = make_cache(LAYER_MAJOR_SPEC, seed=6)
+        assert torch.equal(dst_cache[dst_ids], expected[src_ids])
+        untouched = [b for b in range(40) if b not in dst_ids]
+        assert not dst_cache[untouched].any()
+    finally:
+        dst.close()
+
+
+def test_a_block_major_and_a_layer_major_cache_do_not_pair(sources, dst_small):
+    """The same shape in another memory order is another layout: its blocks would arrive
+    scrambled, so the pair is refused naming both."""
+    dst, _ = dst_small
+    with pytest.raises(KVTransferError, match="layer-major"):
+        dst.add_peer(sources["shared"].info("layers"))
 
 
 def test_a_peer_with_another_kv_cache_dtype_is_refused_naming_both(sources, dst_small):

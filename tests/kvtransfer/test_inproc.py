@@ -122,3 +122,33 @@ def test_closed_source_fails_reads_and_close_is_idempotent(pair: Pair):
     pair.dst.close()
     with pytest.raises(KVTransferError):
         pair.dst.start_read("late", pair.ref("r", (5,), grant), [0])
+
+
+def test_layer_major_caches_of_different_sizes_move_every_layer_of_each_block():
+    """vLLM's CPU layout (one region per layer): a 64-block source into a 24-block destination
+    writes each requested block's every layer, and nothing else; a cache that is not in the
+    spec's memory order is refused."""
+    spec = replace(SPEC, layer_major=True)
+    n = next(_engine_ids)
+    src, dst = InprocBackend(f"src-{n}"), InprocBackend(f"dst-{n}")
+    values = torch.randn(
+        (NUM_BLOCKS, *spec.block_shape), generator=torch.Generator().manual_seed(n)
+    )
+    src_cache = values.to(torch.bfloat16).transpose(0, 1).contiguous().transpose(0, 1)
+    dst_cache = torch.zeros((24, *spec.block_shape), dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="layer-major"):
+        dst.register_kv_cache(dst_cache, spec)
+    dst_cache = dst_cache.transpose(0, 1).contiguous().transpose(0, 1)
+    try:
+        dst.register_kv_cache(dst_cache, spec)
+        dst.add_peer(src.register_kv_cache(src_cache, spec))
+        src_ids, dst_ids = (62, 63, 0, 17), [22, 23, 1, 0]
+        grant = src.publish("r", src_ids)
+        dst.start_read("dst-r", KVRef(src.engine_id, "r", src_ids, 16, grant), dst_ids)
+        assert dst.poll() == {"dst-r": TransferState.DONE}
+        assert torch.equal(dst_cache[dst_ids], src_cache[list(src_ids)])
+        untouched = [b for b in range(24) if b not in dst_ids]
+        assert not dst_cache[untouched].any()
+    finally:
+        dst.close()
+        src.close()
