@@ -17,7 +17,7 @@ from multiprocessing.process import BaseProcess
 
 import torch
 
-from engine.kv_cache_spec import KVCacheSpec
+from engine.kv_cache_spec import KVCacheSpec, KVLayout
 from engine.model.kv_quant import KVQuant, quantize_rows
 from kvtransfer.base import KVRef, KVTransferBackend, PeerInfo, TransferState
 from kvtransfer.registry import make_backend
@@ -29,7 +29,7 @@ BIG_SPEC = KVCacheSpec(num_layers=4, num_kv_heads=4, head_dim=64, block_size=16,
 # SMALL_SPEC's shape with 8-bit rows (codes and a scale): what --kv-cache-dtype int8 registers.
 INT8_SPEC = dataclasses.replace(SMALL_SPEC, dtype="int8")
 # SMALL_SPEC laid out layer-major, as vLLM's CPU cache is: each block is one segment per layer.
-LAYER_MAJOR_SPEC = dataclasses.replace(SMALL_SPEC, layer_major=True)
+LAYER_MAJOR_SPEC = dataclasses.replace(SMALL_SPEC, layout=KVLayout.VLLM_CPU)
 NUM_BLOCKS = 64  # small: 64 x 4 KiB; big: 64 x 64 KiB = 4 MiB
 DONE, FAILED, PENDING = TransferState.DONE, TransferState.FAILED, TransferState.PENDING
 

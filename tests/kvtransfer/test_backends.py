@@ -139,7 +139,7 @@ def test_a_block_major_and_a_layer_major_cache_do_not_pair(sources, dst_small):
     """The same shape in another memory order is another layout: its blocks would arrive
     scrambled, so the pair is refused naming both."""
     dst, _ = dst_small
-    with pytest.raises(KVTransferError, match="layer-major"):
+    with pytest.raises(KVTransferError, match="vllm-cpu layer-major"):
         dst.add_peer(sources["shared"].info("layers"))
 
 

@@ -9,7 +9,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from engine.kv_cache_spec import KVCacheSpec
+from engine.kv_cache_spec import KVCacheSpec, KVLayout
 from kvtransfer.base import KVRef, KVTransferError, TransferState
 from kvtransfer.inproc import InprocBackend
 
@@ -128,7 +128,7 @@ def test_layer_major_caches_of_different_sizes_move_every_layer_of_each_block():
     """vLLM's CPU layout (one region per layer): a 64-block source into a 24-block destination
     writes each requested block's every layer, and nothing else; a cache that is not in the
     spec's memory order is refused."""
-    spec = replace(SPEC, layer_major=True)
+    spec = replace(SPEC, layout=KVLayout.VLLM_CPU)
     n = next(_engine_ids)
     src, dst = InprocBackend(f"src-{n}"), InprocBackend(f"dst-{n}")
     values = torch.randn(
