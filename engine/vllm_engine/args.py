@@ -103,6 +103,29 @@ def engine_args(config: EngineConfig, *, cuda: bool) -> EngineArgs:
     return EngineArgs.from_cli_args(parser.parse_args(vllm_argv(config, cuda=cuda)))
 
 
+def parse_vllm_args(vllm_args: str) -> EngineArgs:
+    """``--vllm-args`` alone as vLLM's ``EngineArgs`` (no model: nothing is loaded or read),
+    for checks made before the engine loads. ``SystemExit`` as ``engine_args``."""
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    parser = EngineArgs.add_cli_args(FlexibleArgumentParser(prog="--vllm-args"))
+    return EngineArgs.from_cli_args(parser.parse_args(["--model", "-", *shlex.split(vllm_args)]))
+
+
+def kv_stays_reason(args: EngineArgs) -> str | None:
+    """Why splitserve's KV transfer cannot reach this vLLM engine's cache, in a phrase; None
+    when it can: its model worker must run in the worker's process, on its engine thread."""
+    if args.kv_transfer_config is not None:
+        return "--kv-transfer-config hands its KV to vLLM's own connector"
+    world_size = args.tensor_parallel_size * args.pipeline_parallel_size
+    if world_size != 1:
+        return f"its model runs on {world_size} processes (tensor x pipeline parallel size)"
+    if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "0") != "0":
+        return "VLLM_ENABLE_V1_MULTIPROCESSING runs its model worker in another process"
+    return None
+
+
 def prepare_process_env() -> None:
     """Run vLLM's engine core and (at tensor parallel size 1) its model worker in this process,
     stepped by the worker's engine thread, rather than behind vLLM's own busy-loop process and

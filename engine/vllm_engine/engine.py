@@ -7,8 +7,10 @@ executor beyond). vLLM's ``InputProcessor`` validates each request as ``vllm ser
 The worker streams token ids only; the router detokenizes and matches stop strings for both
 engines, so vLLM's output processor is not used.
 
-Not yet behind this engine (docs/engines.md): moving KV to or from another worker (a worker
-on it prefills every prompt itself) and ``set_paused`` (a slow reader's tokens are buffered).
+KV moves between workers through ``SplitserveConnector`` (``connector.py``): vLLM keeps a
+prefilled request's blocks for the worker's KV transfer backend to serve, and waits for the
+blocks a decode worker's puller fills. Not yet behind this engine (docs/engines.md):
+``set_paused`` (a slow reader's tokens are buffered).
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from engine.sampling_params import SamplingParams
 from engine.scheduler import DuplicateRequestError, KVLoad
 from engine.stats import EngineStats
 from engine.vllm_engine.args import engine_args, prepare_process_env, require_vllm
+from engine.vllm_engine.connector import attach, layer_major_cache
 from engine.vllm_engine.convert import sampling_params, token_logprobs
 from engine.vllm_engine.events import EventCollector, EventTranslator
 
@@ -69,7 +72,9 @@ class VLLMEngine:
         from vllm.v1.engine.input_processor import InputProcessor
         from vllm.v1.executor import Executor
 
-        vllm_config = engine_args(config, cuda=torch.cuda.is_available()).create_engine_config()
+        args = engine_args(config, cuda=torch.cuda.is_available())
+        self._channel = attach(args)
+        vllm_config = args.create_engine_config()
         self._core = EngineCore(vllm_config, Executor.get_class(vllm_config), log_stats=True)
         self._inputs = InputProcessor(vllm_config, renderer_from_config(vllm_config))
         self._supported_tasks = self._core.get_supported_tasks()
@@ -89,6 +94,14 @@ class VLLMEngine:
             scheduler.kv_event_publisher = self._events
         model_config = vllm_config.model_config
         block_size = vllm_config.cache_config.block_size
+        self._kv_cache: torch.Tensor | None = None
+        self._kv_cache_spec: KVCacheSpec | None = None
+        if self._channel is not None:
+            cache = layer_major_cache(self._channel.kv_caches, block_size)
+            if isinstance(cache, str):
+                logger.warning("vLLM engine: KV stays on this worker: %s", cache)
+            else:
+                self._kv_cache, self._kv_cache_spec = cache
         self._translator = EventTranslator(block_size)
         self._states: dict[str, _RequestState] = {}
         self._num_preemptions = 0
@@ -112,12 +125,13 @@ class VLLMEngine:
 
     @property
     def kv_cache(self) -> torch.Tensor | None:
-        """None: this engine's KV does not move through splitserve's KV backends yet."""
-        return None
+        """vLLM's own cache, viewed layer-major (``KVLayout.VLLM_CPU``); None when its KV
+        cannot move (logged at load: see ``connector.attach`` and ``layer_major_cache``)."""
+        return self._kv_cache
 
     @property
     def kv_cache_spec(self) -> KVCacheSpec | None:
-        return None
+        return self._kv_cache_spec
 
     # ----------------------------------------------------------------------------- requests
     def add_request(
@@ -136,9 +150,14 @@ class VLLMEngine:
         ``max_tokens``: the continuation is the same for greedy decoding."""
         from vllm.inputs.engine import tokens_input
 
-        if hold_kv or num_external_tokens:
+        if (hold_kv or num_external_tokens) and self._kv_cache is None:
             field_name = "hold_kv" if hold_kv else "num_external_tokens"
-            raise ValueError(f"{field_name}: --engine vllm does not move KV between workers yet")
+            raise ValueError(f"{field_name}: this worker's vLLM engine moves no KV (see its log)")
+        if num_external_tokens > len(prompt_token_ids):
+            raise ValueError(
+                f"num_external_tokens: {num_external_tokens} is more than the prompt's "
+                f"{len(prompt_token_ids)} tokens"
+            )
         if req_id in self._states:
             raise DuplicateRequestError(f"request_id {req_id!r} is already in flight")
         if len(output_token_ids) >= params.max_tokens:
@@ -154,6 +173,8 @@ class VLLMEngine:
             sampling_params(params, len(output_token_ids)),
             self._supported_tasks,
         )
+        if self._channel is not None:
+            self._channel.add(req_id, num_external_tokens, hold_kv)
         self._core.add_request(*self._core.preprocess_add_request(request))
         self._states[req_id] = _RequestState(
             prompt_token_ids=list(prompt_token_ids),
@@ -166,6 +187,9 @@ class VLLMEngine:
         live = [req_id for req_id in req_ids if req_id in self._states]
         if not live:
             return []
+        if self._channel is not None:
+            for req_id in live:
+                self._channel.abort(req_id)
         self._core.abort_requests(live)
         return [
             self._report(req_id, self._states[req_id], [], None, finish_reason="abort")
@@ -261,7 +285,11 @@ class VLLMEngine:
         )
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self._scheduler.has_requests())
+        """Requests to run, or transfers to report; not kept blocks alone (vLLM's own
+        ``has_requests`` counts those, so its engine would step while a lease lasts)."""
+        scheduler = self._scheduler
+        reports = self._channel is not None and self._channel.has_reports()
+        return bool(scheduler.has_unfinished_requests() or scheduler.finished_req_ids or reports)
 
     @property
     def last_num_scheduled_tokens(self) -> int:
@@ -277,8 +305,8 @@ class VLLMEngine:
         return EngineStats(
             num_running=num_running,
             num_waiting=num_waiting,
-            num_waiting_for_kv=0,
-            num_held_kv=0,
+            num_waiting_for_kv=0 if self._channel is None else self._channel.num_loading,
+            num_held_kv=0 if self._channel is None else self._channel.num_held,
             num_total_blocks=num_usable_blocks,
             num_used_blocks=num_usable_blocks - pool.get_num_free_blocks(),
             num_cached_blocks=self._translator.num_live_blocks,
@@ -295,19 +323,23 @@ class VLLMEngine:
 
     # ----------------------------------------------------------------------------- KV transfer
     def holds_kv(self, req_id: str) -> bool:
-        return False
+        return bool(self.held_kv_block_ids(req_id))
 
     def held_kv_block_ids(self, req_id: str) -> list[int]:
-        return []
+        return [] if self._channel is None else self._channel.held_block_ids(req_id)
 
     def release_held_kv(self, req_id: str) -> bool:
-        return False
+        """vLLM frees the blocks at the next step (``has_unfinished_requests`` says so)."""
+        return self._channel is not None and self._channel.release(req_id)
 
     def take_kv_loads(self) -> list[KVLoad]:
-        return []
+        return [] if self._channel is None else self._channel.take_loads()
 
     def finish_kv_load(self, req_id: str, success: bool) -> None:
-        """No load is ever started here (``take_kv_loads`` is always empty)."""
+        """vLLM runs the request at the next step, on the loaded blocks or (failed)
+        recomputing the prompt past its own prefix cache."""
+        if self._channel is not None:
+            self._channel.finish_load(req_id, success)
 
 
 def _vllm_version() -> str:

@@ -7,7 +7,12 @@ from dataclasses import dataclass, field
 
 from engine.config import EngineConfig, EngineKind
 from engine.flags import flag, from_args
-from engine.vllm_engine.args import VLLMNotInstalledError, require_vllm
+from engine.vllm_engine.args import (
+    VLLMNotInstalledError,
+    kv_stays_reason,
+    parse_vllm_args,
+    require_vllm,
+)
 from kvtransfer.registry import default_backend, is_available
 from services.common.redis_config import RedisConfig
 from services.common.roles import Role
@@ -114,9 +119,11 @@ def engine_unavailable(role: Role, engine: EngineConfig) -> str | None:
     except VLLMNotInstalledError as exc:
         return str(exc)
     if role is Role.PREFILL:
-        return (
-            "--engine vllm on a prefill worker: vLLM's KV does not move to decode workers yet; "
-            "serve it colocated (splitserve up --mode colocated --num-prefill-workers 0: decode "
-            "workers run whole requests)"
-        )
+        reason = kv_stays_reason(parse_vllm_args(engine.vllm_args))
+        if reason is not None:
+            return (
+                f"--engine vllm on a prefill worker needs its KV to move, but {reason}; serve "
+                "it colocated (splitserve up --mode colocated --num-prefill-workers 0: decode "
+                "workers run whole requests)"
+            )
     return None

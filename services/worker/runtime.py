@@ -139,6 +139,11 @@ def build_runtime(
     kv_peer = None
     if engine.kv_cache is not None and engine.kv_cache_spec is not None:
         kv_peer = backend.register_kv_cache(engine.kv_cache, engine.kv_cache_spec)
+    elif role is Role.PREFILL:
+        raise RuntimeError(
+            f"a prefill worker's engine must share its KV cache; {engine.info.kernels} keeps its "
+            "own (the log above says why): run it on decode workers, colocated"
+        )
     loop = EngineLoop(engine, make_hooks(backend))
     tracing = Tracing(config.tracing, f"splitserve-{role}", {"service.instance.id": worker_id})
     metrics = ServingMetrics(engine.info.served_model_name, str(role))

