@@ -86,6 +86,9 @@ class VLLMEngine:
         def schedule_and_count(*args: Any, **kwargs: Any) -> Any:
             output = schedule(*args, **kwargs)
             self._last_num_scheduled_tokens = output.total_num_scheduled_tokens
+            if self._grammar_replays:
+                for new_request in output.scheduled_new_reqs:
+                    self._replay_grammar(new_request.req_id)
             return output
 
         scheduler.schedule = schedule_and_count
@@ -104,6 +107,9 @@ class VLLMEngine:
                 self._kv_cache, self._kv_cache_spec = cache
         self._translator = EventTranslator(block_size)
         self._states: dict[str, _RequestState] = {}
+        # Constrained requests given tokens sampled elsewhere: their grammar must accept those
+        # tokens before it masks the next one.
+        self._grammar_replays: dict[str, list[int]] = {}
         self._num_preemptions = 0
         self.on_constraint_compiled: Callable[[], object] | None = None
         device_type = torch.device(vllm_config.device_config.device or "cpu").type
@@ -175,6 +181,8 @@ class VLLMEngine:
         )
         if self._channel is not None:
             self._channel.add(req_id, num_external_tokens, hold_kv)
+        if params.constraint is not None and output_token_ids:
+            self._grammar_replays[req_id] = list(output_token_ids)
         self._core.add_request(*self._core.preprocess_add_request(request))
         self._states[req_id] = _RequestState(
             prompt_token_ids=list(prompt_token_ids),
@@ -187,8 +195,9 @@ class VLLMEngine:
         live = [req_id for req_id in req_ids if req_id in self._states]
         if not live:
             return []
-        if self._channel is not None:
-            for req_id in live:
+        for req_id in live:
+            self._grammar_replays.pop(req_id, None)
+            if self._channel is not None:
                 self._channel.abort(req_id)
         self._core.abort_requests(live)
         return [
@@ -201,6 +210,20 @@ class VLLMEngine:
 
     async def prepare_constraint(self, constraint: Constraint) -> None:
         """vLLM compiles grammars itself, off its step loop, while the request waits."""
+
+    def _replay_grammar(self, req_id: str) -> None:
+        """Advance a constrained request's grammar past the tokens it was given (a resumed
+        stream, or a prefill worker's first token), as it would have advanced had it sampled
+        them here. vLLM schedules the request only once its grammar is compiled, and samples
+        it after this, in the same step."""
+        token_ids = self._grammar_replays.pop(req_id, None)
+        request = self._scheduler.requests.get(req_id)
+        structured = None if request is None else request.structured_output_request
+        grammar = None if structured is None else structured.grammar
+        if token_ids is None or grammar is None or isinstance(grammar, Exception):
+            return
+        if not grammar.accept_tokens(req_id, token_ids):
+            logger.warning("req_id=%s: the tokens it was given break its constraint", req_id)
 
     # ----------------------------------------------------------------------------- stepping
     def step(self) -> list[RequestOutput]:
@@ -265,6 +288,7 @@ class VLLMEngine:
         finished = finish_reason is not None
         if finished:
             del self._states[req_id]
+            self._grammar_replays.pop(req_id, None)
         return RequestOutput(
             req_id=req_id,
             prompt_token_ids=state.prompt_token_ids,

@@ -1,10 +1,15 @@
-"""``SplitserveConnector`` on one real vLLM engine (SmolLM2, float32): a ``hold_kv`` prefill
+"""``VLLMEngine`` on one real vLLM engine (SmolLM2, float32).
+
+Its KV connector (``SplitserveConnector``): a ``hold_kv`` prefill
 keeps its blocks until released; a request added with ``num_external_tokens`` waits for the
 blocks the worker fills, then decodes token-identical to the same engine run whole, having
 computed only the token past the loaded prompt; a failed load recomputes the prompt, an aborted
 load frees its blocks. The transfer is a copy between blocks of the engine's own ``kv_cache``
 view (what a KV transfer backend does between two workers): requests of different cache salts
-share no prefix-cache block, so the loaded blocks are the only way the prompt's KV arrives."""
+share no prefix-cache block, so the loaded blocks are the only way the prompt's KV arrives.
+
+A constrained request given tokens sampled elsewhere (a prefill worker's first token, a resumed
+stream) continues exactly as the same request run whole: its grammar accepts them first."""
 
 from __future__ import annotations
 
@@ -13,6 +18,7 @@ from collections.abc import Iterator
 import pytest
 
 from engine import EngineConfig
+from engine.constraint import Constraint, ConstraintKind
 from engine.kv_cache_manager import cdiv
 from engine.kv_cache_spec import KVLayout
 from engine.sampling_params import SamplingParams
@@ -146,3 +152,23 @@ def test_aborting_a_loading_request_frees_its_blocks(engine):
     assert engine.release_held_kv("p3")
     run(engine, "")
     assert engine.stats().num_used_blocks == 0
+
+
+@pytest.mark.parametrize("num_given", [1, 5])
+def test_a_constrained_request_resumes_exactly_where_it_left_off(engine, num_given):
+    schema = (
+        '{"type": "object", "properties": {"name": {"type": "string", "maxLength": 12}, '
+        '"age": {"type": "integer"}}, "required": ["name", "age"], '
+        '"additionalProperties": false}'
+    )
+    params = SamplingParams(
+        max_tokens=40, temperature=0.0, constraint=Constraint(ConstraintKind.JSON_SCHEMA, schema)
+    )
+    engine.add_request("json-whole", PROMPT, params, cache_salt="json-whole")
+    whole = run(engine, "json-whole")
+    assert len(whole) > num_given
+    given = whole[:num_given]
+    engine.add_request(
+        f"json-{num_given}", PROMPT, params, output_token_ids=given, cache_salt="json-rest"
+    )
+    assert given + run(engine, f"json-{num_given}") == whole
