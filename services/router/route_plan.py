@@ -146,7 +146,8 @@ class RoutePlanner:
 
 def kv_can_move(prefill: WorkerHandle, decode: WorkerHandle) -> bool:
     """Whether ``decode`` can read KV that ``prefill`` computes: both engines expose a KV cache
-    (a vLLM worker's does not move yet) of one layout (``compat_hash``) over one backend.
+    (a vLLM worker's only at tensor and pipeline parallel size 1) of one layout
+    (``compat_hash``: never a native and a vLLM worker) over one backend.
     Unknown until both have answered ``GetInfo``: assumed, as a failed pairing still falls back
     to local prefill."""
     if prefill.info is None or decode.info is None:
