@@ -1,7 +1,8 @@
 """A mixed fleet: a ``native`` prefill pool in front of an ``--engine vllm`` decode pool, one
 model (SmolLM2, float32). The native and vLLM KV layouts differ (block- and layer-major), so
-the router plans every request as ``kv_cannot_move``: the vLLM decode worker prefills it, the prefill worker is neither used nor
-left holding a lease, and the output is vLLM's own (token-identical to vLLM run offline)."""
+the router plans every request as ``kv_cannot_move``: the vLLM decode worker prefills it, the
+prefill worker is neither used nor left holding a lease, and the output is vLLM's own
+(token-identical to vLLM run offline)."""
 
 from __future__ import annotations
 
