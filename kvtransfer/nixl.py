@@ -231,7 +231,7 @@ class NixlBackend(BackendSkeleton):
     def _segment_descs(self, base_addr: int, num_blocks: int, device_id: int) -> np.ndarray:
         """Descriptors of a cache of ``num_blocks`` blocks shaped like ours: one per segment of
         each block, row ``s * num_blocks + b`` (see ``cache_segments``)."""
-        return _block_descs(
+        return _row_descs(
             base_addr, self._num_segments * num_blocks, self._segment_bytes, device_id
         )
 
@@ -399,11 +399,11 @@ class NixlBackend(BackendSkeleton):
             send_notif(self._agent, remote.agent_name, message)
 
 
-def _block_descs(base_addr: int, num_blocks: int, block_bytes: int, device_id: int) -> np.ndarray:
-    """One ``(address, length, device)`` row per block of a cache starting at ``base_addr``
-    (per segment of a block, with ``num_blocks`` rows of ``block_bytes`` each)."""
-    descs = np.empty((num_blocks, 3), dtype=np.int64)
-    descs[:, 0] = base_addr + np.arange(num_blocks, dtype=np.int64) * block_bytes
-    descs[:, 1] = block_bytes
+def _row_descs(base_addr: int, num_rows: int, row_bytes: int, device_id: int) -> np.ndarray:
+    """One ``(address, length, device)`` descriptor per row of ``row_bytes`` bytes of a
+    memory region starting at ``base_addr``."""
+    descs = np.empty((num_rows, 3), dtype=np.int64)
+    descs[:, 0] = base_addr + np.arange(num_rows, dtype=np.int64) * row_bytes
+    descs[:, 1] = row_bytes
     descs[:, 2] = device_id
     return descs

@@ -217,10 +217,12 @@ class VLLMEngine:
         them here. vLLM schedules the request only once its grammar is compiled, and samples
         it after this, in the same step."""
         token_ids = self._grammar_replays.pop(req_id, None)
+        if token_ids is None:
+            return
         request = self._scheduler.requests.get(req_id)
         structured = None if request is None else request.structured_output_request
         grammar = None if structured is None else structured.grammar
-        if token_ids is None or grammar is None or isinstance(grammar, Exception):
+        if grammar is None or isinstance(grammar, Exception):
             return
         if not grammar.accept_tokens(req_id, token_ids):
             logger.warning("req_id=%s: the tokens it was given break its constraint", req_id)
