@@ -88,17 +88,24 @@ def _parse_bool(text: str) -> bool:
     raise argparse.ArgumentTypeError(f"expected a boolean, got {text!r}")
 
 
-def add_flags(parser: argparse.ArgumentParser, cls: type, skip: tuple[str, ...] = ()) -> None:
+def add_flags(
+    parser: argparse.ArgumentParser,
+    cls: type,
+    skip: tuple[str, ...] = (),
+    *,
+    defaults: bool = True,
+) -> None:
     """Add one flag per field of dataclass ``cls``; a set env var replaces the declared
     default (as an ``EnvDefault``, parsed by ``parse_flags`` / ``from_args`` only when the
-    flag is not on the command line)."""
+    flag is not on the command line). ``defaults=False``: no defaults and no env vars, so
+    that the parsed namespace holds exactly the flags given (overrides of a config)."""
     hints = typing.get_type_hints(cls)
     for f in dataclasses.fields(cls):
         if f.name in skip or "help" not in f.metadata:
             continue
         kind = _scalar_type(hints[f.name])
-        env_value = os.environ.get(env_name(f.name))
-        default = f.default
+        env_value = os.environ.get(env_name(f.name)) if defaults else None
+        default = f.default if defaults else argparse.SUPPRESS
         converter: Callable[[str], Any] = _parse_bool if kind is bool else kind
         if env_value is not None:
             default = EnvDefault(env_name(f.name), env_value, kind, f.metadata["choices"])

@@ -33,10 +33,10 @@ from services.common.tracing import TracingConfig
 from services.launcher import LocalCluster, split_threads
 from services.router.config import RouterConfig
 from services.startup import WorkerFailure
-from services.worker.config import WorkerConfig
+from services.worker.config import PER_REPLICA_FLAGS, WorkerConfig, engine_unavailable
 
 # Set per replica by the launcher or the controller, not by `up`'s flags.
-_PER_WORKER = ("host", "port", "worker_id", "metrics_port", "tls_dir")
+_PER_WORKER = PER_REPLICA_FLAGS
 _PER_ROUTER = (
     "model", "revision", "served_model_name", "host", "port", "mode", "prefill_workers",
     "decode_workers", "metrics_port", "seed", "router_id", "tls_dir",
@@ -63,8 +63,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
 def configs_from_args(
     args: argparse.Namespace,
 ) -> tuple[ClusterConfig, WorkerConfig, RouterConfig, PlannerConfig]:
-    """The cluster's shape, the config every worker and every router starts from, and the
-    autoscaler's."""
+    """The cluster's shape, the config every worker and every router starts from (a pool's
+    own flags go over the workers': ``ClusterConfig.pool_worker_config``, checked here), and
+    the autoscaler's."""
     cluster: ClusterConfig = from_args(ClusterConfig, args)
     engine: EngineConfig = from_args(EngineConfig, args)
     redis: RedisConfig = from_args(RedisConfig, args)
@@ -97,7 +98,15 @@ def configs_from_args(
         mode=cluster.mode,
         tls_dir=cluster.identity_tls_dir("router"),
     )
+    for role in _pools(cluster):
+        cluster.pool_worker_config(role, worker)
     return cluster, worker, router, from_args(PlannerConfig, args)
+
+
+def _pools(cluster: ClusterConfig) -> tuple[Role, ...]:
+    if cluster.mode is ClusterMode.COLOCATED:
+        return (Role.DECODE,)
+    return (Role.PREFILL, Role.DECODE)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -110,6 +119,11 @@ def run(args: argparse.Namespace) -> int:
         # Workers (launcher processes, or Ray actors under the raylet this process starts)
         # inherit these: torch's and oneDNN's kernels are then capped at the same level.
         os.environ.update(library_env(resolve_isa(worker.engine.cpu_isa)))
+    for role in _pools(cluster):
+        problem = engine_unavailable(role, cluster.pool_worker_config(role, worker).engine)
+        if problem is not None:
+            print(f"splitserve up: {role} pool: {problem}", file=sys.stderr)
+            return 2
     if planner.autoscale and not cluster.ray:
         print("splitserve up: --autoscale needs Ray (drop --no-ray)", file=sys.stderr)
         return 2
@@ -203,6 +217,7 @@ def _serve_local(
         admin_api_key=router.admin_api_key,
         tls_dir=cluster.tls_dir,
         extra_worker_flags=(*to_argv(worker, skip=_PER_WORKER), *shared_argv),
+        extra_role_flags={role: cluster.worker_args(role) for role in _pools(cluster)},
         extra_router_flags=(*to_argv(router, skip=(*_PER_ROUTER, *_HTTP)), *shared_argv),
     )
     start_s = time.monotonic()

@@ -30,7 +30,8 @@ CHART_DIR = Path(__file__).resolve().parent / "splitserve"
 CHART_OWNED = {
     "cluster": (
         "num_prefill_workers", "num_decode_workers", "host", "port", "ray", "ray_address",
-        "prefill_num_gpus", "decode_num_gpus", "kuberay_cluster", "kuberay_namespace",
+        "prefill_num_gpus", "decode_num_gpus", "prefill_worker_args", "decode_worker_args",
+        "kuberay_cluster", "kuberay_namespace",
         "router_metrics_port", "worker_metrics_port", "tls_dir",
     ),
     "router": ("api_key_file", "admin_api_key"),
@@ -135,6 +136,7 @@ def _pool() -> dict[str, Any]:
             "minReplicas": _COUNT,
             "maxReplicas": _COUNT,
             "numGpus": {"type": "number", "minimum": 0},
+            "workerArgs": _STRING,
             **_PLACEMENT,
             **_ENV,
         },

@@ -39,9 +39,9 @@ STOP_GRACE_S = 5.0
 
 @dataclass(frozen=True, slots=True)
 class ActorFactory:
-    """Creates the cluster's actors from the configs every new one starts from (its id, ports,
-    TLS directory and, for a router, the pools are filled in per actor). ``token`` tells this
-    controller's actors from another's."""
+    """Creates the cluster's actors from the configs every new one starts from (a worker's
+    pool flags are set over ``worker``; its id, ports, TLS directory and, for a router, the
+    pools are filled in per actor). ``token`` tells this controller's actors from another's."""
 
     cluster: ClusterConfig
     worker: WorkerConfig
@@ -76,7 +76,7 @@ class ActorFactory:
                 router_config, handle, self.log_level
             )
         config = dataclasses.replace(
-            self.worker,
+            cluster.pool_worker_config(role, self.worker),
             worker_id=name,
             metrics_port=cluster.worker_metrics_port,
             tls_dir=cluster.identity_tls_dir(role.value),

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import shlex
 from dataclasses import dataclass
 
 from engine.flags import flag
 from services.common.roles import MODES, POOL_ROLES, ClusterMode, Role
 from services.common.tls import identity_tls_dir
+from services.worker.config import WorkerConfig
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,6 +43,16 @@ class ClusterConfig:
     )
     prefill_num_gpus: float = flag(0.0, "GPUs each prefill worker actor reserves")
     decode_num_gpus: float = flag(0.0, "GPUs each decode worker actor reserves")
+    prefill_worker_args: str = flag(
+        "",
+        "engine and worker flags of the prefill pool only, set over the shared ones, e.g. "
+        "'--max-num-batched-tokens 8192' or '--engine vllm --vllm-args \"--block-size 32\"'",
+    )
+    decode_worker_args: str = flag(
+        "",
+        "engine and worker flags of the decode pool only, set over the shared ones, e.g. "
+        "'--max-num-seqs 256 --kv-cache-memory-gb 16'",
+    )
     max_workers_per_pool: int = flag(64, "largest size splitserve scale accepts for a pool")
     kuberay_cluster: str = flag(
         "",
@@ -79,6 +91,8 @@ class ClusterConfig:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         if self.prefill_num_gpus < 0 or self.decode_num_gpus < 0:
             raise ValueError("prefill_num_gpus and decode_num_gpus must be >= 0")
+        for role in POOL_ROLES:
+            self.worker_args(role)
 
     def check_pool_size(self, role: Role, num_workers: int) -> None:
         """Raise ``ValueError`` naming the problem if ``role``'s pool cannot have that size."""
@@ -93,6 +107,23 @@ class ClusterConfig:
             raise ValueError("num_workers: the decode pool needs at least 1 worker")
         if role == Role.PREFILL and num_workers > 0 and self.mode is ClusterMode.COLOCATED:
             raise ValueError("num_workers: a colocated cluster has no prefill pool")
+
+    def worker_args(self, role: Role) -> list[str]:
+        """``role``'s pool flags (``--prefill-worker-args`` / ``--decode-worker-args``) as an
+        argv; ``ValueError`` when the text does not split (an unclosed quote)."""
+        text = self.prefill_worker_args if role == Role.PREFILL else self.decode_worker_args
+        try:
+            return shlex.split(text)
+        except ValueError as exc:
+            raise ValueError(f"{role}_worker_args: {exc}: {text!r}") from None
+
+    def pool_worker_config(self, role: Role, shared: WorkerConfig) -> WorkerConfig:
+        """The config ``role``'s workers start from: ``shared`` with the pool's flags set over
+        it (``ValueError`` naming the pool's flag that does not apply)."""
+        try:
+            return shared.with_pool_flags(self.worker_args(role))
+        except ValueError as exc:
+            raise ValueError(f"{role}_worker_args: {exc}") from None
 
     def num_gpus(self, role: Role) -> float:
         return self.prefill_num_gpus if role == Role.PREFILL else self.decode_num_gpus

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import argparse
+import dataclasses
 import socket
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import NoReturn
 
 from engine.config import EngineConfig, EngineKind
-from engine.flags import flag, from_args
+from engine.flags import add_flags, flag, from_args
 from engine.vllm_engine.args import (
     VLLMNotInstalledError,
     kv_stays_reason,
@@ -20,6 +24,8 @@ from services.common.service_flags import parse_service_args, shared_configs
 from services.common.tracing import TracingConfig
 
 KV_TRANSFER_BACKENDS = ("nixl", "ucx", "tcp")
+# Set per replica (by the launcher, the controller or the pod), never for a whole pool.
+PER_REPLICA_FLAGS = ("host", "port", "worker_id", "metrics_port", "tls_dir")
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,6 +88,28 @@ class WorkerConfig:
             extra = self.kv_transfer
             raise ValueError(f"--kv-transfer {extra} needs pip install 'splitserve[{extra}]'")
 
+    def with_pool_flags(self, argv: Sequence[str]) -> WorkerConfig:
+        """This config with the engine and worker flags in ``argv`` (one pool's
+        ``--prefill-worker-args`` / ``--decode-worker-args``) set over it; the rest is kept.
+        ``ValueError`` naming the flag that is unknown, set per replica
+        (``PER_REPLICA_FLAGS``) or given a bad value."""
+        if not argv:
+            return self
+        for name in PER_REPLICA_FLAGS:
+            flag_text = "--" + name.replace("_", "-")
+            if any(a == flag_text or a.startswith(flag_text + "=") for a in argv):
+                raise ValueError(f"{flag_text} is set for each worker, not for a pool")
+        parser = _PoolFlagParser(prog="pool worker args", add_help=False, allow_abbrev=False)
+        add_flags(parser, EngineConfig, skip=("detokenize",), defaults=False)
+        add_flags(parser, WorkerConfig, skip=PER_REPLICA_FLAGS, defaults=False)
+        given = vars(parser.parse_args(list(argv)))
+        engine_names = {f.name for f in dataclasses.fields(EngineConfig)}
+        engine = {name: value for name, value in given.items() if name in engine_names}
+        worker = {name: value for name, value in given.items() if name not in engine_names}
+        return dataclasses.replace(
+            self, engine=dataclasses.replace(self.engine, **engine), **worker
+        )
+
     @property
     def kv_bind_host(self) -> str:
         """Where the KV listener binds: ``--kv-host``, else ``--host`` (a worker reachable on
@@ -127,3 +155,11 @@ def engine_unavailable(role: Role, engine: EngineConfig) -> str | None:
                 "workers run whole requests)"
             )
     return None
+
+
+class _PoolFlagParser(argparse.ArgumentParser):
+    """Raises ``ValueError`` where ``ArgumentParser`` would print usage and exit: pool flags
+    are checked inside ``splitserve up`` and in the controller, not on a command line."""
+
+    def error(self, message: str) -> NoReturn:
+        raise ValueError(message)

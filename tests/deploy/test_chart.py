@@ -19,7 +19,9 @@ import kubernetes_validate
 import pytest
 import yaml
 
+from engine.config import EngineKind
 from services.cli import build_parser
+from services.common.roles import Role
 from services.up import configs_from_args
 from tests.deploy.crd_schemas import SCHEMAS
 
@@ -555,3 +557,25 @@ def test_extra_args_follow_the_values_flags_and_win():
     assert (engine.model, engine.revision) == ("Qwen/Qwen2.5-0.5B-Instruct", "v2")
     assert (engine.served_model_name, engine.max_num_seqs) == ("Qwen's 0.5B", 7)
     assert router.model == "Qwen/Qwen2.5-0.5B-Instruct"
+
+
+def test_a_pools_worker_args_reach_only_that_pool():
+    """prefill.workerArgs / decode.workerArgs become --prefill-worker-args /
+    --decode-worker-args, shell-quoted; each pool's workers start from the shared flags with
+    its own set over them (a vLLM prefill pool beside a native decode pool)."""
+    values = {
+        "engine": {"maxNumSeqs": 64},
+        "prefill": {"workerArgs": "--engine vllm --vllm-args '--block-size 32 --enforce-eager'"},
+        "decode": {"workerArgs": "--max-num-seqs 256 --lease-ttl-s 9"},
+    }
+    cluster, worker, _, _ = configs_from_args(build_parser().parse_args(head_argv(values)))
+    prefill = cluster.pool_worker_config(Role.PREFILL, worker)
+    decode = cluster.pool_worker_config(Role.DECODE, worker)
+    assert (prefill.engine.engine, prefill.engine.vllm_args) == (
+        EngineKind.VLLM,
+        "--block-size 32 --enforce-eager",
+    )
+    assert prefill.engine.max_num_seqs == 64 and prefill.lease_ttl_s == worker.lease_ttl_s
+    assert decode.engine.engine is EngineKind.NATIVE
+    assert (decode.engine.max_num_seqs, decode.lease_ttl_s) == (256, 9.0)
+    assert not any(a.startswith("--prefill-worker-args") for a in head_argv({}))

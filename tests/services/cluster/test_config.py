@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
+from engine.config import EngineKind
 from services.cli import build_parser
 from services.cluster.config import ClusterConfig
+from services.common.roles import Role
 from services.up import configs_from_args
 
 
@@ -46,3 +50,40 @@ def test_up_flags_reach_the_worker_and_router_configs(monkeypatch):
     assert (router.prefill_policy, router.prefill_load_weight) == ("random", 0.25)
     assert worker.redis.redis_url == router.redis.redis_url == "redis://r:1"
     assert planner.target_itl_ms == 80.0 and not planner.autoscale
+
+
+def test_each_pool_starts_from_the_shared_flags_with_its_own_set_over_them():
+    args = build_parser().parse_args(
+        [
+            "up", "--model", "m", "--max-num-seqs", "9", "--kv-transfer", "tcp",
+            "--prefill-worker-args", "--max-num-batched-tokens 4096 --kv-io-timeout-s 3",
+            "--decode-worker-args", "--engine vllm --vllm-args '--block-size 32'",
+        ]
+    )  # fmt: skip
+    cluster, worker, _, _ = configs_from_args(args)
+    prefill = cluster.pool_worker_config(Role.PREFILL, worker)
+    decode = cluster.pool_worker_config(Role.DECODE, worker)
+    assert (prefill.engine.max_num_batched_tokens, prefill.kv_io_timeout_s) == (4096, 3.0)
+    assert prefill.engine.engine is EngineKind.NATIVE and prefill.engine.max_num_seqs == 9
+    assert (decode.engine.engine, decode.engine.vllm_args) == (EngineKind.VLLM, "--block-size 32")
+    assert decode.engine.max_num_batched_tokens == worker.engine.max_num_batched_tokens
+    assert prefill.kv_transfer == decode.kv_transfer == "tcp"
+    # Workers hand text to the router whatever a pool says.
+    assert not prefill.engine.detokenize and not decode.engine.detokenize
+
+
+@pytest.mark.parametrize(
+    ("pool_args", "message"),
+    [
+        ("--port 7000", "prefill_worker_args: --port is set for each worker, not for a pool"),
+        ("--worker-id=w", "prefill_worker_args: --worker-id is set for each worker"),
+        ("--max-num-seq 3", "prefill_worker_args: unrecognized arguments: --max-num-seq"),
+        ("--max-num-seqs many", "prefill_worker_args: argument --max-num-seqs: invalid int"),
+        ("--lease-ttl-s 0", "prefill_worker_args: lease_ttl_s must be > 0"),
+        ("--vllm-args '--block-size 32", "prefill_worker_args: No closing quotation"),
+    ],
+)
+def test_a_bad_pool_flag_is_one_error_naming_the_pool(pool_args, message):
+    args = build_parser().parse_args(["up", "--model", "m", f"--prefill-worker-args={pool_args}"])
+    with pytest.raises(ValueError, match=re.escape(message)):
+        configs_from_args(args)

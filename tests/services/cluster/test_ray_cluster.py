@@ -31,7 +31,7 @@ from tests.services.cluster.conftest import (
     scale,
     wait_for_pools,
 )
-from tests.services.conftest import Client, greedy, scrape
+from tests.services.conftest import NUM_KV_BLOCKS, Client, greedy, scrape
 from tests.waiting import wait_until
 
 
@@ -290,7 +290,10 @@ def _cli(*argv: str) -> subprocess.CompletedProcess[str]:
 
 
 def test_scale_and_status_commands_add_a_prefill_pool_at_run_time(start_ray_cluster, offline):
-    cluster = start_ray_cluster(num_prefill_workers=0, num_decode_workers=1)
+    # The prefill pool's own flags (--prefill-worker-args) reach the workers scaled in later.
+    cluster = start_ray_cluster(
+        num_prefill_workers=0, num_decode_workers=1, prefill_worker_args="--num-kv-blocks 64"
+    )
     address = router_address(cluster)
     client = router_client(cluster)
     prompt = list(range(3, 70))
@@ -316,6 +319,8 @@ def test_scale_and_status_commands_add_a_prefill_pool_at_run_time(start_ray_clus
         "WORKER_ROLE_PREFILL": 1,
         "WORKER_ROLE_DECODE": 1,
     }
+    blocks = {w.role: w.load.num_total_blocks for w in client.status().workers}
+    assert blocks == {ROLES["prefill"]: 64, ROLES["decode"]: NUM_KV_BLOCKS}
 
     # The new pool takes prompts at once, with the same output.
     assert client.stub.Explain(request, timeout=10).prefill_place == "prefill_worker"

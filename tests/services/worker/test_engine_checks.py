@@ -56,3 +56,24 @@ def test_a_prefill_worker_refuses_vllm_whose_kv_cannot_move(tiny_llama_dir, vllm
     line = done.stderr.strip().splitlines()[-1]
     assert "--engine vllm on a prefill worker needs its KV to move" in line, line
     assert reason in line and "--mode colocated" in line, line
+
+
+def test_up_refuses_a_vllm_prefill_pool_whose_kv_cannot_move_before_starting_anything(
+    tiny_llama_dir,
+):
+    """The pool's own flags are checked by ``splitserve up`` itself: one line naming the pool,
+    and no worker or router is started (``--no-ray``: it would spawn them at once)."""
+    pytest.importorskip("vllm", reason="the check after vLLM's own presence")
+    pool_args = "--engine vllm --vllm-args '--tensor-parallel-size 2'"
+    code = "import runpy; runpy.run_module('services.cli', run_name='__main__')"
+    done = subprocess.run(
+        [
+            sys.executable, "-c", code, "up", "--no-ray", "--model", str(tiny_llama_dir),
+            "--port", "0", f"--prefill-worker-args={pool_args}",
+        ],
+        cwd=REPO_ROOT, capture_output=True, text=True, timeout=120, check=False,
+    )  # fmt: skip
+    assert done.returncode == 2
+    line = done.stderr.strip().splitlines()[-1]
+    assert line.startswith("splitserve up: prefill pool: --engine vllm on a prefill worker"), line
+    assert "runs on 2 processes" in line and "splitserve router listening" not in done.stdout

@@ -228,6 +228,8 @@ ray start --head --dashboard-host=127.0.0.1 --num-cpus=0 --disable-usage-stats
 --num-decode-workers={{ $v.decode.replicas }}
 --prefill-num-gpus={{ $v.prefill.numGpus }}
 --decode-num-gpus={{ $v.decode.numGpus }}
+{{- with $v.prefill.workerArgs }} --prefill-worker-args={{ include "splitserve.shellQuote" . }}{{ end }}
+{{- with $v.decode.workerArgs }} --decode-worker-args={{ include "splitserve.shellQuote" . }}{{ end }}
 --router-metrics-port={{ $v.metrics.port }}
 --worker-metrics-port={{ $v.metrics.port }}
 --kuberay-cluster={{ include "splitserve.fullname" . }}
