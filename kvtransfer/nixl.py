@@ -116,7 +116,9 @@ class NixlBackend(BackendSkeleton):
         self._connection_metadata = b""
         self._local_blocks: Any = None
         self._seq = itertools.count(1)
-        self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+        # Not a SimpleQueue: in CPython 3.11 its get(timeout=...), interrupted by a signal past
+        # its deadline, waits forever, and the loop's READs with it (test_backends.py).
+        self._commands: queue.Queue[Callable[[], None]] = queue.Queue()
         self._io_thread: threading.Thread | None = None
         # Owned by the I/O thread.
         self._remotes: dict[str, _Remote] = {}

@@ -5,6 +5,7 @@ and tcp."""
 from __future__ import annotations
 
 import signal
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import replace
@@ -86,6 +87,40 @@ def test_read_between_processes_is_bit_exact_with_reordered_blocks(sources, dst_
     assert not rows(dst_cache)[untouched].any()
     assert dst.connection_setup_s["small"] > 0
     assert dst.poll() == {}
+
+
+def test_reads_end_while_signals_interrupt_the_io_threads(sources, dst_small):
+    """A signal landing on a backend's I/O thread (a child's SIGCHLD, a library's timer) must
+    not stop its loop. CPython 3.11's ``SimpleQueue.get(timeout=...)``, interrupted by one
+    past its deadline, waits forever: nixl's loop, waiting so for its next poll, never saw
+    its READ end (one read in about 700 on a loaded host; here, within a few reads)."""
+    dst, dst_cache = dst_small
+    dst.add_peer(sources["shared"].info("small"))
+    stop = threading.Event()
+
+    def interrupt_io_threads() -> None:
+        while not stop.is_set():
+            for thread in threading.enumerate():
+                if thread.name.startswith("kv-") and thread.ident is not None:
+                    signal.pthread_kill(thread.ident, signal.SIGUSR1)
+            time.sleep(0.0003)
+
+    previous = signal.signal(signal.SIGUSR1, lambda signum, frame: None)
+    interrupter = threading.Thread(target=interrupt_io_threads, daemon=True)
+    interrupter.start()
+    try:
+        for i in range(30):
+            grant = sources["shared"].publish("small", f"sig{i}", [i, i + 1])
+            src = KVRef("small", f"sig{i}", (i, i + 1), 16, grant)
+            assert read(dst, f"sig{i}", src, [i, i + 1]) is DONE
+    finally:
+        stop.set()
+        interrupter.join()
+        signal.signal(signal.SIGUSR1, previous)
+    expected = rows(make_cache(SMALL_SPEC, seed=1))
+    assert torch.equal(rows(dst_cache)[:31], expected[:31])
+    for i in range(30):
+        sources["shared"].unpublish("small", f"sig{i}")
 
 
 def test_four_mib_read_is_bit_exact(backend_name, sources):
