@@ -200,13 +200,14 @@ def _host_per_role(network: HostNetwork) -> Callable[[Role, int], Placement]:
 
 
 def compare(experiment: Experiment, runs: dict[str, list[RunResult]]) -> list[dict[str, Any]]:
-    """Per offered rate: each target's two values, their ratio and whether it holds."""
+    """Per offered rate: each target's two values, their ratio and whether it holds (None
+    when both values are 0, e.g. no goodput in either arm: nothing was shown)."""
     first, second = experiment.arms
     rows = []
     for ours, theirs in zip(runs[first.name], runs[second.name], strict=True):
         for target in experiment.targets:
             a, b = target.value(ours.summary), target.value(theirs.summary)
-            ratio = a / b if b else math.inf
+            ratio = a / b if b else (math.inf if a else math.nan)
             rows.append(
                 {
                     "run": ours.label,
@@ -215,14 +216,21 @@ def compare(experiment: Experiment, runs: dict[str, list[RunResult]]) -> list[di
                     second.name: b,
                     "ratio": ratio,
                     "target": f"{target.op} {target.ratio}",
-                    "met": target.holds(ratio),
+                    "met": None if math.isnan(ratio) else target.holds(ratio),
                 }
             )
     return rows
 
 
+_VERDICTS = {True: "yes", False: "no", None: "n/a"}
+
+
 def _fmt(value: float) -> str:
     return f"{value:.2f}" if math.isfinite(value) else "-"
+
+
+def _fmt_ratio(ratio: float) -> str:
+    return f"{ratio:.2f}x" if math.isfinite(ratio) else "-"
 
 
 def comparison_markdown(
@@ -262,8 +270,8 @@ def comparison_markdown(
     for row in rows:
         lines.append(
             f"| {row['run']} | {row['metric']} | {_fmt(row[first.name])} "
-            f"| {_fmt(row[second.name])} | {_fmt(row['ratio'])}x | {row['target']} "
-            f"| {'yes' if row['met'] else 'no'} |"
+            f"| {_fmt(row[second.name])} | {_fmt_ratio(row['ratio'])} | {row['target']} "
+            f"| {_VERDICTS[row['met']]} |"
         )
     return "\n".join(lines) + "\n"
 

@@ -62,3 +62,17 @@ def test_prefix_routing_verdict_can_fail():
     (row,) = compare(experiment, runs)
     assert row["metric"] == "ttft_ms.p50"
     assert row["ratio"] == pytest.approx(0.4) and not row["met"]
+
+
+def test_a_target_both_arms_score_zero_on_shows_nothing():
+    """No goodput in either arm (both saturated) is no verdict, not a met target."""
+    experiment = EXPERIMENTS["disaggregation"]
+    spec = LoadSpec("long-mixed", rates=(1.0,), slo_ttft_ms=100, slo_itl_ms=100)
+    slow = [stream(i, 0.5, 0.03, 0) for i in range(4)]  # every TTFT misses its SLO
+    runs = {arm.name: [run("rate 1/s", slow, spec)] for arm in experiment.arms}
+    rows = {row["metric"]: row for row in compare(experiment, runs)}
+    goodput = rows["goodput_requests_per_s"]
+    assert goodput[experiment.arms[0].name] == goodput[experiment.arms[1].name] == 0
+    assert goodput["met"] is None
+    text = comparison_markdown(experiment, "cmd", spec, runs, list(rows.values()))
+    assert "| goodput_requests_per_s | 0.00 | 0.00 | - | >= 1.3 | n/a |" in text
