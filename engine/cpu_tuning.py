@@ -137,3 +137,17 @@ class BuildThread:
                 threading.get_ident(),
                 torch.get_num_threads(),
             )
+
+
+def place_engine_threads(cpu_cores: str | None, num_threads: int | None) -> None:
+    """Pin this process to ``cpu_cores`` (``--cpu-cores``) and size torch's intra-op pool:
+    ``num_threads`` (``--num-threads``), else one thread per pinned core, else torch's own.
+    Called by an engine before its model is built (vLLM on CPU then keeps that pool)."""
+    if cpu_cores is not None:
+        cpus = parse_cpu_list(cpu_cores)
+        pin_process_to_cpus(cpus)
+        num_threads = num_threads or len(cpus)
+    if num_threads:
+        import torch
+
+        torch.set_num_threads(num_threads)

@@ -23,12 +23,7 @@ from engine.block_pool import KVCacheEvent
 from engine.config import EngineConfig
 from engine.constraint import Constraint
 from engine.cpu_isa import CpuIsa, host_isa, resolve_isa
-from engine.cpu_tuning import (
-    BuildThread,
-    keep_freed_memory_in_heap,
-    parse_cpu_list,
-    pin_process_to_cpus,
-)
+from engine.cpu_tuning import BuildThread, keep_freed_memory_in_heap, place_engine_threads
 from engine.detokenizer import IncrementalDetokenizer
 from engine.executor import NativeExecutor, build_executor
 from engine.grammar_pool import GrammarPool
@@ -105,13 +100,7 @@ class LLMEngine:
 
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
-        num_threads = config.num_threads
-        if config.cpu_cores is not None:
-            cpus = parse_cpu_list(config.cpu_cores)
-            pin_process_to_cpus(cpus)
-            num_threads = num_threads or len(cpus)
-        if num_threads:
-            torch.set_num_threads(num_threads)
+        place_engine_threads(config.cpu_cores, config.num_threads)
         self.device = resolve_device(config.device)
         # Steps on CPU belong on this thread (see BuildThread); None on other devices.
         self.build_thread = BuildThread() if self.device.type == "cpu" else None

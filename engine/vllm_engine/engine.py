@@ -29,6 +29,7 @@ from engine.block_pool import KVCacheEvent
 from engine.config import EngineConfig
 from engine.constraint import Constraint
 from engine.cpu_isa import resolve_isa
+from engine.cpu_tuning import place_engine_threads
 from engine.kv_cache_spec import KVCacheSpec
 from engine.outputs import RequestOutput
 from engine.request_limits import check_cache_salt
@@ -72,6 +73,8 @@ class VLLMEngine:
         from vllm.v1.engine.input_processor import InputProcessor
         from vllm.v1.executor import Executor
 
+        # In its own process vLLM binds threads itself; in ours it keeps the pool it finds.
+        place_engine_threads(config.cpu_cores, config.num_threads)
         args = engine_args(config, cuda=torch.cuda.is_available())
         self._channel = attach(args)
         vllm_config = args.create_engine_config()
