@@ -98,15 +98,9 @@ def configs_from_args(
         mode=cluster.mode,
         tls_dir=cluster.identity_tls_dir("router"),
     )
-    for role in _pools(cluster):
+    for role in cluster.pool_roles:
         cluster.pool_worker_config(role, worker)
     return cluster, worker, router, from_args(PlannerConfig, args)
-
-
-def _pools(cluster: ClusterConfig) -> tuple[Role, ...]:
-    if cluster.mode is ClusterMode.COLOCATED:
-        return (Role.DECODE,)
-    return (Role.PREFILL, Role.DECODE)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -119,7 +113,7 @@ def run(args: argparse.Namespace) -> int:
         # Workers (launcher processes, or Ray actors under the raylet this process starts)
         # inherit these: torch's and oneDNN's kernels are then capped at the same level.
         os.environ.update(library_env(resolve_isa(worker.engine.cpu_isa)))
-    for role in _pools(cluster):
+    for role in cluster.pool_roles:
         problem = engine_unavailable(role, cluster.pool_worker_config(role, worker).engine)
         if problem is not None:
             print(f"splitserve up: {role} pool: {problem}", file=sys.stderr)
@@ -217,7 +211,7 @@ def _serve_local(
         admin_api_key=router.admin_api_key,
         tls_dir=cluster.tls_dir,
         extra_worker_flags=(*to_argv(worker, skip=_PER_WORKER), *shared_argv),
-        extra_role_flags={role: cluster.worker_args(role) for role in _pools(cluster)},
+        extra_role_flags={role: cluster.worker_args(role) for role in cluster.pool_roles},
         extra_router_flags=(*to_argv(router, skip=(*_PER_ROUTER, *_HTTP)), *shared_argv),
     )
     start_s = time.monotonic()

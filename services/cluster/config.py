@@ -108,6 +108,13 @@ class ClusterConfig:
         if role == Role.PREFILL and num_workers > 0 and self.mode is ClusterMode.COLOCATED:
             raise ValueError("num_workers: a colocated cluster has no prefill pool")
 
+    @property
+    def pool_roles(self) -> tuple[Role, ...]:
+        """The pools this cluster's mode has: no prefill pool when colocated."""
+        if self.mode is ClusterMode.COLOCATED:
+            return (Role.DECODE,)
+        return POOL_ROLES
+
     def worker_args(self, role: Role) -> list[str]:
         """``role``'s pool flags (``--prefill-worker-args`` / ``--decode-worker-args``) as an
         argv; ``ValueError`` when the text does not split (an unclosed quote)."""

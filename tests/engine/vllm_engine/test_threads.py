@@ -36,7 +36,6 @@ while engine.has_unfinished_requests():
         tokens += output.new_token_ids
 tasks = os.listdir("/proc/self/task")
 print(json.dumps({
-    "threads": len(tasks),
     "affinities": sorted({tuple(sorted(os.sched_getaffinity(int(t)))) for t in tasks}),
     "torch_threads": torch.get_num_threads(),
     "tokens": len(tokens),
