@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 import torch
+from prometheus_client.registry import Collector
 
 from engine.block_hash import BlockHash
 from engine.block_pool import KVCacheEvent
@@ -66,6 +67,12 @@ class EngineBackend(Protocol):
     def kv_cache_spec(self) -> KVCacheSpec | None:
         """*Any thread.* The layout of ``kv_cache``: block shape, dtype, bytes per block (None
         with ``kv_cache``)."""
+
+    @property
+    def metrics(self) -> Collector | None:
+        """*Any thread.* The engine's own ``vllm:`` serving metrics, collected at scrape time
+        (vLLM: its stat logger's, as ``vllm serve`` exports them); None when the worker
+        computes them from outputs and ``stats`` (``services.common.serving_metrics``)."""
 
     # ----------------------------------------------------------------------------- requests
     def add_request(

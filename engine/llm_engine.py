@@ -414,6 +414,11 @@ class LLMEngine:
         return self.executor.kv_cache_spec
 
     @property
+    def metrics(self) -> None:
+        """None: the worker computes the ``vllm:`` serving metrics from this engine's outputs."""
+        return None
+
+    @property
     def runner(self) -> ModelRunner | None:
         """The native model (tests and benchmarks reach into it); None on a simulated engine."""
         return self.executor.runner if isinstance(self.executor, NativeExecutor) else None

@@ -60,7 +60,11 @@ _ROWS: list[tuple[str, list[tuple[str, str, list[tuple[str, str]]]]]] = [
             ("Time to first token", "s", _quantiles("vllm:time_to_first_token_seconds")),
             ("Inter-token latency", "s", _quantiles("vllm:inter_token_latency_seconds")),
             ("End-to-end latency", "s", _quantiles("vllm:e2e_request_latency_seconds")),
-            ("Time per output token", "s", _quantiles("vllm:time_per_output_token_seconds")),
+            (
+                "Time per output token",
+                "s",
+                _quantiles("vllm:request_time_per_output_token_seconds"),
+            ),
             ("Queue time", "s", _quantiles("vllm:request_queue_time_seconds")),
             (
                 "Prefill and decode time (p90)",

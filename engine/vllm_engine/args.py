@@ -54,8 +54,8 @@ def vllm_argv(config: EngineConfig, *, cuda: bool) -> list[str]:
     """
     # A local directory: aliases and GGUF files converted, a repo id fetched at --revision.
     argv = ["--model", str(resolve_model(config.model, revision=config.revision))]
-    if config.served_model_name:
-        argv += ["--served-model-name", config.served_model_name]
+    # vLLM labels its metrics with it: the name clients use, as the native engine's are.
+    argv += ["--served-model-name", config.served_model_name or config.model]
     dtype = config.dtype
     if dtype == "auto" and not cuda:
         dtype = cpu_auto_dtype(resolve_isa(config.cpu_isa))

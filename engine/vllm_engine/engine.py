@@ -5,7 +5,8 @@ outputs) is built and stepped on the worker's engine thread, exactly where the n
 runs, and its model executor is in-process at tensor parallel size 1 (vLLM's multiprocess
 executor beyond). vLLM's ``InputProcessor`` validates each request as ``vllm serve`` would.
 The worker streams token ids only; the router detokenizes and matches stop strings for both
-engines, so vLLM's output processor is not used.
+engines, so vLLM's output processor is not used; vLLM's own metrics are fed from the core's
+outputs as its output handler feeds them (``metrics.py``).
 
 KV moves between workers through ``SplitserveConnector`` (``connector.py``): vLLM keeps a
 prefilled request's blocks for the worker's KV transfer backend to serve, and waits for the
@@ -22,6 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from prometheus_client import CollectorRegistry
 
 from engine.backend import EngineInfo
 from engine.block_hash import BlockHash
@@ -41,6 +43,7 @@ from engine.vllm_engine.args import engine_args, prepare_process_env, require_vl
 from engine.vllm_engine.connector import attach, layer_major_cache
 from engine.vllm_engine.convert import sampling_params, token_logprobs
 from engine.vllm_engine.events import EventCollector, EventTranslator
+from engine.vllm_engine.metrics import VLLMStatLogger
 
 logger = logging.getLogger(__name__)
 
@@ -80,6 +83,7 @@ class VLLMEngine:
         vllm_config = args.create_engine_config()
         self._core = EngineCore(vllm_config, Executor.get_class(vllm_config), log_stats=True)
         self._inputs = InputProcessor(vllm_config, renderer_from_config(vllm_config))
+        self._stat_logger = VLLMStatLogger(vllm_config)
         self._supported_tasks = self._core.get_supported_tasks()
         scheduler: Any = self._core.scheduler
         self._scheduler = scheduler
@@ -142,6 +146,11 @@ class VLLMEngine:
     def kv_cache_spec(self) -> KVCacheSpec | None:
         return self._kv_cache_spec
 
+    @property
+    def metrics(self) -> CollectorRegistry:
+        """vLLM's own ``vllm:`` metrics of this engine (``metrics.VLLMStatLogger``)."""
+        return self._stat_logger.registry
+
     # ----------------------------------------------------------------------------- requests
     def add_request(
         self,
@@ -187,6 +196,7 @@ class VLLMEngine:
         if params.constraint is not None and output_token_ids:
             self._grammar_replays[req_id] = list(output_token_ids)
         self._core.add_request(*self._core.preprocess_add_request(request))
+        self._stat_logger.request_added(request)
         self._states[req_id] = _RequestState(
             prompt_token_ids=list(prompt_token_ids),
             token_ids=list(output_token_ids),
@@ -202,6 +212,7 @@ class VLLMEngine:
             self._grammar_replays.pop(req_id, None)
             if self._channel is not None:
                 self._channel.abort(req_id)
+            self._stat_logger.request_aborted(req_id)
         self._core.abort_requests(live)
         return [
             self._report(req_id, self._states[req_id], [], None, finish_reason="abort")
@@ -238,6 +249,7 @@ class VLLMEngine:
         core_outputs = (outputs_by_client or {}).get(0)
         if core_outputs is None:
             return []
+        self._stat_logger.record(core_outputs)
         now_s = time.perf_counter()
         return [
             self._output(output, now_s)

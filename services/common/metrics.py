@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 
 from prometheus_client import REGISTRY, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from services.common.serving_metrics import STANDARD_METRICS
 from splitserve.v1 import worker_pb2
 
 logger = logging.getLogger(__name__)
@@ -58,26 +60,14 @@ def start_metrics_server(host: str, port: int) -> None:
 
 
 class WorkerLoadCollector(Collector):
-    """Exports ``splitserve_worker_*`` from ``load()`` at each scrape, and vLLM's gauges of the
-    same load (``vllm:num_requests_running``, ``vllm:num_requests_waiting``,
-    ``vllm:kv_cache_usage_perc``, ``vllm:num_preemptions_total``,
-    ``vllm:spec_decode_num_draft_tokens_total`` and ``..._num_accepted_tokens_total``; see
-    ``serving_metrics``)."""
+    """Exports ``splitserve_worker_*`` from ``load()`` at each scrape."""
 
-    def __init__(
-        self,
-        role: str,
-        worker_id: str,
-        model_name: str,
-        load: Callable[[], worker_pb2.WorkerLoad],
-    ):
+    def __init__(self, role: str, worker_id: str, load: Callable[[], worker_pb2.WorkerLoad]):
         self._labels = {"role": role, "worker_id": worker_id}
-        self._standard_labels = {"model_name": model_name, "pool": role, "worker_id": worker_id}
         self._load = load
 
     def collect(self) -> Iterator[Metric]:
         load = self._load()
-        yield from self._standard(load)
         names, values = list(self._labels), list(self._labels.values())
         for field, help_text in _GAUGES.items():
             gauge = GaugeMetricFamily(f"splitserve_worker_{field}", help_text, labels=names)
@@ -88,8 +78,21 @@ class WorkerLoadCollector(Collector):
             counter.add_metric(values, getattr(load, field))
             yield counter
 
-    def _standard(self, load: worker_pb2.WorkerLoad) -> Iterator[Metric]:
-        names, values = list(self._standard_labels), list(self._standard_labels.values())
+
+class StandardLoadCollector(Collector):
+    """vLLM's gauges and counters of a worker's load, for an engine that does not keep them
+    itself: ``vllm:num_requests_running``, ``vllm:num_requests_waiting``,
+    ``vllm:kv_cache_usage_perc``, ``vllm:num_preemptions_total`` and
+    ``vllm:spec_decode_num_{draft,accepted}_tokens_total``, labelled ``model_name`` (see
+    ``serving_metrics``, which adds the worker's ``pool`` and ``worker_id``)."""
+
+    def __init__(self, model_name: str, load: Callable[[], worker_pb2.WorkerLoad]):
+        self._model_name = model_name
+        self._load = load
+
+    def collect(self) -> Iterator[Metric]:
+        load = self._load()
+        names, values = ["model_name"], [self._model_name]
         gauges = {
             "vllm:num_requests_running": ("requests in the running batch", load.num_running),
             "vllm:num_requests_waiting": (
@@ -108,11 +111,35 @@ class WorkerLoadCollector(Collector):
             yield counter
 
 
+@dataclass(frozen=True, slots=True)
+class WorkerMetrics:
+    """What ``register_worker_metrics`` exports for one worker, until ``unregister``."""
+
+    load: WorkerLoadCollector
+    standard_key: int
+
+    def unregister(self) -> None:
+        """Stop exporting the worker's series (another worker of the same process would export
+        the same ones)."""
+        REGISTRY.unregister(self.load)
+        STANDARD_METRICS.remove_engine_source(self.standard_key)
+
+
 def register_worker_metrics(
-    role: str, worker_id: str, model_name: str, load: Callable[[], worker_pb2.WorkerLoad]
-) -> WorkerLoadCollector:
-    """Export a worker's load; ``REGISTRY.unregister`` the collector when the worker stops
-    (another worker of the same process would export the same series)."""
-    collector = WorkerLoadCollector(role, worker_id, model_name, load)
+    role: str,
+    worker_id: str,
+    model_name: str,
+    load: Callable[[], worker_pb2.WorkerLoad],
+    engine_metrics: Collector | None,
+) -> WorkerMetrics:
+    """Export a worker's load as ``splitserve_worker_*``, and its ``vllm:`` metrics: the
+    engine's own (``engine_metrics``, e.g. vLLM's stat logger) or, without them, vLLM's names
+    of the same load (``StandardLoadCollector``); both labelled with ``pool`` and
+    ``worker_id``."""
+    collector = WorkerLoadCollector(role, worker_id, load)
     REGISTRY.register(collector)
-    return collector
+    standard = (
+        engine_metrics if engine_metrics is not None else StandardLoadCollector(model_name, load)
+    )
+    key = STANDARD_METRICS.add_engine_source(standard, {"pool": role, "worker_id": worker_id})
+    return WorkerMetrics(collector, key)

@@ -8,6 +8,14 @@ from timestamps the engine keeps (``RequestOutput``), never on the engine thread
 (running, waiting, KV usage) and the preemption count are read at scrape time from the
 worker's load (``services.common.metrics``).
 
+A worker whose engine keeps these metrics itself (vLLM: its own stat logger, fed by its engine
+core) exports that engine's instead: vLLM's full set, computed as ``vllm serve`` computes it,
+each sample labelled with the worker's ``pool`` and ``worker_id``. ``STANDARD_METRICS`` is the
+one collector of every ``vllm:`` family of the process: a family appears once however many
+sources have samples of it (workers of both engines in one process included), and
+splitserve's own families only once observed (a vLLM worker never observes them, so its
+exposition holds vLLM's alone).
+
 What each pool measures:
 
 - ``router``: the client's view. TTFT and E2E from receiving the request; ITL between streamed
@@ -21,10 +29,15 @@ What each pool measures:
 
 from __future__ import annotations
 
+import itertools
+import threading
 import time
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, TypeVar
 
-from prometheus_client import Counter, Histogram
+from prometheus_client import REGISTRY, CollectorRegistry, Counter, Histogram
+from prometheus_client.core import Metric
+from prometheus_client.registry import Collector
 
 if TYPE_CHECKING:  # the router imports this module and never torch (engine.outputs does)
     from engine.outputs import RequestOutput
@@ -40,73 +53,94 @@ _TOKEN_LATENCY_BUCKETS_S = (
     2.5, 5.0, 10.0, 30.0,
 )  # fmt: skip
 _TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 4000, 8000, 16000, 32000)
+# splitserve's own families; exported through STANDARD_METRICS, never straight from REGISTRY
+# (where vLLM's stat logger would unregister every "vllm:" metric it finds).
+_OWN = CollectorRegistry(auto_describe=True)
 
 TTFT = Histogram(
     "vllm:time_to_first_token_seconds",
     "from a request's arrival to its first token",
     _LABELS,
     buckets=_LATENCY_BUCKETS_S,
+    registry=_OWN,
 )
 ITL = Histogram(
     "vllm:inter_token_latency_seconds",
     "time between two outputs of a request, per token",
     _LABELS,
     buckets=_TOKEN_LATENCY_BUCKETS_S,
+    registry=_OWN,
 )
 TPOT = Histogram(
-    "vllm:time_per_output_token_seconds",
+    "vllm:request_time_per_output_token_seconds",
     "a request's decode time over the tokens it generated after its first",
     _LABELS,
     buckets=_TOKEN_LATENCY_BUCKETS_S,
+    registry=_OWN,
 )
 E2E = Histogram(
     "vllm:e2e_request_latency_seconds",
     "from a request's arrival to its last token",
     _LABELS,
     buckets=_LATENCY_BUCKETS_S,
+    registry=_OWN,
 )
 QUEUE_TIME = Histogram(
     "vllm:request_queue_time_seconds",
     "from a request's arrival to the scheduler giving it KV blocks",
     _LABELS,
     buckets=_LATENCY_BUCKETS_S,
+    registry=_OWN,
 )
 PREFILL_TIME = Histogram(
     "vllm:request_prefill_time_seconds",
     "from a request's admission to its first token",
     _LABELS,
     buckets=_LATENCY_BUCKETS_S,
+    registry=_OWN,
 )
 DECODE_TIME = Histogram(
     "vllm:request_decode_time_seconds",
     "from a request's first token to its last",
     _LABELS,
     buckets=_LATENCY_BUCKETS_S,
+    registry=_OWN,
 )
 PROMPT_TOKENS_HIST = Histogram(
     "vllm:request_prompt_tokens",
     "prompt tokens of a finished request",
     _LABELS,
     buckets=_TOKEN_BUCKETS,
+    registry=_OWN,
 )
 GENERATION_TOKENS_HIST = Histogram(
     "vllm:request_generation_tokens",
     "tokens a finished request generated",
     _LABELS,
     buckets=_TOKEN_BUCKETS,
+    registry=_OWN,
 )
-PROMPT_TOKENS = Counter("vllm:prompt_tokens", "prompt tokens of finished requests", _LABELS)
-GENERATION_TOKENS = Counter("vllm:generation_tokens", "tokens generated", _LABELS)
+PROMPT_TOKENS = Counter(
+    "vllm:prompt_tokens", "prompt tokens of finished requests", _LABELS, registry=_OWN
+)
+GENERATION_TOKENS = Counter("vllm:generation_tokens", "tokens generated", _LABELS, registry=_OWN)
 REQUEST_SUCCESS = Counter(
     "vllm:request_success",
     "finished requests by finish reason (stop, length, abort, error)",
     (*_LABELS, "finished_reason"),
+    registry=_OWN,
 )
 PREFIX_CACHE_QUERIES = Counter(
-    "vllm:prefix_cache_queries", "prompt tokens looked up in the prefix cache", _LABELS
+    "vllm:prefix_cache_queries",
+    "prompt tokens looked up in the prefix cache",
+    _LABELS,
+    registry=_OWN,
 )
 PREFIX_CACHE_HITS = Counter(
-    "vllm:prefix_cache_hits", "prompt tokens found in the prefix cache", _LABELS
+    "vllm:prefix_cache_hits",
+    "prompt tokens found in the prefix cache",
+    _LABELS,
+    registry=_OWN,
 )
 
 
@@ -170,3 +204,53 @@ _Metric = TypeVar("_Metric", Counter, Histogram)
 def _bind(labels: tuple[str, str], *metrics: _Metric) -> tuple[_Metric, ...]:
     """Each of ``metrics``' child for ``labels`` (model name, pool), in order."""
     return tuple(metric.labels(*labels) for metric in metrics)
+
+
+class StandardMetrics(Collector):
+    """Every ``vllm:`` family of this process, merged by name: splitserve's own (those with
+    samples) and each worker's source added by ``add_engine_source``, whose samples gain
+    their worker's labels. Registered once in ``REGISTRY``; thread-safe."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._engine_sources: dict[int, tuple[Collector, dict[str, str]]] = {}
+        self._keys = itertools.count()
+
+    def describe(self) -> list[Metric]:
+        """None: the families come and go with the workers (and are merged here, so no two
+        collectors of ``REGISTRY`` can clash on them)."""
+        return []
+
+    def collect(self) -> Iterator[Metric]:
+        with self._lock:
+            sources = [(_OWN, {}), *self._engine_sources.values()]
+        merged: dict[str, Metric] = {}
+        for source, labels in sources:
+            for family in source.collect():
+                if not family.samples:
+                    continue
+                into = merged.get(family.name)
+                if into is None:
+                    into = merged[family.name] = Metric(
+                        family.name, family.documentation, family.type, family.unit
+                    )
+                into.samples += [
+                    sample._replace(labels={**sample.labels, **labels}) for sample in family.samples
+                ]
+        yield from merged.values()
+
+    def add_engine_source(self, source: Collector, labels: dict[str, str]) -> int:
+        """Export ``source``'s families with ``labels`` on every sample until
+        ``remove_engine_source`` of the returned key."""
+        with self._lock:
+            key = next(self._keys)
+            self._engine_sources[key] = (source, labels)
+            return key
+
+    def remove_engine_source(self, key: int) -> None:
+        with self._lock:
+            self._engine_sources.pop(key, None)
+
+
+STANDARD_METRICS = StandardMetrics()
+REGISTRY.register(STANDARD_METRICS)

@@ -95,6 +95,7 @@ class DecodeServicer(WorkerServicerBase[KVPullHooks], worker_pb2_grpc.DecodeWork
         writer = StreamWriter(context, self.runtime.config.stream_idle_timeout_s)
         num_generated_tokens = 0
         last_output_s: float | None = None
+        metrics = self.runtime.metrics
         try:
             async with engine_errors(context), contextlib.aclosing(outputs):
                 # Closing the outputs aborts an unfinished request.
@@ -102,7 +103,8 @@ class DecodeServicer(WorkerServicerBase[KVPullHooks], worker_pb2_grpc.DecodeWork
                     now_s = time.perf_counter()
                     num_new_tokens = len(output.new_token_ids)
                     gap_s = None if last_output_s is None else now_s - last_output_s
-                    self.runtime.metrics.tokens_streamed(num_new_tokens, gap_s)
+                    if metrics is not None:
+                        metrics.tokens_streamed(num_new_tokens, gap_s)
                     num_generated_tokens += num_new_tokens
                     if num_new_tokens:
                         last_output_s = now_s
@@ -117,7 +119,8 @@ class DecodeServicer(WorkerServicerBase[KVPullHooks], worker_pb2_grpc.DecodeWork
                         record_decode(
                             self.runtime.tracing, span, output, num_generated_tokens, pull
                         )
-                        self.runtime.metrics.engine_request_finished(output, num_generated_tokens)
+                        if metrics is not None:
+                            metrics.engine_request_finished(output, num_generated_tokens)
                     if not await writer.write(response):
                         stalled = True
                         break

@@ -75,8 +75,9 @@ class PrefillServicer(WorkerServicerBase[LeaseHooks], worker_pb2_grpc.PrefillWor
             raise
         assert final is not None and final.finished
         record_prefill(self.runtime.tracing, span, final)
-        self.runtime.metrics.tokens_streamed(len(final.token_ids), None)
-        self.runtime.metrics.engine_request_finished(final, len(final.token_ids))
+        if (metrics := self.runtime.metrics) is not None:
+            metrics.tokens_streamed(len(final.token_ids), None)
+            metrics.engine_request_finished(final, len(final.token_ids))
         if final.error is not None:
             await abort_with(context, grpc.StatusCode.INTERNAL, FailureKind.REQUEST, final.error)
         return await self._respond(req_id, prompt, params.max_tokens, final)

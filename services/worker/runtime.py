@@ -11,7 +11,6 @@ from typing import Any, Generic, Protocol, TypeVar, cast
 
 import grpc
 from opentelemetry.trace import Span
-from prometheus_client import REGISTRY
 
 from engine.backend import EngineBackend
 from engine.build import build_engine
@@ -24,7 +23,7 @@ from services.common.convert import peer_info_to_proto
 from services.common.failures import FailureKind, abort_with
 from services.common.grpc_server import ServingServer, serve_until_signal, start_server
 from services.common.metrics import (
-    WorkerLoadCollector,
+    WorkerMetrics,
     register_worker_metrics,
     start_metrics_server,
 )
@@ -65,7 +64,8 @@ class WorkerRuntime:
     kv_backend: KVTransferBackend
     kv_peer: PeerInfo | None  # None: the engine's KV does not move (it prefills everything)
     tracing: Tracing
-    metrics: ServingMetrics
+    # None when the engine keeps vLLM's serving metrics itself (``EngineBackend.metrics``).
+    metrics: ServingMetrics | None
     # Set by ``RunningWorker.drain``: new calls are refused (UNAVAILABLE, retryable).
     shutting_down: bool = False
 
@@ -146,7 +146,9 @@ def build_runtime(
         )
     loop = EngineLoop(engine, make_hooks(backend))
     tracing = Tracing(config.tracing, f"splitserve-{role}", {"service.instance.id": worker_id})
-    metrics = ServingMetrics(engine.info.served_model_name, str(role))
+    metrics = None
+    if engine.metrics is None:
+        metrics = ServingMetrics(engine.info.served_model_name, str(role))
     return WorkerRuntime(config, role, worker_id, engine, loop, backend, kv_peer, tracing, metrics)
 
 
@@ -178,8 +180,8 @@ class RunningWorker:
     publisher: KVEventPublisher | None
     # Set when the engine thread died: the worker reports NOT_SERVING and its process exits.
     engine_died: asyncio.Event
-    # The worker's load as Prometheus series (exported until ``cleanup``).
-    load_collector: WorkerLoadCollector
+    # The worker's load and engine metrics as Prometheus series (exported until ``cleanup``).
+    worker_metrics: WorkerMetrics
 
     @property
     def port(self) -> int:
@@ -221,7 +223,7 @@ class RunningWorker:
     async def cleanup(self) -> None:
         """Stop the engine, the index publisher and the KV transfer endpoint; export the
         spans still buffered; stop exporting the worker's load."""
-        REGISTRY.unregister(self.load_collector)
+        self.worker_metrics.unregister()
         if self.publisher is not None:
             await self.publisher.stop()
         self.runtime.loop.shutdown()
@@ -270,8 +272,12 @@ async def start_worker(config: WorkerConfig, service: WorkerService[HooksT]) -> 
         (RequirePeerIdentity(_CALLERS),) if tls else (),
         tls.server_credentials(require_client_auth=True) if tls else None,
     )
-    load_collector = register_worker_metrics(
-        str(role), runtime.worker_id, runtime.engine.info.served_model_name, servicer.load
+    worker_metrics = register_worker_metrics(
+        str(role),
+        runtime.worker_id,
+        runtime.engine.info.served_model_name,
+        servicer.load,
+        runtime.engine.metrics,
     )
     start_metrics_server(config.host, config.metrics_port)
     publisher = make_kv_event_publisher(config, runtime)
@@ -302,7 +308,7 @@ async def start_worker(config: WorkerConfig, service: WorkerService[HooksT]) -> 
         runtime.kv_backend.name,
         kv_at,
     )
-    return RunningWorker(runtime, servicer, serving, publisher, engine_died, load_collector)
+    return RunningWorker(runtime, servicer, serving, publisher, engine_died, worker_metrics)
 
 
 def worker_main(service: WorkerService[Any], argv: list[str] | None) -> int:

@@ -9,7 +9,8 @@ the Redis index built from vLLM's KV events) and two cache salts never share; st
 satisfies its constraint; a cancelled stream frees its blocks on both workers; bad input is
 refused without harming the workers; a prefill worker killed during the transfer costs the
 request nothing (the decode worker prefills it); a decode worker killed mid-stream costs a
-constrained stream nothing (same tokens, still valid)."""
+constrained stream nothing (same tokens, still valid). Each worker exports vLLM's own metrics,
+which account for the requests as offline vLLM's do."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ import json
 import re
 import signal
 import threading
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -35,11 +37,13 @@ from engine.loader.models import resolve_model
 from engine.sampling_params import SamplingParams
 from services.common.convert import constraint_to_proto, sampling_params_to_worker
 from services.common.prefix_index import RedisPrefixIndex
+from services.common.roles import Role
 from services.launcher import LocalCluster
 from splitserve.v1 import router_pb2
 from tests.engine.test_generate_vs_hf import hf_greedy
+from tests.services.cluster.test_dashboard_metrics import dashboard_metrics
 from tests.services.conftest import Client, greedy, scrape, serving
-from tests.services.vllm_offline import offline_greedy
+from tests.services.vllm_offline import offline_greedy, offline_metrics
 from tests.services.worker_calls import Workers
 from tests.waiting import wait_until
 
@@ -190,6 +194,93 @@ def _prefill_holders(url: str, prompt: list[int], salt: str) -> dict[str, int]:
     workers that pulled them hold them too)."""
     matches = _index_matches(url, prompt, salt)
     return {worker: n for worker, n in matches.items() if worker.startswith("prefill-")}
+
+
+def _pool_samples(local: LocalCluster, role: Role) -> dict[tuple[str, tuple], float]:
+    """The ``vllm:`` samples of a pool's workers, summed over its workers (labels but
+    ``worker_id``)."""
+    summed: dict[tuple[str, tuple], float] = {}
+    for worker in local.workers(role):
+        for (name, labels), value in scrape(worker.metrics_port).items():
+            if name.startswith("vllm:"):
+                key = (name, tuple(kv for kv in labels if kv[0] != "worker_id"))
+                summed[key] = summed.get(key, 0.0) + value
+    return summed
+
+
+def _total(samples: dict[tuple[str, tuple], float], name: str, **labels: str) -> float:
+    """The sum of ``name``'s samples that carry ``labels``."""
+    wanted = set(labels.items())
+    return sum(v for (n, kv), v in samples.items() if n == name and wanted <= set(kv))
+
+
+def test_workers_export_vllms_own_metrics_as_offline_vllm_counts_them(cluster, smollm2_dir):
+    """Each worker exports vLLM's own ``vllm:`` families (every one offline vLLM exports, and
+    every one the chart's dashboard queries), labelled with its pool and id, once each; and
+    vLLM's own counters account for the requests as offline vLLM does, split the way
+    disaggregation splits the work: the prefill pool computed every prompt token and sampled
+    the first token, the decode pool received every prompt token's KV (vLLM's
+    ``external_kv_transfer`` source) and computed one token of each prompt, the prefill
+    worker's first token, itself."""
+    local, client = cluster
+    prompts = [[2000 + 11 * i % 500 for i in range(n)] for n in (40, 75)]
+    max_tokens = 12
+    num_prompt_tokens = sum(len(ids) for ids in prompts)
+    before = {role: _pool_samples(local, role) for role in (Role.PREFILL, Role.DECODE)}
+    for i, ids in enumerate(prompts):
+        served = client.generate(
+            token_ids=ids, sampling=greedy(max_tokens, ignore_eos=True), cache_salt=f"metrics-{i}"
+        )
+        assert len(served.token_ids) == max_tokens
+    after = {role: _pool_samples(local, role) for role in (Role.PREFILL, Role.DECODE)}
+
+    def delta(role: Role, name: str, **labels: str) -> float:
+        return _total(after[role], name, **labels) - _total(before[role], name, **labels)
+
+    offline = offline_metrics(smollm2_dir, prompts, max_tokens, ignore_eos=True, **OFFLINE_KWARGS)
+    num = len(prompts)
+    for role in (Role.PREFILL, Role.DECODE):
+        assert delta(role, "vllm:request_success_total", finished_reason="length") == num
+        assert delta(role, "vllm:time_to_first_token_seconds_count") == num
+    assert _total(offline, "vllm:request_success_total", finished_reason="length") == num
+    assert (
+        delta(Role.PREFILL, "vllm:prompt_tokens_total")
+        == delta(Role.PREFILL, "vllm:prompt_tokens_by_source_total", source="local_compute")
+        == _total(offline, "vllm:prompt_tokens_total")
+        == num_prompt_tokens
+    )
+    assert (
+        delta(Role.PREFILL, "vllm:generation_tokens_total")
+        + delta(Role.DECODE, "vllm:generation_tokens_total")
+        == _total(offline, "vllm:generation_tokens_total")
+        == num * max_tokens
+    )
+    by_source = "vllm:prompt_tokens_by_source_total"
+    assert delta(Role.DECODE, by_source, source="external_kv_transfer") == num_prompt_tokens
+    assert delta(Role.DECODE, by_source, source="local_compute") == num
+
+    # vLLM's whole set, and every vllm: name the chart's dashboard queries (vLLM exports its
+    # speculative decoding counters only with a --speculative-config).
+    offline_names = {name for name, _ in offline if name.startswith("vllm:")}
+    offline_names |= {
+        name
+        for name in dashboard_metrics()
+        if name.startswith("vllm:") and not name.startswith("vllm:spec_decode_")
+    }
+    for worker in [*local.workers(Role.PREFILL), *local.workers(Role.DECODE)]:
+        with urllib.request.urlopen(
+            f"http://127.0.0.1:{worker.metrics_port}/metrics", timeout=10
+        ) as reply:
+            text = reply.read().decode()
+        families = re.findall(r"^# TYPE (vllm:\S+)", text, re.MULTILINE)
+        assert len(families) == len(set(families)), "a vllm: family exported twice"
+        samples = scrape(worker.metrics_port)
+        exported = {name for name, _ in samples if name.startswith("vllm:")}
+        assert offline_names <= exported, sorted(offline_names - exported)
+        for (name, labels), _ in samples.items():
+            if name.startswith("vllm:"):
+                assert ("pool", worker.role) in labels and dict(labels)["worker_id"], name
+        assert _total(samples, "vllm:prompt_tokens_total", model_name=str(smollm2_dir)) > 0
 
 
 def test_shared_prefix_lands_on_the_prefill_worker_holding_it_and_salts_never_share(

@@ -43,6 +43,8 @@ def test_cpu_defaults_are_the_native_engines(tiny_llama_dir):
 
     argv = vllm_argv(EngineConfig(model=str(tiny_llama_dir), engine="vllm"), cuda=False)
     assert _value(argv, "--dtype") == cpu_auto_dtype(resolve_isa("auto"))
+    # Served (and labelled in vLLM's metrics) under --model as given, as the native engine is.
+    assert _value(argv, "--served-model-name") == str(tiny_llama_dir)
     assert (
         _value(vllm_argv(EngineConfig(model=str(tiny_llama_dir)), cuda=True), "--dtype") == "auto"
     )
