@@ -99,9 +99,12 @@ class Tokenizer:
             eos_token=self.eos_token or "",
         )
 
-    def encode_chat(self, messages: Sequence[dict[str, str]]) -> list[int]:
+    def encode_chat(
+        self, messages: Sequence[dict[str, str]], add_generation_prompt: bool = True
+    ) -> list[int]:
         """Token ids of the rendered conversation; the template supplies special tokens."""
-        return self.encode(self.apply_chat_template(messages), add_special_tokens=False)
+        text = self.apply_chat_template(messages, add_generation_prompt)
+        return self.encode(text, add_special_tokens=False)
 
 
 def _read_json(path: Path) -> dict[str, Any]:

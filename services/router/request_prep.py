@@ -108,7 +108,7 @@ def prepare_request(
         params = sampling_params_from_client(request.sampling)
     except ValueError as exc:
         raise ValueError(f"sampling.{exc}") from None
-    prompt_token_ids = _prompt_token_ids(request, tokenizer)
+    prompt_token_ids = chat_or_prompt_token_ids(request, tokenizer)
     if max_tokens_default is MaxTokensDefault.REST_OF_CONTEXT and not request.sampling.HasField(
         "max_tokens"
     ):
@@ -118,7 +118,12 @@ def prepare_request(
     return PreparedRequest(req_id, client_request_id, prompt_token_ids, params, request.cache_salt)
 
 
-def _prompt_token_ids(request: router_pb2.GenerateRequest, tokenizer: Tokenizer) -> list[int]:
+def chat_or_prompt_token_ids(
+    request: router_pb2.GenerateRequest, tokenizer: Tokenizer, add_generation_prompt: bool = True
+) -> list[int]:
+    """The prompt of ``request``: its token ids, its prompt tokenized, or its messages rendered
+    by the chat template (ending with the assistant's turn unless not
+    ``add_generation_prompt``); ``ValueError`` naming the field."""
     given = [
         name
         for name, present in (
@@ -147,7 +152,8 @@ def _prompt_token_ids(request: router_pb2.GenerateRequest, tokenizer: Tokenizer)
             )
     try:
         ids = tokenizer.encode_chat(
-            [{"role": m.role, "content": m.content} for m in request.messages]
+            [{"role": m.role, "content": m.content} for m in request.messages],
+            add_generation_prompt,
         )
     except (jinja2.TemplateError, ValueError) as exc:
         raise ValueError(f"messages: the chat template rejected them: {exc}") from None

@@ -1,7 +1,8 @@
 """Turn the token batches workers send into the client's stream of ``GenerateResponse``s.
 
 The router owns text: it detokenizes incrementally, enforces stop strings (no text past one;
-the worker is then cancelled) and fills ``finish_reason`` and ``usage`` on the last message.
+the worker is then cancelled), puts the running ``usage`` on every message (final on the last:
+vLLM's ``continuous_usage_stats``) and fills ``finish_reason`` on the last.
 Like the offline engine, a stop token (eos / stop_token_ids) adds no text.
 """
 
@@ -65,11 +66,11 @@ class ResponseStream:
             token_ids=kept,
             text=self.detokenizer.take_delta(self.finished),
             logprobs=list(logprobs)[: len(kept)],
+            usage=self.usage(),
         )
         if self.finished:
             message.finish_reason = FINISH_REASONS[finish_reason]
             message.stop_reason = stop_reason
-            message.usage.CopyFrom(self.usage())
         return message
 
     def usage(self) -> router_pb2.Usage:

@@ -61,7 +61,8 @@ class RouterServicer:
 
     def Generate(self, request, context):
         """Stream one generation. The first message carries the first token as soon as prefill has
-        sampled it; the last one carries finish_reason and usage. Bad input: INVALID_ARGUMENT
+        sampled it; each carries the usage so far, the last one finish_reason and the final
+        usage. Bad input: INVALID_ARGUMENT
         naming the field. Overload: RESOURCE_EXHAUSTED. Cancelling the call aborts the request on
         every worker and frees its KV blocks.
         """

@@ -29,6 +29,7 @@ from starlette.responses import Response
 from services.common.tracing import TRACE_HEADERS
 from services.router.call_context import CallAborted, HttpCallContext
 from services.router.openai.errors import from_call_aborted
+from services.router.openai.protocol import StreamUsage
 from services.router.openai.requests import GenerationPlan
 from services.router.openai.streaming import (
     ClientDisconnected,
@@ -51,17 +52,17 @@ async def respond(
     request: Request,
     builder: ResponseBuilder,
     stream: bool,
-    include_usage: bool,
+    usage: StreamUsage,
 ) -> Response:
     """Run ``builder.plan``'s generations and answer ``request`` with what ``builder`` makes of
-    them: server-sent chunks (``stream``; the usage chunk last when ``include_usage``), or the
-    whole body once they all ended (499 and nothing else when the client went first)."""
+    them: server-sent chunks (``stream``; the usage chunk last unless ``usage`` is ``NONE``),
+    or the whole body once they all ended (499 and nothing else when the client went first)."""
     # The W3C trace context travels on as the worker calls' metadata.
     context = HttpCallContext(
         [(key, request.headers[key]) for key in TRACE_HEADERS if key in request.headers]
     )
     if stream:
-        return EventStreamResponse(_chunks(servicer, builder, context, include_usage))
+        return EventStreamResponse(_chunks(servicer, builder, context, usage))
     try:
         await until_disconnect(request.receive, _whole(servicer, builder, context))
     except ClientDisconnected:
@@ -74,17 +75,17 @@ async def _chunks(
     servicer: RouterServicer,
     builder: ResponseBuilder,
     context: HttpCallContext,
-    include_usage: bool,
+    usage: StreamUsage,
 ) -> AsyncGenerator[dict[str, Any], None]:
     messages = run_plan(servicer, builder.plan, context)
     try:
         async for item in messages:
-            chunk = builder.chunk(item, include_usage)
+            chunk = builder.chunk(item, usage)
             if chunk is not None:
                 yield chunk
     finally:
         await messages.aclose()
-    if include_usage:
+    if usage is not StreamUsage.NONE:
         yield builder.usage_chunk()
 
 

@@ -12,6 +12,7 @@ same thing.
 
 from __future__ import annotations
 
+import enum
 from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -25,26 +26,43 @@ MAX_GENERATIONS = 128
 TokenId = Annotated[int, Field(ge=0, le=INT32_MAX)]
 
 
-class _Body(BaseModel):
+class Body(BaseModel):
+    """A request body: unknown fields are ignored, as OpenAI-compatible servers do."""
+
     model_config = ConfigDict(extra="ignore")
 
 
-class StreamOptions(_Body):
+class StreamUsage(enum.Enum):
+    """Where a stream reports usage (``stream_options``)."""
+
+    NONE = "none"
+    LAST_CHUNK = "last_chunk"  # include_usage: a last chunk with no choices
+    EVERY_CHUNK = "every_chunk"  # and vLLM's continuous_usage_stats: each chunk's, so far
+
+
+class StreamOptions(Body):
     include_usage: bool = False
+    continuous_usage_stats: bool = False
+
+    @property
+    def usage(self) -> StreamUsage:
+        if not self.include_usage:
+            return StreamUsage.NONE
+        return StreamUsage.EVERY_CHUNK if self.continuous_usage_stats else StreamUsage.LAST_CHUNK
 
 
-class ContentPart(_Body):
+class ContentPart(Body):
     type: str
     text: str | None = None
 
 
-class ChatMessage(_Body):
+class ChatMessage(Body):
     role: str
     content: str | list[ContentPart] | None = None
     name: str | None = None
 
 
-class _Sampling(_Body):
+class _Sampling(Body):
     """The fields both endpoints share."""
 
     model: str | None = None

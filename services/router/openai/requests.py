@@ -17,6 +17,7 @@ from services.router.openai.protocol import (
     INT64_MAX,
     MAX_GENERATIONS,
     ChatCompletionRequest,
+    ChatMessage,
     CompletionRequest,
 )
 from services.router.openai.structured import output_constraint
@@ -118,10 +119,7 @@ def chat_plan(
     budget.check(
         body, body.n, ("top_logprobs", logprobs), (max_tokens_field, max_tokens), max_model_len
     )
-    messages = [
-        router_pb2.ChatMessage(role=_ROLE_ALIASES.get(m.role, m.role), content=text)
-        for m, text in zip(body.messages, _message_texts(body), strict=True)
-    ]
+    messages = chat_messages(body.messages)
     sampling = _sampling(body, max_tokens=max_tokens, logprobs=logprobs)
     prompt = router_pb2.GenerateRequest(messages=messages, cache_salt=body.cache_salt or "")
     choices = _choices(prompt, sampling, body.n, request_id)
@@ -164,23 +162,27 @@ def _refuse_unsupported(unsupported: tuple[str, str] | None) -> None:
         raise bad_request(why, param)
 
 
-def _message_texts(body: ChatCompletionRequest) -> list[str]:
-    texts = []
-    for i, message in enumerate(body.messages):
+def chat_messages(messages: list[ChatMessage]) -> list[router_pb2.ChatMessage]:
+    """The router's messages of a chat body's: text content only (parts joined by newlines),
+    OpenAI's ``developer`` role as ``system``; ``OpenAIError`` 400 naming other content."""
+    converted = []
+    for i, message in enumerate(messages):
         if message.content is None or isinstance(message.content, str):
-            texts.append(message.content or "")
-            continue
-        parts = []
-        for k, part in enumerate(message.content):
-            if part.type != "text" or part.text is None:
-                raise bad_request(
-                    f"messages[{i}].content[{k}]: content of type {part.type!r} is not "
-                    "supported (only text)",
-                    f"messages[{i}].content[{k}].type",
-                )
-            parts.append(part.text)
-        texts.append("\n".join(parts))
-    return texts
+            text = message.content or ""
+        else:
+            parts = []
+            for k, part in enumerate(message.content):
+                if part.type != "text" or part.text is None:
+                    raise bad_request(
+                        f"messages[{i}].content[{k}]: content of type {part.type!r} is not "
+                        "supported (only text)",
+                        f"messages[{i}].content[{k}].type",
+                    )
+                parts.append(part.text)
+            text = "\n".join(parts)
+        role = _ROLE_ALIASES.get(message.role, message.role)
+        converted.append(router_pb2.ChatMessage(role=role, content=text))
+    return converted
 
 
 def _prompts(prompt: str | list[str] | list[int] | list[list[int]]) -> list[str | list[int]]:

@@ -27,6 +27,7 @@ from typing import Any
 from engine.tokenizer import Tokenizer
 from services.common.convert import FINISH_REASON_NAMES
 from services.router.openai.choices import ChoiceMessage
+from services.router.openai.protocol import StreamUsage
 from services.router.openai.requests import Endpoint, GenerationPlan
 from services.router.openai.streaming import json_array, json_text
 from splitserve.v1 import router_pb2, worker_pb2
@@ -123,10 +124,11 @@ class ChoiceState:
         self.num_tokens += len(message.token_ids)
         if message.token_ids:
             self.last_token_id = message.token_ids[-1]
+        if message.HasField("usage"):
+            self.usage = message.usage
         if message.finish_reason:
             self.finish_reason = FINISH_REASON_NAMES[message.finish_reason]
             self.stop_reason = self._stop_reason(message.stop_reason)
-            self.usage = message.usage
 
     def _stop_reason(self, stop_reason: str) -> str | int | None:
         """vLLM's ``stop_reason``: a stop token id of the request (an int), the stop string,
@@ -176,8 +178,9 @@ class ResponseBuilder:
         }
 
     # ---------------------------------------------------------------------------- streaming
-    def chunk(self, item: ChoiceMessage, include_usage: bool) -> dict[str, Any] | None:
-        """The stream chunk for one router message (None when it adds nothing to send)."""
+    def chunk(self, item: ChoiceMessage, usage: StreamUsage) -> dict[str, Any] | None:
+        """The stream chunk for one router message (None when it adds nothing to send); with
+        ``EVERY_CHUNK``, its usage is the prompt's and this choice's tokens so far, as vLLM's."""
         state = self.choices[item.index]
         first = not state.num_messages
         message = item.message
@@ -206,8 +209,15 @@ class ResponseBuilder:
         choice["finish_reason"] = state.finish_reason if finished else None
         choice["stop_reason"] = state.stop_reason if finished else None
         chunk = {**self._envelope(self._chunk_object), "choices": [choice]}
-        if include_usage:
+        if usage is StreamUsage.LAST_CHUNK:
             chunk["usage"] = None
+        elif usage is StreamUsage.EVERY_CHUNK:
+            num_prompt_tokens = state.usage.prompt_tokens if state.usage is not None else 0
+            chunk["usage"] = {
+                "prompt_tokens": num_prompt_tokens,
+                "completion_tokens": state.num_tokens,
+                "total_tokens": num_prompt_tokens + state.num_tokens,
+            }
         return chunk
 
     def usage_chunk(self) -> dict[str, Any]:

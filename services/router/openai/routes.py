@@ -2,6 +2,9 @@
 
 - ``POST /v1/chat/completions``, ``POST /v1/completions``: a data key when keys are on.
 - ``GET /v1/models``: the served model and its context length (a data key).
+- ``POST /tokenize``, ``POST /detokenize``: vLLM's, on the router's tokenizer (a data key).
+- ``GET /metrics``: the router's Prometheus metrics, as on ``--metrics-port`` (no key, as
+  vLLM's: clients and benchmark tools probe it there; it holds no request content).
 - ``GET /health``: 200 while at least one decode worker serves, else 503 (no key: probes).
 - ``GET /version``: 200 whenever the server runs (no key: liveness).
 - ``GET /status``: ``Router.Status`` as JSON (an admin key, as the RPC).
@@ -12,6 +15,7 @@ key on ``/status`` 403. Every error body is OpenAI's shape (``errors``).
 
 from __future__ import annotations
 
+import asyncio
 import importlib.metadata
 import logging
 import time
@@ -22,6 +26,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from google.protobuf.json_format import MessageToDict
+from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
@@ -33,7 +38,11 @@ from services.router.call_context import HttpCallContext
 from services.router.openai.body_parser import BodyParser
 from services.router.openai.choices import respond
 from services.router.openai.errors import OpenAIError, bad_request
-from services.router.openai.protocol import ChatCompletionRequest, CompletionRequest
+from services.router.openai.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    StreamUsage,
+)
 from services.router.openai.requests import (
     GenerationPlan,
     RequestBudget,
@@ -43,6 +52,12 @@ from services.router.openai.requests import (
 from services.router.openai.responses import ResponseBuilder, TokenTexts
 from services.router.openai.streaming import (
     error_response,
+)
+from services.router.openai.tokenize import (
+    DetokenizeRequest,
+    TokenizeRequest,
+    detokenize,
+    tokenize,
 )
 from splitserve.v1 import router_pb2
 
@@ -88,6 +103,9 @@ def build_app(
     app.add_api_route("/v1/chat/completions", api.chat_completions, methods=["POST"])
     app.add_api_route("/v1/completions", api.completions, methods=["POST"])
     app.add_api_route("/v1/models", api.models, methods=["GET"])
+    app.add_api_route("/tokenize", api.tokenize, methods=["POST"])
+    app.add_api_route("/detokenize", api.detokenize, methods=["POST"])
+    app.add_api_route("/metrics", api.metrics, methods=["GET"])
     app.add_api_route("/health", api.health, methods=["GET"])
     app.add_api_route("/version", api.version, methods=["GET"])
     app.add_api_route("/status", api.status, methods=["GET"])
@@ -147,11 +165,13 @@ class _Api:
         response_id: str,
     ) -> Response:
         self._check_model(body.model)
+        # Stamped per response, as OpenAI's and vLLM's.
         builder = ResponseBuilder(
-            plan, response_id, self._model_name, self._created_s, self._token_texts
+            plan, response_id, self._model_name, int(time.time()), self._token_texts
         )
-        include_usage = body.stream_options is not None and body.stream_options.include_usage
-        return await respond(self._servicer, request, builder, bool(body.stream), include_usage)
+        options = body.stream_options
+        usage = options.usage if options is not None else StreamUsage.NONE
+        return await respond(self._servicer, request, builder, bool(body.stream), usage)
 
     # ----------------------------------------------------------------------------- the rest
     async def models(self, request: Request) -> dict[str, Any]:
@@ -171,6 +191,24 @@ class _Api:
                 }
             ],
         }
+
+    async def tokenize(self, request: Request) -> dict[str, Any]:
+        self._authorize(request, KeyRole.DATA)
+        body = await self._parse(request, TokenizeRequest)
+        self._check_model(body.model)
+        limits = self._servicer.limits()
+        max_model_len = limits.max_model_len if limits is not None else None
+        return await asyncio.to_thread(tokenize, body, self._servicer.tokenizer, max_model_len)
+
+    async def detokenize(self, request: Request) -> dict[str, Any]:
+        self._authorize(request, KeyRole.DATA)
+        body = await self._parse(request, DetokenizeRequest)
+        self._check_model(body.model)
+        return await asyncio.to_thread(detokenize, body, self._servicer.tokenizer)
+
+    async def metrics(self) -> Response:
+        exposition = await asyncio.to_thread(generate_latest, REGISTRY)
+        return Response(exposition, media_type=CONTENT_TYPE_LATEST)
 
     async def health(self) -> Response:
         num_ready = sum(w.routable for w in self._servicer.decode_pool.workers)

@@ -172,8 +172,14 @@ def test_api_keys_401_and_403(keyed_cluster):
     assert status == 403 and assert_error_shape(reply, "permission_error")
     status, reply = get(f"{root}/status", {"authorization": f"Bearer {ADMIN}"})
     assert status == 200 and len(reply["workers"]) == 2
-    # Probes carry no key.
+    tokenize = json.dumps({"prompt": "x"}).encode()
+    assert post(f"{root}/tokenize", tokenize)[0] == 401
+    status, reply = post(f"{root}/tokenize", tokenize, {"authorization": f"Bearer {DATA}"})
+    assert status == 200 and reply["count"] >= 1
+    # Probes and scrapes carry no key.
     assert get(f"{root}/health")[0] == 200
+    with urllib.request.urlopen(f"{root}/metrics", timeout=60) as reply:
+        assert reply.status == 200 and b"splitserve_router_requests_total" in reply.read()
 
 
 def test_over_the_inflight_limit_is_429(keyed_cluster):

@@ -1,5 +1,7 @@
 """The official ``openai`` client against a real cluster's HTTP API: the same tokens as gRPC
-``Generate``, usage, several choices, stop strings, streaming (sync and async)."""
+``Generate``, usage (running usage per chunk too), several choices, stop strings, streaming
+(sync and async); vLLM's ``/tokenize`` and ``/detokenize`` against what generation counts, and
+``/metrics`` on the HTTP port."""
 
 from __future__ import annotations
 
@@ -229,3 +231,91 @@ def test_models_health_and_version(sync_client, base_url, model):
         assert reply.status == 200
     with urllib.request.urlopen(f"{root}/version", timeout=10) as reply:
         assert reply.status == 200 and b"version" in reply.read()
+
+
+def test_continuous_usage_counts_every_chunks_tokens_so_far(sync_client, grpc_client, model):
+    """vLLM's ``continuous_usage_stats``: each chunk's usage is the prompt's tokens and its
+    choice's tokens so far (each chunk's logprob entries are its tokens); gRPC messages carry
+    the same running usage."""
+    stream = sync_client.completions.create(
+        model=model,
+        prompt=PROMPT_IDS,
+        max_tokens=MAX_TOKENS,
+        temperature=0,
+        logprobs=0,
+        stream=True,
+        stream_options={"include_usage": True, "continuous_usage_stats": True},
+        extra_body={"ignore_eos": True},
+    )
+    chunks = list(stream)
+    num_tokens = 0
+    for chunk in chunks[:-1]:
+        num_tokens += len(chunk.choices[0].logprobs.tokens)
+        assert chunk.usage.prompt_tokens == len(PROMPT_IDS)
+        assert chunk.usage.completion_tokens == num_tokens
+        assert chunk.usage.total_tokens == len(PROMPT_IDS) + num_tokens
+    assert num_tokens == MAX_TOKENS and chunks[-1].choices == []
+    assert chunks[-1].usage.completion_tokens == MAX_TOKENS
+
+    generated = grpc_client.generate(
+        token_ids=PROMPT_IDS, sampling=greedy(MAX_TOKENS, ignore_eos=True)
+    )
+    num_tokens = 0
+    for message in generated.messages:
+        num_tokens += len(message.token_ids)
+        assert message.usage.prompt_tokens == len(PROMPT_IDS)
+        assert message.usage.completion_tokens == num_tokens
+
+
+def test_tokenize_counts_what_generation_counts_and_detokenize_inverts_it(sync_client, model):
+    import httpx
+
+    root = str(sync_client.base_url).removesuffix("/").removesuffix("/v1")
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    chat = sync_client.chat.completions.create(
+        model=model, messages=messages, max_tokens=1, temperature=0
+    )
+    with httpx.Client(base_url=root, timeout=30) as http:
+        tokenized = http.post("/tokenize", json={"model": model, "messages": messages}).json()
+        assert tokenized["count"] == len(tokenized["tokens"]) == chat.usage.prompt_tokens
+        assert tokenized["max_model_len"] > tokenized["count"] and tokenized["token_strs"] is None
+        rendered = http.post("/detokenize", json={"tokens": tokenized["tokens"]}).json()["prompt"]
+        assert "What is the capital of France?" in rendered
+        # Without the assistant's turn the rendering is a prefix of the one with it.
+        bare = http.post(
+            "/tokenize", json={"messages": messages, "add_generation_prompt": False}
+        ).json()["tokens"]
+        assert bare == tokenized["tokens"][: len(bare)] and len(bare) < tokenized["count"]
+
+        text = "The capital of France is"
+        completion = sync_client.completions.create(
+            model=model, prompt=text, max_tokens=1, temperature=0
+        )
+        plain = http.post("/tokenize", json={"prompt": text, "return_token_strs": True}).json()
+        assert plain["count"] == completion.usage.prompt_tokens
+        assert len(plain["token_strs"]) == plain["count"]
+        bare = http.post("/tokenize", json={"prompt": text, "add_special_tokens": False}).json()
+        assert http.post("/detokenize", json=bare).json()["prompt"] == text
+
+        vocab_size = max(plain["tokens"]) + 10**7
+        refused = http.post("/detokenize", json={"tokens": [3, vocab_size]})
+        assert refused.status_code == 400 and "tokens[1]" in refused.json()["error"]["message"]
+        both = http.post("/tokenize", json={"prompt": text, "messages": messages})
+        assert both.status_code == 400
+        other = http.post("/tokenize", json={"model": "another", "prompt": text})
+        assert other.status_code == 404
+
+
+def test_metrics_and_a_fresh_created_stamp_on_the_http_port(sync_client, model):
+    import time
+
+    import httpx
+
+    before_s = int(time.time())
+    completion = sync_client.completions.create(model=model, prompt="hi", max_tokens=1)
+    assert before_s <= completion.created <= time.time()
+    root = str(sync_client.base_url).removesuffix("/").removesuffix("/v1")
+    reply = httpx.get(f"{root}/metrics", timeout=30)
+    assert reply.status_code == 200 and reply.headers["content-type"].startswith("text/plain")
+    assert "splitserve_router_requests_total" in reply.text
+    assert 'vllm:e2e_request_latency_seconds_count{model_name="' in reply.text
