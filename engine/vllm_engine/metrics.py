@@ -69,41 +69,41 @@ class VLLMStatLogger:
     def record(self, core_outputs: Any) -> None:
         """One step's ``EngineCoreOutputs``: its scheduler stats, and the iteration stats of
         its requests' outputs, as vLLM's ``AsyncLLM`` output handler records them."""
-        from vllm.v1.engine.parallel_sampling import ParentRequest
         from vllm.v1.metrics.stats import IterationStats
 
-        iteration = IterationStats() if core_outputs.outputs else None
-        for output in core_outputs.outputs:
-            tracked = self._requests.get(output.request_id)
-            if tracked is None or iteration is None:
-                continue
-            iteration.update_from_output(
-                output,
-                core_outputs.timestamp,
-                tracked.is_prefilling,
-                tracked.stats,
-                self._lora_states,
-                None,
-            )
-            if tracked.is_prefilling and output.prefill_stats is not None:
-                tracked.num_cached_tokens = output.prefill_stats.num_cached_tokens
-            tracked.is_prefilling = False
-            if output.finish_reason is None:
-                continue
-            del self._requests[output.request_id]
-            iteration.update_from_finished_request(
-                finish_reason=output.finish_reason,
-                request_id=output.request_id,
-                num_prompt_tokens=tracked.num_prompt_tokens,
-                max_tokens_param=tracked.max_tokens,
-                req_stats=tracked.stats,
-                num_cached_tokens=tracked.num_cached_tokens,
-            )
-            ParentRequest.observe_finished_request(
-                None, iteration, tracked.stats.num_generation_tokens
-            )
+        iteration = None
+        if core_outputs.outputs:
+            iteration = IterationStats()
+            for output in core_outputs.outputs:
+                self._count(iteration, output, core_outputs.timestamp)
         self._lora_states.update_scheduler_stats(core_outputs.scheduler_stats)
         self._logger.record(scheduler_stats=core_outputs.scheduler_stats, iteration_stats=iteration)
+
+    def _count(self, iteration: Any, output: Any, timestamp: float) -> None:
+        """Add one request's output (and its finish) to the step's ``iteration`` stats."""
+        from vllm.v1.engine.parallel_sampling import ParentRequest
+
+        tracked = self._requests.get(output.request_id)
+        if tracked is None:
+            return
+        iteration.update_from_output(
+            output, timestamp, tracked.is_prefilling, tracked.stats, self._lora_states, None
+        )
+        if tracked.is_prefilling and output.prefill_stats is not None:
+            tracked.num_cached_tokens = output.prefill_stats.num_cached_tokens
+        tracked.is_prefilling = False
+        if output.finish_reason is None:
+            return
+        del self._requests[output.request_id]
+        iteration.update_from_finished_request(
+            finish_reason=output.finish_reason,
+            request_id=output.request_id,
+            num_prompt_tokens=tracked.num_prompt_tokens,
+            max_tokens_param=tracked.max_tokens,
+            req_stats=tracked.stats,
+            num_cached_tokens=tracked.num_cached_tokens,
+        )
+        ParentRequest.observe_finished_request(None, iteration, tracked.stats.num_generation_tokens)
 
 
 def _logger_class(registry: CollectorRegistry) -> type[Any]:

@@ -122,7 +122,7 @@ class WorkerMetrics:
         """Stop exporting the worker's series (another worker of the same process would export
         the same ones)."""
         REGISTRY.unregister(self.load)
-        STANDARD_METRICS.remove_engine_source(self.standard_key)
+        STANDARD_METRICS.remove_source(self.standard_key)
 
 
 def register_worker_metrics(
@@ -141,5 +141,5 @@ def register_worker_metrics(
     standard = (
         engine_metrics if engine_metrics is not None else StandardLoadCollector(model_name, load)
     )
-    key = STANDARD_METRICS.add_engine_source(standard, {"pool": role, "worker_id": worker_id})
+    key = STANDARD_METRICS.add_source(standard, {"pool": role, "worker_id": worker_id})
     return WorkerMetrics(collector, key)

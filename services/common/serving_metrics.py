@@ -208,12 +208,12 @@ def _bind(labels: tuple[str, str], *metrics: _Metric) -> tuple[_Metric, ...]:
 
 class StandardMetrics(Collector):
     """Every ``vllm:`` family of this process, merged by name: splitserve's own (those with
-    samples) and each worker's source added by ``add_engine_source``, whose samples gain
+    samples) and each worker's source added by ``add_source``, whose samples gain
     their worker's labels. Registered once in ``REGISTRY``; thread-safe."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._engine_sources: dict[int, tuple[Collector, dict[str, str]]] = {}
+        self._sources: dict[int, tuple[Collector, dict[str, str]]] = {}
         self._keys = itertools.count()
 
     def describe(self) -> list[Metric]:
@@ -223,7 +223,7 @@ class StandardMetrics(Collector):
 
     def collect(self) -> Iterator[Metric]:
         with self._lock:
-            sources = [(_OWN, {}), *self._engine_sources.values()]
+            sources = [(_OWN, {}), *self._sources.values()]
         merged: dict[str, Metric] = {}
         for source, labels in sources:
             for family in source.collect():
@@ -239,17 +239,17 @@ class StandardMetrics(Collector):
                 ]
         yield from merged.values()
 
-    def add_engine_source(self, source: Collector, labels: dict[str, str]) -> int:
+    def add_source(self, source: Collector, labels: dict[str, str]) -> int:
         """Export ``source``'s families with ``labels`` on every sample until
-        ``remove_engine_source`` of the returned key."""
+        ``remove_source`` of the returned key."""
         with self._lock:
             key = next(self._keys)
-            self._engine_sources[key] = (source, labels)
+            self._sources[key] = (source, labels)
             return key
 
-    def remove_engine_source(self, key: int) -> None:
+    def remove_source(self, key: int) -> None:
         with self._lock:
-            self._engine_sources.pop(key, None)
+            self._sources.pop(key, None)
 
 
 STANDARD_METRICS = StandardMetrics()

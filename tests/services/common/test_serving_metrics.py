@@ -35,8 +35,8 @@ def test_sources_of_one_family_merge_into_one_family_each_with_its_workers_label
     )
     preemptions.labels("m", "0").inc(3)
     load = worker_pb2.WorkerLoad(num_running=2, num_preemptions=5, kv_usage=0.25)
-    standard.add_engine_source(engine_registry, {"pool": "decode", "worker_id": "d0"})
-    native = standard.add_engine_source(
+    standard.add_source(engine_registry, {"pool": "decode", "worker_id": "d0"})
+    native = standard.add_source(
         StandardLoadCollector("m", lambda: load), {"pool": "prefill", "worker_id": "p0"}
     )
     text = _exposition(standard)
@@ -50,7 +50,7 @@ def test_sources_of_one_family_merge_into_one_family_each_with_its_workers_label
     assert samples[("vllm:num_preemptions_total", prefill)] == 5
     assert samples[("vllm:num_requests_running", prefill)] == 2
 
-    standard.remove_engine_source(native)
+    standard.remove_source(native)
     assert ("vllm:num_preemptions_total", prefill) not in _samples(_exposition(standard))
 
 
