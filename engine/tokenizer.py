@@ -89,21 +89,29 @@ class Tokenizer:
         return env.from_string(self.chat_template)
 
     def apply_chat_template(
-        self, messages: Sequence[dict[str, str]], add_generation_prompt: bool = True
+        self,
+        messages: Sequence[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
     ) -> str:
-        """Render ``messages`` ({role, content}) with the model's chat template."""
+        """Render ``messages`` (OpenAI's shape: role, content, tool_calls...) and ``tools``
+        (OpenAI's function tools; None: no tools) with the model's chat template."""
         return self._compiled_template.render(
             messages=list(messages),
+            tools=tools,
             add_generation_prompt=add_generation_prompt,
             bos_token=self.bos_token or "",
             eos_token=self.eos_token or "",
         )
 
     def encode_chat(
-        self, messages: Sequence[dict[str, str]], add_generation_prompt: bool = True
+        self,
+        messages: Sequence[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
     ) -> list[int]:
         """Token ids of the rendered conversation; the template supplies special tokens."""
-        text = self.apply_chat_template(messages, add_generation_prompt)
+        text = self.apply_chat_template(messages, add_generation_prompt, tools)
         return self.encode(text, add_special_tokens=False)
 
 

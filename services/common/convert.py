@@ -24,6 +24,7 @@ FINISH_REASONS = {
     "stop": router_pb2.FINISH_REASON_STOP,
     "length": router_pb2.FINISH_REASON_LENGTH,
     "abort": router_pb2.FINISH_REASON_ABORT,
+    "tool_calls": router_pb2.FINISH_REASON_TOOL_CALLS,
 }
 FINISH_REASON_NAMES = {v: k for k, v in FINISH_REASONS.items() if k}
 # The budget the router validates constraints in: the one the workers compile them in (their

@@ -15,6 +15,7 @@ from services.common.service_flags import parse_service_args, shared_configs
 from services.common.tracing import TracingConfig
 from services.router.openai.protocol import MAX_GENERATIONS
 from services.router.request_prep import RequestBounds
+from services.router.tool_calls.parsers import FORMATS, ToolCallFormat
 
 PREFILL_POLICIES = ("cost", "round_robin", "random")
 # The longest uncached part whose prefill in the decode worker's batch did not stretch its
@@ -75,6 +76,14 @@ class RouterConfig:
         MAX_LOGPROBS,
         f"most logprobs (top alternatives per token) a request may ask for, through either API "
         f"(at most {MAX_LOGPROBS}, the engine's)",
+    )
+    tool_call_parser: ToolCallFormat | None = flag(
+        None,
+        "how the model writes tool calls that tool_choice auto parses (vLLM's "
+        "--tool-call-parser): hermes (Qwen2.5/3, Hermes, SmolLM2), llama3_json (Llama 3.1-3.3), "
+        "mistral; default: detected from the chat template (hermes for a template without tools, "
+        "which then shows them in Hermes' form)",
+        choices=FORMATS,
     )
     max_request_output_tokens: int = flag(
         262144,

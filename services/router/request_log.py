@@ -30,6 +30,7 @@ class Outcome(enum.StrEnum):
     STOP = "stop"
     LENGTH = "length"
     ABORT = "abort"
+    TOOL_CALLS = "tool_calls"  # the turn ended with tool calls
     INVALID = "invalid"  # refused as bad input
     REJECTED = "rejected"  # refused for capacity: --max-inflight-requests, no decode worker yet
     CANCELLED = "cancelled"  # the caller went away
@@ -46,7 +47,7 @@ class Outcome(enum.StrEnum):
         return self in _FINISHED
 
 
-_FINISHED = frozenset({Outcome.STOP, Outcome.LENGTH, Outcome.ABORT})
+_FINISHED = frozenset({Outcome.STOP, Outcome.LENGTH, Outcome.ABORT, Outcome.TOOL_CALLS})
 
 
 def call_status(outcome: Outcome, aborted_with: grpc.StatusCode | None) -> str:

@@ -18,6 +18,9 @@ from engine.request_limits import check_cache_salt, check_request_limits
 from engine.sampling_params import MAX_LOGPROBS, SamplingParams
 from engine.tokenizer import Tokenizer
 from services.common.convert import sampling_params_from_client
+from services.router.tool_calls.parsers import ToolCallFormat
+from services.router.tool_calls.rendering import template_inputs
+from services.router.tool_calls.tool_use import ToolUse, tool_use
 from splitserve.v1 import router_pb2
 
 MAX_REQUEST_ID_CHARS = 256
@@ -68,25 +71,34 @@ class RequestBounds:
         num_messages = len(request.messages)
         if num_messages > self.max_messages:
             raise ValueError(f"messages: {num_messages} messages, more than {self.max_messages}")
-        num_bytes = len(request.prompt.encode()) + sum(
-            len(m.content.encode()) for m in request.messages
+        num_bytes = (
+            len(request.prompt.encode())
+            + sum(_message_bytes(m) for m in request.messages)
+            + sum(len(t.description.encode()) + len(t.parameters.encode()) for t in request.tools)
         )
         if num_bytes > self.max_prompt_bytes:
             field = "messages" if num_messages else "prompt"
             raise ValueError(f"{field}: {num_bytes} bytes, more than {self.max_prompt_bytes}")
 
 
+def _message_bytes(message: router_pb2.ChatMessage) -> int:
+    calls = sum(len(c.arguments.encode()) + len(c.name) + len(c.id) for c in message.tool_calls)
+    return len(message.content.encode()) + calls
+
+
 @dataclass(frozen=True, slots=True)
 class PreparedRequest:
     """A validated request. ``req_id`` is the router's: unique across routers and time, it
     keys the request on the workers (its engine entries, KV leases, releases). The client's
-    ``request_id`` is only a label (``client_request_id``), echoed in responses and logged."""
+    ``request_id`` is only a label (``client_request_id``), echoed in responses and logged.
+    ``tools``: its tool use (None without tools), whose parser reads the calls back."""
 
     req_id: str
     client_request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
     cache_salt: str = ""
+    tools: ToolUse | None = None
 
 
 def prepare_request(
@@ -95,34 +107,63 @@ def prepare_request(
     limits: ModelLimits,
     bounds: RequestBounds = RequestBounds(),
     max_tokens_default: MaxTokensDefault = MaxTokensDefault.ENGINE,
+    tool_call_format: ToolCallFormat = ToolCallFormat.HERMES,
 ) -> PreparedRequest:
     """Raises ``ValueError`` naming the field when the request cannot be served. Tokenizes and
-    renders chat templates: CPU work that callers on an event loop run in a thread."""
+    renders chat templates: CPU work that callers on an event loop run in a thread.
+    ``tool_call_format``: how the model writes tool calls (``--tool-call-parser``)."""
     bounds.check(request)
     req_id = uuid.uuid4().hex
     client_request_id = request.request_id or req_id
     if len(client_request_id) > MAX_REQUEST_ID_CHARS:
         raise ValueError(f"request_id: longer than {MAX_REQUEST_ID_CHARS} characters")
     check_cache_salt(request.cache_salt)
+    tools = tool_use(request, tool_call_format)
     try:
-        params = sampling_params_from_client(request.sampling)
+        params = sampling_params_from_client(_with_tool_constraint(request.sampling, tools))
     except ValueError as exc:
         raise ValueError(f"sampling.{exc}") from None
-    prompt_token_ids = chat_or_prompt_token_ids(request, tokenizer)
+    if tools is not None and tools.parser() is not None and tools.needs_special_tokens:
+        params = dataclasses.replace(params, skip_special_tokens=False)
+    prompt_token_ids = chat_or_prompt_token_ids(request, tokenizer, tools=tools)
     if max_tokens_default is MaxTokensDefault.REST_OF_CONTEXT and not request.sampling.HasField(
         "max_tokens"
     ):
         rest_tokens = max(limits.max_model_len - len(prompt_token_ids), 1)
         params = dataclasses.replace(params, max_tokens=rest_tokens)
     _check_limits(prompt_token_ids, params, limits)
-    return PreparedRequest(req_id, client_request_id, prompt_token_ids, params, request.cache_salt)
+    return PreparedRequest(
+        req_id, client_request_id, prompt_token_ids, params, request.cache_salt, tools
+    )
+
+
+def _with_tool_constraint(
+    sampling: router_pb2.SamplingParams, tools: ToolUse | None
+) -> router_pb2.SamplingParams:
+    """``sampling`` with the grammar of a required or named tool choice (refused beside a
+    constraint of the client's own)."""
+    constraint = tools.constraint() if tools is not None else None
+    if constraint is None:
+        return sampling
+    if sampling.HasField("constraint"):
+        raise ValueError(
+            "tool_choice: a required or named tool choice sets the output's grammar, so "
+            "sampling.constraint must be unset"
+        )
+    constrained = router_pb2.SamplingParams()
+    constrained.CopyFrom(sampling)
+    constrained.constraint.CopyFrom(constraint)
+    return constrained
 
 
 def chat_or_prompt_token_ids(
-    request: router_pb2.GenerateRequest, tokenizer: Tokenizer, add_generation_prompt: bool = True
+    request: router_pb2.GenerateRequest,
+    tokenizer: Tokenizer,
+    add_generation_prompt: bool = True,
+    tools: ToolUse | None = None,
 ) -> list[int]:
     """The prompt of ``request``: its token ids, its prompt tokenized, or its messages rendered
-    by the chat template (ending with the assistant's turn unless not
+    by the chat template with ``tools`` (ending with the assistant's turn unless not
     ``add_generation_prompt``); ``ValueError`` naming the field."""
     given = [
         name
@@ -150,11 +191,9 @@ def chat_or_prompt_token_ids(
             raise ValueError(
                 f"messages[{i}].role: {message.role!r} is not one of {sorted(CHAT_ROLES)}"
             )
+    messages, template_tools = template_inputs(request.messages, tools, tokenizer.chat_template)
     try:
-        ids = tokenizer.encode_chat(
-            [{"role": m.role, "content": m.content} for m in request.messages],
-            add_generation_prompt,
-        )
+        ids = tokenizer.encode_chat(messages, add_generation_prompt, tools=template_tools)
     except (jinja2.TemplateError, ValueError) as exc:
         raise ValueError(f"messages: the chat template rejected them: {exc}") from None
     if not ids:

@@ -3,7 +3,9 @@
 The router owns text: it detokenizes incrementally, enforces stop strings (no text past one;
 the worker is then cancelled), puts the running ``usage`` on every message (final on the last:
 vLLM's ``continuous_usage_stats``) and fills ``finish_reason`` on the last.
-Like the offline engine, a stop token (eos / stop_token_ids) adds no text.
+Like the offline engine, a stop token (eos / stop_token_ids) adds no text. With tools, the text
+goes through the request's tool-call parser: messages carry the content and the calls' pieces
+(``tool_calls``), and a turn that called tools finishes with ``tool_calls``.
 """
 
 from __future__ import annotations
@@ -14,6 +16,8 @@ from engine.detokenizer import IncrementalDetokenizer
 from engine.sampling_params import SamplingParams
 from engine.tokenizer import Tokenizer
 from services.common.convert import FINISH_REASONS
+from services.router.tool_calls.parsers import ParsedDelta
+from services.router.tool_calls.tool_use import ToolUse
 from splitserve.v1 import router_pb2, worker_pb2
 
 
@@ -26,8 +30,11 @@ class ResponseStream:
         tokenizer: Tokenizer,
         prompt_token_ids: Sequence[int],
         params: SamplingParams,
+        tools: ToolUse | None = None,
     ) -> None:
         self.req_id = req_id
+        self._tool_parser = tools.parser() if tools is not None else None
+        self._calls_end_turn = tools is not None and tools.ends_turn
         self.num_prompt_tokens = len(prompt_token_ids)
         self.detokenizer = IncrementalDetokenizer(tokenizer.backend, prompt_token_ids, params)
         self.output_token_ids: list[int] = []
@@ -61,17 +68,37 @@ class ResponseStream:
                 break
         self.output_token_ids.extend(kept)
         self.finished = bool(finish_reason)
+        parsed = self._parse(self.detokenizer.take_delta(self.finished))
         message = router_pb2.GenerateResponse(
             request_id=self.req_id,
             token_ids=kept,
-            text=self.detokenizer.take_delta(self.finished),
+            text=parsed.content,
             logprobs=list(logprobs)[: len(kept)],
             usage=self.usage(),
+            tool_calls=parsed.calls,
         )
         if self.finished:
+            parser = self._tool_parser
+            if (
+                finish_reason == "stop"
+                and parser is not None
+                and parser.num_calls
+                and self._calls_end_turn
+            ):
+                finish_reason = "tool_calls"
             message.finish_reason = FINISH_REASONS[finish_reason]
             message.stop_reason = stop_reason
         return message
+
+    def _parse(self, text: str) -> ParsedDelta:
+        """The content and call pieces of new text (all of it content without tools)."""
+        parser = self._tool_parser
+        if parser is None:
+            return ParsedDelta(content=text)
+        parsed = parser.feed(text)
+        if self.finished:
+            parsed.add(parser.finish())
+        return parsed
 
     def usage(self) -> router_pb2.Usage:
         return router_pb2.Usage(

@@ -93,6 +93,7 @@ class RoutedRequest:
             routing.tokenizer,
             prepared.prompt_token_ids,
             prepared.params,
+            prepared.tools,
         )
         self.worker_params = sampling_params_to_worker(prepared.params)
         self.decode_request = worker_pb2.DecodeRequest(
@@ -249,7 +250,7 @@ class RoutedRequest:
                         finish_reason=response.finish_reason if response.finished else "",
                         stop_reason=response.stop_reason,
                     )
-                    if message.token_ids or message.text or stream.finished:
+                    if message.token_ids or message.text or message.tool_calls or stream.finished:
                         yield message
                     if stream.finished:
                         return

@@ -48,6 +48,7 @@ from services.router.request_spans import (
 from services.router.route_plan import build_planner
 from services.router.routed_request import RoutedRequest, Routing
 from services.router.scaler import PoolScaler, reported_pool_sizes
+from services.router.tool_calls.rendering import detect_format
 from services.router.worker_pool import WorkerPool
 from splitserve.v1 import router_pb2, router_pb2_grpc
 
@@ -93,6 +94,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         # briefly has no worker that answered (a scale-down's survivor not yet polled).
         self._limits_seen: ModelLimits | None = None
         self.bounds = config.request_bounds()
+        self.tool_call_format = config.tool_call_parser or detect_format(tokenizer.chat_template)
         self.latency = LatencyWindow()
         self._poller: asyncio.Task[None] | None = None
         # Redis only: the entries of workers that died without removing them are dropped here
@@ -297,14 +299,23 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         INVALID_ARGUMENT naming the field otherwise."""
         try:
             prepared = await asyncio.to_thread(
-                prepare_request, request, self.tokenizer, limits, self.bounds, max_tokens_default
+                prepare_request,
+                request,
+                self.tokenizer,
+                limits,
+                self.bounds,
+                max_tokens_default,
+                self.tool_call_format,
             )
         except ValueError as exc:
             await abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         try:
             await validate_client_constraint(prepared.params.constraint)
         except ValueError as exc:
-            await abort(context, grpc.StatusCode.INVALID_ARGUMENT, f"sampling.{exc}")
+            # A required or named tool choice's grammar is built from the tools' schemas.
+            tool_grammar = prepared.tools is not None and prepared.tools.constraint() is not None
+            where = "tools: the grammar of their schemas: " if tool_grammar else "sampling."
+            await abort(context, grpc.StatusCode.INVALID_ARGUMENT, f"{where}{exc}")
         return prepared
 
     # ----------------------------------------------------------------------------- Explain

@@ -25,43 +25,53 @@ _sym_db = _symbol_database.Default()
 from splitserve.v1 import worker_pb2 as splitserve_dot_v1_dot_worker__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1asplitserve/v1/router.proto\x12\rsplitserve.v1\x1a\x1asplitserve/v1/worker.proto\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"\x8d\x04\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\x05H\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\x05H\x03\x88\x01\x01\x12\x12\n\x05min_p\x18\x05 \x01(\x02H\x04\x88\x01\x01\x12\x11\n\x04seed\x18\x06 \x01(\x03H\x05\x88\x01\x01\x12\x0c\n\x04stop\x18\x07 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x08 \x03(\x05\x12\x12\n\nignore_eos\x18\t \x01(\x08\x12\x15\n\x08logprobs\x18\n \x01(\x05H\x06\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x0b \x01(\x02H\x07\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x0c \x01(\x02H\x08\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\r \x01(\x02H\t\x88\x01\x01\x12\x33\n\nconstraint\x18\x0e \x01(\x0b\x32\x1f.splitserve.v1.OutputConstraintB\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x07\n\x05_seedB\x0b\n\t_logprobsB\x15\n\x13_repetition_penaltyB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penalty\"\xcb\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x13\n\x06prompt\x18\x02 \x01(\tH\x00\x88\x01\x01\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12,\n\x08messages\x18\x04 \x03(\x0b\x32\x1a.splitserve.v1.ChatMessage\x12/\n\x08sampling\x18\x05 \x01(\x0b\x32\x1d.splitserve.v1.SamplingParams\x12\x12\n\ncache_salt\x18\x06 \x01(\tB\t\n\x07_prompt\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\"\xe4\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x0c\n\x04text\x18\x03 \x01(\t\x12-\n\x08logprobs\x18\x04 \x03(\x0b\x32\x1b.splitserve.v1.TokenLogprob\x12\x32\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x1b.splitserve.v1.FinishReason\x12#\n\x05usage\x18\x06 \x01(\x0b\x32\x14.splitserve.v1.Usage\x12\x13\n\x0bstop_reason\x18\x07 \x01(\t\"\x0f\n\rStatusRequest\"\xed\x01\n\x0eStatusResponse\x12\x0c\n\x04mode\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12,\n\x07workers\x18\x03 \x03(\x0b\x32\x1b.splitserve.v1.WorkerStatus\x12\x1d\n\x15num_inflight_requests\x18\x04 \x01(\r\x12#\n\x1bprefix_hit_blocks_predicted\x18\x05 \x01(\x04\x12\"\n\x1aprefix_hit_blocks_realized\x18\x06 \x01(\x04\x12(\n\x05pools\x18\x07 \x03(\x0b\x32\x19.splitserve.v1.PoolStatus\"\xd2\x01\n\nPoolStatus\x12\'\n\x04role\x18\x01 \x01(\x0e\x32\x19.splitserve.v1.WorkerRole\x12\x17\n\x0f\x64\x65sired_workers\x18\x02 \x01(\r\x12\x11\n\tnum_ready\x18\x03 \x01(\r\x12\x14\n\x0cnum_starting\x18\x04 \x01(\r\x12\x14\n\x0cnum_draining\x18\x05 \x01(\r\x12\x14\n\x0cnum_restarts\x18\x06 \x01(\r\x12\x12\n\nlast_error\x18\x07 \x01(\t\x12\x19\n\x11num_failed_starts\x18\x08 \x01(\r\"L\n\x0cScaleRequest\x12\'\n\x04role\x18\x01 \x01(\x0e\x32\x19.splitserve.v1.WorkerRole\x12\x13\n\x0bnum_workers\x18\x02 \x01(\r\"9\n\rScaleResponse\x12(\n\x05pools\x18\x01 \x03(\x0b\x32\x19.splitserve.v1.PoolStatus\"\xd1\x01\n\x0cWorkerStatus\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\'\n\x04role\x18\x02 \x01(\x0e\x32\x19.splitserve.v1.WorkerRole\x12\x0f\n\x07healthy\x18\x03 \x01(\x08\x12\'\n\x04info\x18\x04 \x01(\x0b\x32\x19.splitserve.v1.WorkerInfo\x12\'\n\x04load\x18\x05 \x01(\x0b\x32\x19.splitserve.v1.WorkerLoad\x12\x12\n\nlast_error\x18\x06 \x01(\t\x12\x10\n\x08\x64raining\x18\x07 \x01(\x08\"\xbe\x01\n\x15PrefillCandidateScore\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\x11\n\tworker_id\x18\x02 \x01(\t\x12\x16\n\x0ematched_blocks\x18\x03 \x01(\r\x12\x15\n\rqueued_blocks\x18\x04 \x01(\x01\x12\x0c\n\x04\x63ost\x18\x05 \x01(\x01\x12\x17\n\x0freserved_blocks\x18\x06 \x01(\r\x12\x19\n\x11reserved_requests\x18\x07 \x01(\r\x12\x10\n\x08\x65ligible\x18\x08 \x01(\x08\"\x8b\x01\n\x14\x44\x65\x63odeCandidateScore\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\x11\n\tworker_id\x18\x02 \x01(\t\x12\x16\n\x0ematched_blocks\x18\x03 \x01(\r\x12\x17\n\x0f\x61\x63tive_requests\x18\x04 \x01(\r\x12\x10\n\x08kv_usage\x18\x05 \x01(\x02\x12\x0c\n\x04\x63ost\x18\x06 \x01(\x01\"\xf1\x01\n\x0f\x45xplainResponse\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x15\n\rprompt_blocks\x18\x02 \x01(\r\x12\x35\n\x07prefill\x18\x03 \x03(\x0b\x32$.splitserve.v1.PrefillCandidateScore\x12\x16\n\x0e\x63hosen_prefill\x18\x04 \x01(\t\x12\x33\n\x06\x64\x65\x63ode\x18\x05 \x03(\x0b\x32#.splitserve.v1.DecodeCandidateScore\x12\x15\n\rchosen_decode\x18\x06 \x01(\t\x12\x15\n\rprefill_place\x18\x07 \x01(\t*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x32\xad\x02\n\x06Router\x12M\n\x08Generate\x12\x1e.splitserve.v1.GenerateRequest\x1a\x1f.splitserve.v1.GenerateResponse0\x01\x12\x45\n\x06Status\x12\x1c.splitserve.v1.StatusRequest\x1a\x1d.splitserve.v1.StatusResponse\x12I\n\x07\x45xplain\x12\x1e.splitserve.v1.GenerateRequest\x1a\x1e.splitserve.v1.ExplainResponse\x12\x42\n\x05Scale\x12\x1b.splitserve.v1.ScaleRequest\x1a\x1c.splitserve.v1.ScaleResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1asplitserve/v1/router.proto\x12\rsplitserve.v1\x1a\x1asplitserve/v1/worker.proto\"}\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\x12+\n\ntool_calls\x18\x03 \x03(\x0b\x32\x17.splitserve.v1.ToolCall\x12\x14\n\x0ctool_call_id\x18\x04 \x01(\t\x12\x0c\n\x04name\x18\x05 \x01(\t\"=\n\x04Tool\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x0b\x64\x65scription\x18\x02 \x01(\t\x12\x12\n\nparameters\x18\x03 \x01(\t\"7\n\x08ToolCall\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x11\n\targuments\x18\x03 \x01(\t\"^\n\nToolChoice\x12-\n\x04mode\x18\x01 \x01(\x0e\x32\x1d.splitserve.v1.ToolChoiceModeH\x00\x12\x17\n\rfunction_name\x18\x02 \x01(\tH\x00\x42\x08\n\x06\x63hoice\"\x8d\x04\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\x05H\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\x05H\x03\x88\x01\x01\x12\x12\n\x05min_p\x18\x05 \x01(\x02H\x04\x88\x01\x01\x12\x11\n\x04seed\x18\x06 \x01(\x03H\x05\x88\x01\x01\x12\x0c\n\x04stop\x18\x07 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x08 \x03(\x05\x12\x12\n\nignore_eos\x18\t \x01(\x08\x12\x15\n\x08logprobs\x18\n \x01(\x05H\x06\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x0b \x01(\x02H\x07\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x0c \x01(\x02H\x08\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\r \x01(\x02H\t\x88\x01\x01\x12\x33\n\nconstraint\x18\x0e \x01(\x0b\x32\x1f.splitserve.v1.OutputConstraintB\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x07\n\x05_seedB\x0b\n\t_logprobsB\x15\n\x13_repetition_penaltyB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penalty\"\xd9\x02\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x13\n\x06prompt\x18\x02 \x01(\tH\x00\x88\x01\x01\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12,\n\x08messages\x18\x04 \x03(\x0b\x32\x1a.splitserve.v1.ChatMessage\x12/\n\x08sampling\x18\x05 \x01(\x0b\x32\x1d.splitserve.v1.SamplingParams\x12\x12\n\ncache_salt\x18\x06 \x01(\t\x12\"\n\x05tools\x18\x07 \x03(\x0b\x32\x13.splitserve.v1.Tool\x12.\n\x0btool_choice\x18\x08 \x01(\x0b\x32\x19.splitserve.v1.ToolChoice\x12 \n\x13parallel_tool_calls\x18\t \x01(\x08H\x01\x88\x01\x01\x42\t\n\x07_promptB\x16\n\x14_parallel_tool_calls\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\"\x96\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x0c\n\x04text\x18\x03 \x01(\t\x12-\n\x08logprobs\x18\x04 \x03(\x0b\x32\x1b.splitserve.v1.TokenLogprob\x12\x32\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x1b.splitserve.v1.FinishReason\x12#\n\x05usage\x18\x06 \x01(\x0b\x32\x14.splitserve.v1.Usage\x12\x13\n\x0bstop_reason\x18\x07 \x01(\t\x12\x30\n\ntool_calls\x18\x08 \x03(\x0b\x32\x1c.splitserve.v1.ToolCallDelta\"K\n\rToolCallDelta\x12\r\n\x05index\x18\x01 \x01(\r\x12\n\n\x02id\x18\x02 \x01(\t\x12\x0c\n\x04name\x18\x03 \x01(\t\x12\x11\n\targuments\x18\x04 \x01(\t\"\x0f\n\rStatusRequest\"\xed\x01\n\x0eStatusResponse\x12\x0c\n\x04mode\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12,\n\x07workers\x18\x03 \x03(\x0b\x32\x1b.splitserve.v1.WorkerStatus\x12\x1d\n\x15num_inflight_requests\x18\x04 \x01(\r\x12#\n\x1bprefix_hit_blocks_predicted\x18\x05 \x01(\x04\x12\"\n\x1aprefix_hit_blocks_realized\x18\x06 \x01(\x04\x12(\n\x05pools\x18\x07 \x03(\x0b\x32\x19.splitserve.v1.PoolStatus\"\xd2\x01\n\nPoolStatus\x12\'\n\x04role\x18\x01 \x01(\x0e\x32\x19.splitserve.v1.WorkerRole\x12\x17\n\x0f\x64\x65sired_workers\x18\x02 \x01(\r\x12\x11\n\tnum_ready\x18\x03 \x01(\r\x12\x14\n\x0cnum_starting\x18\x04 \x01(\r\x12\x14\n\x0cnum_draining\x18\x05 \x01(\r\x12\x14\n\x0cnum_restarts\x18\x06 \x01(\r\x12\x12\n\nlast_error\x18\x07 \x01(\t\x12\x19\n\x11num_failed_starts\x18\x08 \x01(\r\"L\n\x0cScaleRequest\x12\'\n\x04role\x18\x01 \x01(\x0e\x32\x19.splitserve.v1.WorkerRole\x12\x13\n\x0bnum_workers\x18\x02 \x01(\r\"9\n\rScaleResponse\x12(\n\x05pools\x18\x01 \x03(\x0b\x32\x19.splitserve.v1.PoolStatus\"\xd1\x01\n\x0cWorkerStatus\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\'\n\x04role\x18\x02 \x01(\x0e\x32\x19.splitserve.v1.WorkerRole\x12\x0f\n\x07healthy\x18\x03 \x01(\x08\x12\'\n\x04info\x18\x04 \x01(\x0b\x32\x19.splitserve.v1.WorkerInfo\x12\'\n\x04load\x18\x05 \x01(\x0b\x32\x19.splitserve.v1.WorkerLoad\x12\x12\n\nlast_error\x18\x06 \x01(\t\x12\x10\n\x08\x64raining\x18\x07 \x01(\x08\"\xbe\x01\n\x15PrefillCandidateScore\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\x11\n\tworker_id\x18\x02 \x01(\t\x12\x16\n\x0ematched_blocks\x18\x03 \x01(\r\x12\x15\n\rqueued_blocks\x18\x04 \x01(\x01\x12\x0c\n\x04\x63ost\x18\x05 \x01(\x01\x12\x17\n\x0freserved_blocks\x18\x06 \x01(\r\x12\x19\n\x11reserved_requests\x18\x07 \x01(\r\x12\x10\n\x08\x65ligible\x18\x08 \x01(\x08\"\x8b\x01\n\x14\x44\x65\x63odeCandidateScore\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\x11\n\tworker_id\x18\x02 \x01(\t\x12\x16\n\x0ematched_blocks\x18\x03 \x01(\r\x12\x17\n\x0f\x61\x63tive_requests\x18\x04 \x01(\r\x12\x10\n\x08kv_usage\x18\x05 \x01(\x02\x12\x0c\n\x04\x63ost\x18\x06 \x01(\x01\"\xf1\x01\n\x0f\x45xplainResponse\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x15\n\rprompt_blocks\x18\x02 \x01(\r\x12\x35\n\x07prefill\x18\x03 \x03(\x0b\x32$.splitserve.v1.PrefillCandidateScore\x12\x16\n\x0e\x63hosen_prefill\x18\x04 \x01(\t\x12\x33\n\x06\x64\x65\x63ode\x18\x05 \x03(\x0b\x32#.splitserve.v1.DecodeCandidateScore\x12\x15\n\rchosen_decode\x18\x06 \x01(\t\x12\x15\n\rprefill_place\x18\x07 \x01(\t*\x87\x01\n\x0eToolChoiceMode\x12 \n\x1cTOOL_CHOICE_MODE_UNSPECIFIED\x10\x00\x12\x19\n\x15TOOL_CHOICE_MODE_AUTO\x10\x01\x12\x19\n\x15TOOL_CHOICE_MODE_NONE\x10\x02\x12\x1d\n\x19TOOL_CHOICE_MODE_REQUIRED\x10\x03*\x96\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x12\x1c\n\x18\x46INISH_REASON_TOOL_CALLS\x10\x04\x32\xad\x02\n\x06Router\x12M\n\x08Generate\x12\x1e.splitserve.v1.GenerateRequest\x1a\x1f.splitserve.v1.GenerateResponse0\x01\x12\x45\n\x06Status\x12\x1c.splitserve.v1.StatusRequest\x1a\x1d.splitserve.v1.StatusResponse\x12I\n\x07\x45xplain\x12\x1e.splitserve.v1.GenerateRequest\x1a\x1e.splitserve.v1.ExplainResponse\x12\x42\n\x05Scale\x12\x1b.splitserve.v1.ScaleRequest\x1a\x1c.splitserve.v1.ScaleResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'splitserve.v1.router_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_FINISHREASON']._serialized_start=2564
-  _globals['_FINISHREASON']._serialized_end=2684
+  _globals['_TOOLCHOICEMODE']._serialized_start=3131
+  _globals['_TOOLCHOICEMODE']._serialized_end=3266
+  _globals['_FINISHREASON']._serialized_start=3269
+  _globals['_FINISHREASON']._serialized_end=3419
   _globals['_CHATMESSAGE']._serialized_start=73
-  _globals['_CHATMESSAGE']._serialized_end=117
-  _globals['_SAMPLINGPARAMS']._serialized_start=120
-  _globals['_SAMPLINGPARAMS']._serialized_end=645
-  _globals['_GENERATEREQUEST']._serialized_start=648
-  _globals['_GENERATEREQUEST']._serialized_end=851
-  _globals['_USAGE']._serialized_start=853
-  _globals['_USAGE']._serialized_end=933
-  _globals['_GENERATERESPONSE']._serialized_start=936
-  _globals['_GENERATERESPONSE']._serialized_end=1164
-  _globals['_STATUSREQUEST']._serialized_start=1166
-  _globals['_STATUSREQUEST']._serialized_end=1181
-  _globals['_STATUSRESPONSE']._serialized_start=1184
-  _globals['_STATUSRESPONSE']._serialized_end=1421
-  _globals['_POOLSTATUS']._serialized_start=1424
-  _globals['_POOLSTATUS']._serialized_end=1634
-  _globals['_SCALEREQUEST']._serialized_start=1636
-  _globals['_SCALEREQUEST']._serialized_end=1712
-  _globals['_SCALERESPONSE']._serialized_start=1714
-  _globals['_SCALERESPONSE']._serialized_end=1771
-  _globals['_WORKERSTATUS']._serialized_start=1774
-  _globals['_WORKERSTATUS']._serialized_end=1983
-  _globals['_PREFILLCANDIDATESCORE']._serialized_start=1986
-  _globals['_PREFILLCANDIDATESCORE']._serialized_end=2176
-  _globals['_DECODECANDIDATESCORE']._serialized_start=2179
-  _globals['_DECODECANDIDATESCORE']._serialized_end=2318
-  _globals['_EXPLAINRESPONSE']._serialized_start=2321
-  _globals['_EXPLAINRESPONSE']._serialized_end=2562
-  _globals['_ROUTER']._serialized_start=2687
-  _globals['_ROUTER']._serialized_end=2988
+  _globals['_CHATMESSAGE']._serialized_end=198
+  _globals['_TOOL']._serialized_start=200
+  _globals['_TOOL']._serialized_end=261
+  _globals['_TOOLCALL']._serialized_start=263
+  _globals['_TOOLCALL']._serialized_end=318
+  _globals['_TOOLCHOICE']._serialized_start=320
+  _globals['_TOOLCHOICE']._serialized_end=414
+  _globals['_SAMPLINGPARAMS']._serialized_start=417
+  _globals['_SAMPLINGPARAMS']._serialized_end=942
+  _globals['_GENERATEREQUEST']._serialized_start=945
+  _globals['_GENERATEREQUEST']._serialized_end=1290
+  _globals['_USAGE']._serialized_start=1292
+  _globals['_USAGE']._serialized_end=1372
+  _globals['_GENERATERESPONSE']._serialized_start=1375
+  _globals['_GENERATERESPONSE']._serialized_end=1653
+  _globals['_TOOLCALLDELTA']._serialized_start=1655
+  _globals['_TOOLCALLDELTA']._serialized_end=1730
+  _globals['_STATUSREQUEST']._serialized_start=1732
+  _globals['_STATUSREQUEST']._serialized_end=1747
+  _globals['_STATUSRESPONSE']._serialized_start=1750
+  _globals['_STATUSRESPONSE']._serialized_end=1987
+  _globals['_POOLSTATUS']._serialized_start=1990
+  _globals['_POOLSTATUS']._serialized_end=2200
+  _globals['_SCALEREQUEST']._serialized_start=2202
+  _globals['_SCALEREQUEST']._serialized_end=2278
+  _globals['_SCALERESPONSE']._serialized_start=2280
+  _globals['_SCALERESPONSE']._serialized_end=2337
+  _globals['_WORKERSTATUS']._serialized_start=2340
+  _globals['_WORKERSTATUS']._serialized_end=2549
+  _globals['_PREFILLCANDIDATESCORE']._serialized_start=2552
+  _globals['_PREFILLCANDIDATESCORE']._serialized_end=2742
+  _globals['_DECODECANDIDATESCORE']._serialized_start=2745
+  _globals['_DECODECANDIDATESCORE']._serialized_end=2884
+  _globals['_EXPLAINRESPONSE']._serialized_start=2887
+  _globals['_EXPLAINRESPONSE']._serialized_end=3128
+  _globals['_ROUTER']._serialized_start=3422
+  _globals['_ROUTER']._serialized_end=3723
 # @@protoc_insertion_point(module_scope)

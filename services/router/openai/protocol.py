@@ -3,8 +3,10 @@
 Fields follow OpenAI's API plus vLLM's sampling extensions (``top_k``, ``min_p``,
 ``repetition_penalty``, ``ignore_eos``, ``stop_token_ids``, ``cache_salt``) and its structured
 output ones (``guided_json``, ``guided_regex``, ``guided_choice``, ``guided_grammar``,
-``structured_outputs``; see ``structured``). Unknown fields are ignored, as OpenAI-compatible
-servers do; a value this server cannot honour (``echo``, tools, ``logit_bias``...) is refused by
+``structured_outputs``; see ``structured``), and OpenAI's tool calling (``tools``,
+``tool_choice``, ``parallel_tool_calls``; assistant ``tool_calls`` and ``role: tool`` messages in
+the history). Unknown fields are ignored, as OpenAI-compatible
+servers do; a value this server cannot honour (``echo``, ``logit_bias``...) is refused by
 ``unsupported()`` with a 400 naming the field rather than silently dropped. Ranges that the
 engine checks anyway (temperature, top_p, penalties...) are left to it, so both APIs say the
 same thing.
@@ -13,7 +15,7 @@ same thing.
 from __future__ import annotations
 
 import enum
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -56,10 +58,45 @@ class ContentPart(Body):
     text: str | None = None
 
 
+class FunctionCall(Body):
+    name: str
+    arguments: str  # a JSON object, as JSON text (OpenAI's)
+
+
+class ToolCall(Body):
+    """A call the assistant made, as the history gives it back."""
+
+    id: str = ""
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(Body):
     role: str
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None  # assistant
+    tool_call_id: str | None = None  # tool
+
+
+class FunctionDefinition(Body):
+    name: str
+    description: str = ""
+    parameters: dict[str, Any] | None = None
+
+
+class Tool(Body):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class ToolChoiceFunction(Body):
+    name: str
+
+
+class NamedToolChoice(Body):
+    type: Literal["function"]
+    function: ToolChoiceFunction
 
 
 class _Sampling(Body):
@@ -112,12 +149,11 @@ class ChatCompletionRequest(_Sampling):
     max_completion_tokens: int | None = Field(None, ge=1, le=INT32_MAX)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=INT32_MAX)
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: str | dict[str, Any] | None = None
+    tools: list[Tool] | None = None
+    tool_choice: Literal["auto", "none", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
 
     def unsupported(self) -> tuple[str, str] | None:
-        if self.tools and self.tool_choice != "none":
-            return "tools", "tool calling is not supported"
         if self.top_logprobs and not self.logprobs:
             return "top_logprobs", "top_logprobs needs logprobs to be true"
         return super().unsupported()

@@ -9,6 +9,7 @@ A request over its ``RequestBudget`` is refused here, before any generation star
 from __future__ import annotations
 
 import enum
+import json
 from dataclasses import dataclass
 
 from engine.sampling_params import SamplingParams
@@ -19,6 +20,7 @@ from services.router.openai.protocol import (
     ChatCompletionRequest,
     ChatMessage,
     CompletionRequest,
+    NamedToolChoice,
 )
 from services.router.openai.structured import output_constraint
 from services.router.request_prep import MaxTokensDefault
@@ -26,6 +28,11 @@ from splitserve.v1 import router_pb2
 
 # OpenAI's newer name for the system role; chat templates know "system".
 _ROLE_ALIASES = {"developer": "system"}
+_TOOL_CHOICE_MODES = {
+    "auto": router_pb2.TOOL_CHOICE_MODE_AUTO,
+    "none": router_pb2.TOOL_CHOICE_MODE_NONE,
+    "required": router_pb2.TOOL_CHOICE_MODE_REQUIRED,
+}
 _SAMPLING_FIELDS = (
     "temperature",
     "top_p",
@@ -122,6 +129,7 @@ def chat_plan(
     messages = chat_messages(body.messages)
     sampling = _sampling(body, max_tokens=max_tokens, logprobs=logprobs)
     prompt = router_pb2.GenerateRequest(messages=messages, cache_salt=body.cache_salt or "")
+    _add_tools(prompt, body)
     choices = _choices(prompt, sampling, body.n, request_id)
     # No max_tokens: the rest of the context, as OpenAI's chat API.
     return GenerationPlan(Endpoint.CHAT, (choices,), MaxTokensDefault.REST_OF_CONTEXT)
@@ -162,9 +170,27 @@ def _refuse_unsupported(unsupported: tuple[str, str] | None) -> None:
         raise bad_request(why, param)
 
 
+def _add_tools(request: router_pb2.GenerateRequest, body: ChatCompletionRequest) -> None:
+    """The body's tools, ``tool_choice`` and ``parallel_tool_calls``, in the router's terms."""
+    for tool in body.tools or ():
+        function = tool.function
+        parameters = json.dumps(function.parameters) if function.parameters is not None else ""
+        request.tools.add(
+            name=function.name, description=function.description, parameters=parameters
+        )
+    choice = body.tool_choice
+    if isinstance(choice, NamedToolChoice):
+        request.tool_choice.function_name = choice.function.name
+    elif choice is not None:
+        request.tool_choice.mode = _TOOL_CHOICE_MODES[choice]
+    if body.parallel_tool_calls is not None:
+        request.parallel_tool_calls = body.parallel_tool_calls
+
+
 def chat_messages(messages: list[ChatMessage]) -> list[router_pb2.ChatMessage]:
     """The router's messages of a chat body's: text content only (parts joined by newlines),
-    OpenAI's ``developer`` role as ``system``; ``OpenAIError`` 400 naming other content."""
+    OpenAI's ``developer`` role as ``system``, and the tool calls and results of the history;
+    ``OpenAIError`` 400 naming other content."""
     converted = []
     for i, message in enumerate(messages):
         if message.content is None or isinstance(message.content, str):
@@ -181,7 +207,19 @@ def chat_messages(messages: list[ChatMessage]) -> list[router_pb2.ChatMessage]:
                 parts.append(part.text)
             text = "\n".join(parts)
         role = _ROLE_ALIASES.get(message.role, message.role)
-        converted.append(router_pb2.ChatMessage(role=role, content=text))
+        calls = [
+            router_pb2.ToolCall(id=c.id, name=c.function.name, arguments=c.function.arguments)
+            for c in message.tool_calls or ()
+        ]
+        converted.append(
+            router_pb2.ChatMessage(
+                role=role,
+                content=text,
+                tool_calls=calls,
+                tool_call_id=message.tool_call_id or "",
+                name=message.name or "",
+            )
+        )
     return converted
 
 

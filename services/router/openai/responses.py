@@ -114,12 +114,20 @@ class ChoiceState:
     usage: router_pb2.Usage | None = None
     # Characters of token text so far (completions' text_offset).
     num_token_chars: int = 0
+    # The whole body's tool calls, each's pieces joined (OpenAI's message.tool_calls).
+    tool_calls: list[dict[str, Any]] = field(default_factory=list)
 
     def add(self, message: router_pb2.GenerateResponse, keep: bool = True) -> None:
-        """Count ``message`` in; ``keep``: hold its text and logprobs for the whole body."""
+        """Count ``message`` in; ``keep``: hold its text, logprobs and calls for the whole
+        body."""
         if keep:
             self.text += message.text.encode()
             self.logprobs.extend(message.logprobs)
+            for piece in message.tool_calls:
+                if piece.index == len(self.tool_calls):
+                    self.tool_calls.append(_tool_call(piece))
+                else:
+                    self.tool_calls[piece.index]["function"]["arguments"] += piece.arguments
         self.num_messages += 1
         self.num_tokens += len(message.token_ids)
         if message.token_ids:
@@ -186,13 +194,17 @@ class ResponseBuilder:
         message = item.message
         state.add(message, keep=False)
         finished = bool(message.finish_reason)
-        if not (message.text or message.logprobs or finished or first):
+        if not (message.text or message.logprobs or message.tool_calls or finished or first):
             return None
         choice: dict[str, Any]
         if self.endpoint is Endpoint.CHAT:
-            delta: dict[str, Any] = {"content": message.text}
+            delta: dict[str, Any] = {}
             if first:
-                delta = {"role": "assistant", **delta}
+                delta["role"] = "assistant"
+            if message.text or not message.tool_calls:
+                delta["content"] = message.text
+            if message.tool_calls:
+                delta["tool_calls"] = [_tool_call_delta(piece) for piece in message.tool_calls]
             choice = {"index": item.index, "delta": delta}
             choice["logprobs"] = (
                 {"content": self._chat_entries(_proto_entries(message.logprobs))}
@@ -243,6 +255,12 @@ class ResponseBuilder:
         head: dict[str, Any] = {"index": state.index}
         if self.endpoint is Endpoint.CHAT:
             head["message"] = {"role": "assistant", "content": text}
+            if state.tool_calls:
+                head["message"] = {
+                    "role": "assistant",
+                    "content": text or None,
+                    "tool_calls": state.tool_calls,
+                }
         else:
             head["text"] = text
         yield json_text(head)[:-1] + ',"logprobs":'
@@ -325,6 +343,19 @@ class ResponseBuilder:
             "top_logprobs": tops,
             "text_offset": offsets,
         }
+
+
+def _tool_call(piece: router_pb2.ToolCallDelta) -> dict[str, Any]:
+    """A call's first piece as OpenAI's ``message.tool_calls`` entry."""
+    function = {"name": piece.name, "arguments": piece.arguments}
+    return {"id": piece.id, "type": "function", "function": function}
+
+
+def _tool_call_delta(piece: router_pb2.ToolCallDelta) -> dict[str, Any]:
+    """OpenAI's ``delta.tool_calls`` entry: id, type and name on a call's first piece only."""
+    if not piece.id:
+        return {"index": piece.index, "function": {"arguments": piece.arguments}}
+    return {"index": piece.index, **_tool_call(piece)}
 
 
 def _batches(columns: LogprobColumns) -> Iterator[list[LogprobEntry]]:
