@@ -124,11 +124,14 @@ class _Calls:
 
 
 class _ContentAndCalls:
-    """Content, then calls: content before the first call streams as it comes; what is not a
-    call after it is held to the end and kept only if it is more than whitespace."""
+    """Content, then calls: content before the first call streams as it comes (whitespace
+    alone waits: the template's line break before a call is not content); what is not a call
+    after it is held to the end and kept only if it is more than whitespace."""
 
     def __init__(self, parallel: bool) -> None:
         self._calls = _Calls(parallel)
+        self._blank = ""  # whitespace not yet known to be content
+        self._streamed = False  # some content was handed back
         self._held = ""
 
     @property
@@ -138,13 +141,23 @@ class _ContentAndCalls:
     def _content(self, out: ParsedDelta, text: str) -> None:
         if self._calls.num_calls or self._held:
             self._held += text
+        elif self._streamed or text.strip():
+            out.content += self._blank + text
+            self._blank = ""
+            self._streamed = True
         else:
-            out.content += text
+            self._blank += text
+
+    def _emit(self, out: ParsedDelta, calls: list[tuple[str, str]]) -> None:
+        self._calls.emit(out, calls)
+        self._blank = ""
 
     def _finish_held(self, out: ParsedDelta) -> None:
         if self._held.strip():
             out.content += self._held
-        self._held = ""
+        if not self._calls.num_calls:
+            out.content += self._blank
+        self._held = self._blank = ""
 
 
 class _MarkedParser(_ContentAndCalls):
@@ -196,7 +209,7 @@ class _MarkedParser(_ContentAndCalls):
         if calls is None:
             self._content(out, self.start_marker + body + terminator)
         else:
-            self._calls.emit(out, calls)
+            self._emit(out, calls)
 
     def _start_body(self) -> None:
         """A new call's body begins."""
@@ -279,7 +292,7 @@ class Llama3JsonParser(_ContentAndCalls):
             if calls is None:
                 self._content(out, self._buffer[start:end])
             else:
-                self._calls.emit(out, calls)
+                self._emit(out, calls)
             self._consumed = end
         return out
 

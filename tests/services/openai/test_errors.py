@@ -89,7 +89,11 @@ def test_bad_chat_requests_get_400(base_url):
         ),
         (
             {"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]},
-            "tools",
+            "tools[0].function",
+        ),
+        (
+            {"messages": [{"role": "user", "content": "x"}], "tool_choice": "required"},
+            "tool_choice",
         ),
         (
             {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 3},

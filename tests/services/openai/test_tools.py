@@ -35,6 +35,8 @@ def tiny_llama_dir(tmp_path_factory) -> Path:
     session's for this module's cluster)."""
     out_dir = tmp_path_factory.mktemp("tools-model")
     return make_tiny_model(out_dir, "llama", max_position_embeddings=MAX_POSITION_EMBEDDINGS)
+
+
 MESSAGES = [{"role": "user", "content": "What is the weather in Paris?"}]
 
 
@@ -134,8 +136,7 @@ def test_random_schemas_always_give_calls_that_validate(base_url, model, named):
         streamed, finish_reason = await _streamed_calls(client, **kwargs)
         assert finish_reason == whole.choices[0].finish_reason
         assert streamed == [
-            {"name": c.function.name, "arguments": c.function.arguments}
-            for c in message.tool_calls
+            {"name": c.function.name, "arguments": c.function.arguments} for c in message.tool_calls
         ]
 
     async def run_all() -> None:
@@ -216,9 +217,7 @@ def test_auto_on_a_model_that_writes_no_call_is_content(sync_client, grpc_client
 def test_malformed_tools_are_400s_naming_the_field(sync_client, model, change, param):
     body = {"tools": _tools(2), "tool_choice": "auto", **change}
     with pytest.raises(openai.BadRequestError) as excinfo:
-        sync_client.chat.completions.create(
-            model=model, messages=MESSAGES, max_tokens=4, **body
-        )
+        sync_client.chat.completions.create(model=model, messages=MESSAGES, max_tokens=4, **body)
     assert param in excinfo.value.message
     ok = sync_client.chat.completions.create(model=model, messages=MESSAGES, max_tokens=2)
     assert ok.choices[0].finish_reason == "length"
