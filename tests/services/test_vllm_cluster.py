@@ -178,6 +178,31 @@ def test_openai_client_streamed_and_not_matches_offline_vllm(cluster, smollm2_di
         assert streamed == chat_ref["text"]
 
 
+def test_required_tool_call_on_vllm_pools_validates(cluster):
+    """vLLM's workers generate under the tools' grammar (vLLM's structured outputs)."""
+    schema = {
+        "type": "object",
+        "properties": {"city": {"type": "string", "maxLength": 30}},
+        "required": ["city"],
+        "additionalProperties": False,
+    }
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": schema}}]
+    with openai.OpenAI(base_url=f"{cluster[0].http_url}/v1", api_key="unused") as api:
+        answer = api.chat.completions.create(
+            model=api.models.list().data[0].id,
+            messages=[{"role": "user", "content": "Weather in Paris?"}],
+            tools=tools,  # type: ignore[arg-type]
+            tool_choice="required",
+            parallel_tool_calls=False,  # greedy SmolLM2 repeats its call otherwise
+            max_tokens=60,
+            temperature=0,
+        )
+    assert answer.choices[0].finish_reason == "tool_calls"
+    (call,) = answer.choices[0].message.tool_calls
+    assert call.function.name == "get_weather"
+    jsonschema.validate(json.loads(call.function.arguments), schema)
+
+
 def _index_matches(url: str, prompt: list[int], salt: str) -> dict[str, int]:
     async def match() -> dict[str, int]:
         index = RedisPrefixIndex(aioredis.from_url(url))

@@ -21,6 +21,7 @@ from services.router.openai.protocol import (
     ChatMessage,
     CompletionRequest,
     NamedToolChoice,
+    Tool,
 )
 from services.router.openai.structured import output_constraint
 from services.router.request_prep import MaxTokensDefault
@@ -129,7 +130,7 @@ def chat_plan(
     messages = chat_messages(body.messages)
     sampling = _sampling(body, max_tokens=max_tokens, logprobs=logprobs)
     prompt = router_pb2.GenerateRequest(messages=messages, cache_salt=body.cache_salt or "")
-    _add_tools(prompt, body)
+    add_tools(prompt, body.tools, body.tool_choice, body.parallel_tool_calls)
     choices = _choices(prompt, sampling, body.n, request_id)
     # No max_tokens: the rest of the context, as OpenAI's chat API.
     return GenerationPlan(Endpoint.CHAT, (choices,), MaxTokensDefault.REST_OF_CONTEXT)
@@ -170,21 +171,25 @@ def _refuse_unsupported(unsupported: tuple[str, str] | None) -> None:
         raise bad_request(why, param)
 
 
-def _add_tools(request: router_pb2.GenerateRequest, body: ChatCompletionRequest) -> None:
-    """The body's tools, ``tool_choice`` and ``parallel_tool_calls``, in the router's terms."""
-    for tool in body.tools or ():
+def add_tools(
+    request: router_pb2.GenerateRequest,
+    tools: list[Tool] | None,
+    choice: str | NamedToolChoice | None = None,
+    parallel_tool_calls: bool | None = None,
+) -> None:
+    """A body's ``tools``, ``tool_choice`` and ``parallel_tool_calls``, in the router's terms."""
+    for tool in tools or ():
         function = tool.function
         parameters = json.dumps(function.parameters) if function.parameters is not None else ""
         request.tools.add(
             name=function.name, description=function.description, parameters=parameters
         )
-    choice = body.tool_choice
     if isinstance(choice, NamedToolChoice):
         request.tool_choice.function_name = choice.function.name
     elif choice is not None:
         request.tool_choice.mode = _TOOL_CHOICE_MODES[choice]
-    if body.parallel_tool_calls is not None:
-        request.parallel_tool_calls = body.parallel_tool_calls
+    if parallel_tool_calls is not None:
+        request.parallel_tool_calls = parallel_tool_calls
 
 
 def chat_messages(messages: list[ChatMessage]) -> list[router_pb2.ChatMessage]:

@@ -1,8 +1,9 @@
 """vLLM's ``/tokenize`` and ``/detokenize``: the router's own tokenizer, with no worker involved.
 
 ``/tokenize`` takes a ``prompt`` (tokenized as ``/v1/completions`` tokenizes it) or chat
-``messages`` (rendered by the model's chat template exactly as ``/v1/chat/completions`` renders
-them, so ``count`` is the chat request's ``usage.prompt_tokens``) and answers
+``messages`` and their ``tools`` (rendered by the model's chat template exactly as
+``/v1/chat/completions`` renders them, so ``count`` is the chat request's
+``usage.prompt_tokens``) and answers
 ``{count, max_model_len, tokens, token_strs}``. ``/detokenize`` turns ``tokens`` back into
 text, special tokens included, so that ``detokenize(tokenize(x))`` gives the rendered prompt.
 Both run off the event loop.
@@ -16,9 +17,11 @@ from pydantic import Field
 
 from engine.tokenizer import Tokenizer
 from services.router.openai.errors import bad_request
-from services.router.openai.protocol import Body, ChatMessage, TokenId
-from services.router.openai.requests import chat_messages
+from services.router.openai.protocol import Body, ChatMessage, TokenId, Tool
+from services.router.openai.requests import add_tools, chat_messages
 from services.router.request_prep import chat_or_prompt_token_ids
+from services.router.tool_calls.parsers import ToolCallFormat
+from services.router.tool_calls.tool_use import tool_use
 from splitserve.v1 import router_pb2
 
 
@@ -28,6 +31,7 @@ class TokenizeRequest(Body):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = Field(None, min_length=1)
+    tools: list[Tool] | None = None
     # vLLM's defaults: True for a prompt; for messages the chat template adds its own.
     add_special_tokens: bool | None = None
     add_generation_prompt: bool = True
@@ -56,10 +60,17 @@ def tokenize(
                 "add_special_tokens",
             )
         request = router_pb2.GenerateRequest(messages=chat_messages(body.messages))
+        add_tools(request, body.tools)
         try:
-            token_ids = chat_or_prompt_token_ids(request, tokenizer, body.add_generation_prompt)
+            # The format shapes only the parsing of calls, not their rendering.
+            tools = tool_use(request, ToolCallFormat.HERMES)
+            token_ids = chat_or_prompt_token_ids(
+                request, tokenizer, body.add_generation_prompt, tools
+            )
         except ValueError as exc:
-            raise bad_request(str(exc), "messages") from None
+            field = str(exc).split(":", 1)[0]
+            param = field if field.startswith(("tools", "messages")) else "messages"
+            raise bad_request(str(exc), param) from None
     token_strs = None
     if body.return_token_strs:
         token_strs = [tokenizer.backend.id_to_token(token_id) for token_id in token_ids]

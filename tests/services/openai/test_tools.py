@@ -13,6 +13,7 @@ import random
 from pathlib import Path
 from typing import Any
 
+import httpx
 import jsonschema
 import openai
 import pytest
@@ -170,7 +171,7 @@ def test_one_call_without_parallel_tool_calls_and_sampled_calls_validate(sync_cl
         _validate(choice.message.tool_calls, tools)
 
 
-def test_auto_on_a_model_that_writes_no_call_is_content(sync_client, grpc_client, model):
+def test_auto_on_a_model_that_writes_no_call_is_content(sync_client, base_url, model):
     """The tiny model writes no ``<tool_call>``: its text is content, as without tools, and
     the history's call and result reach the template (the prompt grows by them)."""
     tools = _tools(1)
@@ -198,6 +199,13 @@ def test_auto_on_a_model_that_writes_no_call_is_content(sync_client, grpc_client
         model=model, messages=MESSAGES, tools=tools, max_tokens=8, temperature=0
     )
     assert completion.usage.prompt_tokens > without.usage.prompt_tokens
+    # /tokenize renders tools and history as the chat request does.
+    counted = httpx.post(
+        f"{base_url.removesuffix('/v1')}/tokenize",
+        json={"model": model, "messages": history, "tools": tools},
+        timeout=30,
+    ).json()
+    assert counted["count"] == completion.usage.prompt_tokens
     plain = sync_client.chat.completions.create(
         model=model, messages=MESSAGES, tools=tools, tool_choice="none", max_tokens=8, temperature=0
     )
