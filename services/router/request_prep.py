@@ -17,7 +17,11 @@ import jinja2
 from engine.request_limits import check_cache_salt, check_request_limits
 from engine.sampling_params import MAX_LOGPROBS, SamplingParams
 from engine.tokenizer import Tokenizer
-from services.common.convert import sampling_params_from_client
+from services.common.convert import (
+    CONSTRAINT_LIMITS,
+    constraint_from_proto,
+    sampling_params_from_client,
+)
 from services.router.tool_calls.parsers import ToolCallFormat
 from services.router.tool_calls.rendering import template_inputs
 from services.router.tool_calls.tool_use import ToolUse, tool_use
@@ -141,10 +145,15 @@ def _with_tool_constraint(
     sampling: router_pb2.SamplingParams, tools: ToolUse | None
 ) -> router_pb2.SamplingParams:
     """``sampling`` with the grammar of a required or named tool choice (refused beside a
-    constraint of the client's own)."""
+    constraint of the client's own, or over the constraint budget: checked before the tools
+    are rendered and tokenized, which costs more)."""
     constraint = tools.constraint() if tools is not None else None
     if constraint is None:
         return sampling
+    try:
+        CONSTRAINT_LIMITS.check(constraint_from_proto(constraint))
+    except ValueError as exc:
+        raise ValueError(f"tools: the grammar of their schemas: {exc}") from None
     if sampling.HasField("constraint"):
         raise ValueError(
             "tool_choice: a required or named tool choice sets the output's grammar, so "

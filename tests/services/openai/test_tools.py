@@ -231,6 +231,40 @@ def test_malformed_tools_are_400s_naming_the_field(sync_client, model, change, p
     assert ok.choices[0].finish_reason == "length"
 
 
+def test_oversized_and_deep_tools_are_400s_and_serving_goes_on(base_url, sync_client, model):
+    """Tools whose grammar is over the structured-output budget, tools over the prompt's
+    bytes, and parameters nested past what any parser takes: each a 400 naming the field."""
+    wide = {
+        "type": "object",
+        "properties": {f"p{i}": {"type": "string", "description": "x" * 40} for i in range(400)},
+    }
+    many = [
+        {"type": "function", "function": {"name": f"f{k}", "parameters": wide}} for k in range(4)
+    ]
+    depth = 5000  # written as text: json.dumps itself gives up at about 1,000
+    deep = '{"type":"object","properties":{"a":' * depth + "{}" + "}}" * depth
+    body = json.dumps({"model": model, "messages": MESSAGES, "max_tokens": 4})[:-1]
+    cases = [
+        (json.dumps({"tools": many, "tool_choice": "required"}), "tools"),
+        (json.dumps({"tools": many * 120}), "messages"),
+        (
+            '{"tools":[{"type":"function","function":{"name":"d","parameters":' + deep + "}}]}",
+            "the body is not valid JSON",
+        ),
+    ]
+    for extra, param in cases:
+        reply = httpx.post(
+            f"{base_url}/chat/completions",
+            content=body + "," + extra[1:],
+            headers={"content-type": "application/json"},
+            timeout=120,
+        )
+        assert reply.status_code == 400, reply.text[:300]
+        assert reply.json()["error"]["message"].startswith(param), reply.text[:300]
+    ok = sync_client.chat.completions.create(model=model, messages=MESSAGES, max_tokens=2)
+    assert ok.choices[0].finish_reason == "length"
+
+
 def test_grpc_generate_streams_the_same_calls(grpc_client, sync_client, model):
     tools = _tools(11)
     name = tools[0]["function"]["name"]
