@@ -8,7 +8,8 @@ _LATENCY_BUCKETS_S = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30
 
 REQUESTS = Counter(
     "splitserve_router_requests_total",
-    "Generate calls by outcome: stop, length, abort, invalid, rejected, cancelled, error",
+    "Generate calls by outcome: stop, length, abort, tool_calls, invalid, rejected, cancelled, "
+    "error",
     ["outcome"],
 )
 INFLIGHT = Gauge("splitserve_router_inflight_requests", "Generate calls in flight")

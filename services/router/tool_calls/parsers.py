@@ -196,7 +196,7 @@ class _MarkedParser(_ContentAndCalls):
     def finish(self) -> ParsedDelta:
         out = ParsedDelta()
         if self._in_call:
-            self._end_call(out, self._buffer, "")
+            self._end_call(out, *self._cut_off_body(self._buffer))
         else:
             self._content(out, self._buffer)
         self._buffer = ""
@@ -218,6 +218,10 @@ class _MarkedParser(_ContentAndCalls):
         """(end of the body, end of its terminator) in ``text``; None while it goes on."""
         raise NotImplementedError
 
+    def _cut_off_body(self, text: str) -> tuple[str, str]:
+        """(body, the start of its terminator) of a call the generation ended in."""
+        return text, ""
+
 
 class HermesParser(_MarkedParser):
     """``<tool_call>`` JSON ``</tool_call>``; a call cut off before its end tag still counts
@@ -229,6 +233,10 @@ class HermesParser(_MarkedParser):
     def _body_end(self, text: str) -> tuple[int, int] | None:
         end = text.find(self.end_marker)
         return None if end < 0 else (end, end + len(self.end_marker))
+
+    def _cut_off_body(self, text: str) -> tuple[str, str]:
+        keep = _held_prefix_len(text, self.end_marker)
+        return text[: len(text) - keep], text[len(text) - keep :]
 
 
 class MistralParser(_MarkedParser):

@@ -141,7 +141,7 @@ def test_hermes_content_before_a_call_streams_first_and_broken_calls_are_content
     listed = _run(
         HermesParser(parallel=True),
         '<tool_call>[{"name": "a", "arguments": {"x": 1}}, {"name": "b", "arguments": {}}]'
-        '</tool_call>\n<tool_call>{"name": "c", "arguments": {}}',
+        '</tool_call>\n<tool_call>{"name": "c", "arguments": {}}\n</tool_',
     )
     assert [c.name for c in listed.calls] == ["a", "b", "c"] and listed.content == ""
 
