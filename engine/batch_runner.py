@@ -21,6 +21,7 @@ from engine.sampler import (
     TokenLogprobs,
     argmax_rows,
     is_plain_greedy,
+    raw_token_logprobs,
 )
 from engine.scheduler import ScheduledRequest
 
@@ -68,6 +69,7 @@ class BatchRunner:
     ) -> tuple[SamplerOutput, dict[str, str]]:
         tokens: list[int] = []
         logprobs: list[TokenLogprobs | None] = []
+        prompt_logprobs: dict[str, list[TokenLogprobs]] = {}
         errors: dict[str, str] = {}
         last_error: Exception | None = None
         for item in scheduled:
@@ -80,10 +82,11 @@ class BatchRunner:
             errors.update(one_errors)
             tokens.extend(one.sampled_token_ids)
             logprobs.extend(one.logprobs)
+            prompt_logprobs.update(one.prompt_logprobs)
         if last_error is not None and len(errors) == len(scheduled):
             raise EngineBrokenError(f"every request of the step fails: {last_error!r}")
         self._num_failed_steps_in_a_row = 0
-        return SamplerOutput(tokens, logprobs), errors
+        return SamplerOutput(tokens, logprobs, prompt_logprobs), errors
 
     def _note_isolated_failure(self, exc: Exception) -> None:
         """A step of one request failed: its fault, unless steps keep failing whatever runs."""
@@ -102,6 +105,20 @@ class BatchRunner:
         logits = self.runner.execute(scheduled)
         # One row per sample: an item with drafts has several (``num_sample_rows``).
         sampling = [s for s in scheduled for _ in range(s.num_sample_rows)]
+        prompt_logprobs = _prompt_logprobs(logits[len(sampling) :], scheduled)
+        logits = logits[: len(sampling)]
+        sampled, errors = self._sample(logits, sampling, scheduled)
+        if prompt_logprobs:
+            sampled = SamplerOutput(sampled.sampled_token_ids, sampled.logprobs, prompt_logprobs)
+        return sampled, errors
+
+    def _sample(
+        self,
+        logits: torch.Tensor,
+        sampling: list[ScheduledRequest],
+        scheduled: list[ScheduledRequest],
+    ) -> tuple[SamplerOutput, dict[str, str]]:
+        """The samples of ``sampling``'s rows (``logits``, one row each)."""
         if sampling and all(_plain_greedy(s) for s in scheduled):
             return _greedy_ids(logits, sampling)
         errors: dict[str, str] = {}
@@ -127,6 +144,34 @@ class BatchRunner:
             for s in sampling
         ]
         return self.sampler(logits, rows), errors
+
+
+def _prompt_logprobs(
+    logits: torch.Tensor, scheduled: list[ScheduledRequest]
+) -> dict[str, list[TokenLogprobs]]:
+    """Each item's prompt logprobs from its ``prompt_logprob_positions`` rows (``logits``, in
+    scheduled order): the logprob of the prompt token that follows each position, its rank,
+    and the top ``prompt_logprobs`` alternatives, from the raw distribution in float32."""
+    if not len(logits):
+        return {}
+    targets: list[int] = []
+    nums: list[int] = []
+    for item in scheduled:
+        request = item.request
+        num = request.sampling_params.prompt_logprobs or 0
+        for position in item.prompt_logprob_positions:
+            targets.append(request.prompt_token_ids[position + 1])
+            nums.append(num)
+    raw = torch.log_softmax(logits.float(), dim=-1)
+    entries = raw_token_logprobs(raw, torch.tensor(targets, device=raw.device), nums)
+    result: dict[str, list[TokenLogprobs]] = {}
+    start = 0
+    for item in scheduled:
+        count = len(item.prompt_logprob_positions)
+        if count:
+            result[item.request.req_id] = entries[start : start + count]
+            start += count
+    return result
 
 
 def _plain_greedy(item: ScheduledRequest) -> bool:

@@ -54,8 +54,9 @@ class KVCacheManager:
         """Longest run of the request's full blocks already cached here. No side effects.
 
         At least one token is always left to compute, because its logits give the next token.
+        None for a request that asks for prompt logprobs: every prompt token's logits are needed.
         """
-        if not self.enable_prefix_caching:
+        if not self.enable_prefix_caching or request.sampling_params.prompt_logprobs is not None:
             return []
         max_hit_blocks = (request.num_tokens - 1) // self.block_size
         hits: list[KVCacheBlock] = []

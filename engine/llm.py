@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from collections.abc import Iterator, Sequence
 from typing import Any, cast
@@ -9,6 +10,7 @@ from typing import Any, cast
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.outputs import RequestOutput
+from engine.sampler import TokenLogprobs
 from engine.sampling_params import SamplingParams
 
 Prompt = str | Sequence[int]
@@ -40,13 +42,22 @@ class LLM:
         prompts: Prompt | Sequence[Prompt],
         params: SamplingParams | Sequence[SamplingParams] | None = None,
     ) -> list[RequestOutput]:
-        """Generate to completion; outputs are in prompt order."""
+        """Generate to completion; outputs are in prompt order, each with its prompt logprobs
+        when asked for (the engine reports them with the first token)."""
         final: dict[str, RequestOutput] = {}
+        prompt_logprobs: dict[str, list[TokenLogprobs]] = {}
         order = self._add(prompts, params)
         for out in self._run():
+            if out.prompt_logprobs is not None:
+                prompt_logprobs[out.req_id] = out.prompt_logprobs
             if out.finished:
                 final[out.req_id] = out
-        return [final[req_id] for req_id in order]
+        return [
+            dataclasses.replace(final[req_id], prompt_logprobs=prompt_logprobs[req_id])
+            if req_id in prompt_logprobs
+            else final[req_id]
+            for req_id in order
+        ]
 
     def generate_stream(
         self,

@@ -42,6 +42,7 @@ from engine.sampling_params import SamplingParams
 from engine.scheduler import (
     DuplicateRequestError,
     KVLoad,
+    ScheduledRequest,
     Scheduler,
     SchedulerConfig,
     SchedulerOutput,
@@ -74,6 +75,8 @@ class _RequestState:
     logprobs: list[TokenLogprobs] | None
     first_token_time_s: float | None = None
     num_reported_tokens: int = 0
+    # Prompt logprobs computed so far; handed out with the first token, then None.
+    prompt_logprobs: list[TokenLogprobs] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -461,6 +464,7 @@ class LLMEngine:
             return outputs
         sampled, errors = self.executor.run(sched.scheduled)
         outputs.extend(self._fail_requests(errors))
+        self._keep_prompt_logprobs(sched.scheduled, sampled.prompt_logprobs, errors)
         if errors:
             sched = SchedulerOutput(
                 scheduled=[s for s in sched.scheduled if s.request.req_id not in errors],
@@ -497,6 +501,23 @@ class LLMEngine:
         if self.config.check_kv_integrity:
             self.kv_cache_manager.check_integrity()
         return outputs
+
+    def _keep_prompt_logprobs(
+        self,
+        scheduled: list[ScheduledRequest],
+        prompt_logprobs: dict[str, list[TokenLogprobs]],
+        errors: dict[str, str],
+    ) -> None:
+        """Keep each request's new prompt logprobs until its first token is reported."""
+        for item in scheduled:
+            request = item.request
+            if not item.prompt_logprob_positions or request.req_id in errors:
+                continue
+            request.num_prompt_logprob_positions = item.prompt_logprob_positions.stop
+            state = self._states[request.req_id]
+            if state.prompt_logprobs is None:
+                state.prompt_logprobs = []
+            state.prompt_logprobs.extend(prompt_logprobs[request.req_id])
 
     def _detokenize(self, state: _RequestState, finished: bool) -> str | None:
         """Feed the request's tokens of this step to its detokenizer, one at a time; return the
@@ -546,6 +567,7 @@ class LLMEngine:
         # take_delta flushes the tail when finished.
         delta_text = detokenizer.take_delta(finished) if detokenizer is not None else ""
         logprobs = state.logprobs
+        prompt_logprobs, state.prompt_logprobs = state.prompt_logprobs, None
         new_logprobs = None
         if logprobs is not None:
             new_logprobs = logprobs[len(logprobs) - len(new_token_ids) :] if new_token_ids else []
@@ -566,4 +588,5 @@ class LLMEngine:
             scheduled_time_s=request.scheduled_time_s,
             new_logprobs=new_logprobs,
             error=request.error,
+            prompt_logprobs=prompt_logprobs,
         )

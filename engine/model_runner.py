@@ -228,7 +228,8 @@ class ModelRunner:
         """Compute the scheduled tokens; return logits [num_sampling, vocab] in the model's dtype.
 
         Rows follow ``scheduled`` order: ``num_sample_rows`` per item (one per request whose
-        step ends at its last token, one more per draft token).
+        step ends at its last token, one more per draft token); then, in the same order, one
+        row per item's ``prompt_logprob_positions``.
         Side effect: the tokens' K/V are written into the cache.
         """
         captured = self.captured_decode
@@ -253,6 +254,7 @@ class ModelRunner:
         positions: list[int] = []
         slot_blocks: list[int] = []
         sample_idx: list[int] = []
+        prompt_idx: list[int] = []
         decode_tables: list[list[int]] = []
         decode_lens: list[int] = []
         prefills: list[PrefillSeq] = []
@@ -267,6 +269,7 @@ class ModelRunner:
             blocks = item.block_ids
             slot_blocks.extend(blocks[p // bs] for p in range(start, end))
             sample_idx.extend(range(q_start + n - item.num_sample_rows, q_start + n))
+            prompt_idx.extend(q_start + p - start for p in item.prompt_logprob_positions)
             if item.is_decode:
                 assert not prefills and not prefill_chunks, "decodes must precede prefill chunks"
                 # A decode with drafts is one decode row per token, each seeing the tokens
@@ -307,7 +310,7 @@ class ModelRunner:
         return (
             torch.tensor(token_ids, dtype=torch.long, device=self.device),
             meta,
-            torch.tensor(sample_idx, dtype=torch.long, device=self.device),
+            torch.tensor(sample_idx + prompt_idx, dtype=torch.long, device=self.device),
         )
 
     def _prefill_batch(self, chunks: list[tuple[list[int], int, int, int]]) -> PrefillBatch | None:

@@ -37,3 +37,6 @@ class RequestOutput:
     new_logprobs: list[TokenLogprobs] | None = None
     # Set when finish_reason is "error": why this request (only) failed.
     error: str | None = None
+    # With prompt_logprobs: one entry per prompt token after the first (the logprob of token
+    # i + 1 after the first i + 1), on the output that carries the first new token only.
+    prompt_logprobs: list[TokenLogprobs] | None = None

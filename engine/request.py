@@ -98,6 +98,9 @@ class Request:
     num_computed_tokens: int = 0
     num_cached_tokens: int = -1
     num_preemptions: int = 0
+    # Prompt positions whose next token's logprobs were computed (prompt_logprobs): a
+    # recompute after preemption does not compute them again.
+    num_prompt_logprob_positions: int = 0
     # When the scheduler first gave it blocks (``time.perf_counter()``); None while queued.
     scheduled_time_s: float | None = None
     status: RequestStatus = RequestStatus.WAITING

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -67,10 +67,13 @@ class TokenLogprobs:
 
 @dataclass(frozen=True, slots=True)
 class SamplerOutput:
-    """One entry per input row, in row order; ``logprobs[i]`` is None unless row i asked."""
+    """One entry per input row, in row order; ``logprobs[i]`` is None unless row i asked.
+    ``prompt_logprobs``: per request asking for them, its entries of this step's prompt
+    positions (the logprobs of the prompt token each position is followed by)."""
 
     sampled_token_ids: list[int]
     logprobs: list[TokenLogprobs | None]
+    prompt_logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
 
 
 def argmax_rows(x: torch.Tensor) -> torch.Tensor:
@@ -149,7 +152,7 @@ def _apply_penalties(x: torch.Tensor, rows: Sequence[SamplingInput]) -> None:
         flat_x[positions] = flat_x[positions] - (counts * frequency + presence)
 
 
-def _raw_token_logprobs(
+def raw_token_logprobs(
     raw_logprobs: torch.Tensor, token_ids: torch.Tensor, nums: list[int]
 ) -> list[TokenLogprobs]:
     chosen = raw_logprobs.gather(1, token_ids.unsqueeze(1))
@@ -251,7 +254,7 @@ class Sampler:
             nums = [rows[i].params.logprobs or 0 for i in logprob_rows]
             for i, lp in zip(
                 logprob_rows,
-                _raw_token_logprobs(raw_logprobs, tokens[logprob_rows], nums),
+                raw_token_logprobs(raw_logprobs, tokens[logprob_rows], nums),
                 strict=True,
             ):
                 logprobs[i] = lp

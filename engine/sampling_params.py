@@ -36,7 +36,9 @@ class SamplingParams:
     ``temperature == 0`` means greedy. ``top_k`` of ``-1`` (or ``0``) disables top-k.
     ``logprobs=None`` returns no logprobs; ``logprobs=N`` returns the chosen token's logprob plus
     the top-``N`` alternatives, all taken from the raw model distribution (before penalties,
-    temperature and truncation), as vLLM does. ``seed`` makes the request's samples reproducible
+    temperature and truncation), as vLLM does; ``prompt_logprobs=N`` the same for each prompt
+    token after the first (vLLM's: such a request computes its whole prompt, no prefix-cache
+    hit). ``seed`` makes the request's samples reproducible
     regardless of which other requests share its batch.
     """
 
@@ -53,6 +55,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     # What the output must satisfy (structured output); None: anything.
     constraint: Constraint | None = None
@@ -103,6 +106,10 @@ class SamplingParams:
             raise ValueError("stop_token_ids must be >= 0")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
             raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= MAX_LOGPROBS:
+            raise ValueError(
+                f"prompt_logprobs must be in [0, {MAX_LOGPROBS}], got {self.prompt_logprobs}"
+            )
 
     @property
     def greedy(self) -> bool:

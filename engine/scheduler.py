@@ -65,13 +65,24 @@ class ScheduledRequest:
     # request's next token (it reaches the request's last token), else none. Fixed when the
     # item is made, before ``update_from_output`` advances the request.
     num_sample_rows: int = field(init=False)
+    # Positions whose logits give prompt logprobs (the next prompt token's), after the sample
+    # rows in the step's logits: a prompt_logprobs request's prompt positions this step
+    # computes for the first time, its last prompt token's excepted (that one samples).
+    prompt_logprob_positions: range = field(init=False)
 
     def __post_init__(self) -> None:
         num_real_tokens = self.num_new_tokens - len(self.spec_token_ids)
         request = self.request
-        samples = request.num_computed_tokens + num_real_tokens == request.num_tokens
+        start = request.num_computed_tokens
+        samples = start + num_real_tokens == request.num_tokens
         object.__setattr__(self, "is_decode", num_real_tokens == 1)
         object.__setattr__(self, "num_sample_rows", 1 + len(self.spec_token_ids) if samples else 0)
+        positions = range(0)
+        if request.sampling_params.prompt_logprobs is not None:
+            first = max(start, request.num_prompt_logprob_positions)
+            stop = min(start + num_real_tokens, request.num_prompt_tokens - 1)
+            positions = range(first, max(first, stop))
+        object.__setattr__(self, "prompt_logprob_positions", positions)
 
     @property
     def token_ids(self) -> list[int]:
