@@ -62,7 +62,8 @@ def test_prompt_logprobs_match_transformers(tiny_llama_dir, hf_model, max_num_ba
     first = llm.generate(prompts, plain)
     outputs = llm.generate(prompts + prompts, [asked] * len(prompts) + [plain] * len(prompts))
     repeats = outputs[len(prompts) :]
-    for prompt, output, again, before in zip(prompts, outputs, repeats, first, strict=True):
+    asking = outputs[: len(prompts)]
+    for prompt, output, again, before in zip(prompts, asking, repeats, first, strict=True):
         assert output.num_cached_tokens == 0  # no prefix hit: every prompt row computed
         _check(output.prompt_logprobs, _reference(hf_model, prompt), prompt)
         assert output.token_ids == again.token_ids == before.token_ids
