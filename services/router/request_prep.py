@@ -127,7 +127,7 @@ def prepare_request(
         params = sampling_params_from_client(_with_tool_constraint(request.sampling, tools))
     except ValueError as exc:
         raise ValueError(f"sampling.{exc}") from None
-    if tools is not None and tools.parser() is not None and tools.needs_special_tokens:
+    if tools is not None and tools.needs_special_tokens:
         params = dataclasses.replace(params, skip_special_tokens=False)
     prompt_token_ids = chat_or_prompt_token_ids(request, tokenizer, tools=tools)
     if max_tokens_default is MaxTokensDefault.REST_OF_CONTEXT and not request.sampling.HasField(

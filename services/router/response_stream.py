@@ -16,7 +16,6 @@ from engine.detokenizer import IncrementalDetokenizer
 from engine.sampling_params import SamplingParams
 from engine.tokenizer import Tokenizer
 from services.common.convert import FINISH_REASONS
-from services.router.tool_calls.parsers import ParsedDelta
 from services.router.tool_calls.tool_use import ToolUse
 from splitserve.v1 import router_pb2, worker_pb2
 
@@ -68,15 +67,15 @@ class ResponseStream:
                 break
         self.output_token_ids.extend(kept)
         self.finished = bool(finish_reason)
-        parsed = self._parse(self.detokenizer.take_delta(self.finished))
         message = router_pb2.GenerateResponse(
             request_id=self.req_id,
             token_ids=kept,
-            text=parsed.content,
+            text=self.detokenizer.take_delta(self.finished),
             logprobs=list(logprobs)[: len(kept)],
             usage=self.usage(),
-            tool_calls=parsed.calls,
         )
+        if self._tool_parser is not None:
+            self._parse_tool_calls(message)
         if self.finished:
             parser = self._tool_parser
             if (
@@ -90,15 +89,15 @@ class ResponseStream:
             message.stop_reason = stop_reason
         return message
 
-    def _parse(self, text: str) -> ParsedDelta:
-        """The content and call pieces of new text (all of it content without tools)."""
+    def _parse_tool_calls(self, message: router_pb2.GenerateResponse) -> None:
+        """Split ``message.text`` into its content and its call pieces, in place."""
         parser = self._tool_parser
-        if parser is None:
-            return ParsedDelta(content=text)
-        parsed = parser.feed(text)
+        assert parser is not None
+        parsed = parser.feed(message.text)
         if self.finished:
             parsed.add(parser.finish())
-        return parsed
+        message.text = parsed.content
+        message.tool_calls.extend(parsed.calls)
 
     def usage(self) -> router_pb2.Usage:
         return router_pb2.Usage(
