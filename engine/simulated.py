@@ -17,7 +17,7 @@ leases, KV events and preemption behave as they do on a real worker. The executo
 Many fit on one machine: nothing is loaded but the model's ``config.json`` and tokenizer, and
 the KV cache is as large as ``--num-kv-blocks`` or ``--kv-cache-memory-gb`` make it (0.5 GiB
 without either).
-Logprobs, when asked for, are the chosen token's alone, at 0.
+Logprobs and prompt logprobs, when asked for, are the chosen (or prompt) token's alone, at 0.
 """
 
 from __future__ import annotations
@@ -206,6 +206,7 @@ class SimulatedExecutor:
         errors: dict[str, str] = {}
         tokens: list[int] = []
         logprobs: list[TokenLogprobs | None] = []
+        prompt_logprobs: dict[str, list[TokenLogprobs]] = {}
         for item in scheduled:
             request = item.request
             seen[id(request)] = request
@@ -216,6 +217,11 @@ class SimulatedExecutor:
                 )
                 continue
             self._write_kv(item)
+            if item.prompt_logprob_positions:
+                prompt_logprobs[request.req_id] = [
+                    _chosen_at_zero(request.prompt_token_ids[position + 1])
+                    for position in item.prompt_logprob_positions
+                ]
             if not item.num_sample_rows:
                 continue
             known = self._digests.get(id(request))
@@ -228,16 +234,14 @@ class SimulatedExecutor:
                 )
                 tokens.append(token_id)
                 wants_logprobs = request.sampling_params.logprobs is not None
-                logprobs.append(
-                    TokenLogprobs(token_id, 0.0, 1, ((token_id, 0.0),)) if wants_logprobs else None
-                )
+                logprobs.append(_chosen_at_zero(token_id) if wants_logprobs else None)
         # Only the requests of this step are kept: neither map can outgrow a batch.
         self._digests = digests
         self._seen = seen
         left_s = self.profile.step_s(scheduled, self._block_size) - (time.perf_counter() - start_s)
         if left_s > 0:
             time.sleep(left_s)
-        return SamplerOutput(tokens, logprobs), errors
+        return SamplerOutput(tokens, logprobs, prompt_logprobs), errors
 
     def _computed_kv_holds(self, item: ScheduledRequest) -> bool:
         """Whether the blocks of ``item``'s already computed tokens hold their simulated KV."""
@@ -252,3 +256,8 @@ class SimulatedExecutor:
             item.block_ids, start, item.token_ids, self._block_size, self._kv_cache.dtype
         )
         self._kv_cache[blocks, :, :, :, slots] = values
+
+
+def _chosen_at_zero(token_id: int) -> TokenLogprobs:
+    """A simulated logprob entry: ``token_id`` alone, certain."""
+    return TokenLogprobs(token_id, 0.0, 1, ((token_id, 0.0),))

@@ -12,7 +12,7 @@ from engine.sampling_params import SamplingParams
 if TYPE_CHECKING:
     import vllm
     from vllm.sampling_params import StructuredOutputsParams
-    from vllm.v1.outputs import LogprobsLists
+    from vllm.v1.outputs import LogprobsLists, LogprobsTensors
 
 
 def structured_outputs(constraint: Constraint) -> StructuredOutputsParams:
@@ -55,6 +55,7 @@ def sampling_params(params: SamplingParams, num_given_tokens: int) -> vllm.Sampl
         stop_token_ids=list(params.stop_token_ids),
         ignore_eos=params.ignore_eos,
         logprobs=params.logprobs,
+        prompt_logprobs=params.prompt_logprobs,
         skip_special_tokens=params.skip_special_tokens,
         detokenize=False,
         output_kind=RequestOutputKind.DELTA,
@@ -68,13 +69,26 @@ def token_logprobs(lists: LogprobsLists) -> list[TokenLogprobs]:
     """One ``TokenLogprobs`` per row of vLLM's logprobs: column 0 is the sampled token, the
     rest the top alternatives, best first (vLLM's default ``raw_logprobs`` mode: the model's
     distribution before any processing, as the native engine reports)."""
-    rows = []
-    for ids, values, rank in zip(
+    return _rows(
         lists.logprob_token_ids.tolist(),
         lists.logprobs.tolist(),
         lists.sampled_token_ranks.tolist(),
-        strict=True,
-    ):
-        top = tuple(zip(ids[1:], values[1:], strict=True))
-        rows.append(TokenLogprobs(ids[0], values[0], int(rank), top))
+    )
+
+
+def prompt_token_logprobs(tensors: LogprobsTensors) -> list[TokenLogprobs]:
+    """One ``TokenLogprobs`` per prompt position of a prefill chunk (vLLM's prompt logprobs:
+    column 0 is the next prompt token, the rest the top alternatives, best first)."""
+    return _rows(
+        tensors.logprob_token_ids.tolist(),
+        tensors.logprobs.tolist(),
+        tensors.selected_token_ranks.tolist(),
+    )
+
+
+def _rows(ids: list[list[int]], values: list[list[float]], ranks: list[int]) -> list[TokenLogprobs]:
+    rows = []
+    for row_ids, row_values, rank in zip(ids, values, ranks, strict=True):
+        top = tuple(zip(row_ids[1:], row_values[1:], strict=True))
+        rows.append(TokenLogprobs(row_ids[0], row_values[0], int(rank), top))
     return rows

@@ -41,7 +41,7 @@ from engine.scheduler import DuplicateRequestError, KVLoad
 from engine.stats import EngineStats
 from engine.vllm_engine.args import engine_args, prepare_process_env, require_vllm
 from engine.vllm_engine.connector import attach, layer_major_cache
-from engine.vllm_engine.convert import sampling_params, token_logprobs
+from engine.vllm_engine.convert import prompt_token_logprobs, sampling_params, token_logprobs
 from engine.vllm_engine.events import EventCollector, EventTranslator
 from engine.vllm_engine.metrics import VLLMStatLogger
 
@@ -56,6 +56,8 @@ class _RequestState:
     token_ids: list[int]  # given (sampled elsewhere) and generated so far
     logprobs: list[TokenLogprobs] | None
     arrival_time_s: float
+    # With prompt_logprobs: the prompt's entries so far, until the first token reports them.
+    prompt_logprobs: list[TokenLogprobs] | None = None
     first_token_time_s: float | None = None
     scheduled_time_s: float | None = None
     num_cached_tokens: int = 0
@@ -202,6 +204,7 @@ class VLLMEngine:
             token_ids=list(output_token_ids),
             logprobs=[] if params.logprobs is not None else None,
             arrival_time_s=time.perf_counter(),
+            prompt_logprobs=[] if params.prompt_logprobs is not None else None,
         )
 
     def abort_requests(self, req_ids: Iterable[str]) -> list[RequestOutput]:
@@ -276,6 +279,14 @@ class VLLMEngine:
         if state.logprobs is not None and output.new_logprobs is not None:
             new_logprobs = token_logprobs(output.new_logprobs)
             state.logprobs += new_logprobs
+        prompt_logprobs = None
+        if state.prompt_logprobs is not None:
+            if output.new_prompt_logprobs_tensors is not None:
+                state.prompt_logprobs += prompt_token_logprobs(output.new_prompt_logprobs_tensors)
+            if new_token_ids:
+                # vLLM's prompt is the given tokens too: the client's ends before them.
+                prompt_logprobs = state.prompt_logprobs[: len(state.prompt_token_ids) - 1]
+                state.prompt_logprobs = None
         finish_reason = None if output.finish_reason is None else str(output.finish_reason)
         return self._report(
             output.request_id,
@@ -284,6 +295,7 @@ class VLLMEngine:
             new_logprobs,
             finish_reason=finish_reason,
             stop_reason=output.stop_reason,
+            prompt_logprobs=prompt_logprobs,
             error="vLLM failed this request (see the worker's log)"
             if finish_reason == "error"
             else None,
@@ -299,6 +311,7 @@ class VLLMEngine:
         finish_reason: str | None = None,
         stop_reason: int | str | None = None,
         error: str | None = None,
+        prompt_logprobs: list[TokenLogprobs] | None = None,
     ) -> RequestOutput:
         """``req_id``'s output for this step; a finished one carries the cumulative token ids
         and logprobs, and the request is forgotten."""
@@ -323,6 +336,7 @@ class VLLMEngine:
             scheduled_time_s=state.scheduled_time_s,
             new_logprobs=new_logprobs,
             error=error,
+            prompt_logprobs=prompt_logprobs,
         )
 
     def has_unfinished_requests(self) -> bool:

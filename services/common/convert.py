@@ -67,6 +67,7 @@ def sampling_params_from_client(msg: router_pb2.SamplingParams) -> SamplingParam
         stop_token_ids=tuple(msg.stop_token_ids),
         ignore_eos=msg.ignore_eos,
         logprobs=msg.logprobs if msg.HasField("logprobs") else None,
+        prompt_logprobs=msg.prompt_logprobs if msg.HasField("prompt_logprobs") else None,
         constraint=constraint,
     )
 
@@ -137,6 +138,8 @@ def sampling_params_to_worker(params: SamplingParams) -> worker_pb2.WorkerSampli
         msg.seed = params.seed
     if params.logprobs is not None:
         msg.logprobs = params.logprobs
+    if params.prompt_logprobs is not None:
+        msg.prompt_logprobs = params.prompt_logprobs
     if params.constraint is not None:
         msg.constraint.CopyFrom(constraint_to_proto(params.constraint))
     return msg
@@ -149,6 +152,7 @@ def sampling_params_from_worker(msg: worker_pb2.WorkerSamplingParams) -> Samplin
         seed=msg.seed if msg.HasField("seed") else None,
         stop_token_ids=tuple(msg.stop_token_ids),
         logprobs=msg.logprobs if msg.HasField("logprobs") else None,
+        prompt_logprobs=msg.prompt_logprobs if msg.HasField("prompt_logprobs") else None,
         constraint=(constraint_from_proto(msg.constraint) if msg.HasField("constraint") else None),
     )
 

@@ -62,7 +62,7 @@ class DecodeServicer(WorkerServicerBase[KVPullHooks], worker_pb2_grpc.DecodeWork
         src: KVRef | None = None
         if request.HasField("kv_ref"):
             src = kv_ref_from_proto(request.kv_ref)
-            error = self._check_kv_ref(src, len(prompt))
+            error = self._check_kv_ref(src, len(prompt), params.prompt_logprobs)
             if error:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, error)
         peer = peer_info_from_proto(request.kv_peer)
@@ -140,8 +140,13 @@ class DecodeServicer(WorkerServicerBase[KVPullHooks], worker_pb2_grpc.DecodeWork
                 f"the reader took no output for {idle_s:g} s (--stream-idle-timeout-s)",
             )
 
-    def _check_kv_ref(self, src: KVRef, num_prompt_tokens: int) -> str | None:
+    def _check_kv_ref(
+        self, src: KVRef, num_prompt_tokens: int, prompt_logprobs: int | None
+    ) -> str | None:
         block_size = self.runtime.engine.info.block_size
+        if prompt_logprobs is not None:
+            # A pulled prompt is not computed here: its logprobs are the prefill worker's.
+            return "kv_ref: a prompt pulled from a prefill worker has no prompt_logprobs here"
         if src.num_tokens != num_prompt_tokens:
             return f"kv_ref: covers {src.num_tokens} tokens, the prompt has {num_prompt_tokens}"
         if len(src.block_ids) != -(-src.num_tokens // block_size):
@@ -157,6 +162,8 @@ class DecodeServicer(WorkerServicerBase[KVPullHooks], worker_pb2_grpc.DecodeWork
         response = worker_pb2.DecodeResponse(token_ids=new_ids, finished=output.finished)
         if output.new_logprobs:
             response.logprobs.extend(logprobs_to_proto(lp) for lp in output.new_logprobs)
+        if output.prompt_logprobs:
+            response.prompt_logprobs.extend(map(logprobs_to_proto, output.prompt_logprobs))
         if output.finished:
             response.finish_reason = output.finish_reason or ""
             if output.stop_reason is not None:

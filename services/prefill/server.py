@@ -99,6 +99,8 @@ class PrefillServicer(WorkerServicerBase[LeaseHooks], worker_pb2_grpc.PrefillWor
         )
         if final.logprobs:
             response.logprob.CopyFrom(logprobs_to_proto(final.logprobs[0]))
+        if final.prompt_logprobs:
+            response.prompt_logprobs.extend(map(logprobs_to_proto, final.prompt_logprobs))
         # "length" only means the max_tokens=1 cap of the prefill unless the client asked for 1.
         if final.finish_reason == "stop" or max_tokens == 1:
             response.finished = True

@@ -62,11 +62,12 @@ class RequestBounds:
     def check(self, request: router_pb2.GenerateRequest) -> None:
         """Raise ``ValueError`` naming the field of the first size over its bound."""
         sampling = request.sampling
-        if sampling.HasField("logprobs") and sampling.logprobs > self.max_logprobs:
-            raise ValueError(
-                f"sampling.logprobs: {sampling.logprobs}, more than {self.max_logprobs} "
-                "(max_logprobs)"
-            )
+        for name in ("logprobs", "prompt_logprobs"):
+            if sampling.HasField(name) and getattr(sampling, name) > self.max_logprobs:
+                raise ValueError(
+                    f"sampling.{name}: {getattr(sampling, name)}, more than {self.max_logprobs} "
+                    "(max_logprobs)"
+                )
         if sampling.HasField("max_tokens") and sampling.max_tokens > self.max_tokens:
             raise ValueError(
                 f"sampling.max_tokens: {sampling.max_tokens}, more than {self.max_tokens} "

@@ -39,6 +39,8 @@ class ResponseStream:
         self.output_token_ids: list[int] = []
         self.num_cached_tokens = 0
         self.finished = False
+        # Sent on the first message when prompt_logprobs are asked for.
+        self._prompt_token_ids = prompt_token_ids if params.prompt_logprobs is not None else ()
 
     def push(
         self,
@@ -47,12 +49,14 @@ class ResponseStream:
         *,
         finish_reason: str = "",
         stop_reason: str = "",
+        prompt_logprobs: Sequence[worker_pb2.TokenLogprob] = (),
     ) -> router_pb2.GenerateResponse:
         """Append a worker's new tokens; return the client message for them.
 
         ``finish_reason`` / ``stop_reason`` are the worker's (``stop`` with a token id means the
         last token is a stop token). A stop string matched here finishes the stream too; tokens
-        after the one completing it are dropped.
+        after the one completing it are dropped. ``prompt_logprobs`` (with the first token)
+        pass through; the first message of a request with prompt_logprobs carries its prompt.
         """
         assert not self.finished, "push() after the stream finished"
         stop_by_token = finish_reason == "stop" and bool(stop_reason)
@@ -73,7 +77,11 @@ class ResponseStream:
             text=self.detokenizer.take_delta(self.finished),
             logprobs=list(logprobs)[: len(kept)],
             usage=self.usage(),
+            prompt_logprobs=prompt_logprobs,
         )
+        if self._prompt_token_ids:  # the first message
+            message.prompt_token_ids.extend(self._prompt_token_ids)
+            self._prompt_token_ids = ()
         if self._tool_parser is not None:
             self._parse_tool_calls(message)
         if self.finished:

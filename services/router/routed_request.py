@@ -130,8 +130,10 @@ class RoutedRequest:
                         [response.logprob] if response.HasField("logprob") else [],
                         finish_reason=response.finish_reason if response.finished else "",
                         stop_reason=response.stop_reason,
+                        prompt_logprobs=response.prompt_logprobs,
                     )
                     self.decode_request.output_token_ids.extend(self.stream.output_token_ids)
+                    self.decode_request.sampling.ClearField("prompt_logprobs")
                     if self.stream.finished:
                         return
             async for message in self._decode(plan):
@@ -249,7 +251,10 @@ class RoutedRequest:
                         response.logprobs,
                         finish_reason=response.finish_reason if response.finished else "",
                         stop_reason=response.stop_reason,
+                        prompt_logprobs=response.prompt_logprobs,
                     )
+                    if response.prompt_logprobs:  # sent: a worker taking over needs none
+                        request.sampling.ClearField("prompt_logprobs")
                     if message.token_ids or message.text or message.tool_calls or stream.finished:
                         yield message
                     if stream.finished:

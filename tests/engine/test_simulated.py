@@ -58,6 +58,21 @@ def test_ids_depend_on_the_prompt_and_position_alone(tiny_llama_dir: Path) -> No
     assert not set(alone) & eos
 
 
+def test_prompt_logprobs_are_each_prompt_tokens_alone_in_chunks_too(tiny_llama_dir: Path) -> None:
+    engine = _mock(tiny_llama_dir, max_num_batched_tokens=16)
+    engine.add_request("r", PROMPT, SamplingParams(max_tokens=2, prompt_logprobs=3))
+    (first,) = [out for out in _drain(engine) if out.new_token_ids][:1]
+    assert [entry.token_id for entry in first.prompt_logprobs] == PROMPT[1:]
+    assert all(entry.logprob == 0.0 and entry.rank == 1 for entry in first.prompt_logprobs)
+
+
+def _drain(engine: LLMEngine) -> list:
+    outputs = []
+    while engine.has_unfinished_requests():
+        outputs.extend(engine.step())
+    return outputs
+
+
 def test_a_request_resumed_on_another_engine_continues_with_the_same_ids(
     tiny_llama_dir: Path,
 ) -> None:

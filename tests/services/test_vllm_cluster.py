@@ -5,8 +5,8 @@ the decode worker pulls (``SplitserveConnector`` over the tcp backend).
 Greedy output is token-identical to vLLM run offline and to Hugging Face, through gRPC and
 through the ``openai`` client, streamed and not, and the decode workers pulled every prompt
 block; prompts sharing a long prefix land on the prefill worker that holds it (``cached_tokens``,
-the Redis index built from vLLM's KV events) and two cache salts never share; structured output
-satisfies its constraint; a cancelled stream frees its blocks on both workers; bad input is
+the Redis index built from vLLM's KV events) and two cache salts never share; echo and prompt
+logprobs equal Hugging Face's; structured output satisfies its constraint; a cancelled stream frees its blocks on both workers; bad input is
 refused without harming the workers; a prefill worker killed during the transfer costs the
 request nothing (the decode worker prefills it); a decode worker killed mid-stream costs a
 constrained stream nothing (same tokens, still valid). Each worker exports vLLM's own metrics,
@@ -176,6 +176,44 @@ def test_openai_client_streamed_and_not_matches_offline_vllm(cluster, smollm2_di
         )
         streamed = "".join(c.choices[0].delta.content or "" for c in deltas if c.choices)
         assert streamed == chat_ref["text"]
+
+
+def test_echo_and_prompt_logprobs_on_vllm_pools_equal_transformers(cluster, smollm2_dir):
+    """vLLM's prompt logprobs, computed by a vLLM prefill worker, reach the client."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    local, _ = cluster
+    with openai.OpenAI(base_url=f"{local.http_url}/v1", api_key="unused") as api:
+        model = api.models.list().data[0].id
+        response = api.completions.create(
+            model=model,
+            prompt=PROMPTS[2],
+            max_tokens=0,
+            echo=True,
+            logprobs=1,
+            extra_body={"prompt_logprobs": 1},
+        )
+    request = urllib.request.Request(
+        f"{local.http_url}/tokenize",
+        data=json.dumps({"prompt": PROMPTS[2]}).encode(),
+        headers={"content-type": "application/json"},
+    )
+    with urllib.request.urlopen(request, timeout=30) as reply:
+        ids = json.loads(reply.read())["tokens"]
+    hf = AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        reference = torch.log_softmax(hf(torch.tensor([ids])).logits[0, :-1].float(), dim=-1)
+    (choice,) = response.choices
+    assert choice.text == PROMPTS[2]
+    token_logprobs = choice.logprobs.token_logprobs
+    field = choice.model_extra["prompt_logprobs"]
+    assert token_logprobs[0] is None and field[0] is None
+    assert len(token_logprobs) == len(field) == len(ids)
+    for i, token_id in enumerate(ids[1:]):
+        expected = reference[i, token_id].item()
+        assert token_logprobs[i + 1] == pytest.approx(expected, abs=2e-3)
+        assert field[i + 1][str(token_id)]["logprob"] == pytest.approx(expected, abs=2e-3)
 
 
 def test_required_tool_call_on_vllm_pools_validates(cluster):

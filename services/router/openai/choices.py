@@ -177,10 +177,12 @@ class _FanOut:
     ) -> None:
         try:
             async for message in _generate(self._servicer, request, self._default, self._context):
+                # Queued before the followers start: the prompt's first message (with its
+                # prompt logprobs, when asked for) reaches the merger before any of theirs.
+                await self._queue.put((index, message))
                 for follower_index, follower in followers:
                     self._start(follower_index, follower, [])
                 followers = []
-                await self._queue.put((index, message))
         except Exception as exc:  # handed to the merger, which raises it to the client
             await self._queue.put((index, exc))
             return

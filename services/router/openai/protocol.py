@@ -3,10 +3,11 @@
 Fields follow OpenAI's API plus vLLM's sampling extensions (``top_k``, ``min_p``,
 ``repetition_penalty``, ``ignore_eos``, ``stop_token_ids``, ``cache_salt``) and its structured
 output ones (``guided_json``, ``guided_regex``, ``guided_choice``, ``guided_grammar``,
-``structured_outputs``; see ``structured``), and OpenAI's tool calling (``tools``,
+``structured_outputs``; see ``structured``), OpenAI's tool calling (``tools``,
 ``tool_choice``, ``parallel_tool_calls``; assistant ``tool_calls`` and ``role: tool`` messages in
-the history). Unknown fields are ignored, as OpenAI-compatible
-servers do; a value this server cannot honour (``echo``, ``logit_bias``...) is refused by
+the history), and the prompt's own logprobs (completions' ``echo``; vLLM's ``prompt_logprobs``
+on both). Unknown fields are ignored, as OpenAI-compatible
+servers do; a value this server cannot honour (``logit_bias``, ``suffix``...) is refused by
 ``unsupported()`` with a 400 naming the field rather than silently dropped. Ranges that the
 engine checks anyway (temperature, top_p, penalties...) are left to it, so both APIs say the
 same thing.
@@ -129,6 +130,9 @@ class _Sampling(Body):
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
     structured_outputs: dict[str, Any] | None = None
+    # vLLM's: N top alternatives of each prompt token (-1: the whole vocabulary, which
+    # --max-logprobs refuses unless it allows that many).
+    prompt_logprobs: int | None = Field(None, ge=-1, le=INT32_MAX)
 
     def stop_strings(self) -> list[str]:
         if self.stop is None:
@@ -141,6 +145,8 @@ class _Sampling(Body):
             return "logit_bias", "logit_bias is not supported"
         if self.stream_options is not None and not self.stream:
             return "stream_options", "stream_options is only allowed when stream is true"
+        if self.stream and self.prompt_logprobs is not None and self.prompt_logprobs != 0:
+            return "prompt_logprobs", "prompt_logprobs are not available when stream is true"
         return None
 
 
@@ -161,14 +167,16 @@ class ChatCompletionRequest(_Sampling):
 
 class CompletionRequest(_Sampling):
     prompt: str | list[str] | list[TokenId] | list[list[TokenId]]
+    # 0 only with echo: the prompt alone, nothing generated (as vLLM).
+    max_tokens: int | None = Field(None, ge=0, le=INT32_MAX)
     logprobs: int | None = Field(None, ge=0, le=INT32_MAX)
     echo: bool = False
     suffix: str | None = None
     best_of: int | None = None
 
     def unsupported(self) -> tuple[str, str] | None:
-        if self.echo:
-            return "echo", "echo is not supported"
+        if self.max_tokens == 0 and not self.echo:
+            return "max_tokens", "max_tokens: 0 needs echo (the prompt alone, nothing generated)"
         if self.suffix:
             return "suffix", "suffix is not supported"
         if self.best_of is not None and self.best_of != self.n:

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 from engine.sampling_params import SamplingParams
 from services.router.openai.errors import bad_request
+from services.router.openai.prompt_echo import NO_ECHO, Echo
 from services.router.openai.protocol import (
     INT64_MAX,
     MAX_GENERATIONS,
@@ -66,13 +67,14 @@ class RequestBudget:
         self,
         body: ChatCompletionRequest | CompletionRequest,
         num_generations: int,
-        logprobs: tuple[str, int | None],
+        logprobs: tuple[tuple[str, int | None], ...],
         max_tokens: tuple[str, int | None],
         default_max_tokens: int | None,
     ) -> None:
-        """``OpenAIError`` 400 naming the first field over its bound. ``logprobs`` and
-        ``max_tokens`` are (field name, value or None); ``default_max_tokens`` is what a
-        generation without max_tokens may produce (None: not known yet, so not checked)."""
+        """``OpenAIError`` 400 naming the first field over its bound. Each of ``logprobs``
+        and ``max_tokens`` is (field name, value or None), a negative logprobs value meaning the
+        whole vocabulary; ``default_max_tokens`` is what a generation without max_tokens may
+        produce (None: not known yet, so not checked)."""
         if body.n > self.max_n:
             raise bad_request(f"n: at most {self.max_n} (max_n), got {body.n}", "n")
         if num_generations > MAX_GENERATIONS:
@@ -81,11 +83,11 @@ class RequestBudget:
                 f"{MAX_GENERATIONS} generations in one request",
                 "prompt",
             )
-        field, value = logprobs
-        if value is not None and value > self.max_logprobs:
-            raise bad_request(
-                f"{field}: at most {self.max_logprobs} (max_logprobs), got {value}", field
-            )
+        for field, value in logprobs:
+            if value is not None and not 0 <= value <= self.max_logprobs:
+                raise bad_request(
+                    f"{field}: at most {self.max_logprobs} (max_logprobs), got {value}", field
+                )
         field, value = max_tokens
         per_generation = value if value is not None else default_max_tokens
         if per_generation is None or num_generations * per_generation <= self.max_output_tokens:
@@ -105,6 +107,7 @@ class GenerationPlan:
     endpoint: Endpoint
     requests: tuple[tuple[router_pb2.GenerateRequest, ...], ...]
     max_tokens_default: MaxTokensDefault
+    echo: Echo = NO_ECHO
 
     @property
     def num_choices(self) -> int:
@@ -125,15 +128,20 @@ def chat_plan(
     max_tokens_field = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
     max_tokens = body.max_completion_tokens or body.max_tokens
     budget.check(
-        body, body.n, ("top_logprobs", logprobs), (max_tokens_field, max_tokens), max_model_len
+        body,
+        body.n,
+        (("top_logprobs", logprobs), ("prompt_logprobs", body.prompt_logprobs)),
+        (max_tokens_field, max_tokens),
+        max_model_len,
     )
+    echo = Echo(num_prompt_logprobs=_prompt_logprobs_field(body))
     messages = chat_messages(body.messages)
-    sampling = _sampling(body, max_tokens=max_tokens, logprobs=logprobs)
+    sampling = _sampling(body, max_tokens=max_tokens, logprobs=logprobs, echo=echo)
     prompt = router_pb2.GenerateRequest(messages=messages, cache_salt=body.cache_salt or "")
     add_tools(prompt, body.tools, body.tool_choice, body.parallel_tool_calls)
     choices = _choices(prompt, sampling, body.n, request_id)
     # No max_tokens: the rest of the context, as OpenAI's chat API.
-    return GenerationPlan(Endpoint.CHAT, (choices,), MaxTokensDefault.REST_OF_CONTEXT)
+    return GenerationPlan(Endpoint.CHAT, (choices,), MaxTokensDefault.REST_OF_CONTEXT, echo)
 
 
 def completion_plan(
@@ -147,11 +155,19 @@ def completion_plan(
     budget.check(
         body,
         len(prompts) * body.n,
-        ("logprobs", body.logprobs),
+        (("logprobs", body.logprobs), ("prompt_logprobs", body.prompt_logprobs)),
         ("max_tokens", body.max_tokens),
         SamplingParams().max_tokens,
     )
-    sampling = _sampling(body, max_tokens=body.max_tokens, logprobs=body.logprobs)
+    echo = Echo(
+        prompt=body.echo,
+        without_generation=body.echo and body.max_tokens == 0,
+        num_logprobs=body.logprobs if body.echo else None,
+        num_prompt_logprobs=_prompt_logprobs_field(body),
+    )
+    # The prompt alone: the cluster samples one token, which the response leaves out.
+    max_tokens = 1 if echo.without_generation else body.max_tokens
+    sampling = _sampling(body, max_tokens=max_tokens, logprobs=body.logprobs, echo=echo)
     requests = []
     for p, prompt in enumerate(prompts):
         message = router_pb2.GenerateRequest(cache_salt=body.cache_salt or "")
@@ -162,7 +178,13 @@ def completion_plan(
         label = request_id if len(prompts) == 1 else f"{request_id}-{p}"
         requests.append(_choices(message, sampling, body.n, label))
     # OpenAI's completions default is 16 tokens, the engine's.
-    return GenerationPlan(Endpoint.COMPLETIONS, tuple(requests), MaxTokensDefault.ENGINE)
+    return GenerationPlan(Endpoint.COMPLETIONS, tuple(requests), MaxTokensDefault.ENGINE, echo)
+
+
+def _prompt_logprobs_field(body: ChatCompletionRequest | CompletionRequest) -> int | None:
+    """The ``prompt_logprobs`` the response carries: none in a stream (vLLM's, where only 0
+    is allowed, and returns nothing)."""
+    return None if body.stream else body.prompt_logprobs
 
 
 def _refuse_unsupported(unsupported: tuple[str, str] | None) -> None:
@@ -243,6 +265,7 @@ def _sampling(
     *,
     max_tokens: int | None,
     logprobs: int | None,
+    echo: Echo,
 ) -> router_pb2.SamplingParams:
     sampling = router_pb2.SamplingParams(
         stop=body.stop_strings(),
@@ -259,6 +282,8 @@ def _sampling(
         sampling.max_tokens = max_tokens
     if logprobs is not None:
         sampling.logprobs = logprobs
+    if echo.num_computed is not None:
+        sampling.prompt_logprobs = echo.num_computed
     constraint = output_constraint(body)
     if constraint is not None:
         sampling.constraint.CopyFrom(constraint)
@@ -279,5 +304,7 @@ def _choices(
         request.sampling.CopyFrom(sampling)
         if j and sampling.HasField("seed") and sampling.seed >= 0:
             request.sampling.seed = (sampling.seed + j) % (INT64_MAX + 1)
+        if j:  # the first choice's serve every choice of the prompt (prompt_echo)
+            request.sampling.ClearField("prompt_logprobs")
         choices.append(request)
     return tuple(choices)

@@ -2,14 +2,16 @@
 
 Chat: ``chat.completion`` / ``chat.completion.chunk`` with ``message`` / ``delta`` and
 ``logprobs.content``; completions: ``text_completion`` with ``text`` and the legacy
-``logprobs`` (tokens, token_logprobs, top_logprobs, text_offset). Each choice also carries
+``logprobs`` (tokens, token_logprobs, top_logprobs, text_offset; see ``logprob_shapes``), and
+the prompt's own part when asked for (``echo``, ``prompt_logprobs``: see ``prompt_echo``).
+Each choice also carries
 vLLM's ``stop_reason`` (the stop string or stop token id hit; null at eos or a length stop).
 ``usage`` counts each prompt once, every choice's tokens, and the prompt tokens served from a
 prefix cache (``prompt_tokens_details.cached_tokens``, as the first choice of each prompt saw
 them).
 
 A non-streaming response holds each choice's text as UTF-8 and its logprobs as flat arrays
-(``LogprobColumns``, 8 bytes per top alternative and 12 per token) while it waits for every
+(``LogprobColumns``, 8 bytes per top alternative and 16 per token) while it waits for every
 choice, then writes its JSON in pieces (``streaming.JsonPiecesResponse``): a body of hundreds
 of MB is never held whole, nor as Python objects per token, and its serialization does not
 stall the event loop.
@@ -18,8 +20,8 @@ stall the event loop.
 from __future__ import annotations
 
 import functools
+import itertools
 import logging
-from array import array
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -27,20 +29,24 @@ from typing import Any
 from engine.tokenizer import Tokenizer
 from services.common.convert import FINISH_REASON_NAMES
 from services.router.openai.choices import ChoiceMessage
+from services.router.openai.logprob_columns import LogprobColumns, LogprobEntry
+from services.router.openai.logprob_shapes import (
+    ENTRIES_PER_PIECE,
+    batches,
+    chat_entries,
+    completion_columns,
+    completion_logprobs,
+    proto_entries,
+)
+from services.router.openai.prompt_echo import PromptRecord
 from services.router.openai.protocol import StreamUsage
 from services.router.openai.requests import Endpoint, GenerationPlan
 from services.router.openai.streaming import json_array, json_text
-from splitserve.v1 import router_pb2, worker_pb2
+from splitserve.v1 import router_pb2
 
 logger = logging.getLogger(__name__)
 
 _TOKEN_TEXT_CACHE = 1 << 16
-# Logprob entries serialized per piece of a whole body (about 1 KB each at top_logprobs=20):
-# each piece takes the loop for a millisecond or so.
-_ENTRIES_PER_PIECE = 64
-
-# One logprob entry: its token id, its logprob, and its top alternatives' (id, logprob).
-LogprobEntry = tuple[int, float, Iterable[tuple[int, float]]]
 
 
 class TokenTexts:
@@ -53,46 +59,9 @@ class TokenTexts:
         self.text = functools.lru_cache(maxsize=_TOKEN_TEXT_CACHE)(
             lambda token_id: backend.decode([token_id], skip_special_tokens=False)
         )
-
-
-class LogprobColumns:
-    """One choice's logprob entries as flat arrays: ids as int32 and logprobs as float32 (the
-    worker's own types, so every value reads back as it came)."""
-
-    __slots__ = ("logprobs", "token_ids", "top_ends", "top_ids", "top_logprobs")
-
-    def __init__(self) -> None:
-        self.token_ids = array("i")
-        self.logprobs = array("f")
-        # Entry i's top alternatives are top_*[top_ends[i - 1]:top_ends[i]].
-        self.top_ends = array("I")
-        self.top_ids = array("i")
-        self.top_logprobs = array("f")
-
-    def __len__(self) -> int:
-        return len(self.token_ids)
-
-    def extend(self, entries: Iterable[worker_pb2.TokenLogprob]) -> None:
-        for entry in entries:
-            self.token_ids.append(entry.token_id)
-            self.logprobs.append(entry.logprob)
-            for top in entry.top:
-                self.top_ids.append(top.token_id)
-                self.top_logprobs.append(top.logprob)
-            self.top_ends.append(len(self.top_ids))
-
-    def entries(self, start: int, stop: int) -> Iterator[LogprobEntry]:
-        """Entries ``start`` to ``stop`` (exclusive)."""
-        top_start = self.top_ends[start - 1] if start else 0
-        for i in range(start, min(stop, len(self))):
-            top_stop = self.top_ends[i]
-            tops = zip(
-                self.top_ids[top_start:top_stop],
-                self.top_logprobs[top_start:top_stop],
-                strict=True,
-            )
-            yield self.token_ids[i], self.logprobs[i], tops
-            top_start = top_stop
+        self.decode: Callable[[Sequence[int]], str] = lambda token_ids: backend.decode(
+            token_ids, skip_special_tokens=False
+        )
 
 
 @dataclass(slots=True)
@@ -160,6 +129,10 @@ class ResponseBuilder:
     created_s: int
     token_texts: TokenTexts
     choices: list[ChoiceState] = field(init=False)
+    # Each choice's prompt (its index in plan.requests), and each prompt's record once its
+    # first choice's first message came (with prompt logprobs only).
+    _prompt_of: list[int] = field(init=False)
+    _prompts: list[PromptRecord | None] = field(init=False)
 
     def __post_init__(self) -> None:
         requests = [request for choices in self.plan.requests for request in choices]
@@ -168,6 +141,8 @@ class ResponseBuilder:
             ChoiceState(i, eos_ids - set(request.sampling.stop_token_ids))
             for i, request in enumerate(requests)
         ]
+        self._prompt_of = [p for p, choices in enumerate(self.plan.requests) for _ in choices]
+        self._prompts = [None] * len(self.plan.requests)
 
     @property
     def endpoint(self) -> Endpoint:
@@ -191,7 +166,7 @@ class ResponseBuilder:
         ``EVERY_CHUNK``, its usage is the prompt's and this choice's tokens so far, as vLLM's."""
         state = self.choices[item.index]
         first = not state.num_messages
-        message = item.message
+        message = self._take(item)
         state.add(message, keep=False)
         finished = bool(message.finish_reason)
         if not (message.text or message.logprobs or message.tool_calls or finished or first):
@@ -207,17 +182,26 @@ class ResponseBuilder:
                 delta["tool_calls"] = [_tool_call_delta(piece) for piece in message.tool_calls]
             choice = {"index": item.index, "delta": delta}
             choice["logprobs"] = (
-                {"content": self._chat_entries(_proto_entries(message.logprobs))}
+                {"content": chat_entries(proto_entries(message.logprobs), self.token_texts.text)}
                 if message.logprobs
                 else None
             )
         else:
             choice = {"index": item.index, "text": message.text}
-            choice["logprobs"] = (
-                self._completion_logprobs(_proto_entries(message.logprobs), state)
-                if message.logprobs
-                else None
-            )
+            entries: Iterable[LogprobEntry] = proto_entries(message.logprobs)
+            echo, prompt = self.plan.echo, self._prompts[self._prompt_of[item.index]]
+            head = None
+            if first and echo.prompt:
+                choice["text"] = self._echo_text(item.index) + message.text
+                if echo.num_logprobs is not None and prompt is not None:
+                    head = prompt.token_ids[0]
+                    echoed = prompt.echo_batches(echo.num_logprobs, ENTRIES_PER_PIECE)
+                    entries = itertools.chain(itertools.chain.from_iterable(echoed), entries)
+            choice["logprobs"] = None
+            if message.logprobs or head is not None:
+                choice["logprobs"], state.num_token_chars = completion_logprobs(
+                    entries, self.token_texts.text, state.num_token_chars, head
+                )
         choice["finish_reason"] = state.finish_reason if finished else None
         choice["stop_reason"] = state.stop_reason if finished else None
         chunk = {**self._envelope(self._chunk_object), "choices": [choice]}
@@ -238,7 +222,36 @@ class ResponseBuilder:
 
     # ---------------------------------------------------------------------------- whole
     def add(self, item: ChoiceMessage) -> None:
-        self.choices[item.index].add(item.message)
+        self.choices[item.index].add(self._take(item))
+
+    def _take(self, item: ChoiceMessage) -> router_pb2.GenerateResponse:
+        """``item``'s message as the response shows it: its prompt's record kept when it
+        carries one, and without what was generated when the prompt is asked for alone."""
+        message = item.message
+        if message.prompt_token_ids:
+            columns = LogprobColumns()
+            columns.extend(message.prompt_logprobs)
+            prompt = PromptRecord(list(message.prompt_token_ids), columns)
+            self._prompts[self._prompt_of[item.index]] = prompt
+        if not self.plan.echo.without_generation:
+            return message
+        usage = message.usage
+        alone = router_pb2.GenerateResponse(
+            request_id=message.request_id,
+            usage=router_pb2.Usage(
+                prompt_tokens=usage.prompt_tokens, cached_tokens=usage.cached_tokens
+            ),
+        )
+        if message.finish_reason:
+            alone.finish_reason = router_pb2.FINISH_REASON_LENGTH
+        return alone
+
+    def _echo_text(self, index: int) -> str:
+        """The prompt text choice ``index`` echoes: the prompt as sent, or its token ids'."""
+        request = self.plan.requests[self._prompt_of[index]][0]
+        if request.HasField("prompt"):
+            return request.prompt
+        return self.token_texts.decode(request.token_ids)
 
     def body(self) -> Iterator[str]:
         """The non-streaming body, once every choice has finished: in pieces whose
@@ -248,10 +261,17 @@ class ResponseBuilder:
         for i, state in enumerate(self.choices):
             yield "," if i else ""
             yield from self._choice(state)
-        yield '],"usage":' + json_text(self.usage()) + "}"
+        num_prompt_logprobs = self.plan.echo.num_prompt_logprobs
+        if self.endpoint is Endpoint.CHAT and num_prompt_logprobs is not None:
+            yield '],"prompt_logprobs":'
+            yield from self._prompt_logprobs(0, num_prompt_logprobs)
+            yield ',"usage":' + json_text(self.usage()) + "}"
+        else:
+            yield '],"usage":' + json_text(self.usage()) + "}"
 
     def _choice(self, state: ChoiceState) -> Iterator[str]:
         text = state.text.decode()
+        echo = self.plan.echo
         head: dict[str, Any] = {"index": state.index}
         if self.endpoint is Endpoint.CHAT:
             head["message"] = {"role": "assistant", "content": text}
@@ -262,39 +282,52 @@ class ResponseBuilder:
                     "tool_calls": state.tool_calls,
                 }
         else:
-            head["text"] = text
+            head["text"] = (self._echo_text(state.index) if echo.prompt else "") + text
         yield json_text(head)[:-1] + ',"logprobs":'
         columns = state.logprobs
-        if not columns:
+        prompt = self._prompts[self._prompt_of[state.index]]
+        if not (echo.prompt and echo.num_logprobs is not None):
+            prompt = None
+        if not columns and prompt is None:
             yield "null"
         elif self.endpoint is Endpoint.CHAT:
+            text_of = self.token_texts.text
             yield '{"content":'
-            yield from json_array(self._chat_entries(batch) for batch in _batches(columns))
+            yield from json_array(chat_entries(batch, text_of) for batch in batches(columns))
             yield "}"
         else:
-            yield from self._completion_columns(columns)
+            yield from self._completion_columns(columns, prompt)
+        if self.endpoint is Endpoint.COMPLETIONS and echo.num_prompt_logprobs is not None:
+            yield ',"prompt_logprobs":'
+            yield from self._prompt_logprobs(state.index, echo.num_prompt_logprobs)
         yield (
             f',"finish_reason":{json_text(state.finish_reason)}'
             f',"stop_reason":{json_text(state.stop_reason)}}}'
         )
 
-    def _completion_columns(self, columns: LogprobColumns) -> Iterator[str]:
-        """The legacy shape's four arrays, each in pieces."""
-        text = self.token_texts.text
-        yield '{"tokens":'
+    def _completion_columns(
+        self, columns: LogprobColumns, prompt: PromptRecord | None
+    ) -> Iterator[str]:
+        """A choice's legacy logprobs, echoed ``prompt``'s tokens first."""
+        num_top = self.plan.echo.num_logprobs or 0
+
+        def entry_batches() -> Iterator[list[LogprobEntry]]:
+            if prompt is not None:
+                yield from prompt.echo_batches(num_top, ENTRIES_PER_PIECE)
+            yield from batches(columns)
+
+        head = None if prompt is None else prompt.token_ids[0]
+        yield from completion_columns(entry_batches, self.token_texts.text, head)
+
+    def _prompt_logprobs(self, index: int, num_top: int) -> Iterator[str]:
+        """vLLM's ``prompt_logprobs`` of choice ``index``'s prompt, in pieces."""
+        prompt = self._prompts[self._prompt_of[index]]
+        if prompt is None:
+            yield "null"
+            return
         yield from json_array(
-            [text(token_id) for token_id, _, _ in batch] for batch in _batches(columns)
+            prompt.field_batches(num_top, self.token_texts.text, ENTRIES_PER_PIECE)
         )
-        yield ',"token_logprobs":'
-        yield from json_array([logprob for _, logprob, _ in batch] for batch in _batches(columns))
-        yield ',"top_logprobs":'
-        yield from json_array(
-            [_completion_top(text(entry[0]), entry, text) for entry in batch]
-            for batch in _batches(columns)
-        )
-        yield ',"text_offset":'
-        yield from json_array(_text_offsets(columns, text))
-        yield "}"
 
     def usage(self) -> dict[str, int | dict[str, int]]:
         prompt_tokens = cached_tokens = 0
@@ -313,37 +346,6 @@ class ResponseBuilder:
             "prompt_tokens_details": {"cached_tokens": cached_tokens},
         }
 
-    # ---------------------------------------------------------------------------- logprobs
-    def _chat_entries(self, entries: Iterable[LogprobEntry]) -> list[dict[str, Any]]:
-        text = self.token_texts.text
-        return [
-            {
-                **_chat_token(text(token_id), logprob),
-                "top_logprobs": [_chat_token(text(t), t_logprob) for t, t_logprob in tops],
-            }
-            for token_id, logprob, tops in entries
-        ]
-
-    def _completion_logprobs(
-        self, entries: Iterable[LogprobEntry], state: ChoiceState
-    ) -> dict[str, Any]:
-        """The legacy shape; ``state.num_token_chars`` carries text_offset across chunks."""
-        text = self.token_texts.text
-        tokens, token_logprobs, tops, offsets = [], [], [], []
-        for entry in entries:
-            token = text(entry[0])
-            tokens.append(token)
-            token_logprobs.append(entry[1])
-            tops.append(_completion_top(token, entry, text))
-            offsets.append(state.num_token_chars)
-            state.num_token_chars += len(token)
-        return {
-            "tokens": tokens,
-            "token_logprobs": token_logprobs,
-            "top_logprobs": tops,
-            "text_offset": offsets,
-        }
-
 
 def _tool_call(piece: router_pb2.ToolCallDelta) -> dict[str, Any]:
     """A call's first piece as OpenAI's ``message.tool_calls`` entry."""
@@ -356,37 +358,3 @@ def _tool_call_delta(piece: router_pb2.ToolCallDelta) -> dict[str, Any]:
     if not piece.id:
         return {"index": piece.index, "function": {"arguments": piece.arguments}}
     return {"index": piece.index, **_tool_call(piece)}
-
-
-def _batches(columns: LogprobColumns) -> Iterator[list[LogprobEntry]]:
-    for start in range(0, len(columns), _ENTRIES_PER_PIECE):
-        yield list(columns.entries(start, start + _ENTRIES_PER_PIECE))
-
-
-def _text_offsets(columns: LogprobColumns, text: Callable[[int], str]) -> Iterator[list[int]]:
-    """Each entry's text_offset (the characters of the token texts before it), in batches."""
-    offset = 0
-    for batch in _batches(columns):
-        offsets = []
-        for token_id, _, _ in batch:
-            offsets.append(offset)
-            offset += len(text(token_id))
-        yield offsets
-
-
-def _proto_entries(logprobs: Sequence[worker_pb2.TokenLogprob]) -> Iterator[LogprobEntry]:
-    for entry in logprobs:
-        yield entry.token_id, entry.logprob, ((t.token_id, t.logprob) for t in entry.top)
-
-
-def _completion_top(
-    token: str, entry: LogprobEntry, text: Callable[[int], str]
-) -> dict[str, float]:
-    """The legacy ``top_logprobs`` entry: text to logprob, the sampled token's included."""
-    top = {text(token_id): logprob for token_id, logprob in entry[2]}
-    top.setdefault(token, entry[1])
-    return top
-
-
-def _chat_token(token: str, logprob: float) -> dict[str, Any]:
-    return {"token": token, "logprob": logprob, "bytes": list(token.encode())}

@@ -205,11 +205,15 @@ class _MarkedParser(_ContentAndCalls):
 
     def _end_call(self, out: ParsedDelta, body: str, terminator: str) -> None:
         self._in_call = False
-        calls = _calls_in(body)
+        calls = self._parse_body(body)
         if calls is None:
             self._content(out, self.start_marker + body + terminator)
         else:
             self._emit(out, calls)
+
+    def _parse_body(self, body: str) -> list[tuple[str, str]] | None:
+        """The calls of a whole body; None when it holds none (it is then content)."""
+        return _calls_in(body)
 
     def _start_body(self) -> None:
         """A new call's body begins."""
@@ -240,19 +244,42 @@ class HermesParser(_MarkedParser):
 
 
 class MistralParser(_MarkedParser):
-    """``[TOOL_CALLS]`` then one JSON array (or object) of calls."""
+    """``[TOOL_CALLS]`` then one JSON array (or object) of calls (the v3 to v7 tokenizers'
+    form), or a function name, ``[ARGS]`` and its arguments' JSON object (v11 on: one call per
+    ``[TOOL_CALLS]``)."""
 
     start_marker = "[TOOL_CALLS]"
+    args_marker = "[ARGS]"
 
     def _start_body(self) -> None:
         self._scanner = ObjectScanner()
-        self._scanned = 0
+        self._named: bool | None = None  # the v11 form; None until the body shows which
+        # Where the scanned JSON starts in the body, and how far the body is scanned.
+        self._base = self._scanned = 0
 
     def _body_end(self, text: str) -> tuple[int, int] | None:
+        if self._named is None:
+            head = text.lstrip()
+            if not head:
+                return None
+            if head[0] in "[{":
+                self._named = False
+            else:
+                args = text.find(self.args_marker)
+                if args < 0:
+                    return None  # the name goes on
+                self._named = True
+                self._base = self._scanned = args + len(self.args_marker)
         self._scanner.scan(text[self._scanned :])
         self._scanned = len(text)
         end = self._scanner.value_end
-        return None if end < 0 else (end, end)
+        return None if end < 0 else (self._base + end, self._base + end)
+
+    def _parse_body(self, body: str) -> list[tuple[str, str]] | None:
+        if not self._named:
+            return super()._parse_body(body)
+        name, _, arguments = body.partition(self.args_marker)
+        return _calls_in(json.dumps({"name": name.strip(), "arguments": arguments}))
 
 
 class _Leading(enum.Enum):

@@ -172,3 +172,21 @@ def test_a_constrained_request_resumes_exactly_where_it_left_off(engine, num_giv
         f"json-{num_given}", PROMPT, params, output_token_ids=given, cache_salt="json-rest"
     )
     assert given + run(engine, f"json-{num_given}") == whole
+
+
+def test_prompt_logprobs_match_the_native_engines(engine):
+    from engine import LLM
+
+    params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True, prompt_logprobs=3)
+    engine.add_request("prompt-logprobs", PROMPT, params, cache_salt="prompt-logprobs")
+    outputs = []
+    while engine.has_unfinished_requests():
+        outputs += [out for out in engine.step() if out.req_id == "prompt-logprobs"]
+    (reported,) = [out.prompt_logprobs for out in outputs if out.prompt_logprobs is not None]
+    llm = LLM("smollm2-135m", dtype="float32", num_kv_blocks=64, max_model_len=1024)
+    native = llm.generate([PROMPT], params)
+    expected = native[0].prompt_logprobs
+    assert [entry.token_id for entry in reported] == PROMPT[1:]
+    for ours, theirs in zip(reported, expected, strict=True):
+        assert ours.logprob == pytest.approx(theirs.logprob, abs=2e-3)
+        assert [v for _, v in ours.top] == pytest.approx([v for _, v in theirs.top], abs=2e-3)

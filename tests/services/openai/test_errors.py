@@ -59,9 +59,10 @@ def assert_error_shape(body: Any, error_type: str) -> dict[str, Any]:
     ("body", "param", "words"),
     [
         ({"prompt": "x", "temperature": -1}, "temperature", "temperature must be >= 0"),
-        ({"prompt": "x", "max_tokens": 0}, "max_tokens", "greater than or equal to 1"),
+        ({"prompt": "x", "max_tokens": 0}, "max_tokens", "0 needs echo"),
+        ({"prompt": "x", "max_tokens": -1}, "max_tokens", "greater than or equal to 0"),
         ({"prompt": "x", "max_tokens": 100000}, "max_tokens", "exceeds the context"),
-        ({"prompt": "x", "echo": True}, "echo", "echo is not supported"),
+        ({"prompt": "x", "prompt_logprobs": 21}, "prompt_logprobs", "at most 20 (max_logprobs)"),
         ({"prompt": []}, "prompt", "must not be empty"),
         ({"prompt": [1, "a"]}, "prompt", ""),
         ({"prompt": [99999999]}, "token_ids", "outside the vocabulary"),

@@ -167,3 +167,22 @@ def test_mistral_single_object_and_unclosed_array():
     unclosed = '[TOOL_CALLS] [{"name": "a", "arguments": {"x": 1}}'
     cut = _run(MistralParser(parallel=True), unclosed)
     assert not cut.calls and cut.content == unclosed
+
+
+@pytest.mark.parametrize("seed", [None, 1, 2, 3])
+def test_mistral_v11_name_and_args_form_in_any_pieces(seed):
+    rng = None if seed is None else random.Random(seed)
+    text = (
+        'Checking.[TOOL_CALLS]get_weather[ARGS]{"city": "Paris [ARGS] }"}'
+        '[TOOL_CALLS] add [ARGS]{"a": 1, "b": {"c": [1, 2]}}'
+    )
+    out = _run(MistralParser(parallel=True), text, rng)
+    assert out.content == "Checking."
+    assert [(c.index, c.name) for c in out.calls] == [(0, "get_weather"), (1, "add")]
+    assert [json.loads(c.arguments) for c in out.calls] == [
+        {"city": "Paris [ARGS] }"},
+        {"a": 1, "b": {"c": [1, 2]}},
+    ]
+    # A name whose arguments never came is content, as any broken call.
+    cut = _run(MistralParser(parallel=True), "[TOOL_CALLS]get_weather", rng)
+    assert not cut.calls and cut.content == "[TOOL_CALLS]get_weather"
