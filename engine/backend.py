@@ -85,12 +85,14 @@ class EngineBackend(Protocol):
         num_external_tokens: int = 0,
         hold_kv: bool = False,
         cache_salt: str = "",
+        priority: int = 0,
     ) -> None:
         """Queue a request. ``output_token_ids`` were sampled elsewhere (a prefill worker's
         first token): they count towards ``max_tokens`` and are not reported again. The first
         ``num_external_tokens`` tokens' KV is loaded from a peer, not computed. With
         ``hold_kv`` the blocks outlive the request until ``release_held_kv``. Requests share
-        prefix-cache blocks only under the same ``cache_salt``. ``ValueError`` naming the field
+        prefix-cache blocks only under the same ``cache_salt``. ``priority`` orders it under
+        ``--scheduling-policy priority`` (lower first). ``ValueError`` naming the field
         when the request cannot run here; ``DuplicateRequestError`` (a ``ValueError``) when
         ``req_id`` is in flight or holds KV."""
 

@@ -28,6 +28,16 @@ class EngineKind(enum.StrEnum):
 
 
 ENGINES = tuple(kind.value for kind in EngineKind)
+
+
+class SchedulingPolicy(enum.StrEnum):
+    """How the scheduler orders waiting requests (vLLM's ``--scheduling-policy``)."""
+
+    FCFS = "fcfs"  # arrival order
+    PRIORITY = "priority"  # by each request's priority (lower first), then arrival
+
+
+SCHEDULING_POLICIES = tuple(policy.value for policy in SchedulingPolicy)
 # --engine mock's step profile: the native engine's, fitted on SmolLM2-135M (float32) on an
 # AVX2 host (BENCHMARKS.md, "The simulated engine's profile").
 MOCK_STEP_MS = 70.5
@@ -91,6 +101,13 @@ class EngineConfig:
     device: str = flag("auto", "cpu, cuda, cuda:N or auto (cuda when available)")
     block_size: int = flag(16, "tokens per KV block")
     max_num_seqs: int = flag(128, "max requests in the running batch")
+    scheduling_policy: SchedulingPolicy = flag(
+        SchedulingPolicy.FCFS,
+        "fcfs: requests run in arrival order; priority: by each request's priority (lower "
+        "first; the router gives a request its tenant's), then arrival, and a waiting request "
+        "that finds no room preempts a running one of lower priority (as vLLM's)",
+        choices=SCHEDULING_POLICIES,
+    )
     max_num_batched_tokens: int = flag(2048, "max tokens computed per step (prefill chunk size)")
     long_prefill_token_threshold: int = flag(
         0,
@@ -172,6 +189,7 @@ class EngineConfig:
             raise ValueError(f"engine must be one of {ENGINES}, got {self.engine!r}")
         # Given as its name (a test, a caller's literal): the member, so that `is` holds.
         object.__setattr__(self, "engine", EngineKind(self.engine))
+        object.__setattr__(self, "scheduling_policy", SchedulingPolicy(self.scheduling_policy))
         for name in _MOCK_PROFILE_FIELDS:
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")

@@ -20,7 +20,7 @@ import torch
 from engine.backend import EngineInfo
 from engine.block_hash import BlockHash
 from engine.block_pool import KVCacheEvent
-from engine.config import EngineConfig
+from engine.config import EngineConfig, SchedulingPolicy
 from engine.constraint import Constraint
 from engine.cpu_isa import CpuIsa, host_isa, resolve_isa
 from engine.cpu_tuning import BuildThread, keep_freed_memory_in_heap, place_engine_threads
@@ -156,6 +156,7 @@ class LLMEngine:
                 max_num_batched_tokens=config.max_num_batched_tokens,
                 max_model_len=self.max_model_len,
                 long_prefill_token_threshold=config.long_prefill_token_threshold,
+                by_priority=config.scheduling_policy is SchedulingPolicy.PRIORITY,
             ),
             self.kv_cache_manager,
             proposer=(
@@ -218,6 +219,7 @@ class LLMEngine:
         hold_kv: bool = False,
         arrival_time_s: float | None = None,
         cache_salt: str = "",
+        priority: int = 0,
     ) -> None:
         """Queue a request.
 
@@ -249,6 +251,7 @@ class LLMEngine:
             hold_kv=hold_kv,
             output_token_ids=list(output_token_ids),
             extra_key=cache_salt,
+            priority=priority,
         )
         constraint = params.constraint
         grammar = None if constraint is None else self.grammars.submit(constraint)

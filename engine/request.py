@@ -91,6 +91,8 @@ class Request:
     block_size: int
     arrival_time_s: float
     extra_key: str = ""
+    # Lower runs first under --scheduling-policy priority (vLLM's ``priority``).
+    priority: int = 0
     num_external_tokens: int = 0
     hold_kv: bool = False
     output_token_ids: list[int] = field(default_factory=list)

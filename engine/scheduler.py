@@ -9,6 +9,13 @@ The waiting queue runs front to back, no request overtaking one that does not fi
 
     | preempted (newest victim first) | remote KV arrived (FIFO) | new (FIFO) |
 
+Under ``priority`` (vLLM's ``--scheduling-policy priority``) the queue is ordered by (priority,
+arrival) instead, lower first, and the victim of a preemption is the running request of the
+lowest priority (the newest among them). Before a step is scheduled, the first waiting request
+preempts running requests of strictly lower priority while it would find no ``max_num_seqs``
+slot or too few free blocks for its tokens: a high-priority request waits for no low-priority
+one to finish.
+
 A paused request (its reader fell behind, ``set_paused``) makes no progress, so it gives way:
 it gets no tokens, is the first victim when blocks run out, is preempted when a waiting
 request lacks a ``max_num_seqs`` slot or blocks, and is skipped by admission (keeping its
@@ -41,6 +48,8 @@ class SchedulerConfig:
     max_model_len: int
     # Most prompt tokens per request per step (0: no cap below the step budget).
     long_prefill_token_threshold: int = 0
+    # Order by each request's priority (see the module) instead of arrival.
+    by_priority: bool = False
 
     @property
     def max_chunk_tokens(self) -> int:
@@ -165,7 +174,10 @@ class Scheduler:
         if not 0 <= request.num_external_tokens < request.num_tokens:
             raise ValueError("num_external_tokens must leave at least one token to compute")
         self.requests[request.req_id] = request
-        self.waiting.append(request)
+        if self.config.by_priority:
+            self._insert_by_priority(request)
+        else:
+            self.waiting.append(request)
 
     def finish_requests(self, req_ids: Iterable[str], status: RequestStatus) -> list[Request]:
         """Finish (e.g. abort, stop string) requests in any state and free their blocks.
@@ -212,10 +224,21 @@ class Scheduler:
         request.num_cached_tokens = request.num_computed_tokens
         request.num_external_tokens = 0
         request.status = RequestStatus.WAITING
+        if self.config.by_priority:
+            self._insert_by_priority(request)
+            return
         # New requests are the only waiting ones never given blocks (``scheduled_time_s``).
         index = 0
         while index < len(self.waiting) and self.waiting[index].scheduled_time_s is not None:
             index += 1
+        self.waiting.insert(index, request)
+
+    def _insert_by_priority(self, request: Request) -> None:
+        """Into ``waiting`` after every request that goes first (``_rank``)."""
+        rank = _rank(request)
+        index = len(self.waiting)
+        while index > 0 and _rank(self.waiting[index - 1]) > rank:
+            index -= 1
         self.waiting.insert(index, request)
 
     def release_held_kv(self, req_id: str) -> bool:
@@ -253,6 +276,10 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         decodes: list[ScheduledRequest] = []
         prefills: list[ScheduledRequest] = []
+        if self.config.by_priority:
+            self._make_room_by_priority(out)
+        # Admission waits a step after a preemption for room, not after one made for it.
+        num_preempted_for_room = len(out.preempted_req_ids)
 
         i = 0
         while i < len(self.running) and budget > 0:
@@ -271,7 +298,7 @@ class Scheduler:
             while not draft and not self.kv_cache_manager.allocate_slots(request, num_new):
                 victim = self._newest_paused_running()
                 if victim is None:
-                    victim = len(self.running) - 1
+                    victim = self._last_to_run()
                 self._preempt_running(victim, out)
                 if victim == i:
                     break
@@ -283,7 +310,7 @@ class Scheduler:
                 budget -= item.num_new_tokens
                 i += 1
 
-        if not out.preempted_req_ids:
+        if len(out.preempted_req_ids) == num_preempted_for_room:
             admitted = self._admit_waiting(budget, out)
             for item in admitted:
                 (decodes if item.is_decode else prefills).append(item)
@@ -380,16 +407,43 @@ class Scheduler:
                     return index
         return None
 
+    def _last_to_run(self) -> int:
+        """The index in ``running`` of the request that gives way first: the newest, or under
+        ``by_priority`` the newest of the lowest priority."""
+        if not self.config.by_priority:
+            return len(self.running) - 1
+        return max(range(len(self.running)), key=lambda i: (*_rank(self.running[i]), i))
+
+    def _make_room_by_priority(self, out: SchedulerOutput) -> None:
+        """Preempt running requests of lower priority than the first waiting one while it
+        would find no slot or too few free blocks (see the module)."""
+        first = next((r for r in self.waiting if r.req_id not in self.paused), None)
+        if first is None:
+            return
+        needed_blocks = -(-first.num_tokens // self.block_size)
+        while self.running and (
+            len(self.running) >= self.config.max_num_seqs
+            or self.kv_cache_manager.block_pool.num_free_blocks < needed_blocks
+        ):
+            victim = self._last_to_run()
+            if self.running[victim].priority <= first.priority:
+                return
+            self._preempt_running(victim, out)
+
     def _preempt_running(self, index: int, out: SchedulerOutput) -> None:
         """Preempt ``running[index]``: its blocks are freed and it goes back to the front of
-        the waiting queue (victims taken newest first keep their admission order)."""
+        the waiting queue (victims taken newest first keep their admission order), or under
+        ``by_priority`` to its place by rank."""
         request = self.running.pop(index)
         self.kv_cache_manager.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.num_preemptions += 1
         self.num_preemptions += 1
-        self.waiting.appendleft(request)
+        if self.config.by_priority:
+            self._insert_by_priority(request)
+        else:
+            self.waiting.appendleft(request)
         out.preempted_req_ids.append(request.req_id)
 
     # ----------------------------------------------------------------------------- update
@@ -463,3 +517,8 @@ class Scheduler:
             self.held_kv[request.req_id] = request
         else:
             self.kv_cache_manager.free(request)
+
+
+def _rank(request: Request) -> tuple[int, float]:
+    """Which request runs first under ``by_priority``: lower priority value, then earlier."""
+    return request.priority, request.arrival_time_s

@@ -76,6 +76,8 @@ def vllm_argv(config: EngineConfig, *, cuda: bool) -> list[str]:
         str(config.max_num_batched_tokens),
         "--seed",
         str(config.seed),
+        "--scheduling-policy",
+        str(config.scheduling_policy),
         "--enable-prefix-caching" if config.enable_prefix_caching else "--no-enable-prefix-caching",
     ]
     if config.enable_prefix_caching:

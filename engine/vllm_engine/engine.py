@@ -164,6 +164,7 @@ class VLLMEngine:
         num_external_tokens: int = 0,
         hold_kv: bool = False,
         cache_salt: str = "",
+        priority: int = 0,
     ) -> None:
         """Validate through vLLM's input processor and queue. Tokens sampled elsewhere
         (``output_token_ids``: a resumed stream) extend the prompt and count towards
@@ -192,6 +193,7 @@ class VLLMEngine:
             tokens_input(prompt, cache_salt=cache_salt or None),
             sampling_params(params, len(output_token_ids)),
             self._supported_tasks,
+            priority=priority,
         )
         if self._channel is not None:
             self._channel.add(req_id, num_external_tokens, hold_kv)

@@ -2,11 +2,13 @@
 
 Clients send ``authorization: Bearer KEY`` (gRPC metadata, or the HTTP header). A key has one
 of two roles: ``data`` may generate; ``admin`` may also resize pools and read the cluster's
-state (``Scale``, ``Status``, ``Explain``). Keys come from a key file and from one inline key:
+state (``Scale``, ``Status``, ``Explain``). A key may name its tenant: the tenant's requests
+share its limits, priority and prefix cache (``services/router/tenants``); a key without one
+is the ``default`` tenant's. Keys come from a key file and from one inline key:
 
     # comments and blank lines are ignored
     3b1f...e9  admin
-    77ac...02  data
+    77ac...02  data  tenant=acme
     a4d0...5c          <- no role: data
 
 Several keys may be valid at once (rotation: add the new key, move clients, drop the old one,
@@ -20,6 +22,7 @@ import enum
 import hashlib
 import hmac
 import logging
+import re
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,6 +32,10 @@ logger = logging.getLogger(__name__)
 BEARER_PREFIX = "Bearer "
 # A key shorter than this is a typo or a placeholder, not a secret.
 MIN_KEY_CHARS = 16
+# The tenant of keys that name none (and of every request when the router takes no keys).
+DEFAULT_TENANT = "default"
+_TENANT_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
+_TENANT_FIELD = "tenant="
 
 
 class KeyRole(enum.Enum):
@@ -41,12 +48,24 @@ class KeyRole(enum.Enum):
         return self is KeyRole.ADMIN or needed is KeyRole.DATA
 
 
+def check_tenant_name(name: str) -> str:
+    """``name`` if it names a tenant (1 to 64 letters, digits, ``_.-``, not starting with
+    one of ``_.-``); else ``ValueError``."""
+    if not _TENANT_NAME.fullmatch(name):
+        raise ValueError(
+            f"tenant name {name!r}: 1 to 64 of letters, digits, '_', '.', '-' (starting with a "
+            "letter or digit)"
+        )
+    return name
+
+
 @dataclass(frozen=True, slots=True)
 class ApiKey:
-    """One accepted key: its digest, role and a short fingerprint safe to log."""
+    """One accepted key: its digest, role, tenant and a short fingerprint safe to log."""
 
     digest: bytes
     role: KeyRole
+    tenant: str = DEFAULT_TENANT
 
     @property
     def fingerprint(self) -> str:
@@ -54,13 +73,14 @@ class ApiKey:
         return self.digest.hex()[:8]
 
 
-def make_key(secret: str, role: KeyRole) -> ApiKey:
-    """``ApiKey`` for ``secret``; ``ValueError`` if it is too short or holds whitespace."""
+def make_key(secret: str, role: KeyRole, tenant: str = DEFAULT_TENANT) -> ApiKey:
+    """``ApiKey`` for ``secret``; ``ValueError`` if it is too short or holds whitespace, or
+    ``tenant`` is not a tenant name."""
     if len(secret) < MIN_KEY_CHARS:
         raise ValueError(f"an API key must have at least {MIN_KEY_CHARS} characters")
     if any(c.isspace() for c in secret):
         raise ValueError("an API key must not contain whitespace")
-    return ApiKey(hashlib.sha256(secret.encode()).digest(), role)
+    return ApiKey(hashlib.sha256(secret.encode()).digest(), role, check_tenant_name(tenant))
 
 
 def parse_key_file(text: str, source: str) -> tuple[ApiKey, ...]:
@@ -70,8 +90,11 @@ def parse_key_file(text: str, source: str) -> tuple[ApiKey, ...]:
         fields = line.split("#", 1)[0].split()
         if not fields:
             continue
+        tenant = DEFAULT_TENANT
+        if len(fields) > 1 and fields[-1].startswith(_TENANT_FIELD):
+            tenant = fields.pop()[len(_TENANT_FIELD) :]
         if len(fields) > 2:
-            raise ValueError(f"{source}:{number}: expected 'KEY [data|admin]'")
+            raise ValueError(f"{source}:{number}: expected 'KEY [data|admin] [tenant=NAME]'")
         try:
             role = KeyRole(fields[1]) if len(fields) == 2 else KeyRole.DATA
         except ValueError:
@@ -79,7 +102,7 @@ def parse_key_file(text: str, source: str) -> tuple[ApiKey, ...]:
                 f"{source}:{number}: role must be data or admin, got {fields[1]!r}"
             ) from None
         try:
-            keys.append(make_key(fields[0], role))
+            keys.append(make_key(fields[0], role, tenant))
         except ValueError as exc:
             raise ValueError(f"{source}:{number}: {exc}") from None
     return tuple(keys)

@@ -14,6 +14,8 @@ from typing import NoReturn
 import grpc
 
 FAILURE_KEY = "splitserve-failure"
+# Seconds until a refused call may succeed (the name and meaning of HTTP's Retry-After).
+RETRY_AFTER = "retry-after"
 
 
 class FailureKind(enum.Enum):
@@ -30,6 +32,16 @@ class FailureKind(enum.Enum):
 
 async def abort(context: grpc.aio.ServicerContext, code: grpc.StatusCode, details: str) -> NoReturn:
     """End the call with ``code`` and ``details`` (``context.abort``, typed: it always raises)."""
+    await context.abort(code, details)
+    raise AssertionError("unreachable: abort raises")
+
+
+async def abort_retry_after(
+    context: grpc.aio.ServicerContext, code: grpc.StatusCode, details: str, retry_after_s: int
+) -> NoReturn:
+    """End the call with ``code`` and ``details``, telling the caller when to try again
+    (``retry-after`` seconds, in the trailing metadata; the HTTP API's header)."""
+    context.set_trailing_metadata(((RETRY_AFTER, str(retry_after_s)),))
     await context.abort(code, details)
     raise AssertionError("unreachable: abort raises")
 

@@ -72,7 +72,12 @@ class DecodeServicer(WorkerServicerBase[KVPullHooks], worker_pb2_grpc.DecodeWork
         def add(engine: EngineBackend) -> None:
             if src is None or not self.hooks.expect(req_id, src, peer):
                 engine.add_request(
-                    req_id, prompt, params, output_token_ids=output_token_ids, cache_salt=salt
+                    req_id,
+                    prompt,
+                    params,
+                    output_token_ids=output_token_ids,
+                    cache_salt=salt,
+                    priority=request.priority,
                 )
                 return
             try:
@@ -83,6 +88,7 @@ class DecodeServicer(WorkerServicerBase[KVPullHooks], worker_pb2_grpc.DecodeWork
                     output_token_ids=output_token_ids,
                     num_external_tokens=src.num_tokens,
                     cache_salt=salt,
+                    priority=request.priority,
                 )
             except DuplicateRequestError:
                 raise  # the id's pull, if any, is another request's

@@ -61,7 +61,14 @@ class PrefillServicer(WorkerServicerBase[LeaseHooks], worker_pb2_grpc.PrefillWor
         first_token_params = dataclasses.replace(params, max_tokens=1)
 
         def add(engine: EngineBackend) -> None:
-            engine.add_request(req_id, prompt, first_token_params, hold_kv=hold_kv, cache_salt=salt)
+            engine.add_request(
+                req_id,
+                prompt,
+                first_token_params,
+                hold_kv=hold_kv,
+                cache_salt=salt,
+                priority=request.priority,
+            )
 
         loop = self.runtime.loop
         final: RequestOutput | None = None

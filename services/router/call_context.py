@@ -22,17 +22,27 @@ class CallContext(Protocol):
     def time_remaining(self) -> float | None:
         """Seconds until the caller's deadline; None without one."""
 
+    def set_trailing_metadata(self, trailing_metadata: Sequence[tuple[str, str]]) -> None:
+        """Metadata to end the call with (gRPC trailers; the HTTP API's error headers)."""
+
     async def abort(self, code: grpc.StatusCode, details: str = "") -> NoReturn:
         """End the call with ``code`` and ``details``; always raises."""
 
 
 class CallAborted(Exception):
-    """Raised by ``HttpCallContext.abort``: the call ended with ``code`` and ``details``."""
+    """Raised by ``HttpCallContext.abort``: the call ended with ``code``, ``details`` and the
+    trailing metadata set before."""
 
-    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+    def __init__(
+        self,
+        code: grpc.StatusCode,
+        details: str,
+        trailing_metadata: Sequence[tuple[str, str]] = (),
+    ) -> None:
         super().__init__(f"{code.name}: {details}")
         self.code = code
         self.details = details
+        self.trailing_metadata = trailing_metadata
 
 
 class HttpCallContext:
@@ -42,6 +52,7 @@ class HttpCallContext:
 
     def __init__(self, headers: Sequence[tuple[str, str]] = ()) -> None:
         self._headers = headers
+        self._trailing: Sequence[tuple[str, str]] = ()
 
     def invocation_metadata(self) -> Sequence[tuple[str, str]]:
         return self._headers
@@ -49,8 +60,11 @@ class HttpCallContext:
     def time_remaining(self) -> float | None:
         return None
 
+    def set_trailing_metadata(self, trailing_metadata: Sequence[tuple[str, str]]) -> None:
+        self._trailing = trailing_metadata
+
     async def abort(self, code: grpc.StatusCode, details: str = "") -> NoReturn:
-        raise CallAborted(code, details)
+        raise CallAborted(code, details, self._trailing)
 
 
 class StatusRecorder:
@@ -68,6 +82,9 @@ class StatusRecorder:
 
     def time_remaining(self) -> float | None:
         return self._context.time_remaining()
+
+    def set_trailing_metadata(self, trailing_metadata: Sequence[tuple[str, str]]) -> None:
+        self._context.set_trailing_metadata(trailing_metadata)
 
     async def abort(self, code: grpc.StatusCode, details: str = "") -> NoReturn:
         self.code = code

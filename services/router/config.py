@@ -15,6 +15,7 @@ from services.common.service_flags import parse_service_args, shared_configs
 from services.common.tracing import TracingConfig
 from services.router.openai.protocol import MAX_GENERATIONS
 from services.router.request_prep import RequestBounds
+from services.router.tenants import parse_tenant_limits
 from services.router.tool_calls.parsers import FORMATS, ToolCallFormat
 
 PREFILL_POLICIES = ("cost", "round_robin", "random")
@@ -190,13 +191,22 @@ class RouterConfig:
         "",
         "file of the API keys clients must send ('authorization: Bearer KEY'): one per line, "
         "optionally followed by its role, data (Generate) or admin (also Scale, Status, "
-        "Explain); re-read on SIGHUP and within 5 s of a change. Without it and --admin-api-key, "
-        "calls need no key",
+        "Explain), and tenant=NAME; re-read on SIGHUP and within 5 s of a change. Without it "
+        "and --admin-api-key, calls need no key",
     )
     admin_api_key: str = flag(
         "",
         "one admin API key, besides those of --api-key-file (set it through the env var)",
         secret=True,
+    )
+    tenant_limits: str = flag(
+        "",
+        "each tenant's limits on this router (a key's tenant is tenant=NAME in --api-key-file, "
+        "else 'default'): 'NAME:max_concurrent_requests=N,max_tokens_per_s=R,priority=P;...', "
+        "'*' for every tenant not named; over them a request gets RESOURCE_EXHAUSTED / 429 "
+        "with retry-after; priority is the tenant's scheduling priority on the workers (lower "
+        "first, with their --scheduling-policy priority), the best its requests may ask for. "
+        "Empty: no limits",
     )
     tls_dir: str = flag(
         "",
@@ -242,6 +252,10 @@ class RouterConfig:
             raise ValueError(
                 f"max_logprobs must be in [0, {MAX_LOGPROBS}], got {self.max_logprobs}"
             )
+        try:
+            parse_tenant_limits(self.tenant_limits)
+        except ValueError as exc:
+            raise ValueError(f"tenant_limits: {exc}") from None
         for name in (
             "max_request_output_tokens",
             "http_max_header_bytes",

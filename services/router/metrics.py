@@ -61,3 +61,14 @@ LOCAL_PREFILLS = Counter(
     "no_prefill_worker",
     ["reason"],
 )
+TENANT_TOKENS = Counter(
+    "splitserve_router_tenant_tokens_total",
+    "tokens of each tenant's requests: prompt, cached (prompt tokens served from a prefix "
+    "cache) and generated",
+    ["tenant", "kind"],
+)
+TENANT_REJECTED = Counter(
+    "splitserve_router_tenant_rejected_total",
+    "requests refused over their tenant's limit: max_concurrent_requests, max_tokens_per_s",
+    ["tenant", "limit"],
+)

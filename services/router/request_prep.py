@@ -96,7 +96,8 @@ class PreparedRequest:
     """A validated request. ``req_id`` is the router's: unique across routers and time, it
     keys the request on the workers (its engine entries, KV leases, releases). The client's
     ``request_id`` is only a label (``client_request_id``), echoed in responses and logged.
-    ``tools``: its tool use (None without tools), whose parser reads the calls back."""
+    ``tools``: its tool use (None without tools), whose parser reads the calls back.
+    ``priority``: the workers' scheduling priority (lower first; None: the tenant's)."""
 
     req_id: str
     client_request_id: str
@@ -104,6 +105,7 @@ class PreparedRequest:
     params: SamplingParams
     cache_salt: str = ""
     tools: ToolUse | None = None
+    priority: int | None = None
 
 
 def prepare_request(
@@ -138,7 +140,13 @@ def prepare_request(
         params = dataclasses.replace(params, max_tokens=rest_tokens)
     _check_limits(prompt_token_ids, params, limits)
     return PreparedRequest(
-        req_id, client_request_id, prompt_token_ids, params, request.cache_salt, tools
+        req_id,
+        client_request_id,
+        prompt_token_ids,
+        params,
+        request.cache_salt,
+        tools,
+        request.priority if request.HasField("priority") else None,
     )
 
 

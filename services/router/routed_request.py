@@ -101,6 +101,7 @@ class RoutedRequest:
             prompt_token_ids=prepared.prompt_token_ids,
             sampling=self.worker_params,
             cache_salt=prepared.cache_salt,
+            priority=prepared.priority,
         )
         self.failures = FailurePolicy()
         self.holdings = Holdings(self.req_id, self._planner.prefill_chooser, routing.background)
@@ -169,6 +170,7 @@ class RoutedRequest:
             prompt_token_ids=self.prepared.prompt_token_ids,
             sampling=self.worker_params,
             cache_salt=self.prepared.cache_salt,
+            priority=self.prepared.priority,
         )
         worker.num_inflight += 1
         call_span = self._call_span("prefill_call", worker)

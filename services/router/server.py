@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import random
 import time
@@ -17,9 +18,10 @@ from collections.abc import AsyncGenerator
 import grpc
 
 from engine.tokenizer import Tokenizer
+from services.common.api_keys import DEFAULT_TENANT
 from services.common.background import BackgroundTasks
 from services.common.convert import validate_client_constraint
-from services.common.failures import FailureKind, abort
+from services.common.failures import FailureKind, abort, abort_retry_after
 from services.common.prefix_index import RedisPrefixIndex
 from services.common.roles import ClusterMode, Role
 from services.common.serving_metrics import ServingMetrics
@@ -27,7 +29,7 @@ from services.common.stream_writer import StreamWriter
 from services.common.tls import TlsMaterial
 from services.common.tracing import Tracing, trace_id_hex
 from services.router import metrics
-from services.router.auth import caller_name
+from services.router.auth import CALLER, caller_name
 from services.router.call_context import CallContext, StatusRecorder
 from services.router.config import RouterConfig
 from services.router.explain import explain_response
@@ -48,6 +50,7 @@ from services.router.request_spans import (
 from services.router.route_plan import build_planner
 from services.router.routed_request import RoutedRequest, Routing
 from services.router.scaler import PoolScaler, reported_pool_sizes
+from services.router.tenants import TenantGate, parse_tenant_limits, tenant_cache_salt
 from services.router.tool_calls.rendering import detect_format
 from services.router.worker_pool import WorkerPool
 from splitserve.v1 import router_pb2, router_pb2_grpc
@@ -94,6 +97,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         # briefly has no worker that answered (a scale-down's survivor not yet polled).
         self._limits_seen: ModelLimits | None = None
         self.bounds = config.request_bounds()
+        self.tenants = TenantGate(parse_tenant_limits(config.tenant_limits))
         self.tool_call_format = config.tool_call_parser or detect_format(tokenizer.chat_template)
         self.latency = LatencyWindow()
         self._poller: asyncio.Task[None] | None = None
@@ -227,7 +231,8 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         sets no ``max_tokens``."""
         start_s = time.perf_counter()
         context = StatusRecorder(context)
-        limits = await self._admit(context)
+        tenant = _caller_tenant()
+        limits = await self._admit(context, tenant)
         # Counted from here: a burst of expensive prompts is bounded while it is tokenized.
         self._num_inflight += 1
         metrics.INFLIGHT.inc()
@@ -236,6 +241,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         span = self.tracing.start_request_span("generate", context.invocation_metadata() or (), {})
         try:
             prepared = await self._prepare(request, limits, context, max_tokens_default)
+            self._tenant_tokens(tenant, "prompt", len(prepared.prompt_token_ids))
             outcome = Outcome.ERROR
             if span.is_recording():
                 span.set_attributes(request_attributes(prepared, self.config.served_name))
@@ -250,14 +256,19 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             async with contextlib.aclosing(routed.run()) as messages:
                 async for message in messages:
                     meter.sent(message)
+                    self._tenant_tokens(tenant, "generated", len(message.token_ids))
                     if message.finish_reason:
                         outcome = Outcome.of_finish_reason(message.finish_reason)
                         meter.finished(message, outcome)
+                        metrics.TENANT_TOKENS.labels(tenant, "cached").inc(
+                            message.usage.cached_tokens
+                        )
                     yield message
         except (asyncio.CancelledError, GeneratorExit):
             outcome = Outcome.CANCELLED
             raise
         finally:
+            self.tenants.release(tenant)
             self._num_inflight -= 1
             metrics.INFLIGHT.dec()
             metrics.REQUESTS.labels(outcome.value).inc()
@@ -265,9 +276,11 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                 log.emit(outcome, call_status(outcome, context.code))
             end_request_span(span, log, outcome)
 
-    async def _admit(self, context: CallContext) -> ModelLimits:
-        """The model's limits if a request may start now; else abort the call (UNAVAILABLE
-        before any decode worker answered, RESOURCE_EXHAUSTED at --max-inflight-requests)."""
+    async def _admit(self, context: CallContext, tenant: str) -> ModelLimits:
+        """The model's limits if a request of ``tenant`` may start now (it then counts in
+        the tenant's flight: release it); else abort the call (UNAVAILABLE before any decode
+        worker answered, RESOURCE_EXHAUSTED at --max-inflight-requests or over the tenant's
+        --tenant-limits, with retry-after)."""
         limits = await self._limits(context)
         if self._num_inflight >= self.config.max_inflight_requests:
             metrics.REQUESTS.labels(Outcome.REJECTED.value).inc()
@@ -276,7 +289,20 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
                 f"{self._num_inflight} requests in flight (max_inflight_requests)",
             )
+        refusal = self.tenants.admit(tenant)
+        if refusal is not None:
+            metrics.REQUESTS.labels(Outcome.REJECTED.value).inc()
+            metrics.TENANT_REJECTED.labels(tenant, refusal.reason.value).inc()
+            await abort_retry_after(
+                context, grpc.StatusCode.RESOURCE_EXHAUSTED, refusal.message, refusal.retry_after_s
+            )
         return limits
+
+    def _tenant_tokens(self, tenant: str, kind: str, num_tokens: int) -> None:
+        """Count ``num_tokens`` of ``tenant``'s (its usage metrics, its token rate)."""
+        if num_tokens:
+            metrics.TENANT_TOKENS.labels(tenant, kind).inc(num_tokens)
+            self.tenants.charge(tenant, num_tokens)
 
     async def _limits(self, context: CallContext) -> ModelLimits:
         """The model's limits; the call is aborted (UNAVAILABLE) before any decode worker
@@ -296,7 +322,8 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
     ) -> PreparedRequest:
         """Validate and tokenize ``request`` (off the event loop), then its constraint (on the
         shared validation threads: a slow one holds no thread that prepares requests);
-        INVALID_ARGUMENT naming the field otherwise."""
+        INVALID_ARGUMENT naming the field otherwise. Its blocks are salted with the caller's
+        tenant, and its priority is never better than the tenant's."""
         try:
             prepared = await asyncio.to_thread(
                 prepare_request,
@@ -316,7 +343,14 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             tool_grammar = prepared.tools is not None and prepared.tools.constraint() is not None
             where = "tools: the grammar of their schemas: " if tool_grammar else "sampling."
             await abort(context, grpc.StatusCode.INVALID_ARGUMENT, f"{where}{exc}")
-        return prepared
+        tenant = _caller_tenant()
+        best = self.tenants.priority(tenant)
+        asked = prepared.priority
+        return dataclasses.replace(
+            prepared,
+            cache_salt=tenant_cache_salt(tenant, prepared.cache_salt),
+            priority=best if asked is None else max(asked, best),
+        )
 
     # ----------------------------------------------------------------------------- Explain
     async def Explain(
@@ -381,3 +415,9 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             prefix_hit_blocks_realized=self.planner.prefill_chooser.num_hit_blocks_realized,
             pools=[p.to_proto() for p in pools],
         )
+
+
+def _caller_tenant() -> str:
+    """The tenant of the call being served: its API key's."""
+    key = CALLER.get()
+    return key.tenant if key is not None else DEFAULT_TENANT

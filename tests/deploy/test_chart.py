@@ -278,6 +278,8 @@ def test_every_flag_value_reaches_its_flag():
                 value = 0.25
             if field.name == "mode":  # colocated has no prefill pool to size
                 value = "disaggregated"
+            if field.name == "tenant_limits":
+                value = "acme:max_tokens_per_s=100"
             values[section][GENERATE.camel(field.name)] = value
             expected[(section, field.name)] = value
     values["planner"].update(minPrefillWorkers=1, maxPrefillWorkers=7)

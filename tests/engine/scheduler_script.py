@@ -36,6 +36,7 @@ class Req:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     temperature: float = 1.0
+    priority: int = 0
 
     def build(self) -> Request:
         return Request(
@@ -52,6 +53,7 @@ class Req:
             arrival_time_s=0.0,
             num_external_tokens=self.num_external_tokens,
             hold_kv=self.hold_kv,
+            priority=self.priority,
         )
 
 
@@ -101,12 +103,14 @@ def make_scheduler(
     long_prefill_token_threshold: int = 0,
     enable_prefix_caching: bool = True,
     proposer: NgramProposer | None = None,
+    by_priority: bool = False,
 ) -> Scheduler:
     config = SchedulerConfig(
         max_num_seqs=max_num_seqs,
         max_num_batched_tokens=max_num_batched_tokens,
         max_model_len=max_model_len,
         long_prefill_token_threshold=long_prefill_token_threshold,
+        by_priority=by_priority,
     )
     kv_cache_manager = KVCacheManager(num_blocks, BLOCK_SIZE, enable_prefix_caching)
     return Scheduler(config, kv_cache_manager, proposer)

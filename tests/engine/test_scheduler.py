@@ -519,3 +519,41 @@ def test_a_paused_running_request_yields_what_a_waiting_one_lacks(
     assert list(scheduler.waiting_for_remote_kv) == want_loading
     assert ids(scheduler.waiting) == ["P"]
     assert scheduler.requests["P"].status is RequestStatus.PREEMPTED
+
+
+# ------------------------------------------------------------------------------------ priority
+def test_priority_orders_the_waiting_queue_lower_first_then_by_arrival() -> None:
+    scheduler = make_scheduler(max_num_seqs=2, by_priority=True)
+    steps = run(
+        scheduler,
+        [req("L", 4, priority=5), req("M", 4, priority=3), req("H", 4, priority=0), STEP],
+    )
+    assert steps[0].scheduled == [("H", 4), ("M", 4)]
+    assert ids(scheduler.waiting) == ["L"]
+
+
+def test_a_high_priority_arrival_preempts_the_lowest_and_runs_in_the_same_step() -> None:
+    scheduler = make_scheduler(max_num_seqs=2, by_priority=True)
+    steps = run(
+        scheduler,
+        [
+            req("A", 4, priority=5, max_tokens=30),
+            req("B", 4, priority=2, max_tokens=30),
+            STEP,
+            req("H", 4, priority=0),
+            STEP,
+        ],
+    )
+    # A, the lowest, gives H its slot; B runs on.
+    assert steps[1].out.preempted_req_ids == ["A"]
+    assert steps[1].scheduled == [("B", 1), ("H", 4)]
+    assert ids(scheduler.waiting) == ["A"]
+    # An arrival of the same priority as every running request waits for a slot.
+    steps = run(scheduler, [req("E", 4, priority=2), STEP])
+    assert not steps[0].out.preempted_req_ids and "E" in ids(scheduler.waiting)
+
+
+def test_fcfs_ignores_priority() -> None:
+    scheduler = make_scheduler(max_num_seqs=1)
+    steps = run(scheduler, [req("L", 4, priority=5), req("H", 4, priority=0), STEP, STEP])
+    assert steps[0].scheduled == [("L", 4)] and not steps[1].out.preempted_req_ids

@@ -2,15 +2,15 @@
 (float32) behind one router and a real Redis, every prompt prefilled on a prefill worker whose KV
 the decode worker pulls (``SplitserveConnector`` over the tcp backend).
 
-Greedy output is token-identical to vLLM run offline and to Hugging Face, through gRPC and
-through the ``openai`` client, streamed and not, and the decode workers pulled every prompt
-block; prompts sharing a long prefix land on the prefill worker that holds it (``cached_tokens``,
-the Redis index built from vLLM's KV events) and two cache salts never share; echo and prompt
-logprobs equal Hugging Face's; structured output satisfies its constraint; a cancelled stream frees its blocks on both workers; bad input is
-refused without harming the workers; a prefill worker killed during the transfer costs the
-request nothing (the decode worker prefills it); a decode worker killed mid-stream costs a
-constrained stream nothing (same tokens, still valid). Each worker exports vLLM's own metrics,
-which account for the requests as offline vLLM's do."""
+Greedy output is token-identical to vLLM run offline and to Hugging Face, through gRPC and through
+the ``openai`` client, streamed and not, and the decode workers pulled every prompt block; prompts
+sharing a long prefix land on the prefill worker that holds it (``cached_tokens``, the Redis index
+built from vLLM's KV events) and two cache salts never share; echo and prompt logprobs equal
+Hugging Face's; structured output satisfies its constraint; a cancelled stream frees its blocks on
+both workers; bad input is refused without harming the workers; a prefill worker killed during the
+transfer costs the request nothing (the decode worker prefills it); a decode worker killed
+mid-stream costs a constrained stream nothing (same tokens, still valid). Each worker exports
+vLLM's own metrics, which account for the requests as offline vLLM's do."""
 
 from __future__ import annotations
 

@@ -121,16 +121,18 @@ class KVRef(_message.Message):
     def __init__(self, engine_id: _Optional[str] = ..., req_id: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ..., grant: _Optional[bytes] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling", "cache_salt")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "cache_salt", "priority")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
+    PRIORITY_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: WorkerSamplingParams
     cache_salt: str
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[WorkerSamplingParams, _Mapping]] = ..., cache_salt: _Optional[str] = ...) -> None: ...
+    priority: int
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[WorkerSamplingParams, _Mapping]] = ..., cache_salt: _Optional[str] = ..., priority: _Optional[int] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
     __slots__ = ("token_id", "logprob", "finished", "finish_reason", "num_cached_tokens", "kv_ref", "kv_peer", "prefill_time_s", "stop_reason", "prompt_logprobs")
@@ -169,7 +171,7 @@ class ReleaseResponse(_message.Message):
     def __init__(self, released: _Optional[bool] = ...) -> None: ...
 
 class DecodeRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "output_token_ids", "sampling", "kv_ref", "kv_peer", "cache_salt")
+    __slots__ = ("request_id", "prompt_token_ids", "output_token_ids", "sampling", "kv_ref", "kv_peer", "cache_salt", "priority")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     OUTPUT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -177,6 +179,7 @@ class DecodeRequest(_message.Message):
     KV_REF_FIELD_NUMBER: _ClassVar[int]
     KV_PEER_FIELD_NUMBER: _ClassVar[int]
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
+    PRIORITY_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     output_token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -184,7 +187,8 @@ class DecodeRequest(_message.Message):
     kv_ref: KVRef
     kv_peer: KVPeerInfo
     cache_salt: str
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., output_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[WorkerSamplingParams, _Mapping]] = ..., kv_ref: _Optional[_Union[KVRef, _Mapping]] = ..., kv_peer: _Optional[_Union[KVPeerInfo, _Mapping]] = ..., cache_salt: _Optional[str] = ...) -> None: ...
+    priority: int
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., output_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[WorkerSamplingParams, _Mapping]] = ..., kv_ref: _Optional[_Union[KVRef, _Mapping]] = ..., kv_peer: _Optional[_Union[KVPeerInfo, _Mapping]] = ..., cache_salt: _Optional[str] = ..., priority: _Optional[int] = ...) -> None: ...
 
 class DecodeResponse(_message.Message):
     __slots__ = ("token_ids", "logprobs", "finished", "finish_reason", "stop_reason", "num_cached_tokens", "num_transferred_blocks", "kv_transfer_failed", "prompt_logprobs")

@@ -13,6 +13,7 @@ from typing import Any
 import grpc
 from pydantic import ValidationError
 
+from services.common.failures import RETRY_AFTER
 from services.router.call_context import CallAborted
 
 _TYPES = {
@@ -59,6 +60,7 @@ class OpenAIError(Exception):
     _: KW_ONLY
     param: str | None = None
     code: str | None = None
+    headers: dict[str, str] | None = None  # e.g. retry-after of a 429
 
     def __post_init__(self) -> None:
         super().__init__(self.message)
@@ -87,7 +89,8 @@ def from_call_aborted(exc: CallAborted) -> OpenAIError:
         match = _LEADING_FIELD.match(message)
         param = match.group(1) if match else None
     code = "invalid_value" if status is HTTPStatus.BAD_REQUEST else exc.code.name.lower()
-    return OpenAIError(status, message, param=param, code=code)
+    headers = {key: value for key, value in exc.trailing_metadata if key == RETRY_AFTER}
+    return OpenAIError(status, message, param=param, code=code, headers=headers or None)
 
 
 def from_validation_error(exc: ValidationError) -> OpenAIError:

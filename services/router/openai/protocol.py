@@ -133,6 +133,8 @@ class _Sampling(Body):
     # vLLM's: N top alternatives of each prompt token (-1: the whole vocabulary, which
     # --max-logprobs refuses unless it allows that many).
     prompt_logprobs: int | None = Field(None, ge=-1, le=INT32_MAX)
+    # vLLM's: lower runs first (never better than the key's tenant's, which is the default).
+    priority: int | None = Field(None, ge=-INT32_MAX - 1, le=INT32_MAX)
 
     def stop_strings(self) -> list[str]:
         if self.stop is None:

@@ -137,7 +137,9 @@ def chat_plan(
     echo = Echo(num_prompt_logprobs=_prompt_logprobs_field(body))
     messages = chat_messages(body.messages)
     sampling = _sampling(body, max_tokens=max_tokens, logprobs=logprobs, echo=echo)
-    prompt = router_pb2.GenerateRequest(messages=messages, cache_salt=body.cache_salt or "")
+    prompt = router_pb2.GenerateRequest(
+        messages=messages, cache_salt=body.cache_salt or "", priority=body.priority
+    )
     add_tools(prompt, body.tools, body.tool_choice, body.parallel_tool_calls)
     choices = _choices(prompt, sampling, body.n, request_id)
     # No max_tokens: the rest of the context, as OpenAI's chat API.
@@ -170,7 +172,9 @@ def completion_plan(
     sampling = _sampling(body, max_tokens=max_tokens, logprobs=body.logprobs, echo=echo)
     requests = []
     for p, prompt in enumerate(prompts):
-        message = router_pb2.GenerateRequest(cache_salt=body.cache_salt or "")
+        message = router_pb2.GenerateRequest(
+            cache_salt=body.cache_salt or "", priority=body.priority
+        )
         if isinstance(prompt, str):
             message.prompt = prompt
         else:

@@ -64,7 +64,7 @@ async def until_disconnect(receive: Receive, work: Awaitable[T]) -> T:
 
 
 def error_response(error: OpenAIError) -> JSONResponse:
-    return JSONResponse(error.body(), status_code=error.status)
+    return JSONResponse(error.body(), status_code=error.status, headers=error.headers)
 
 
 def sse_event(data: dict[str, Any]) -> bytes:

@@ -24,13 +24,24 @@ def test_parse_roles_comments_and_default_role():
     assert [k.role for k in keys] == [KeyRole.ADMIN, KeyRole.DATA, KeyRole.DATA]
     assert keys[0].digest == hashlib.sha256(ADMIN.encode()).digest()
     assert keys[0].fingerprint == hashlib.sha256(ADMIN.encode()).hexdigest()[:8]
+    assert {k.tenant for k in keys} == {"default"}
+
+
+def test_a_key_may_name_its_tenant_with_or_without_a_role():
+    keys = parse_key_file(f"{ADMIN} admin tenant=ops\n{DATA} tenant=acme.eu-1\n", "keys")
+    assert [(k.role, k.tenant) for k in keys] == [
+        (KeyRole.ADMIN, "ops"),
+        (KeyRole.DATA, "acme.eu-1"),
+    ]
 
 
 @pytest.mark.parametrize(
     ("text", "error"),
     [
         (f"{ADMIN} root\n", r"keys:1: role must be data or admin, got 'root'"),
-        (f"\n{ADMIN} admin extra\n", r"keys:2: expected 'KEY \[data\|admin\]'"),
+        (f"\n{ADMIN} admin extra\n", r"keys:2: expected 'KEY \[data\|admin\] \[tenant=NAME\]'"),
+        (f"{ADMIN} data tenant=-x\n", r"keys:1: tenant name '-x': 1 to 64 of letters"),
+        (f"{ADMIN} data tenant=\n", r"keys:1: tenant name '': 1 to 64"),
         ("short admin\n", r"keys:1: an API key must have at least 16 characters"),
     ],
 )
