@@ -14,7 +14,8 @@ arrival) instead, lower first, and the victim of a preemption is the running req
 lowest priority (the newest among them). Before a step is scheduled, the first waiting request
 preempts running requests of strictly lower priority while it would find no ``max_num_seqs``
 slot or too few free blocks for its tokens: a high-priority request waits for no low-priority
-one to finish.
+one to finish. A step admits no request of lower priority than one it admitted, so that a
+high-priority prompt is not slowed by lower-priority ones batched with it.
 
 A paused request (its reader fell behind, ``set_paused``) makes no progress, so it gives way:
 it gets no tokens, is the first victim when blocks run out, is preempted when a waiting
@@ -328,6 +329,12 @@ class Scheduler:
             if request.req_id in self.paused:
                 index += 1
                 continue
+            if (
+                self.config.by_priority
+                and admitted
+                and (request.priority > admitted[0].request.priority)
+            ):
+                break  # a higher priority's prompt does not share its step with a lower one's
             hits = []
             if not self.kv_cache_manager.has_blocks(request.req_id):
                 hits = self.kv_cache_manager.get_computed_blocks(request)

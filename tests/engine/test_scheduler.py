@@ -522,14 +522,17 @@ def test_a_paused_running_request_yields_what_a_waiting_one_lacks(
 
 
 # ------------------------------------------------------------------------------------ priority
-def test_priority_orders_the_waiting_queue_lower_first_then_by_arrival() -> None:
+def test_priority_orders_the_queue_and_keeps_lower_prompts_out_of_a_higher_ones_step() -> None:
     scheduler = make_scheduler(max_num_seqs=2, by_priority=True)
     steps = run(
         scheduler,
         [req("L", 4, priority=5), req("M", 4, priority=3), req("H", 4, priority=0), STEP],
     )
-    assert steps[0].scheduled == [("H", 4), ("M", 4)]
-    assert ids(scheduler.waiting) == ["L"]
+    # H's prompt has its step to itself; then M and L, each in turn.
+    assert steps[0].scheduled == [("H", 4)]
+    assert ids(scheduler.waiting) == ["M", "L"]
+    steps = run(scheduler, [STEP])
+    assert steps[0].scheduled == [("H", 1), ("M", 4)]
 
 
 def test_a_high_priority_arrival_preempts_the_lowest_and_runs_in_the_same_step() -> None:
@@ -538,6 +541,7 @@ def test_a_high_priority_arrival_preempts_the_lowest_and_runs_in_the_same_step()
         scheduler,
         [
             req("A", 4, priority=5, max_tokens=30),
+            STEP,
             req("B", 4, priority=2, max_tokens=30),
             STEP,
             req("H", 4, priority=0),
@@ -545,8 +549,8 @@ def test_a_high_priority_arrival_preempts_the_lowest_and_runs_in_the_same_step()
         ],
     )
     # A, the lowest, gives H its slot; B runs on.
-    assert steps[1].out.preempted_req_ids == ["A"]
-    assert steps[1].scheduled == [("B", 1), ("H", 4)]
+    assert steps[2].out.preempted_req_ids == ["A"]
+    assert steps[2].scheduled == [("B", 1), ("H", 4)]
     assert ids(scheduler.waiting) == ["A"]
     # An arrival of the same priority as every running request waits for a slot.
     steps = run(scheduler, [req("E", 4, priority=2), STEP])
