@@ -261,13 +261,12 @@ class ResponseBuilder:
         for i, state in enumerate(self.choices):
             yield "," if i else ""
             yield from self._choice(state)
+        yield "]"
         num_prompt_logprobs = self.plan.echo.num_prompt_logprobs
         if self.endpoint is Endpoint.CHAT and num_prompt_logprobs is not None:
-            yield '],"prompt_logprobs":'
+            yield ',"prompt_logprobs":'
             yield from self._prompt_logprobs(0, num_prompt_logprobs)
-            yield ',"usage":' + json_text(self.usage()) + "}"
-        else:
-            yield '],"usage":' + json_text(self.usage()) + "}"
+        yield ',"usage":' + json_text(self.usage()) + "}"
 
     def _choice(self, state: ChoiceState) -> Iterator[str]:
         text = state.text.decode()

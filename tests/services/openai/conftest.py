@@ -41,3 +41,21 @@ def sync_client(base_url):
 @pytest.fixture
 def async_client(base_url):
     return openai.AsyncOpenAI(base_url=base_url, **CLIENT_OPTIONS)
+
+
+def start_keyed_cluster(
+    start_cluster, key_dir, admin_key: str, keys: dict[str, str], tenant_limits: str, **kwargs
+):
+    """A cluster whose router takes ``keys`` (tenant name -> data key) and ``admin_key``, with
+    ``--tenant-limits tenant_limits``; ``kwargs`` go to ``start_cluster``."""
+    key_file = key_dir / "api-keys"
+    key_file.write_text("".join(f"{key} data tenant={name}\n" for name, key in keys.items()))
+    local, _ = start_cluster(
+        admin_api_key=admin_key,
+        extra_router_flags=(
+            *("--api-key-file", str(key_file)),
+            *("--tenant-limits", tenant_limits),
+        ),
+        **kwargs,
+    )
+    return local

@@ -10,7 +10,7 @@ import pytest
 
 from services.common.roles import Role
 from tests.services.conftest import Client
-from tests.services.openai.conftest import CLIENT_OPTIONS
+from tests.services.openai.conftest import CLIENT_OPTIONS, start_keyed_cluster
 
 ADMIN = "priority-admin-key-0123456789"
 KEYS = {"gold": "gold-key-0123456789abcdef", "bronze": "bronze-key-0123456789abcdef"}
@@ -19,17 +19,14 @@ HOLD_TOKENS = 900  # seconds of decoding on the tiny model; its context is 1024
 
 @pytest.fixture(scope="module")
 def cluster(start_cluster, tmp_path_factory):
-    key_file = tmp_path_factory.mktemp("keys") / "api-keys"
-    key_file.write_text("".join(f"{key} data tenant={name}\n" for name, key in KEYS.items()))
-    local, _ = start_cluster(
-        admin_api_key=ADMIN,
-        extra_router_flags=(
-            *("--api-key-file", str(key_file)),
-            *("--tenant-limits", "gold:priority=0;bronze:priority=10"),
-        ),
+    return start_keyed_cluster(
+        start_cluster,
+        tmp_path_factory.mktemp("keys"),
+        ADMIN,
+        KEYS,
+        "gold:priority=0;bronze:priority=10",
         extra_role_flags={Role.DECODE: ("--scheduling-policy", "priority", "--max-num-seqs", "1")},
     )
-    return local
 
 
 def _client(cluster, tenant: str) -> openai.OpenAI:

@@ -13,7 +13,7 @@ import openai
 import pytest
 
 from tests.services.conftest import Client, greedy, scrape
-from tests.services.openai.conftest import CLIENT_OPTIONS
+from tests.services.openai.conftest import CLIENT_OPTIONS, start_keyed_cluster
 from tests.waiting import wait_until
 
 ADMIN = "tenants-admin-key-0123456789"
@@ -28,16 +28,13 @@ PROMPT = list(range(20, 60))  # 40 tokens: two full blocks of 16
 
 @pytest.fixture(scope="module")
 def cluster(start_cluster, tmp_path_factory):
-    key_file = tmp_path_factory.mktemp("keys") / "api-keys"
-    key_file.write_text("".join(f"{key} data tenant={name}\n" for name, key in KEYS.items()))
-    local, _ = start_cluster(
-        admin_api_key=ADMIN,
-        extra_router_flags=(
-            *("--api-key-file", str(key_file)),
-            *("--tenant-limits", "acme:max_tokens_per_s=5;solo:max_concurrent_requests=1"),
-        ),
+    return start_keyed_cluster(
+        start_cluster,
+        tmp_path_factory.mktemp("keys"),
+        ADMIN,
+        KEYS,
+        "acme:max_tokens_per_s=5;solo:max_concurrent_requests=1",
     )
-    return local
 
 
 @pytest.fixture(scope="module")
