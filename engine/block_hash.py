@@ -21,6 +21,17 @@ BlockHash = bytes
 ROOT_PARENT_HASH: BlockHash = bytes(32)
 
 
+def block_extra_key(cache_salt: str, lora_name: str = "") -> str:
+    """The ``extra_key`` of a request's blocks: its ``cache_salt`` alone on the base model (so
+    unsalted base-model blocks hash as they always have), else the adapter's name ahead of it.
+    An adapter's key starts with a NUL, which no client's ``cache_salt`` may contain
+    (``engine.request_limits.check_client_cache_salt``), so no salt reaches an adapter's
+    blocks."""
+    if not lora_name:
+        return cache_salt
+    return f"\0lora\0{lora_name}\0{cache_salt}"
+
+
 def hash_block(parent_hash: BlockHash, token_ids: Sequence[int], extra_key: str = "") -> BlockHash:
     """Hash one full block given its parent's hash."""
     extra = extra_key.encode()

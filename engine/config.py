@@ -9,6 +9,7 @@ from engine.constraint import ConstraintLimits
 from engine.cpu_isa import ISA_CHOICES, resolve_isa
 from engine.cpu_tuning import parse_cpu_list
 from engine.flags import flag
+from engine.lora.names import parse_lora_modules
 
 # "auto": bfloat16 where the host has native bf16 dot products (CUDA, AVX512_BF16 CPUs),
 # float32 on CPUs below (bf16 matmuls are emulated there, ~4.6x slower; BENCHMARKS.md).
@@ -166,6 +167,20 @@ class EngineConfig:
         "shortest suffix n-gram the prompt lookup matches (1 drafts after any repeated token: "
         "more drafts, fewer accepted)",
     )
+    enable_lora: bool = flag(
+        False,
+        "serve LoRA adapters (PEFT's format): --lora-modules at start, more at run time; a "
+        "request names its adapter as its model",
+    )
+    lora_modules: str = flag(
+        "", "--enable-lora: adapters to load at start, as name=path pairs separated by commas"
+    )
+    max_loras: int = flag(
+        4,
+        "--enable-lora: most adapters loaded at once; every loaded one can run in any step, so "
+        "this is also the most adapters in a batch",
+    )
+    max_lora_rank: int = flag(16, "--enable-lora: highest adapter rank served")
     cpu_isa: str = flag(
         "auto",
         "CPU instruction-set level the kernels may use: auto (the host's), or a lower one to "
@@ -215,6 +230,14 @@ class EngineConfig:
                 f"{self.prompt_lookup_min} and {self.prompt_lookup_max}"
             )
         resolve_isa(self.cpu_isa)
+        for name in ("max_loras", "max_lora_rank"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.lora_modules:
+            if not self.enable_lora:
+                raise ValueError("lora_modules needs enable_lora")
+            if len(parse_lora_modules(self.lora_modules)) > self.max_loras:
+                raise ValueError(f"lora_modules: more adapters than max_loras {self.max_loras}")
         if self.cpu_cores is not None:
             parse_cpu_list(self.cpu_cores)
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:

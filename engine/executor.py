@@ -52,6 +52,13 @@ class ModelExecutor(Protocol):
     def describe(self) -> str:
         """Which implementation computes each part of the model, in a line."""
 
+    def load_lora_adapter(self, name: str, path: str) -> str:
+        """Read the PEFT adapter at ``path`` and serve it as ``name`` from the next step; its
+        block key (``LoraAdapter.block_key``). ``ValueError`` saying why it cannot be served."""
+
+    def unload_lora_adapter(self, name: str) -> None:
+        """Stop serving a loaded adapter (no request of the next step may use it)."""
+
     def run(self, scheduled: list[ScheduledRequest]) -> tuple[SamplerOutput, dict[str, str]]:
         """Compute ``scheduled`` (writing its tokens' KV into their blocks) and sample; the
         samples of the requests that did not fail, in order, and the error of each that did
@@ -94,6 +101,12 @@ class NativeExecutor:
     def describe(self) -> str:
         return self.runner.kernels.describe()
 
+    def load_lora_adapter(self, name: str, path: str) -> str:
+        return self.runner.load_lora_adapter(name, path)
+
+    def unload_lora_adapter(self, name: str) -> None:
+        self.runner.unload_lora_adapter(name)
+
     def run(self, scheduled: list[ScheduledRequest]) -> tuple[SamplerOutput, dict[str, str]]:
         return self._batch.run(scheduled)
 
@@ -123,6 +136,7 @@ def build_executor(
             ),
             eos_token_ids,
             max_model_len=config.max_model_len,
+            max_lora_rank=config.max_lora_rank,
             num_kv_blocks=config.num_kv_blocks,
             kv_cache_memory_gb=config.kv_cache_memory_gb,
         )
@@ -139,6 +153,8 @@ def build_executor(
         cpu_isa,
         enforce_eager=config.enforce_eager,
         load_format=config.load_format,
+        max_loras=config.max_loras if config.enable_lora else 0,
+        max_lora_rank=config.max_lora_rank,
         max_decode_rows=min(
             config.max_num_seqs * (1 + config.num_speculative_tokens),
             config.max_num_batched_tokens,

@@ -41,12 +41,14 @@ class LLM:
         self,
         prompts: Prompt | Sequence[Prompt],
         params: SamplingParams | Sequence[SamplingParams] | None = None,
+        lora_name: str | Sequence[str] = "",
     ) -> list[RequestOutput]:
         """Generate to completion; outputs are in prompt order, each with its prompt logprobs
-        when asked for (the engine reports them with the first token)."""
+        when asked for (the engine reports them with the first token). ``lora_name``: the
+        loaded adapter every prompt runs with, or one per prompt ("": the base model)."""
         final: dict[str, RequestOutput] = {}
         prompt_logprobs: dict[str, list[TokenLogprobs]] = {}
-        order = self._add(prompts, params)
+        order = self._add(prompts, params, lora_name)
         for out in self._run():
             if out.prompt_logprobs is not None:
                 prompt_logprobs[out.req_id] = out.prompt_logprobs
@@ -78,6 +80,7 @@ class LLM:
         self,
         prompts: Prompt | Sequence[Prompt],
         params: SamplingParams | Sequence[SamplingParams] | None,
+        lora_name: str | Sequence[str] = "",
     ) -> list[str]:
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [cast(Prompt, prompts)]
@@ -86,11 +89,14 @@ class LLM:
             params = [params or SamplingParams()] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(params)} SamplingParams")
+        adapters = [lora_name] * len(prompts) if isinstance(lora_name, str) else lora_name
+        if len(adapters) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(adapters)} lora_name values")
         req_ids = []
-        for prompt, p in zip(prompts, params, strict=True):
+        for prompt, p, adapter in zip(prompts, params, adapters, strict=True):
             ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
             req_id = str(next(self._counter))
-            self.engine.add_request(req_id, ids, p)
+            self.engine.add_request(req_id, ids, p, lora_name=adapter)
             req_ids.append(req_id)
         return req_ids
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.backend import EngineInfo
-from engine.block_hash import BlockHash
+from engine.block_hash import BlockHash, block_extra_key
 from engine.block_pool import KVCacheEvent
 from engine.config import EngineConfig, SchedulingPolicy
 from engine.constraint import Constraint
@@ -30,6 +30,8 @@ from engine.grammar_pool import GrammarPool
 from engine.kv_cache_manager import KVCacheManager
 from engine.kv_cache_spec import KVCacheSpec
 from engine.loader.models import resolve_model
+from engine.lora.names import parse_lora_modules
+from engine.lora.registry import LoraRegistry
 from engine.model.kernel_plan import KernelPlan
 from engine.model_runner import ModelRunner
 from engine.ngram_proposer import NgramProposer
@@ -146,6 +148,9 @@ class LLMEngine:
             self.tokenizer.eos_token_ids,
         )
         self.max_model_len = self.executor.max_model_len
+        self.lora = LoraRegistry(self.executor, config.enable_lora, config.max_loras)
+        for name, path in parse_lora_modules(config.lora_modules):
+            self.lora.load(name, path)
         _check_kv_capacity(self.executor.num_kv_blocks, config.block_size, self.max_model_len)
         self.kv_cache_manager = KVCacheManager(
             self.executor.num_kv_blocks, config.block_size, config.enable_prefix_caching
@@ -220,6 +225,7 @@ class LLMEngine:
         arrival_time_s: float | None = None,
         cache_salt: str = "",
         priority: int = 0,
+        lora_name: str = "",
     ) -> None:
         """Queue a request.
 
@@ -227,8 +233,8 @@ class LLMEngine:
         towards ``max_tokens`` and are not reported again. With ``num_external_tokens`` the
         first tokens' KV must be loaded (see ``take_kv_loads`` / ``finish_kv_load``) instead of
         computed. With ``hold_kv`` the blocks outlive the request until ``release_held_kv``.
-        Requests share prefix-cache blocks only when their ``cache_salt`` is the same (it goes
-        into every block hash).
+        Requests share prefix-cache blocks only when their ``cache_salt`` and their LoRA adapter
+        (``lora_name``, "" for none: a loaded one) are the same (both go into every block hash).
 
         A ``params.constraint`` starts the request's matcher, advanced over
         ``output_token_ids``. Its grammar compiles on ``grammars``' threads; the request waits
@@ -240,6 +246,7 @@ class LLMEngine:
         """
         self.validate_request(prompt_token_ids, params, output_token_ids)
         check_cache_salt(cache_salt)
+        lora_key = self.lora.block_key(lora_name) if lora_name else ""
         request = Request(
             req_id=req_id,
             prompt_token_ids=list(prompt_token_ids),
@@ -250,7 +257,8 @@ class LLMEngine:
             num_external_tokens=num_external_tokens,
             hold_kv=hold_kv,
             output_token_ids=list(output_token_ids),
-            extra_key=cache_salt,
+            extra_key=block_extra_key(cache_salt, lora_key),
+            lora_name=lora_name,
             priority=priority,
         )
         constraint = params.constraint
@@ -390,6 +398,27 @@ class LLMEngine:
         loop), so that the request carrying it is added with its grammar ready (a cache hit);
         ``ValueError`` naming the field when it is over its budget or does not compile."""
         await self.grammars.wait(constraint)
+
+    # ----------------------------------------------------------------------------- adapters
+    @property
+    def lora_adapters(self) -> tuple[str, ...]:
+        """The LoRA adapters a request may name, in load order."""
+        return self.lora.names
+
+    def load_lora_adapter(self, name: str, path: str) -> None:
+        """Serve the PEFT adapter at ``path`` as ``name`` from the next step; ``ValueError``
+        saying why it cannot be (LoRA off, the name taken, every slot used, the files)."""
+        self.lora.load(name, path)
+
+    def unload_lora_adapter(self, name: str) -> None:
+        """Stop serving adapter ``name``; ``ValueError`` if it is not loaded or a request in
+        flight uses it. Its cached blocks stay until evicted: a reload of other weights under
+        the same name hashes differently (``LoraAdapter.block_key``)."""
+        self.lora.block_key(name)
+        in_use = sum(state.request.lora_name == name for state in self._states.values())
+        if in_use:
+            raise ValueError(f"LoRA adapter {name!r} is in use by {in_use} requests")
+        self.lora.unload(name)
 
     def stats(self) -> EngineStats:
         return make_stats(self.scheduler, len(self._compiling))

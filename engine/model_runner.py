@@ -17,6 +17,8 @@ from engine.cpu_isa import CpuIsa
 from engine.cpu_tuning import advise_huge_pages
 from engine.kv_cache_spec import KVCacheSpec
 from engine.loader.hf import load_model
+from engine.lora.adapter import load_lora_adapter
+from engine.lora.layers import LoraStack
 from engine.model.attention import (
     AttentionMetadata,
     DecodeInputs,
@@ -67,16 +69,24 @@ class ModelRunner:
         enforce_eager: bool = False,
         max_decode_rows: int = 0,
         load_format: str = "auto",
+        max_loras: int = 0,
+        max_lora_rank: int = 16,
     ) -> None:
         """``max_decode_rows``: the most decode rows a step can hold (sequences times one plus
         their drafts), which bounds the captured graphs' sizes on a GPU; ``enforce_eager``
-        captures none."""
+        captures none. ``max_loras`` > 0 gives the projections that many LoRA adapter slots of
+        rank up to ``max_lora_rank`` (``lora``); steps then run eagerly."""
         self.device = device
         self.dtype_name = dtype
         self.dtype = TORCH_DTYPES[dtype]
         self.block_size = block_size
         self.cpu_isa = cpu_isa if device.type == "cpu" else None
         self.model, self.model_config = load_model(model_dir, self.dtype, device, load_format)
+        self.lora = (
+            LoraStack.install(self.model, self.model_config, max_loras, max_lora_rank)
+            if max_loras
+            else None
+        )
         packed = self._pack_linears(kernel_backend)
         config = self.model_config
         self.max_model_len = max_model_len or config.max_position_embeddings
@@ -134,7 +144,7 @@ class ModelRunner:
         )
         if self.use_triton and device.type == "cuda":
             self._compile_triton_kernels()
-        if self.use_triton and not enforce_eager and max_decode_rows:
+        if self.use_triton and not enforce_eager and max_decode_rows and self.lora is None:
             # On CPU (the interpreter: tests) the stand-in runs the same bookkeeping eagerly.
             capture = CudaGraphCapture() if device.type == "cuda" else capture_eagerly
             with torch.inference_mode():
@@ -214,6 +224,23 @@ class ModelRunner:
             return None
         return self.cpu_kernels
 
+    def load_lora_adapter(self, name: str, path: str) -> str:
+        """Read the PEFT adapter at ``path`` and install it in a free slot as ``name``; its
+        block key. ``ValueError`` saying why it cannot be served (also when LoRA is off)."""
+        if self.lora is None:
+            raise ValueError("LoRA adapters need --enable-lora")
+        adapter = load_lora_adapter(name, path, self.model_config, self.dtype, self.lora.max_rank)
+        with torch.inference_mode():
+            self.lora.add(adapter)
+        return adapter.block_key
+
+    def unload_lora_adapter(self, name: str) -> None:
+        """Free ``name``'s slot (``KeyError`` if it is not loaded)."""
+        if self.lora is None:
+            raise KeyError(name)
+        with torch.inference_mode():
+            self.lora.remove(name)
+
     def _blocks_for_memory(self, memory_gb: float | None) -> int:
         if memory_gb is None:
             if self.device.type == "cuda":
@@ -259,9 +286,13 @@ class ModelRunner:
         decode_lens: list[int] = []
         prefills: list[PrefillSeq] = []
         prefill_chunks: list[tuple[list[int], int, int, int]] = []  # kernel: blocks, start, n, end
+        lora_slots: list[int] = []
         for item in scheduled:
             request = item.request
             start, n = request.num_computed_tokens, item.num_new_tokens
+            if self.lora is not None:
+                slot = self.lora.slot(request.lora_name) if request.lora_name else -1
+                lora_slots.extend([slot] * n)
             end = start + n
             q_start = len(token_ids)
             token_ids.extend(item.token_ids)
@@ -290,6 +321,8 @@ class ModelRunner:
                     mask=causal_mask(n, end, window, self.device),
                 )
             )
+        if self.lora is not None:
+            self.lora.select(lora_slots, self.device)
         pos = torch.tensor(positions, dtype=torch.long)
         cos, sin = self.rope.cos_sin(pos.to(self.device))
         slot_rows = self.cache.slot_rows(torch.tensor(slot_blocks), pos % bs).to(self.device)

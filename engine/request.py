@@ -91,6 +91,8 @@ class Request:
     block_size: int
     arrival_time_s: float
     extra_key: str = ""
+    # The LoRA adapter its tokens run with ("": the base model); also part of ``extra_key``.
+    lora_name: str = ""
     # Lower runs first under --scheduling-policy priority (vLLM's ``priority``).
     priority: int = 0
     num_external_tokens: int = 0

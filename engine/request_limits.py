@@ -20,6 +20,14 @@ def check_cache_salt(cache_salt: str) -> None:
         raise ValueError(f"cache_salt: longer than {MAX_CACHE_SALT_BYTES} bytes")
 
 
+def check_client_cache_salt(cache_salt: str) -> None:
+    """``check_cache_salt`` for a salt a client sent: also no NUL characters, which start the
+    keys the servers derive (an adapter's, a tenant's), so that no client salt equals one."""
+    check_cache_salt(cache_salt)
+    if "\0" in cache_salt:
+        raise ValueError("cache_salt: must not contain NUL characters")
+
+
 def check_request_limits(
     prompt_token_ids: Sequence[int],
     params: SamplingParams,

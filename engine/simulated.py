@@ -33,6 +33,7 @@ import torch
 
 from engine.kv_cache_manager import cdiv
 from engine.kv_cache_spec import QUANTIZED_KV_DTYPES, KVCacheSpec
+from engine.lora.adapter import load_lora_adapter
 from engine.model.config import ModelConfig
 from engine.request import Request
 from engine.sampler import SamplerOutput, TokenLogprobs
@@ -136,10 +137,12 @@ class SimulatedExecutor:
         eos_token_ids: frozenset[int],
         *,
         max_model_len: int | None,
+        max_lora_rank: int = 16,
         num_kv_blocks: int | None,
         kv_cache_memory_gb: float | None,
     ) -> None:
-        config = ModelConfig.from_dir(model_dir)
+        config = self._config = ModelConfig.from_dir(model_dir)
+        self._max_lora_rank = max_lora_rank
         if kv_cache_dtype not in _TORCH_DTYPES and kv_cache_dtype not in QUANTIZED_KV_DTYPES:
             raise ValueError(f"--kv-cache-dtype {kv_cache_dtype}: not a KV cache dtype")
         self.profile = profile
@@ -195,6 +198,16 @@ class SimulatedExecutor:
             f"a prefilled token + {p.decode_s_per_seq * 1e6:g} us a decoded sequence + "
             f"{p.kv_read_s_per_block * 1e6:g} us a KV block read"
         )
+
+    def load_lora_adapter(self, name: str, path: str) -> str:
+        """Read and check the adapter as the native engine does; its weights change nothing
+        here (an adapter's request samples the ids the base model's would)."""
+        return load_lora_adapter(
+            name, path, self._config, torch.float32, self._max_lora_rank
+        ).block_key
+
+    def unload_lora_adapter(self, name: str) -> None:
+        """Nothing to free: no weights were installed."""
 
     def run(self, scheduled: list[ScheduledRequest]) -> tuple[SamplerOutput, dict[str, str]]:
         """Write the scheduled tokens' KV, sample their simulated ids, and take the profile's

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import jinja2
 
-from engine.request_limits import check_cache_salt, check_request_limits
+from engine.request_limits import check_client_cache_salt, check_request_limits
 from engine.sampling_params import MAX_LOGPROBS, SamplingParams
 from engine.tokenizer import Tokenizer
 from services.common.convert import (
@@ -124,7 +124,7 @@ def prepare_request(
     client_request_id = request.request_id or req_id
     if len(client_request_id) > MAX_REQUEST_ID_CHARS:
         raise ValueError(f"request_id: longer than {MAX_REQUEST_ID_CHARS} characters")
-    check_cache_salt(request.cache_salt)
+    check_client_cache_salt(request.cache_salt)
     tools = tool_use(request, tool_call_format)
     try:
         params = sampling_params_from_client(_with_tool_constraint(request.sampling, tools))

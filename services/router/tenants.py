@@ -99,11 +99,12 @@ def parse_tenant_limits(spec: str) -> dict[str, TenantLimits]:
 
 def tenant_cache_salt(tenant: str, cache_salt: str) -> str:
     """The salt of a tenant's request blocks: the client's own for the default tenant (so a
-    router without tenants caches as before), else one no other tenant's request can have."""
+    router without tenants caches as before), else one no other tenant's request can have (it
+    starts with a NUL, which a client's salt may not contain)."""
     if tenant == DEFAULT_TENANT:
         return cache_salt
     digest = hashlib.sha256(f"{tenant}\0{cache_salt}".encode()).hexdigest()
-    return f"tenant:{digest[:32]}"
+    return f"\0tenant\0{digest[:32]}"
 
 
 class RefusalReason(enum.Enum):

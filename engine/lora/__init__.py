@@ -1,0 +1,2 @@
+"""LoRA adapters on the native engine: PEFT adapters read (``adapter``) and served, several in
+one batch (``layers``)."""

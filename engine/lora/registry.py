@@ -1,0 +1,64 @@
+"""The adapters one engine serves, by name, and the block key each puts into its hashes."""
+
+from __future__ import annotations
+
+import logging
+from typing import Protocol
+
+logger = logging.getLogger(__name__)
+
+
+class AdapterLoader(Protocol):
+    """What installs adapters: an engine's model executor."""
+
+    def load_lora_adapter(self, name: str, path: str) -> str: ...
+
+    def unload_lora_adapter(self, name: str) -> None: ...
+
+
+class LoraRegistry:
+    """Loaded adapters: ``name -> block key`` (see ``LoraAdapter.block_key``).
+
+    Invariant: a name is here exactly while the executor serves it. Engine thread only.
+    """
+
+    def __init__(self, loader: AdapterLoader, enabled: bool, max_loras: int) -> None:
+        self._loader = loader
+        self._enabled = enabled
+        self._max_loras = max_loras
+        self._keys: dict[str, str] = {}
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        """Loaded adapters, in load order."""
+        return tuple(self._keys)
+
+    def load(self, name: str, path: str) -> None:
+        """Serve the PEFT adapter at ``path`` as ``name``; ``ValueError`` saying why not
+        (LoRA off, the name taken, every slot used, the files)."""
+        if not self._enabled:
+            raise ValueError("LoRA adapters need --enable-lora")
+        if name in self._keys:
+            raise ValueError(f"LoRA adapter {name!r} is already loaded")
+        if len(self._keys) >= self._max_loras:
+            raise ValueError(
+                f"LoRA adapter {name!r}: --max-loras {self._max_loras} adapters are loaded "
+                f"({', '.join(self._keys)}); unload one first"
+            )
+        self._keys[name] = self._loader.load_lora_adapter(name, path)
+        logger.info("LoRA adapter %s loaded from %s", name, path)
+
+    def unload(self, name: str) -> None:
+        """Stop serving ``name``; ``ValueError`` if it is not loaded."""
+        self.block_key(name)
+        self._loader.unload_lora_adapter(name)
+        del self._keys[name]
+        logger.info("LoRA adapter %s unloaded", name)
+
+    def block_key(self, name: str) -> str:
+        """The block key of loaded adapter ``name``; ``ValueError`` naming it otherwise."""
+        key = self._keys.get(name)
+        if key is None:
+            loaded = ", ".join(self._keys) or "none"
+            raise ValueError(f"lora_name: no LoRA adapter {name!r} is loaded (loaded: {loaded})")
+        return key
