@@ -86,12 +86,14 @@ class EngineBackend(Protocol):
         hold_kv: bool = False,
         cache_salt: str = "",
         priority: int = 0,
+        lora_name: str = "",
     ) -> None:
         """Queue a request. ``output_token_ids`` were sampled elsewhere (a prefill worker's
         first token): they count towards ``max_tokens`` and are not reported again. The first
         ``num_external_tokens`` tokens' KV is loaded from a peer, not computed. With
         ``hold_kv`` the blocks outlive the request until ``release_held_kv``. Requests share
-        prefix-cache blocks only under the same ``cache_salt``. ``priority`` orders it under
+        prefix-cache blocks only under the same ``cache_salt`` and LoRA adapter (``lora_name``,
+        one of ``lora_adapters``; "" for the base model). ``priority`` orders it under
         ``--scheduling-policy priority`` (lower first). ``ValueError`` naming the field
         when the request cannot run here; ``DuplicateRequestError`` (a ``ValueError``) when
         ``req_id`` is in flight or holds KV."""
@@ -112,6 +114,19 @@ class EngineBackend(Protocol):
     on_constraint_compiled: Callable[[], object] | None
     """Called on a compile thread when a grammar a held request waits for is done (or failed):
     a loop idling between steps wakes up to admit it."""
+
+    # ----------------------------------------------------------------------------- adapters
+    @property
+    def lora_adapters(self) -> dict[str, str]:
+        """*Any thread.* The LoRA adapters a request may name, in load order, each with the key
+        it puts into its blocks' hashes (``engine.block_hash.block_extra_key``). A copy."""
+
+    def load_lora_adapter(self, name: str, path: str) -> None:
+        """Serve the PEFT adapter at ``path`` as ``name`` from the next step; ``ValueError``
+        saying why it cannot be served."""
+
+    def unload_lora_adapter(self, name: str) -> None:
+        """Stop serving adapter ``name``; ``ValueError`` if it is not loaded or in use."""
 
     # ----------------------------------------------------------------------------- stepping
     def step(self) -> list[RequestOutput]:

@@ -173,7 +173,9 @@ class EngineConfig:
         "request names its adapter as its model",
     )
     lora_modules: str = flag(
-        "", "--enable-lora: adapters to load at start, as name=path pairs separated by commas"
+        "",
+        "--enable-lora: adapters to load at start, as name=path pairs separated by commas (paths "
+        "as the workers see them)",
     )
     max_loras: int = flag(
         4,

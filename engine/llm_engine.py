@@ -401,9 +401,9 @@ class LLMEngine:
 
     # ----------------------------------------------------------------------------- adapters
     @property
-    def lora_adapters(self) -> tuple[str, ...]:
-        """The LoRA adapters a request may name, in load order."""
-        return self.lora.names
+    def lora_adapters(self) -> dict[str, str]:
+        """The LoRA adapters a request may name, with their block keys (``EngineBackend``)."""
+        return self.lora.block_keys
 
     def load_lora_adapter(self, name: str, path: str) -> None:
         """Serve the PEFT adapter at ``path`` as ``name`` from the next step; ``ValueError``

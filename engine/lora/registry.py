@@ -29,9 +29,9 @@ class LoraRegistry:
         self._keys: dict[str, str] = {}
 
     @property
-    def names(self) -> tuple[str, ...]:
-        """Loaded adapters, in load order."""
-        return tuple(self._keys)
+    def block_keys(self) -> dict[str, str]:
+        """Loaded adapters, in load order, with their block keys: a copy (any thread)."""
+        return dict(self._keys)
 
     def load(self, name: str, path: str) -> None:
         """Serve the PEFT adapter at ``path`` as ``name``; ``ValueError`` saying why not

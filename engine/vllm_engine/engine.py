@@ -46,6 +46,9 @@ from engine.vllm_engine.events import EventCollector, EventTranslator
 from engine.vllm_engine.metrics import VLLMStatLogger
 
 logger = logging.getLogger(__name__)
+# vLLM's own LoRA (its --enable-lora in --vllm-args) is not mapped onto the workers' adapter
+# calls and block keys yet.
+_NO_LORA = "LoRA adapters through splitserve's API are served by --engine native only"
 
 
 @dataclass(slots=True)
@@ -165,6 +168,7 @@ class VLLMEngine:
         hold_kv: bool = False,
         cache_salt: str = "",
         priority: int = 0,
+        lora_name: str = "",
     ) -> None:
         """Validate through vLLM's input processor and queue. Tokens sampled elsewhere
         (``output_token_ids``: a resumed stream) extend the prompt and count towards
@@ -179,6 +183,8 @@ class VLLMEngine:
                 f"num_external_tokens: {num_external_tokens} is more than the prompt's "
                 f"{len(prompt_token_ids)} tokens"
             )
+        if lora_name:
+            raise ValueError(f"lora_name: {_NO_LORA}")
         if req_id in self._states:
             raise DuplicateRequestError(f"request_id {req_id!r} is already in flight")
         if len(output_token_ids) >= params.max_tokens:
@@ -351,6 +357,16 @@ class VLLMEngine:
     @property
     def last_num_scheduled_tokens(self) -> int:
         return self._last_num_scheduled_tokens
+
+    @property
+    def lora_adapters(self) -> dict[str, str]:
+        return {}
+
+    def load_lora_adapter(self, name: str, path: str) -> None:
+        raise ValueError(_NO_LORA)
+
+    def unload_lora_adapter(self, name: str) -> None:
+        raise ValueError(_NO_LORA)
 
     def stats(self) -> EngineStats:
         scheduler = self._scheduler

@@ -78,6 +78,7 @@ class DecodeServicer(WorkerServicerBase[KVPullHooks], worker_pb2_grpc.DecodeWork
                     output_token_ids=output_token_ids,
                     cache_salt=salt,
                     priority=request.priority,
+                    lora_name=request.lora_name,
                 )
                 return
             try:
@@ -89,6 +90,7 @@ class DecodeServicer(WorkerServicerBase[KVPullHooks], worker_pb2_grpc.DecodeWork
                     num_external_tokens=src.num_tokens,
                     cache_salt=salt,
                     priority=request.priority,
+                    lora_name=request.lora_name,
                 )
             except DuplicateRequestError:
                 raise  # the id's pull, if any, is another request's

@@ -68,6 +68,7 @@ class PrefillServicer(WorkerServicerBase[LeaseHooks], worker_pb2_grpc.PrefillWor
                 hold_kv=hold_kv,
                 cache_salt=salt,
                 priority=request.priority,
+                lora_name=request.lora_name,
             )
 
         loop = self.runtime.loop

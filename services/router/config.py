@@ -86,6 +86,13 @@ class RouterConfig:
         "which then shows them in Hermes' form)",
         choices=FORMATS,
     )
+    allow_runtime_lora_updating: bool = flag(
+        False,
+        "serve LoRA adapters loaded at run time (/v1/load_lora_adapter, Router.LoadLoraAdapter; "
+        "vLLM's VLLM_ALLOW_RUNTIME_LORA_UPDATING): an admin names a path the workers read, so "
+        "it is off unless asked for; adapters given to the workers at start (--lora-modules) "
+        "are served either way",
+    )
     max_request_output_tokens: int = flag(
         262144,
         "most tokens one HTTP request may generate over all its choices: generations x "

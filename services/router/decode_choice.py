@@ -42,11 +42,16 @@ class DecodeChooser:
         self._rng = rng
 
     def score(
-        self, prompt_blocks: int, matched: dict[str, int], exclude: set[str] | None = None
+        self,
+        prompt_blocks: int,
+        matched: dict[str, int],
+        exclude: set[str] | None = None,
+        lora_name: str = "",
     ) -> list[DecodeCandidate]:
-        """Every healthy worker not in ``exclude`` (addresses), cheapest first."""
+        """Every routable worker serving ``lora_name`` and not in ``exclude`` (addresses),
+        cheapest first."""
         candidates = []
-        for worker in self.pool.routable_workers():
+        for worker in self.pool.routable_workers(lora_name):
             if exclude and worker.address in exclude:
                 continue
             load = worker.load
@@ -70,10 +75,14 @@ class DecodeChooser:
         return self._rng.choice(tied)
 
     def choose(
-        self, prompt_blocks: int, matched: dict[str, int], exclude: set[str] | None = None
+        self,
+        prompt_blocks: int,
+        matched: dict[str, int],
+        exclude: set[str] | None = None,
+        lora_name: str = "",
     ) -> DecodeCandidate | None:
         """``pick`` over ``score``."""
-        return self.pick(self.score(prompt_blocks, matched, exclude))
+        return self.pick(self.score(prompt_blocks, matched, exclude, lora_name))
 
     async def wait_for(
         self,
@@ -82,6 +91,7 @@ class DecodeChooser:
         exclude: set[str],
         wait_s: float,
         poll_s: float,
+        lora_name: str = "",
     ) -> DecodeCandidate | None:
         """``choose`` every ``poll_s`` (the health polls' interval: only a poll makes a worker
         routable) until one comes or ``wait_s`` has passed (then None)."""
@@ -89,7 +99,7 @@ class DecodeChooser:
         deadline_s = loop.time() + wait_s
         while loop.time() < deadline_s:
             await asyncio.sleep(poll_s)
-            candidate = self.choose(prompt_blocks, matched, exclude)
+            candidate = self.choose(prompt_blocks, matched, exclude, lora_name)
             if candidate is not None:
                 return candidate
         return None

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import jinja2
 
+from engine.block_hash import block_extra_key
 from engine.request_limits import check_client_cache_salt, check_request_limits
 from engine.sampling_params import MAX_LOGPROBS, SamplingParams
 from engine.tokenizer import Tokenizer
@@ -106,6 +107,15 @@ class PreparedRequest:
     cache_salt: str = ""
     tools: ToolUse | None = None
     priority: int | None = None
+    # The LoRA adapter the request's model names ("": the base model), and the key the workers
+    # hash its blocks with.
+    lora_name: str = ""
+    lora_block_key: str = ""
+
+    @property
+    def block_extra_key(self) -> str:
+        """What the workers put into the request's block hashes: its salt and adapter."""
+        return block_extra_key(self.cache_salt, self.lora_block_key)
 
 
 def prepare_request(

@@ -90,23 +90,33 @@ class RoutePlanner:
         return 0
 
     async def plan(
-        self, req_id: str | None, prompt_token_ids: Sequence[int], cache_salt: str = ""
+        self,
+        req_id: str | None,
+        prompt_token_ids: Sequence[int],
+        extra_key: str = "",
+        lora_name: str = "",
     ) -> RoutePlan:
         """Decide for a prompt. With a ``req_id`` the prefill worker is reserved (when one is
-        used); without, nothing is (``Router.Explain``). Only blocks cached under the same
-        ``cache_salt`` count as hits (the workers hash with it too)."""
+        used); without, nothing is (``Router.Explain``). Only blocks hashed with the same
+        ``extra_key`` (``block_extra_key`` of its salt and adapter, as the workers hash) count
+        as hits; only workers serving LoRA adapter ``lora_name`` are candidates."""
         block_size = self.block_size()
         block_hashes = (
-            hash_block_tokens(prompt_token_ids, block_size, cache_salt) if block_size else []
+            hash_block_tokens(prompt_token_ids, block_size, extra_key) if block_size else []
         )
         if self._colocated:
-            return await self._plan_colocated(req_id, block_hashes)
+            return await self._plan_colocated(req_id, block_hashes, lora_name)
         short = len(prompt_token_ids) <= self._local_prefill_max_tokens
         has_prefill_pool = bool(self.prefill_chooser.pool.workers)
         choice = await self.prefill_chooser.choose(
-            req_id, block_hashes, with_candidates=has_prefill_pool and not short
+            req_id,
+            block_hashes,
+            with_candidates=has_prefill_pool and not short,
+            lora_name=lora_name,
         )
-        decode_candidates = tuple(self.decode_chooser.score(len(block_hashes), choice.matched))
+        decode_candidates = tuple(
+            self.decode_chooser.score(len(block_hashes), choice.matched, lora_name=lora_name)
+        )
         decode = self.decode_chooser.pick(decode_candidates)
         if choice.worker is not None:
             uncached_tokens = len(prompt_token_ids) - (
@@ -131,10 +141,12 @@ class RoutePlanner:
         return RoutePlan(choice, place, decode_candidates, decode)
 
     async def _plan_colocated(
-        self, req_id: str | None, block_hashes: Sequence[BlockHash]
+        self, req_id: str | None, block_hashes: Sequence[BlockHash], lora_name: str
     ) -> RoutePlan:
-        choice = await self.prefill_chooser.choose(req_id, block_hashes)
-        candidates = tuple(self.decode_chooser.score(len(block_hashes), choice.matched))
+        choice = await self.prefill_chooser.choose(req_id, block_hashes, lora_name=lora_name)
+        candidates = tuple(
+            self.decode_chooser.score(len(block_hashes), choice.matched, lora_name=lora_name)
+        )
         chosen = [c for c in candidates if c.worker is choice.worker]
         # Every worker saturated, or the chosen one unhealthy since: the least busy one.
         decode = chosen[0] if chosen else self.decode_chooser.pick(candidates)

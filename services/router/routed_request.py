@@ -102,6 +102,7 @@ class RoutedRequest:
             sampling=self.worker_params,
             cache_salt=prepared.cache_salt,
             priority=prepared.priority,
+            lora_name=prepared.lora_name,
         )
         self.failures = FailurePolicy()
         self.holdings = Holdings(self.req_id, self._planner.prefill_chooser, routing.background)
@@ -116,7 +117,7 @@ class RoutedRequest:
                 self.prepared.client_request_id,
             )
         try:
-            if not self._planner.decode_chooser.pool.routable_workers():
+            if not self._planner.decode_chooser.pool.routable_workers(self.prepared.lora_name):
                 # As in Dynamo, where a request enters through its decode worker: no prefill
                 # (nor its lease) for a request that no decode worker can continue yet.
                 await self._await_decode_worker(0, {}, set())
@@ -153,7 +154,10 @@ class RoutedRequest:
         prepared = self.prepared
         with ending(self._routing.tracing.start_child(self._span, "route")) as route_span:
             plan = await self._planner.plan(
-                self.req_id, prepared.prompt_token_ids, prepared.cache_salt
+                self.req_id,
+                prepared.prompt_token_ids,
+                prepared.block_extra_key,
+                prepared.lora_name,
             )
             self.holdings.planned(plan)
             if route_span.is_recording():
@@ -171,6 +175,7 @@ class RoutedRequest:
             sampling=self.worker_params,
             cache_salt=self.prepared.cache_salt,
             priority=self.prepared.priority,
+            lora_name=self.prepared.lora_name,
         )
         worker.num_inflight += 1
         call_span = self._call_span("prefill_call", worker)
@@ -228,7 +233,7 @@ class RoutedRequest:
             worker = slot.worker
             if worker is None or tried or not worker.routable:
                 candidate = self._planner.decode_chooser.choose(
-                    prompt_blocks, plan.prefill.matched, exclude=tried
+                    prompt_blocks, plan.prefill.matched, tried, self.prepared.lora_name
                 )
                 if candidate is None:
                     candidate = await self._await_decode_worker(
@@ -324,7 +329,12 @@ class RoutedRequest:
             wait_s,
         )
         candidate = await self._planner.decode_chooser.wait_for(
-            prompt_blocks, matched, tried, wait_s, self._config.health_check_interval_s
+            prompt_blocks,
+            matched,
+            tried,
+            wait_s,
+            self._config.health_check_interval_s,
+            self.prepared.lora_name,
         )
         if candidate is None:
             await abort(self._context, grpc.StatusCode.UNAVAILABLE, "no healthy decode worker")

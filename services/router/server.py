@@ -13,7 +13,7 @@ import dataclasses
 import logging
 import random
 import time
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Awaitable
 
 import grpc
 
@@ -34,6 +34,11 @@ from services.router.call_context import CallContext, StatusRecorder
 from services.router.config import RouterConfig
 from services.router.explain import explain_response
 from services.router.latency import LatencyWindow
+from services.router.lora_adapters import (
+    LoraAdapters,
+    ModelNotFoundError,
+    RuntimeUpdatesDisabledError,
+)
 from services.router.pool_metrics import PoolCollector
 from services.router.request_log import Outcome, RequestLog, call_status
 from services.router.request_meter import RequestMeter
@@ -53,7 +58,7 @@ from services.router.scaler import PoolScaler, reported_pool_sizes
 from services.router.tenants import TenantGate, parse_tenant_limits, tenant_cache_salt
 from services.router.tool_calls.rendering import detect_format
 from services.router.worker_pool import WorkerPool
-from splitserve.v1 import router_pb2, router_pb2_grpc
+from splitserve.v1 import router_pb2, router_pb2_grpc, worker_pb2
 
 logger = logging.getLogger(__name__)
 
@@ -91,6 +96,11 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         self.decode_pool = WorkerPool(Role.DECODE, config.decode_address_list, fence_after, tls)
         self.planner = build_planner(
             config, self.router_id, self.prefill_pool, self.decode_pool, rng
+        )
+        self.adapters = LoraAdapters(
+            config.served_name,
+            (self.prefill_pool, self.decode_pool),
+            config.allow_runtime_lora_updating,
         )
         self._num_inflight = 0
         # The last limits the decode workers reported: the model does not change when a pool
@@ -155,6 +165,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         while True:
             await asyncio.sleep(self.config.health_check_interval_s)
             await self._poll_once()
+            await self.adapters.reconcile()
             if self._reaped_index is not None and loop.time() >= next_reap_s:
                 next_reap_s = loop.time() + _REAP_INTERVAL_S
                 await self._reap_dead_workers(self._reaped_index)
@@ -322,8 +333,13 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
     ) -> PreparedRequest:
         """Validate and tokenize ``request`` (off the event loop), then its constraint (on the
         shared validation threads: a slow one holds no thread that prepares requests);
-        INVALID_ARGUMENT naming the field otherwise. Its blocks are salted with the caller's
-        tenant, and its priority is never better than the tenant's."""
+        INVALID_ARGUMENT naming the field otherwise; NOT_FOUND for a model not served. Its
+        blocks are salted with the caller's tenant, and its priority is never better than the
+        tenant's."""
+        try:
+            lora_name, lora_block_key = self.adapters.resolve(request.model)
+        except ModelNotFoundError as exc:
+            await abort(context, grpc.StatusCode.NOT_FOUND, str(exc))
         try:
             prepared = await asyncio.to_thread(
                 prepare_request,
@@ -350,6 +366,8 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             prepared,
             cache_salt=tenant_cache_salt(tenant, prepared.cache_salt),
             priority=best if asked is None else max(asked, best),
+            lora_name=lora_name,
+            lora_block_key=lora_block_key,
         )
 
     # ----------------------------------------------------------------------------- Explain
@@ -359,7 +377,9 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         """Score the prefill candidates for ``request`` as ``Generate`` would, reserving none."""
         limits = await self._limits(context)
         prepared = await self._prepare(request, limits, context)
-        plan = await self.planner.plan(None, prepared.prompt_token_ids, prepared.cache_salt)
+        plan = await self.planner.plan(
+            None, prepared.prompt_token_ids, prepared.block_extra_key, prepared.lora_name
+        )
         return explain_response(plan, len(prepared.prompt_token_ids))
 
     # ----------------------------------------------------------------------------- Scale
@@ -414,7 +434,38 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             prefix_hit_blocks_predicted=self.planner.prefill_chooser.num_hit_blocks_predicted,
             prefix_hit_blocks_realized=self.planner.prefill_chooser.num_hit_blocks_realized,
             pools=[p.to_proto() for p in pools],
+            lora_adapters=list(self.adapters.served()),
         )
+
+    # ----------------------------------------------------------------------------- LoRA
+    async def LoadLoraAdapter(
+        self, request: worker_pb2.LoadLoraAdapterRequest, context: grpc.aio.ServicerContext
+    ) -> router_pb2.LoraAdaptersResponse:
+        """Serve an adapter on every worker (``LoraAdapters.load``)."""
+        await self._update_adapters(
+            self.adapters.load(request.lora_name, request.lora_path), context
+        )
+        logger.info("LoRA adapter %s loaded by %s", request.lora_name, caller_name(context))
+        return router_pb2.LoraAdaptersResponse(lora_adapters=list(self.adapters.served()))
+
+    async def UnloadLoraAdapter(
+        self, request: worker_pb2.UnloadLoraAdapterRequest, context: grpc.aio.ServicerContext
+    ) -> router_pb2.LoraAdaptersResponse:
+        """Stop serving an adapter on every worker (``LoraAdapters.unload``)."""
+        await self._update_adapters(self.adapters.unload(request.lora_name), context)
+        logger.info("LoRA adapter %s unloaded by %s", request.lora_name, caller_name(context))
+        return router_pb2.LoraAdaptersResponse(lora_adapters=list(self.adapters.served()))
+
+    @staticmethod
+    async def _update_adapters(update: Awaitable[None], context: CallContext) -> None:
+        """Await ``update``; its refusals end the call (FAILED_PRECONDITION when runtime
+        updates are off, INVALID_ARGUMENT with the reason otherwise)."""
+        try:
+            await update
+        except RuntimeUpdatesDisabledError as exc:
+            await abort(context, grpc.StatusCode.FAILED_PRECONDITION, str(exc))
+        except ValueError as exc:
+            await abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(exc))
 
 
 def _caller_tenant() -> str:

@@ -60,6 +60,11 @@ class WorkerHandle:
         """May be chosen for a new request (not while it drains or shuts down)."""
         return self.healthy and not self.draining and not self.load.shutting_down
 
+    def serves(self, lora_name: str) -> bool:
+        """Whether it serves LoRA adapter ``lora_name`` ("": the base model, always), as its
+        latest load report says."""
+        return not lora_name or any(a.name == lora_name for a in self.load.lora_adapters)
+
     def mark_failed(self, error: str) -> None:
         if self.healthy:
             limited = rate_limited(self.address)
@@ -171,8 +176,9 @@ class WorkerPool:
             fence_after_failed_polls=self.fence_after_failed_polls,
         )
 
-    def routable_workers(self) -> list[WorkerHandle]:
-        return [w for w in self.workers if w.routable]
+    def routable_workers(self, lora_name: str = "") -> list[WorkerHandle]:
+        """The workers that may take a new request (of LoRA adapter ``lora_name``)."""
+        return [w for w in self.workers if w.routable and w.serves(lora_name)]
 
     def get(self, address: str) -> WorkerHandle | None:
         return next((w for w in self.workers if w.address == address), None)

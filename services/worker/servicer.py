@@ -49,7 +49,33 @@ class WorkerServicerBase(Generic[HooksT]):
     async def GetLoad(
         self, request: worker_pb2.GetLoadRequest, context: grpc.aio.ServicerContext
     ) -> worker_pb2.WorkerLoad:
-        return self.load()
+        load = self.load()
+        load.lora_adapters.extend(self._lora_adapters())
+        return load
+
+    async def LoadLoraAdapter(
+        self, request: worker_pb2.LoadLoraAdapterRequest, context: grpc.aio.ServicerContext
+    ) -> worker_pb2.LoraAdapterResponse:
+        """Load on the engine thread, between steps; INVALID_ARGUMENT saying why not."""
+        name, path = request.lora_name, request.lora_path
+        async with engine_errors(context):
+            await self.runtime.loop.call(lambda engine: engine.load_lora_adapter(name, path))
+        return worker_pb2.LoraAdapterResponse(lora_adapters=self._lora_adapters())
+
+    async def UnloadLoraAdapter(
+        self, request: worker_pb2.UnloadLoraAdapterRequest, context: grpc.aio.ServicerContext
+    ) -> worker_pb2.LoraAdapterResponse:
+        """Unload on the engine thread; INVALID_ARGUMENT when not loaded or in use."""
+        name = request.lora_name
+        async with engine_errors(context):
+            await self.runtime.loop.call(lambda engine: engine.unload_lora_adapter(name))
+        return worker_pb2.LoraAdapterResponse(lora_adapters=self._lora_adapters())
+
+    def _lora_adapters(self) -> list[worker_pb2.LoraAdapterInfo]:
+        return [
+            worker_pb2.LoraAdapterInfo(name=name, block_key=key)
+            for name, key in self.runtime.engine.lora_adapters.items()
+        ]
 
     def load(self) -> worker_pb2.WorkerLoad:
         """What ``GetLoad`` returns: the engine's latest stats plus the role's counters."""

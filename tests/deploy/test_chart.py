@@ -280,6 +280,8 @@ def test_every_flag_value_reaches_its_flag():
                 value = "disaggregated"
             if field.name == "tenant_limits":
                 value = "acme:max_tokens_per_s=100"
+            if field.name == "lora_modules":
+                value = "support=/etc/splitserve/adapters/support"
             values[section][GENERATE.camel(field.name)] = value
             expected[(section, field.name)] = value
     values["planner"].update(minPrefillWorkers=1, maxPrefillWorkers=7)

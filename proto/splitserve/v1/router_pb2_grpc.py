@@ -4,6 +4,7 @@ import grpc
 import warnings
 
 from splitserve.v1 import router_pb2 as splitserve_dot_v1_dot_router__pb2
+from splitserve.v1 import worker_pb2 as splitserve_dot_v1_dot_worker__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__
@@ -54,6 +55,16 @@ class RouterStub:
                 request_serializer=splitserve_dot_v1_dot_router__pb2.ScaleRequest.SerializeToString,
                 response_deserializer=splitserve_dot_v1_dot_router__pb2.ScaleResponse.FromString,
                 _registered_method=True)
+        self.LoadLoraAdapter = channel.unary_unary(
+                '/splitserve.v1.Router/LoadLoraAdapter',
+                request_serializer=splitserve_dot_v1_dot_worker__pb2.LoadLoraAdapterRequest.SerializeToString,
+                response_deserializer=splitserve_dot_v1_dot_router__pb2.LoraAdaptersResponse.FromString,
+                _registered_method=True)
+        self.UnloadLoraAdapter = channel.unary_unary(
+                '/splitserve.v1.Router/UnloadLoraAdapter',
+                request_serializer=splitserve_dot_v1_dot_worker__pb2.UnloadLoraAdapterRequest.SerializeToString,
+                response_deserializer=splitserve_dot_v1_dot_router__pb2.LoraAdaptersResponse.FromString,
+                _registered_method=True)
 
 
 class RouterServicer:
@@ -96,6 +107,23 @@ class RouterServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def LoadLoraAdapter(self, request, context):
+        """Serve a LoRA adapter on every worker, now and on workers that join later (vLLM's
+        /v1/load_lora_adapter); a request names it as its model. All or nothing: when a worker
+        refuses it, INVALID_ARGUMENT with its reason and no worker keeps it. FAILED_PRECONDITION
+        unless the router runs with --allow-runtime-lora-updating.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UnloadLoraAdapter(self, request, context):
+        """Stop serving an adapter loaded at run time, on every worker.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_RouterServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -118,6 +146,16 @@ def add_RouterServicer_to_server(servicer, server):
                     servicer.Scale,
                     request_deserializer=splitserve_dot_v1_dot_router__pb2.ScaleRequest.FromString,
                     response_serializer=splitserve_dot_v1_dot_router__pb2.ScaleResponse.SerializeToString,
+            ),
+            'LoadLoraAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.LoadLoraAdapter,
+                    request_deserializer=splitserve_dot_v1_dot_worker__pb2.LoadLoraAdapterRequest.FromString,
+                    response_serializer=splitserve_dot_v1_dot_router__pb2.LoraAdaptersResponse.SerializeToString,
+            ),
+            'UnloadLoraAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.UnloadLoraAdapter,
+                    request_deserializer=splitserve_dot_v1_dot_worker__pb2.UnloadLoraAdapterRequest.FromString,
+                    response_serializer=splitserve_dot_v1_dot_router__pb2.LoraAdaptersResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -228,6 +266,60 @@ class Router:
             '/splitserve.v1.Router/Scale',
             splitserve_dot_v1_dot_router__pb2.ScaleRequest.SerializeToString,
             splitserve_dot_v1_dot_router__pb2.ScaleResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LoadLoraAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/splitserve.v1.Router/LoadLoraAdapter',
+            splitserve_dot_v1_dot_worker__pb2.LoadLoraAdapterRequest.SerializeToString,
+            splitserve_dot_v1_dot_router__pb2.LoraAdaptersResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UnloadLoraAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/splitserve.v1.Router/UnloadLoraAdapter',
+            splitserve_dot_v1_dot_worker__pb2.UnloadLoraAdapterRequest.SerializeToString,
+            splitserve_dot_v1_dot_router__pb2.LoraAdaptersResponse.FromString,
             options,
             channel_credentials,
             insecure,

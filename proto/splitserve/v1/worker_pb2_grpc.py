@@ -54,6 +54,16 @@ class PrefillWorkerStub:
                 request_serializer=splitserve_dot_v1_dot_worker__pb2.GetLoadRequest.SerializeToString,
                 response_deserializer=splitserve_dot_v1_dot_worker__pb2.WorkerLoad.FromString,
                 _registered_method=True)
+        self.LoadLoraAdapter = channel.unary_unary(
+                '/splitserve.v1.PrefillWorker/LoadLoraAdapter',
+                request_serializer=splitserve_dot_v1_dot_worker__pb2.LoadLoraAdapterRequest.SerializeToString,
+                response_deserializer=splitserve_dot_v1_dot_worker__pb2.LoraAdapterResponse.FromString,
+                _registered_method=True)
+        self.UnloadLoraAdapter = channel.unary_unary(
+                '/splitserve.v1.PrefillWorker/UnloadLoraAdapter',
+                request_serializer=splitserve_dot_v1_dot_worker__pb2.UnloadLoraAdapterRequest.SerializeToString,
+                response_deserializer=splitserve_dot_v1_dot_worker__pb2.LoraAdapterResponse.FromString,
+                _registered_method=True)
 
 
 class PrefillWorkerServicer:
@@ -87,6 +97,19 @@ class PrefillWorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def LoadLoraAdapter(self, request, context):
+        """Serve (or stop serving) a LoRA adapter; WorkerLoad.lora_adapters lists those served.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UnloadLoraAdapter(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_PrefillWorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -109,6 +132,16 @@ def add_PrefillWorkerServicer_to_server(servicer, server):
                     servicer.GetLoad,
                     request_deserializer=splitserve_dot_v1_dot_worker__pb2.GetLoadRequest.FromString,
                     response_serializer=splitserve_dot_v1_dot_worker__pb2.WorkerLoad.SerializeToString,
+            ),
+            'LoadLoraAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.LoadLoraAdapter,
+                    request_deserializer=splitserve_dot_v1_dot_worker__pb2.LoadLoraAdapterRequest.FromString,
+                    response_serializer=splitserve_dot_v1_dot_worker__pb2.LoraAdapterResponse.SerializeToString,
+            ),
+            'UnloadLoraAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.UnloadLoraAdapter,
+                    request_deserializer=splitserve_dot_v1_dot_worker__pb2.UnloadLoraAdapterRequest.FromString,
+                    response_serializer=splitserve_dot_v1_dot_worker__pb2.LoraAdapterResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -229,6 +262,60 @@ class PrefillWorker:
             metadata,
             _registered_method=True)
 
+    @staticmethod
+    def LoadLoraAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/splitserve.v1.PrefillWorker/LoadLoraAdapter',
+            splitserve_dot_v1_dot_worker__pb2.LoadLoraAdapterRequest.SerializeToString,
+            splitserve_dot_v1_dot_worker__pb2.LoraAdapterResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UnloadLoraAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/splitserve.v1.PrefillWorker/UnloadLoraAdapter',
+            splitserve_dot_v1_dot_worker__pb2.UnloadLoraAdapterRequest.SerializeToString,
+            splitserve_dot_v1_dot_worker__pb2.LoraAdapterResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
 
 class DecodeWorkerStub:
     """Missing associated documentation comment in .proto file."""
@@ -253,6 +340,16 @@ class DecodeWorkerStub:
                 '/splitserve.v1.DecodeWorker/GetLoad',
                 request_serializer=splitserve_dot_v1_dot_worker__pb2.GetLoadRequest.SerializeToString,
                 response_deserializer=splitserve_dot_v1_dot_worker__pb2.WorkerLoad.FromString,
+                _registered_method=True)
+        self.LoadLoraAdapter = channel.unary_unary(
+                '/splitserve.v1.DecodeWorker/LoadLoraAdapter',
+                request_serializer=splitserve_dot_v1_dot_worker__pb2.LoadLoraAdapterRequest.SerializeToString,
+                response_deserializer=splitserve_dot_v1_dot_worker__pb2.LoraAdapterResponse.FromString,
+                _registered_method=True)
+        self.UnloadLoraAdapter = channel.unary_unary(
+                '/splitserve.v1.DecodeWorker/UnloadLoraAdapter',
+                request_serializer=splitserve_dot_v1_dot_worker__pb2.UnloadLoraAdapterRequest.SerializeToString,
+                response_deserializer=splitserve_dot_v1_dot_worker__pb2.LoraAdapterResponse.FromString,
                 _registered_method=True)
 
 
@@ -281,6 +378,18 @@ class DecodeWorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def LoadLoraAdapter(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UnloadLoraAdapter(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_DecodeWorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -298,6 +407,16 @@ def add_DecodeWorkerServicer_to_server(servicer, server):
                     servicer.GetLoad,
                     request_deserializer=splitserve_dot_v1_dot_worker__pb2.GetLoadRequest.FromString,
                     response_serializer=splitserve_dot_v1_dot_worker__pb2.WorkerLoad.SerializeToString,
+            ),
+            'LoadLoraAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.LoadLoraAdapter,
+                    request_deserializer=splitserve_dot_v1_dot_worker__pb2.LoadLoraAdapterRequest.FromString,
+                    response_serializer=splitserve_dot_v1_dot_worker__pb2.LoraAdapterResponse.SerializeToString,
+            ),
+            'UnloadLoraAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.UnloadLoraAdapter,
+                    request_deserializer=splitserve_dot_v1_dot_worker__pb2.UnloadLoraAdapterRequest.FromString,
+                    response_serializer=splitserve_dot_v1_dot_worker__pb2.LoraAdapterResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -381,6 +500,60 @@ class DecodeWorker:
             '/splitserve.v1.DecodeWorker/GetLoad',
             splitserve_dot_v1_dot_worker__pb2.GetLoadRequest.SerializeToString,
             splitserve_dot_v1_dot_worker__pb2.WorkerLoad.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LoadLoraAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/splitserve.v1.DecodeWorker/LoadLoraAdapter',
+            splitserve_dot_v1_dot_worker__pb2.LoadLoraAdapterRequest.SerializeToString,
+            splitserve_dot_v1_dot_worker__pb2.LoraAdapterResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UnloadLoraAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/splitserve.v1.DecodeWorker/UnloadLoraAdapter',
+            splitserve_dot_v1_dot_worker__pb2.UnloadLoraAdapterRequest.SerializeToString,
+            splitserve_dot_v1_dot_worker__pb2.LoraAdapterResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -138,7 +138,10 @@ def chat_plan(
     messages = chat_messages(body.messages)
     sampling = _sampling(body, max_tokens=max_tokens, logprobs=logprobs, echo=echo)
     prompt = router_pb2.GenerateRequest(
-        messages=messages, cache_salt=body.cache_salt or "", priority=body.priority
+        messages=messages,
+        cache_salt=body.cache_salt or "",
+        priority=body.priority,
+        model=body.model or "",
     )
     add_tools(prompt, body.tools, body.tool_choice, body.parallel_tool_calls)
     choices = _choices(prompt, sampling, body.n, request_id)
@@ -173,7 +176,7 @@ def completion_plan(
     requests = []
     for p, prompt in enumerate(prompts):
         message = router_pb2.GenerateRequest(
-            cache_salt=body.cache_salt or "", priority=body.priority
+            cache_salt=body.cache_salt or "", priority=body.priority, model=body.model or ""
         )
         if isinstance(prompt, str):
             message.prompt = prompt

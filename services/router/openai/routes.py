@@ -1,7 +1,10 @@
 """The HTTP API's routes (FastAPI): OpenAI's endpoints plus health, version and status.
 
 - ``POST /v1/chat/completions``, ``POST /v1/completions``: a data key when keys are on.
-- ``GET /v1/models``: the served model and its context length (a data key).
+- ``GET /v1/models``: the served model and its LoRA adapters, with the context length (a data
+  key). A request's ``model`` names one of them (absent: the model); another is 404.
+- ``POST /v1/load_lora_adapter``, ``POST /v1/unload_lora_adapter``: vLLM's, with an admin key
+  (and only with ``--allow-runtime-lora-updating``).
 - ``POST /tokenize``, ``POST /detokenize``: vLLM's, on the router's tokenizer (a data key).
 - ``GET /metrics``: the router's Prometheus metrics, as on ``--metrics-port`` (no key, as
   vLLM's: clients and benchmark tools probe it there; it holds no request content).
@@ -35,6 +38,13 @@ from starlette.responses import JSONResponse, Response
 from services.common.api_keys import BEARER_PREFIX, ApiKeyStore, KeyRole
 from services.router.auth import CALLER
 from services.router.call_context import HttpCallContext
+from services.router.openai.adapters import (
+    LoadLoraAdapterRequest,
+    UnloadLoraAdapterRequest,
+    load_adapter,
+    resolve_model,
+    unload_adapter,
+)
 from services.router.openai.body_parser import BodyParser
 from services.router.openai.choices import respond
 from services.router.openai.errors import OpenAIError, bad_request
@@ -103,6 +113,8 @@ def build_app(
     app.add_api_route("/v1/chat/completions", api.chat_completions, methods=["POST"])
     app.add_api_route("/v1/completions", api.completions, methods=["POST"])
     app.add_api_route("/v1/models", api.models, methods=["GET"])
+    app.add_api_route("/v1/load_lora_adapter", api.load_lora_adapter, methods=["POST"])
+    app.add_api_route("/v1/unload_lora_adapter", api.unload_lora_adapter, methods=["POST"])
     app.add_api_route("/tokenize", api.tokenize, methods=["POST"])
     app.add_api_route("/detokenize", api.detokenize, methods=["POST"])
     app.add_api_route("/metrics", api.metrics, methods=["GET"])
@@ -164,11 +176,9 @@ class _Api:
         body: ChatCompletionRequest | CompletionRequest,
         response_id: str,
     ) -> Response:
-        self._check_model(body.model)
+        model = self._check_model(body.model)
         # Stamped per response, as OpenAI's and vLLM's.
-        builder = ResponseBuilder(
-            plan, response_id, self._model_name, int(time.time()), self._token_texts
-        )
+        builder = ResponseBuilder(plan, response_id, model, int(time.time()), self._token_texts)
         options = body.stream_options
         usage = options.usage if options is not None else StreamUsage.NONE
         return await respond(self._servicer, request, builder, bool(body.stream), usage)
@@ -177,20 +187,36 @@ class _Api:
     async def models(self, request: Request) -> dict[str, Any]:
         self._authorize(request, KeyRole.DATA)
         limits = self._servicer.limits()
+        max_model_len = limits.max_model_len if limits else None
+        entries: list[tuple[str, str, str | None]] = [
+            (self._model_name, self._servicer.config.model, None)
+        ]
+        entries += [(name, name, self._model_name) for name in self._servicer.adapters.served()]
         return {
             "object": "list",
             "data": [
                 {
-                    "id": self._model_name,
+                    "id": name,
                     "object": "model",
                     "created": self._created_s,
                     "owned_by": "splitserve",
-                    "root": self._servicer.config.model,
-                    "parent": None,
-                    "max_model_len": limits.max_model_len if limits else None,
+                    "root": root,
+                    "parent": parent,
+                    "max_model_len": max_model_len,
                 }
+                for name, root, parent in entries
             ],
         }
+
+    async def load_lora_adapter(self, request: Request) -> Response:
+        self._authorize(request, KeyRole.ADMIN)
+        body = await self._parse(request, LoadLoraAdapterRequest)
+        return await load_adapter(self._servicer.adapters, body)
+
+    async def unload_lora_adapter(self, request: Request) -> Response:
+        self._authorize(request, KeyRole.ADMIN)
+        body = await self._parse(request, UnloadLoraAdapterRequest)
+        return await unload_adapter(self._servicer.adapters, body)
 
     async def tokenize(self, request: Request) -> dict[str, Any]:
         self._authorize(request, KeyRole.DATA)
@@ -231,14 +257,9 @@ class _Api:
     def _model_name(self) -> str:
         return self._servicer.config.served_name
 
-    def _check_model(self, model: str | None) -> None:
-        if model is not None and model != self._model_name:
-            raise OpenAIError(
-                HTTPStatus.NOT_FOUND,
-                f"The model `{model}` does not exist (this server serves `{self._model_name}`).",
-                param="model",
-                code="model_not_found",
-            )
+    def _check_model(self, model: str | None) -> str:
+        """The name responses carry; 404 for a model not served (``resolve_model``)."""
+        return resolve_model(self._servicer.adapters, model, self._model_name)
 
     def _authorize(self, request: Request, needed: KeyRole) -> None:
         if not self._keys.enabled:

@@ -57,7 +57,7 @@ def test_what_cannot_be_loaded_is_refused_by_name(llm, adapters, tmp_path):
     engine.load_lora_adapter("b", str(adapters["b"]))
     with pytest.raises(ValueError, match="--max-loras 2 adapters are loaded"):
         engine.load_lora_adapter("c", str(adapters["a"]))
-    assert engine.lora_adapters == ("a", "b")
+    assert list(engine.lora_adapters) == ["a", "b"]
     with pytest.raises(ValueError, match="no LoRA adapter 'c' is loaded"):
         llm.generate([PROMPT], GREEDY, lora_name="c")
     # Nothing failed to load left a trace: the two loaded adapters still run.
@@ -73,7 +73,7 @@ def test_an_adapter_in_use_cannot_be_unloaded(llm, adapters):
     while engine.has_unfinished_requests():
         engine.step()
     engine.unload_lora_adapter("a")
-    assert engine.lora_adapters == ()
+    assert engine.lora_adapters == {}
     with pytest.raises(ValueError, match="no LoRA adapter 'a' is loaded"):
         engine.unload_lora_adapter("a")
 
