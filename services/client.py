@@ -26,6 +26,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("prompt", help="prompt text (the user message with --chat)")
     parser.add_argument("--target", default="127.0.0.1:50051", help="router host:port")
     parser.add_argument("--chat", action="store_true", help="send as a chat message")
+    parser.add_argument(
+        "--model", default="", help="the served model (default) or one of its LoRA adapters"
+    )
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--top-p", type=float, default=None)
@@ -55,7 +58,7 @@ def build_request(args: argparse.Namespace) -> router_pb2.GenerateRequest:
         value = getattr(args, name)
         if value is not None:
             setattr(sampling, name, value)
-    request = router_pb2.GenerateRequest(sampling=sampling)
+    request = router_pb2.GenerateRequest(sampling=sampling, model=args.model)
     if args.chat:
         request.messages.append(router_pb2.ChatMessage(role="user", content=args.prompt))
     else:

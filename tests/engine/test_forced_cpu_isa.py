@@ -17,10 +17,13 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from engine.cpu_isa import CpuIsa, host_isa, library_env
+from loadtest.fixtures.tiny_lora import make_tiny_lora
 from tests.engine.test_generate_vs_hf import (
     MAX_TOKENS,
+    hf_generate,
     hf_greedy,
     make_head_dim_64_model,
     make_prompts,
@@ -61,11 +64,27 @@ def hf_expected(model_dir: Path) -> list[list[int]]:
     return hf_greedy(model_dir, make_prompts(vocab_size), MAX_TOKENS)
 
 
+@pytest.fixture(scope="module")
+def adapter(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list]:
+    """A random LoRA adapter of the model and its greedy outputs by transformers + PEFT."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    path = make_tiny_lora(model_dir, tmp_path_factory.mktemp("forced-isa-lora"), seed=5)
+    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    model = PeftModel.from_pretrained(base, path)
+    return path, hf_generate(model, make_prompts(model.config.vocab_size), MAX_TOKENS)
+
+
 @pytest.mark.parametrize("level", FORCED, ids=lambda level: level.value)
-def test_generation_at_forced_level_matches_hf(model_dir, hf_expected, level):
-    """float32 is token-for-token HF's; bfloat16 agrees with it as on any host (the first
-    tokens of all prompts but one, as ``test_bfloat16_runs_and_mostly_agrees`` requires)."""
-    proc = run_at_level(level, "-m", "tests.engine.forced_isa_child", str(model_dir), level.value)
+def test_generation_at_forced_level_matches_hf(model_dir, hf_expected, adapter, level):
+    """float32 is token-for-token HF's, and with a LoRA adapter PEFT's; bfloat16 agrees with it
+    as on any host (the first tokens of all prompts but one, as
+    ``test_bfloat16_runs_and_mostly_agrees`` requires)."""
+    adapter_dir, peft_expected = adapter
+    proc = run_at_level(
+        level, "-m", "tests.engine.forced_isa_child", str(model_dir), level.value, str(adapter_dir)
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert result["aten_capability"] == ATEN_NAMES[level]
@@ -83,6 +102,8 @@ def test_generation_at_forced_level_matches_hf(model_dir, hf_expected, level):
     # An int8 cache: the level's compiled writes, decode and prefill scratch give the torch
     # reference paths' tokens.
     assert result["int8_cpp"] == result["int8_torch"]
+    # LoRA's grouped matmuls are torch's, capped at the level with the linears.
+    assert result["lora"] == peft_expected + hf_expected
 
 
 @pytest.mark.parametrize("level", FORCED, ids=lambda level: level.value)
