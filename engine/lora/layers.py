@@ -8,10 +8,12 @@ and v; gate and up): each part's ``A`` fills its own band of rows and its ``B`` 
 the output it owns, zeros elsewhere, so one pair of matmuls serves every part and a smaller
 rank or an untargeted part contributes exact zeros.
 
-Each step, ``select`` says which slot each token's rows use (``-1``: none). A projection then
-adds ``(x[rows] @ A[slot].T) @ B[slot].T`` for each slot in the step: a grouped low-rank
-matmul with one pair of matmuls per distinct adapter, whatever the number of requests, run by
-torch's matmuls (oneDNN or MKL at the host's level on CPU, cuBLAS on a GPU).
+Each step, ``select`` says which slot each token's rows use (``-1``: none) and orders the rows
+that use one by slot. A projection then gathers those rows once, computes ``(x_s @ A[s].T) @
+B[s].T`` for each slot's segment ``x_s`` of them, and adds the result back once: a segmented
+(grouped) low-rank matmul with one pair of matmuls per distinct adapter, whatever the number of
+requests, run by torch's matmuls (oneDNN or MKL at the level the engine caps them to on CPU,
+cuBLAS on a GPU).
 """
 
 from __future__ import annotations
@@ -37,10 +39,13 @@ RowSelector = slice | torch.Tensor
 
 
 @dataclass(slots=True)
-class _Selection:
-    """The current step's groups: ``(slot, rows)`` for every slot some token uses."""
+class StepSelection:
+    """The current step's adapter rows: ``rows`` selects the rows that use an adapter, ordered
+    by slot (a slice when they are one run already), and ``segments`` gives each slot its
+    ``(slot, start, end)`` range within that order."""
 
-    groups: list[tuple[int, RowSelector]] = field(default_factory=list)
+    rows: RowSelector = field(default_factory=lambda: slice(0, 0))
+    segments: list[tuple[int, int, int]] = field(default_factory=list)
 
 
 class LoraLinear(nn.Module):
@@ -54,7 +59,7 @@ class LoraLinear(nn.Module):
         in_features: int,
         max_loras: int,
         max_rank: int,
-        selection: _Selection,
+        selection: StepSelection,
         dtype: torch.dtype,
         device: torch.device,
     ) -> None:
@@ -75,12 +80,20 @@ class LoraLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out: torch.Tensor = self.base(x)
-        for slot, rows in self._selection.groups:
-            delta = (x[rows] @ self.lora_a[slot].T) @ self.lora_b[slot].T
-            if isinstance(rows, slice):
-                out[rows] += delta
-            else:
-                out.index_add_(0, rows, delta)
+        selection = self._selection
+        if not selection.segments:
+            return out
+        rows = selection.rows
+        xs = x[rows]
+        delta = out.new_empty((xs.shape[0], out.shape[1]))
+        for slot, start, end in selection.segments:
+            torch.matmul(
+                xs[start:end] @ self.lora_a[slot].T, self.lora_b[slot].T, out=delta[start:end]
+            )
+        if isinstance(rows, slice):
+            out[rows] += delta
+        else:
+            out.index_add_(0, rows, delta)
         return out
 
     def write(self, slot: int, parts: Sequence[tuple[torch.Tensor, torch.Tensor] | None]) -> None:
@@ -107,7 +120,7 @@ class LoraStack:
     def __init__(
         self,
         layers: list[dict[str, LoraLinear]],
-        selection: _Selection,
+        selection: StepSelection,
         max_loras: int,
         max_rank: int,
     ) -> None:
@@ -123,7 +136,7 @@ class LoraStack:
     ) -> LoraStack:
         """Wrap ``model``'s projections (a ``LlamaForCausalLM``; before its linears are packed)
         in ``LoraLinear``s sharing one selection; the stack that fills them."""
-        selection = _Selection()
+        selection = StepSelection()
         hidden, q_size = config.hidden_size, config.num_heads * config.head_dim
         kv_size = config.num_kv_heads * config.head_dim
         shapes = {
@@ -181,11 +194,17 @@ class LoraStack:
 
     def select(self, token_slots: Sequence[int], device: torch.device) -> None:
         """Set which slot each of the next forward pass's token rows uses (-1: none)."""
-        groups: list[tuple[int, RowSelector]] = []
-        for slot in sorted(set(token_slots) - {-1}):
-            rows = [i for i, s in enumerate(token_slots) if s == slot]
-            if rows[-1] - rows[0] + 1 == len(rows):
-                groups.append((slot, slice(rows[0], rows[-1] + 1)))
+        order = sorted((s, i) for i, s in enumerate(token_slots) if s >= 0)
+        segments: list[tuple[int, int, int]] = []
+        for position, (slot, _) in enumerate(order):
+            if segments and segments[-1][0] == slot:
+                segments[-1] = (slot, segments[-1][1], position + 1)
             else:
-                groups.append((slot, torch.tensor(rows, dtype=torch.long, device=device)))
-        self._selection.groups = groups
+                segments.append((slot, position, position + 1))
+        rows = [i for _, i in order]
+        selection = self._selection
+        if rows and rows == list(range(rows[0], rows[0] + len(rows))):
+            selection.rows = slice(rows[0], rows[-1] + 1)
+        else:
+            selection.rows = torch.tensor(rows, dtype=torch.long, device=device)
+        selection.segments = segments

@@ -5,9 +5,11 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from engine import LLM, SamplingParams
 from engine.block_hash import block_extra_key
+from engine.lora.layers import LoraLinear, LoraStack, StepSelection
 from engine.lora.names import parse_lora_modules
 from engine.request_limits import check_client_cache_salt
 from loadtest.fixtures.tiny_lora import make_tiny_lora
@@ -110,3 +112,29 @@ def test_lora_modules_flag_errors_name_the_flag(spec, message):
     with pytest.raises(ValueError, match=f"--lora-modules: .*{message}"):
         parse_lora_modules(spec)
     assert parse_lora_modules("a=/x, b=/y") == [("a", "/x"), ("b", "/y")]
+
+
+@pytest.mark.parametrize(
+    "token_slots",
+    [[0, 0, 1, 1], [1, 0, 1, 0], [-1, 0, -1, 0], [0, 1, 0, 1, -1], [1, 1, 0, 0], [-1, -1]],
+)
+def test_a_steps_rows_get_their_own_adapters_term(token_slots):
+    """The segmented matmul equals each row's own ``x @ A.T @ B.T`` (its slot's), whatever the
+    order of the slots in the step (runs, interleaved, sorted backwards, none)."""
+    torch.manual_seed(0)
+    selection = StepSelection()
+    base = torch.nn.Linear(6, 5, bias=False)
+    lora = LoraLinear(base, (2, 3), 6, 2, 4, selection, torch.float32, torch.device("cpu"))
+    with torch.no_grad():
+        lora.lora_a.normal_()
+        lora.lora_b.normal_()
+    stack = LoraStack([{"only": lora}], selection, max_loras=2, max_rank=4)
+    x = torch.randn(len(token_slots), 6)
+    stack.select(token_slots, torch.device("cpu"))
+    with torch.no_grad():
+        got = lora(x)
+        expected = base(x)
+        for row, slot in enumerate(token_slots):
+            if slot >= 0:
+                expected[row] += x[row] @ lora.lora_a[slot].T @ lora.lora_b[slot].T
+    torch.testing.assert_close(got, expected)
