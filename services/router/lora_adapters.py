@@ -25,6 +25,8 @@ from splitserve.v1 import worker_pb2
 logger = logging.getLogger(__name__)
 
 _LOAD_TIMEOUT_S = 60.0
+# The most of an unknown model name an error repeats back.
+_MAX_SHOWN_CHARS = 128
 
 
 class ModelNotFoundError(LookupError):
@@ -63,7 +65,8 @@ class LoraAdapters:
         served = self.served()
         if model not in served:
             names = ", ".join(f"`{name}`" for name in (self._served_name, *served))
-            raise ModelNotFoundError(f"The model `{model}` does not exist (served: {names}).")
+            shown = model if len(model) <= _MAX_SHOWN_CHARS else f"{model[:_MAX_SHOWN_CHARS]}..."
+            raise ModelNotFoundError(f"The model `{shown}` does not exist (served: {names}).")
         return model, served[model]
 
     async def load(self, name: str, path: str) -> None:

@@ -27,6 +27,9 @@ def test_the_served_model_resolves_to_no_adapter():
     expected = re.escape("`x` does not exist (served: `served-model`)")
     with pytest.raises(ModelNotFoundError, match=expected):
         adapters.resolve("x")
+    with pytest.raises(ModelNotFoundError) as info:
+        adapters.resolve("y" * 100_000)
+    assert len(str(info.value)) < 300
 
 
 def test_runtime_updates_are_refused_unless_allowed():
