@@ -112,7 +112,7 @@ def load_lora_adapter(
         if set(sides) != {"A", "B"}:
             raise ValueError(f"LoRA adapter {name!r}: layer {layer} {module} lacks A or B")
         a, b = sides["A"], sides["B"]
-        in_features, out_features = _projection_shape(model, module)
+        in_features, out_features = projection_shape(model, module)
         if tuple(a.shape) != (rank, in_features) or tuple(b.shape) != (out_features, rank):
             raise ValueError(
                 f"LoRA adapter {name!r}: layer {layer} {module} has lora_A {tuple(a.shape)} and "
@@ -165,7 +165,7 @@ def _read_tensors(directory: Path) -> tuple[dict[str, torch.Tensor], str]:
     raise ValueError(f"LoRA adapter: no adapter_model.safetensors in {directory}")
 
 
-def _projection_shape(model: ModelConfig, module: str) -> tuple[int, int]:
+def projection_shape(model: ModelConfig, module: str) -> tuple[int, int]:
     """``(in_features, out_features)`` of a projection of ``model``."""
     hidden, q_size = model.hidden_size, model.num_heads * model.head_dim
     kv_size = model.num_kv_heads * model.head_dim

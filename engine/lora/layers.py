@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from engine.lora.adapter import LoraAdapter
+from engine.lora.adapter import LoraAdapter, projection_shape
 from engine.model.config import ModelConfig
 from engine.model.llama import LlamaForCausalLM
 
@@ -137,13 +137,13 @@ class LoraStack:
         """Wrap ``model``'s projections (a ``LlamaForCausalLM``; before its linears are packed)
         in ``LoraLinear``s sharing one selection; the stack that fills them."""
         selection = StepSelection()
-        hidden, q_size = config.hidden_size, config.num_heads * config.head_dim
-        kv_size = config.num_kv_heads * config.head_dim
+        # A fused projection's input is its parts' (shared) input; its output, theirs in order.
         shapes = {
-            "self_attn.qkv_proj": ((q_size, kv_size, kv_size), hidden),
-            "self_attn.o_proj": ((hidden,), q_size),
-            "mlp.gate_up_proj": ((config.intermediate_size,) * 2, hidden),
-            "mlp.down_proj": ((hidden,), config.intermediate_size),
+            fused: (
+                [projection_shape(config, part)[1] for part in parts],
+                projection_shape(config, parts[0])[0],
+            )
+            for fused, parts in FUSED_PARTS.items()
         }
         layers = []
         for decoder_layer in model.model.layers:

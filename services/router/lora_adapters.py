@@ -97,7 +97,9 @@ class LoraAdapters:
         or a worker refuses (a request in flight uses it: try again once it ended).
         ``RuntimeUpdatesDisabledError`` without ``--allow-runtime-lora-updating``."""
         self._check_allowed()
-        workers = [w for w in self._workers(routable=False) if w.serves(name) and name]
+        if not name:
+            raise ValueError("lora_name: required")
+        workers = [w for w in self._workers(routable=False) if w.serves(name)]
         if not workers:
             raise ValueError(f"lora_name: no worker serves a LoRA adapter `{name}`")
         self._runtime.pop(name, None)
