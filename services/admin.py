@@ -49,6 +49,9 @@ def configure_scale(scale: argparse.ArgumentParser) -> None:
     """Declare ``scale``'s flags on its sub-parser."""
     scale.add_argument("pool", choices=[role.value for role in POOL_ROLES])
     scale.add_argument("num_workers", type=int)
+    scale.add_argument(
+        "--model", default="", help="the served model whose pool it is (default: the --model)"
+    )
     scale.add_argument("--target", default="127.0.0.1:50051", help="router host:port")
     scale.add_argument(
         "--wait", action="store_true", help="return once the pool has that many ready workers"
@@ -80,14 +83,16 @@ def run_scale(args: argparse.Namespace) -> int:
     if args.num_workers < 0:
         print("error: num_workers must be >= 0", file=sys.stderr)
         return 2
-    request = router_pb2.ScaleRequest(role=Role(args.pool).to_proto(), num_workers=args.num_workers)
+    request = router_pb2.ScaleRequest(
+        role=Role(args.pool).to_proto(), num_workers=args.num_workers, model=args.model
+    )
     deadline_s = time.monotonic() + args.timeout_s
     messages = WaitMessages(sys.stderr)
     with _router(args, not_ready=f"not done after {args.timeout_s:g} s: ") as stub:
         wait_for_cluster(stub, args.target, deadline_s, messages, router_answers)
         pools: Sequence[router_pb2.PoolStatus] = stub.Scale(request, timeout=30.0).pools
         if args.wait:
-            why_not = why_pool_not_at_size(request.role)
+            why_not = why_pool_not_at_size(request.role, request.model)
             pools = wait_for_cluster(stub, args.target, deadline_s, messages, why_not).pools
     print(format_pools(pools))
     return 0
@@ -110,9 +115,12 @@ def _router(args: argparse.Namespace, not_ready: str) -> Iterator[router_pb2_grp
 
 
 def format_pools(pools: Sequence[router_pb2.PoolStatus]) -> str:
-    rows = [("POOL", "DESIRED", "READY", "STARTING", "DRAINING", "RESTARTS", "FAILED_STARTS")]
+    rows = [
+        ("MODEL", "POOL", "DESIRED", "READY", "STARTING", "DRAINING", "RESTARTS", "FAILED_STARTS")
+    ]
     rows += [
         (
+            p.model,
             Role.from_proto(p.role),
             str(p.desired_workers),
             str(p.num_ready),
@@ -128,8 +136,9 @@ def format_pools(pools: Sequence[router_pb2.PoolStatus]) -> str:
 
 def format_status(status: router_pb2.StatusResponse) -> str:
     """The ``splitserve status`` table: the router, its pools, then one line per worker."""
+    models = ", ".join(status.models) or status.model
     lines = [
-        f"router: {status.mode}, model {status.model}, "
+        f"router: {status.mode}, model{'s' if len(status.models) > 1 else ''} {models}, "
         f"{status.num_inflight_requests} requests in flight"
     ]
     not_serving = why_not_serving(status)
@@ -140,13 +149,14 @@ def format_status(status: router_pb2.StatusResponse) -> str:
     else:
         lines.append("pools: fixed (no orchestrator; splitserve up --no-ray)")
     rows = [
-        ("ROLE", "ADDRESS", "WORKER_ID", "STATE", "RUNNING", "WAITING", "KV_LEASES", "KV_USAGE",
-         "QUEUED_PREFILL_TOKENS", "DTYPE", "CPU"),
+        ("MODEL", "ROLE", "ADDRESS", "WORKER_ID", "STATE", "RUNNING", "WAITING", "KV_LEASES",
+         "KV_USAGE", "QUEUED_PREFILL_TOKENS", "DTYPE", "CPU"),
     ]  # fmt: skip
     for w in status.workers:
         state = "draining" if w.draining else "ready" if w.healthy else "unhealthy"
         rows.append(
             (
+                w.info.served_model_name or "-",
                 Role.from_proto(w.role),
                 w.address,
                 w.info.worker_id or "-",
@@ -168,8 +178,10 @@ def format_status(status: router_pb2.StatusResponse) -> str:
         lines += [
             f"kernels of {w.address}: {w.info.kernels}" for w in status.workers if w.info.kernels
         ]
+    several = len(status.models) > 1
     errors = [
-        f"  {Role.from_proto(p.role)} pool, last failed start: {p.last_error}"
+        f"  {f'{p.model} ' if several else ''}{Role.from_proto(p.role)} pool, last failed start: "
+        f"{p.last_error}"
         for p in status.pools
         if p.last_error
     ]

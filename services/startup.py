@@ -73,10 +73,13 @@ def last_line(text: str) -> str:
     return lines[-1] if lines else ""
 
 
-def describe_pool(pool: router_pb2.PoolStatus) -> str | None:
-    """What keeps an orchestrated pool from its size, or None when it is at its size. Stable
-    while nothing changes: no counter that ticks with every retry."""
-    parts = [f"{Role.from_proto(pool.role)} pool: {pool.num_ready}/{pool.desired_workers} ready"]
+def describe_pool(pool: router_pb2.PoolStatus, with_model: bool = False) -> str | None:
+    """What keeps an orchestrated pool from its size, or None when it is at its size (named
+    with its model when ``with_model``: a cluster of several). Stable while nothing changes:
+    no counter that ticks with every retry."""
+    role = Role.from_proto(pool.role)
+    name = f"{pool.model} {role}" if with_model else str(role)
+    parts = [f"{name} pool: {pool.num_ready}/{pool.desired_workers} ready"]
     if pool.num_draining:
         parts.append(f"{pool.num_draining} draining")
     if pool.last_error:
@@ -91,7 +94,8 @@ def cluster_problems(status: router_pb2.StatusResponse) -> list[str]:
     should, decode first."""
     if status.pools:
         pools = sorted(status.pools, key=lambda p: _ROLE_ORDER.index(p.role))
-        return [text for p in pools if (text := describe_pool(p)) is not None]
+        several = len(status.models) > 1
+        return [text for p in pools if (text := describe_pool(p, several)) is not None]
     workers = sorted(status.workers, key=lambda w: _ROLE_ORDER.index(w.role))
     return [
         f"{Role.from_proto(w.role)} worker {w.address}: {w.last_error or 'not answering yet'}"
@@ -109,15 +113,16 @@ def why_not_serving(status: router_pb2.StatusResponse) -> str | None:
     return "; ".join(["no decode worker is ready yet", *cluster_problems(status)])
 
 
-def why_pool_not_at_size(role: worker_pb2.WorkerRole) -> WhyNot:
-    """For ``splitserve scale --wait``: why ``role``'s pool is not at its size with every worker
-    ready and none draining."""
+def why_pool_not_at_size(role: worker_pb2.WorkerRole, model: str = "") -> WhyNot:
+    """For ``splitserve scale --wait``: why ``model``'s ``role`` pool (empty: the router's
+    ``--model``'s) is not at its size with every worker ready and none draining."""
 
     def why_not(status: router_pb2.StatusResponse) -> str | None:
-        pool = next((p for p in status.pools if p.role == role), None)
+        name = model or status.model
+        pool = next((p for p in status.pools if p.role == role and p.model == name), None)
         if pool is None:
-            return f"the router reports no {Role.from_proto(role)} pool"
-        return describe_pool(pool)
+            return f"the router reports no {name} {Role.from_proto(role)} pool"
+        return describe_pool(pool, len(status.models) > 1)
 
     return why_not
 

@@ -28,7 +28,7 @@ from engine.flags import add_flags, from_args, secret_env, to_argv
 from services.cluster.config import ClusterConfig
 from services.cluster.planner import PlannerConfig
 from services.common.redis_config import RedisConfig
-from services.common.roles import ClusterMode, Role
+from services.common.roles import POOL_ROLES, Role
 from services.common.tracing import TracingConfig
 from services.launcher import LocalCluster, split_threads
 from services.router.config import RouterConfig
@@ -70,8 +70,11 @@ def configs_from_args(
     engine: EngineConfig = from_args(EngineConfig, args)
     redis: RedisConfig = from_args(RedisConfig, args)
     tracing: TracingConfig = from_args(TracingConfig, args)
-    num_engines = cluster.num_decode_workers + (
-        cluster.num_prefill_workers if cluster.mode is ClusterMode.DISAGGREGATED else 0
+    # Every model's workers share the machine's cores.
+    num_engines = sum(
+        cluster.num_workers(spec, role)
+        for spec in (None, *cluster.extra_model_specs())
+        for role in POOL_ROLES
     )
     # Workers hand text and stop strings to the router.
     worker_engine = dataclasses.replace(split_threads(engine, num_engines), detokenize=False)
@@ -98,9 +101,17 @@ def configs_from_args(
         mode=cluster.mode,
         tls_dir=cluster.identity_tls_dir("router"),
     )
-    for role in cluster.pool_roles:
-        cluster.pool_worker_config(role, worker)
+    for shared in model_worker_configs(cluster, worker):
+        for role in cluster.pool_roles:
+            cluster.pool_worker_config(role, shared)
     return cluster, worker, router, from_args(PlannerConfig, args)
+
+
+def model_worker_configs(cluster: ClusterConfig, worker: WorkerConfig) -> list[WorkerConfig]:
+    """The config each served model's workers start from: ``worker`` (the ``--model``'s),
+    then each ``--extra-models`` entry's (``ValueError`` naming the entry's problem)."""
+    primary = worker.engine.served_model_name or worker.engine.model
+    return [worker, *(spec.worker_config(worker) for spec in cluster.extra_model_specs(primary))]
 
 
 def run(args: argparse.Namespace) -> int:
@@ -113,13 +124,20 @@ def run(args: argparse.Namespace) -> int:
         # Workers (launcher processes, or Ray actors under the raylet this process starts)
         # inherit these: torch's and oneDNN's kernels are then capped at the same level.
         os.environ.update(library_env(resolve_isa(worker.engine.cpu_isa)))
-    for role in cluster.pool_roles:
-        problem = engine_unavailable(role, cluster.pool_worker_config(role, worker).engine)
-        if problem is not None:
-            print(f"splitserve up: {role} pool: {problem}", file=sys.stderr)
-            return 2
+    for shared in model_worker_configs(cluster, worker):
+        for role in cluster.pool_roles:
+            problem = engine_unavailable(role, cluster.pool_worker_config(role, shared).engine)
+            if problem is not None:
+                print(f"splitserve up: {role} pool: {problem}", file=sys.stderr)
+                return 2
     if planner.autoscale and not cluster.ray:
         print("splitserve up: --autoscale needs Ray (drop --no-ray)", file=sys.stderr)
+        return 2
+    if cluster.extra_models.strip() and (planner.autoscale or not cluster.ray):
+        # The planner sizes one model's pools; plain processes have no controller to run
+        # several models' pools.
+        what = "--autoscale" if planner.autoscale else "--no-ray"
+        print(f"splitserve up: --extra-models does not work with {what} yet", file=sys.stderr)
         return 2
     if cluster.num_routers > 1 and not router.redis.enabled:
         # Each would keep its own index and reservations and herd onto the same workers.

@@ -32,7 +32,7 @@ CHART_OWNED = {
         "num_prefill_workers", "num_decode_workers", "host", "port", "ray", "ray_address",
         "prefill_num_gpus", "decode_num_gpus", "prefill_worker_args", "decode_worker_args",
         "kuberay_cluster", "kuberay_namespace",
-        "router_metrics_port", "worker_metrics_port", "tls_dir",
+        "router_metrics_port", "worker_metrics_port", "tls_dir", "extra_models",
     ),
     "router": ("api_key_file", "admin_api_key"),
     "redisOptions": ("redis_url", "redis_password"),
@@ -144,6 +144,22 @@ def _pool() -> dict[str, Any]:
     )
 
 
+def _extra_model() -> dict[str, Any]:
+    """One ``extraModels`` entry: ``--extra-models``' fields (``services.cluster.models``)."""
+    size = {"type": ["integer", "null"], "minimum": 0}
+    return _obj(
+        {
+            "name": {"type": "string", "minLength": 1},
+            "model": {"type": "string", "minLength": 1},
+            "revision": {"type": ["string", "null"]},
+            "num_prefill_workers": size,
+            "num_decode_workers": size,
+            "worker_args": _STRING,
+        },
+        ("name", "model"),
+    )
+
+
 def schema() -> dict[str, Any]:
     image = {
         "repository": _STRING,
@@ -183,6 +199,7 @@ def schema() -> dict[str, Any]:
         "head": _obj({**_PLACEMENT, **_ENV}),
         "prefill": _pool(),
         "decode": _pool(),
+        "extraModels": {"type": "array", "items": _extra_model()},
         "redis": _obj(
             {
                 "enabled": {"type": "boolean"},

@@ -11,6 +11,7 @@ import asyncio
 import dataclasses
 import logging
 import traceback
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -40,11 +41,12 @@ STOP_GRACE_S = 5.0
 @dataclass(frozen=True, slots=True)
 class ActorFactory:
     """Creates the cluster's actors from the configs every new one starts from (a worker's
-    pool flags are set over ``worker``; its id, ports, TLS directory and, for a router, the
-    pools are filled in per actor). ``token`` tells this controller's actors from another's."""
+    pool flags are set over its model's config in ``workers``, by served name; its id, ports,
+    TLS directory and, for a router, the pools are filled in per actor). ``token`` tells this
+    controller's actors from another's."""
 
     cluster: ClusterConfig
-    worker: WorkerConfig
+    workers: Mapping[str, WorkerConfig]
     router: RouterConfig
     log_level: str
     token: str
@@ -52,10 +54,12 @@ class ActorFactory:
         default_factory=lambda: {role: ray.remote(cls) for role, cls in ACTOR_CLASSES.items()}
     )
 
-    def create(self, role: Role, name: str, slot: int, pools: dict[Role, list[str]]) -> Any:
+    def create(
+        self, role: Role, name: str, slot: int, pools: dict[Role, list[str]], model: str = ""
+    ) -> Any:
         """Start actor ``name`` (Ray places it: a router on the head node, in router ``slot``'s
-        ports; a worker on a node with a free ``role`` slot); ``pools`` are a new router's
-        workers. Returns its handle."""
+        ports; a worker of served model ``model`` on a node with a free ``role`` slot);
+        ``pools`` are a new router's workers. Returns its handle."""
         actor_class = self.classes[role]
         cluster = self.cluster
         if role is Role.ROUTER:
@@ -76,7 +80,7 @@ class ActorFactory:
                 router_config, handle, self.log_level
             )
         config = dataclasses.replace(
-            cluster.pool_worker_config(role, self.worker),
+            cluster.pool_worker_config(role, self.workers[model]),
             worker_id=name,
             metrics_port=cluster.worker_metrics_port,
             tls_dir=cluster.identity_tls_dir(role.value),

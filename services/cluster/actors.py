@@ -137,9 +137,9 @@ class ControllerScaler:
     def __init__(self, controller: Any) -> None:
         self._controller = controller
 
-    async def scale(self, role: Role, num_workers: int) -> list[PoolSize]:
+    async def scale(self, model: str, role: Role, num_workers: int) -> list[PoolSize]:
         try:
-            return await self._controller.scale.remote(role, num_workers)
+            return await self._controller.scale.remote(model, role, num_workers)
         except ray.exceptions.RayTaskError as exc:
             if isinstance(exc.cause, ValueError):  # the message without Ray's traceback
                 raise ValueError(str(exc.cause)) from None

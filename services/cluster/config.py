@@ -6,6 +6,7 @@ import shlex
 from dataclasses import dataclass
 
 from engine.flags import flag
+from services.cluster.models import ModelSpec, parse_extra_models
 from services.common.roles import MODES, POOL_ROLES, ClusterMode, Role
 from services.common.tls import identity_tls_dir
 from services.worker.config import WorkerConfig
@@ -53,6 +54,13 @@ class ClusterConfig:
         "engine and worker flags of the decode pool only, set over the shared ones, e.g. "
         "'--max-num-seqs 256 --kv-cache-memory-gb 16'",
     )
+    extra_models: str = flag(
+        "",
+        "more models behind the same routers, each with its own pools, as a JSON list: "
+        '[{"name": "b", "model": "org/b", "num_decode_workers": 2, "worker_args": '
+        '"--max-model-len 512"}] (revision, num_prefill_workers, num_decode_workers, '
+        "worker_args optional; see docs/multi-model.md)",
+    )
     max_workers_per_pool: int = flag(64, "largest size splitserve scale accepts for a pool")
     kuberay_cluster: str = flag(
         "",
@@ -93,6 +101,25 @@ class ClusterConfig:
             raise ValueError("prefill_num_gpus and decode_num_gpus must be >= 0")
         for role in POOL_ROLES:
             self.worker_args(role)
+        for spec in self.extra_model_specs():
+            self.check_pool_size(Role.PREFILL, self.num_workers(spec, Role.PREFILL))
+            self.check_pool_size(Role.DECODE, self.num_workers(spec, Role.DECODE))
+
+    def extra_model_specs(self, primary_name: str = "") -> tuple[ModelSpec, ...]:
+        """``--extra-models``' entries (``ValueError`` naming the problem; ``primary_name``:
+        the ``--model``'s served name, which no entry may take)."""
+        return parse_extra_models(self.extra_models, primary_name)
+
+    def num_workers(self, spec: ModelSpec | None, role: Role) -> int:
+        """The size ``role``'s pool of a model starts at: the entry's, else the cluster's
+        (``spec`` None: the ``--model``'s pools). A colocated cluster has no prefill pool."""
+        if role is Role.PREFILL:
+            if self.mode is ClusterMode.COLOCATED:
+                return 0
+            given = spec.num_prefill_workers if spec is not None else None
+            return self.num_prefill_workers if given is None else given
+        given = spec.num_decode_workers if spec is not None else None
+        return self.num_decode_workers if given is None else given
 
     def check_pool_size(self, role: Role, num_workers: int) -> None:
         """Raise ``ValueError`` naming the problem if ``role``'s pool cannot have that size."""

@@ -60,6 +60,8 @@ _DRAIN_POLL_S = 0.25
 _DRAIN_QUIET_POLLS = 2
 # Failed starts kept for ``start_failures`` (the driver fetches them every second).
 _FAILURES_KEPT = 100
+# The routers' pool's key: they serve every model.
+_ROUTERS = ("", Role.ROUTER)
 
 
 class ClusterController:
@@ -85,21 +87,24 @@ class ClusterController:
             from services.cluster.kuberay import KubeRayGroups
 
             self._groups = KubeRayGroups(cluster.kuberay_cluster, cluster.kuberay_namespace)
-        self._worker_config = worker
         self._router_config = router
         self._log_level = log_level
-        num_prefill = (
-            cluster.num_prefill_workers if cluster.mode is ClusterMode.DISAGGREGATED else 0
-        )
-        self._pools = {
-            Role.ROUTER: Pool(Role.ROUTER, cluster.num_routers),
-            Role.PREFILL: Pool(Role.PREFILL, num_prefill),
-            Role.DECODE: Pool(Role.DECODE, cluster.num_decode_workers),
+        # Each served model's worker config, the --model's first; its pools are keyed by
+        # (served name, role), the routers' by ("", router).
+        self._primary = worker.engine.served_model_name or worker.engine.model
+        specs = cluster.extra_model_specs(self._primary)
+        self._workers = {self._primary: worker} | {
+            spec.name: spec.worker_config(worker) for spec in specs
         }
+        self._pools = {_ROUTERS: Pool(Role.ROUTER, cluster.num_routers)}
+        for name, spec in [(self._primary, None), *((spec.name, spec) for spec in specs)]:
+            for role in POOL_ROLES:
+                desired = cluster.num_workers(spec, role)
+                self._pools[(name, role)] = Pool(role, desired, model=name)
         self._failures = FailureLog(_FAILURES_KEPT)
         self._names = itertools.count()
         self._token = secrets.token_hex(2)
-        self._actors = ActorFactory(cluster, worker, router, log_level, self._token)
+        self._actors = ActorFactory(cluster, self._workers, router, log_level, self._token)
         self._probes = ClusterProbes(read_tls_dir(cluster.identity_tls_dir("controller")))
         self._wakeup = asyncio.Event()
         self._push_lock = asyncio.Lock()
@@ -120,7 +125,14 @@ class ClusterController:
                     if self._cluster.mode is ClusterMode.DISAGGREGATED
                     else (Role.DECODE,)
                 )
-                autoscaler = Autoscaler(self._planner, roles, self._pools, self._probes, self.scale)
+                # The --model's pools (up refuses --autoscale with --extra-models).
+                pools = {role: self._pools[(self._primary, role)] for role in POOL_ROLES}
+                pools[Role.ROUTER] = self._pools[_ROUTERS]
+
+                async def scale(role: Role, num_workers: int) -> list[PoolSize]:
+                    return await self.scale(self._primary, role, num_workers)
+
+                autoscaler = Autoscaler(self._planner, roles, pools, self._probes, scale)
                 self._planner_task = loop.create_task(autoscaler.run_forever())
 
     async def wait_ready(self, timeout_s: float) -> list[str]:
@@ -132,7 +144,7 @@ class ClusterController:
         while not (self._converged() and await self._routers_route_all()):
             if loop.time() > deadline_s:
                 errors = "; ".join(
-                    f"{pool.role}: {pool.last_error}"
+                    f"{_pool_name(pool)}: {pool.last_error}"
                     for pool in self._pools.values()
                     if pool.last_error
                 )
@@ -141,23 +153,28 @@ class ClusterController:
                     + (f"; last errors: {errors}" if errors else "")
                 )
             await asyncio.sleep(0.1)
-        routers = self._pools[Role.ROUTER].members
+        routers = self._pools[_ROUTERS].members
         return [m.address for m in sorted(routers, key=lambda m: m.slot)]
 
-    async def scale(self, role: Role, num_workers: int) -> list[PoolSize]:
-        """Set a pool's desired size (``ValueError`` if it cannot have it); reconciles at once
-        and returns every pool's size."""
+    async def scale(self, model: str, role: Role, num_workers: int) -> list[PoolSize]:
+        """Set served model ``model``'s ``role`` pool's desired size (``ValueError`` for a
+        model not served or a size the pool cannot have); reconciles at once and returns
+        every pool's size."""
+        if model not in self._workers:
+            served = ", ".join(f"`{name}`" for name in self._workers)
+            raise ValueError(f"model: `{model[:128]}` is not served (served: {served})")
         self._cluster.check_pool_size(role, num_workers)
-        pool = self._pools[role]
+        pool = self._pools[(model, role)]
         if self._groups is not None:
             # The pods first: new actors wait for them; a smaller group shrinks pod by pod as
-            # its workers are drained (``_drain``).
+            # its workers are drained (``_drain``). One group hosts a role's pools of every model.
+            num_pods = num_workers + self._num_role_workers(role, but=pool)
             if num_workers > pool.desired:
-                await asyncio.to_thread(self._groups.set_replicas, role, num_workers)
+                await asyncio.to_thread(self._groups.set_replicas, role, num_pods)
             else:
-                await asyncio.to_thread(self._groups.check_replicas, role, num_workers)
+                await asyncio.to_thread(self._groups.check_replicas, role, num_pods)
         if pool.desired != num_workers:
-            logger.info("%s pool: %d -> %d workers", role, pool.desired, num_workers)
+            logger.info("%s pool: %d -> %d workers", _pool_name(pool), pool.desired, num_workers)
         pool.desired = num_workers
         self._wakeup.set()
         return self._sizes()
@@ -183,19 +200,27 @@ class ClusterController:
             for member in pool.members:
                 if member.task is not None:
                     member.task.cancel()
-        routers, self._pools[Role.ROUTER].members = self._pools[Role.ROUTER].members, []
+        routers, self._pools[_ROUTERS].members = self._pools[_ROUTERS].members, []
         await asyncio.gather(*(stop(m) for m in routers))
-        workers = [m for role in POOL_ROLES for m in self._pools[role].members]
-        for role in POOL_ROLES:
-            self._pools[role].members = []
+        workers = [m for pool in self._worker_pools() for m in pool.members]
+        for pool in self._worker_pools():
+            pool.members = []
         await asyncio.gather(*(stop(m) for m in workers))
 
     # ----------------------------------------------------------------------------- loop
+    def _worker_pools(self) -> list[Pool]:
+        """Every served model's prefill and decode pools (not the routers)."""
+        return [pool for key, pool in self._pools.items() if key != _ROUTERS]
+
+    def _num_role_workers(self, role: Role, but: Pool) -> int:
+        """How many workers ``role``'s pools of the other models want."""
+        return sum(p.desired for p in self._worker_pools() if p.role is role and p is not but)
+
     def _sizes(self) -> list[PoolSize]:
-        return [self._pools[role].size() for role in POOL_ROLES]
+        return [pool.size() for pool in self._worker_pools()]
 
     def _converged(self) -> bool:
-        if len(self._pools[Role.ROUTER].ready()) != self._cluster.num_routers:
+        if len(self._pools[_ROUTERS].ready()) != self._cluster.num_routers:
             return False
         return all(
             s.num_ready == s.desired_workers and not s.num_starting and not s.num_draining
@@ -203,8 +228,8 @@ class ClusterController:
         )
 
     async def _routers_route_all(self) -> bool:
-        workers = {m.address for role in POOL_ROLES for m in self._ready(role)}
-        return await self._probes.route_all(self._ready(Role.ROUTER), workers)
+        workers = {m.address for pool in self._worker_pools() for m in pool.ready()}
+        return await self._probes.route_all(self._ready_routers(), workers)
 
     async def _run(self) -> None:
         while not self._closed:
@@ -219,8 +244,7 @@ class ClusterController:
     async def _reconcile(self) -> None:
         await self._reap_dead()
         draining: list[Member] = []
-        for role in POOL_ROLES:
-            pool = self._pools[role]
+        for pool in self._worker_pools():
             if len(pool.ready()) >= pool.desired:
                 # At its size (e.g. scaled down past a failing start): nothing is failing.
                 pool.start_succeeded()
@@ -228,7 +252,7 @@ class ClusterController:
             missing = pool.desired - len(live)
             if missing > 0:
                 for _ in range(missing):
-                    self._launch(role)
+                    self._launch(pool)
             elif missing < 0:
                 busy = await self._busy([m for m in live if m.state is MemberState.READY])
                 for victim in pick_victims(live, busy, -missing):
@@ -239,10 +263,10 @@ class ClusterController:
                         victim.state = MemberState.DRAINING
                         draining.append(victim)
         self._note_shortages()
-        used_slots = {m.slot for m in self._pools[Role.ROUTER].members}
+        used_slots = {m.slot for m in self._pools[_ROUTERS].members}
         for slot in range(self._cluster.num_routers):
             if slot not in used_slots:
-                self._launch(Role.ROUTER, slot)
+                self._launch(self._pools[_ROUTERS], slot)
         # Every round, changed or not: a router that missed an update (a timeout) catches up.
         await self._push_pools()
         # Only once every router stopped choosing them (the push above).
@@ -253,30 +277,32 @@ class ClusterController:
     def _note_shortages(self) -> None:
         """Say, in each pool's status, when the Ray cluster's live nodes cannot hold all its
         live members (a node lost, none added yet): those beyond the slots wait for a node.
-        Asks Ray only while a worker is starting: placed workers fit by definition."""
-        pools = [self._pools[role] for role in POOL_ROLES]
+        Asks Ray only while a worker is starting: placed workers fit by definition. A role's
+        slots are shared by its pools of every model: a pool gets those the others leave."""
+        pools = self._worker_pools()
         starting = any(m.state is MemberState.STARTING for pool in pools for m in pool.members)
         slots = ray.cluster_resources() if starting else {}
         for pool in pools:
-            pool.note_shortage(
-                int(slots.get(pool.role.value, 0.0)) if starting else len(pool.live())
-            )
+            others = sum(len(p.live()) for p in pools if p.role is pool.role and p is not pool)
+            num_slots = int(slots.get(pool.role.value, 0.0)) - others
+            pool.note_shortage(max(num_slots, 0) if starting else len(pool.live()))
 
     # ----------------------------------------------------------------------------- start
-    def _launch(self, role: Role, slot: int = 0) -> None:
+    def _launch(self, pool: Pool, slot: int = 0) -> None:
         loop = asyncio.get_running_loop()
-        pool = self._pools[role]
         if loop.time() < pool.retry_at_s:
             return
+        role = pool.role
         name = f"{role}-{next(self._names)}-{self._token}"
         pools = {r: self._addresses(r) for r in POOL_ROLES}
-        member = Member(name, role, self._actors.create(role, name, slot, pools), slot)
+        actor = self._actors.create(role, name, slot, pools, pool.model)
+        member = Member(name, role, actor, slot, model=pool.model)
         pool.members.append(member)
         member.task = loop.create_task(self._start(member))
 
     async def _start(self, member: Member) -> None:
         role = member.role
-        pool = self._pools[role]
+        pool = self._pool_of(member)
         try:
             endpoint: Endpoint = await asyncio.wait_for(
                 member.actor.start.remote(), self._cluster.worker_start_timeout_s
@@ -321,7 +347,7 @@ class ClusterController:
         ]
         answers = await asyncio.gather(*(alive(m) for m in watched))
         for member, ok in zip(watched, answers, strict=True):
-            if ok or member not in self._pools[member.role].members:
+            if ok or member not in self._pool_of(member).members:
                 continue
             logger.warning(
                 "%s %s (%s, pid %d) died or hangs; replacing it",
@@ -331,7 +357,7 @@ class ClusterController:
                 member.pid,
             )
             if member.state is MemberState.READY:
-                self._pools[member.role].num_restarts += 1
+                self._pool_of(member).num_restarts += 1
             if member.task is not None:
                 member.task.cancel()
             self._forget(member)
@@ -359,41 +385,51 @@ class ClusterController:
         await stop(member)
         logger.info("%s %s drained and removed", member.role, member.name)
         if self._groups is not None:
+            num_pods = sum(len(p.members) for p in self._worker_pools() if p.role is member.role)
             try:
                 await asyncio.to_thread(
-                    self._groups.set_replicas,
-                    member.role,
-                    len(self._pools[member.role].members),
-                    [member.hostname],
+                    self._groups.set_replicas, member.role, num_pods, [member.hostname]
                 )
             except Exception:
                 logger.exception("could not shrink the %s worker group", member.role)
 
     async def _busy(self, members: list[Member]) -> dict[str, int]:
-        return await self._probes.busy(members, self._ready(Role.ROUTER))
+        return await self._probes.busy(members, self._ready_routers())
 
     # ----------------------------------------------------------------------------- membership
-    def _ready(self, role: Role) -> list[Member]:
-        return self._pools[role].ready()
+    def _pool_of(self, member: Member) -> Pool:
+        return self._pools[_ROUTERS if member.role is Role.ROUTER else (member.model, member.role)]
+
+    def _ready_routers(self) -> list[Member]:
+        return self._pools[_ROUTERS].ready()
 
     def _addresses(self, role: Role) -> list[str]:
-        return [m.address for m in self._ready(role)]
+        """The ready workers of ``role``'s pools, every model's."""
+        return [m.address for p in self._worker_pools() if p.role is role for m in p.ready()]
 
     def _forget(self, member: Member) -> None:
-        self._pools[member.role].forget(member)
+        self._pool_of(member).forget(member)
         self._probes.forget(member.address)
         self._wakeup.set()
 
     async def _push_pools(self) -> None:
-        """Tell every ready router each pool's members (address -> draining)."""
+        """Tell every ready router each role's members (address -> draining), every model's
+        in one pool: the routers tell models apart by what each worker reports serving."""
         async with self._push_lock:
             pools = {
                 role: {
                     m.address: m.state is MemberState.DRAINING
-                    for m in self._pools[role].members
+                    for p in self._worker_pools()
+                    if p.role is role
+                    for m in p.members
                     if m.state is not MemberState.STARTING
                 }
                 for role in POOL_ROLES
             }
-            routers = self._ready(Role.ROUTER)
+            routers = self._ready_routers()
             await asyncio.gather(*(push_pools_to(r, pools) for r in routers))
+
+
+def _pool_name(pool: Pool) -> str:
+    """How logs and errors name a pool: "decode", or "<model> decode" for a model's."""
+    return f"{pool.model} {pool.role}" if pool.model else str(pool.role)

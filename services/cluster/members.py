@@ -37,6 +37,7 @@ class Member:
     role: Role
     actor: Any  # ray.actor.ActorHandle
     slot: int = 0  # routers: which port (--port + slot) it serves on
+    model: str = ""  # workers: the served model whose pool it is in
     state: MemberState = MemberState.STARTING
     address: str = ""
     metrics_port: int = 0
@@ -59,6 +60,7 @@ class Member:
             self.metrics_port,
             self.pid,
             self.hostname,
+            self.model,
         )
 
 
@@ -73,6 +75,7 @@ class MemberView:
     metrics_port: int
     pid: int
     hostname: str
+    model: str = ""
 
 
 def busy_units(load: worker_pb2.WorkerLoad, num_router_inflight: int) -> int:
@@ -101,8 +104,9 @@ def pick_victims(members: Sequence[Member], busy: dict[str, int], count: int) ->
 
 @dataclass(slots=True, eq=False)
 class Pool:
-    """One role's actors (a worker pool, or the router replicas) and what the controller
-    knows of them: its desired size, restarts, and the failed starts since one succeeded.
+    """One model's pool of one role (or the router replicas, of no model) and what the
+    controller knows of it: its desired size, restarts, and the failed starts since one
+    succeeded.
 
     Invariant: ``members`` are in the order they were launched; a removed member is in none.
     """
@@ -110,6 +114,7 @@ class Pool:
     role: Role
     desired: int
     members: list[Member] = field(default_factory=list)
+    model: str = ""
     num_restarts: int = 0  # ready members that died or hung and were replaced
     num_failed_starts: int = 0  # in a row; 0 once a start succeeds or the pool is at its size
     retry_at_s: float = 0.0  # no new start before (the event loop's clock): backoff
@@ -159,6 +164,7 @@ class Pool:
     def size(self) -> PoolSize:
         states = [m.state for m in self.members]
         return PoolSize(
+            model=self.model,
             role=self.role,
             desired_workers=self.desired,
             num_ready=states.count(MemberState.READY),

@@ -17,7 +17,7 @@ import random
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from services.router.worker_pool import WorkerHandle, WorkerPool
+from services.router.worker_pool import ServedTarget, WorkerHandle, WorkerPool
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,12 +46,12 @@ class DecodeChooser:
         prompt_blocks: int,
         matched: dict[str, int],
         exclude: set[str] | None = None,
-        lora_name: str = "",
+        target: ServedTarget | None = None,
     ) -> list[DecodeCandidate]:
-        """Every routable worker serving ``lora_name`` and not in ``exclude`` (addresses),
+        """Every routable worker serving ``target`` and not in ``exclude`` (addresses),
         cheapest first."""
         candidates = []
-        for worker in self.pool.routable_workers(lora_name):
+        for worker in self.pool.routable_workers(target):
             if exclude and worker.address in exclude:
                 continue
             load = worker.load
@@ -79,10 +79,10 @@ class DecodeChooser:
         prompt_blocks: int,
         matched: dict[str, int],
         exclude: set[str] | None = None,
-        lora_name: str = "",
+        target: ServedTarget | None = None,
     ) -> DecodeCandidate | None:
         """``pick`` over ``score``."""
-        return self.pick(self.score(prompt_blocks, matched, exclude, lora_name))
+        return self.pick(self.score(prompt_blocks, matched, exclude, target))
 
     async def wait_for(
         self,
@@ -91,7 +91,7 @@ class DecodeChooser:
         exclude: set[str],
         wait_s: float,
         poll_s: float,
-        lora_name: str = "",
+        target: ServedTarget | None = None,
     ) -> DecodeCandidate | None:
         """``choose`` every ``poll_s`` (the health polls' interval: only a poll makes a worker
         routable) until one comes or ``wait_s`` has passed (then None)."""
@@ -99,7 +99,7 @@ class DecodeChooser:
         deadline_s = loop.time() + wait_s
         while loop.time() < deadline_s:
             await asyncio.sleep(poll_s)
-            candidate = self.choose(prompt_blocks, matched, exclude, lora_name)
+            candidate = self.choose(prompt_blocks, matched, exclude, target)
             if candidate is not None:
                 return candidate
         return None

@@ -1,4 +1,4 @@
-"""The LoRA adapters a router serves: which model names it answers, and loading at run time.
+"""The LoRA adapters a router serves beside its models, and loading them at run time.
 
 A worker reports the adapters it serves in every load report (``WorkerLoad.lora_adapters``,
 each with the key its blocks are hashed with). The router serves an adapter while a routable
@@ -6,15 +6,16 @@ worker does, routes its requests only to such workers, and hashes their prompts 
 adapter's key so that the prefix index finds the workers caching the adapter's prefixes.
 
 Adapters loaded through the router (``load``, when ``--allow-runtime-lora-updating``) go to
-every worker at once, all or nothing, and to each worker that joins later (``reconcile``,
-after every health poll).
+every worker of their base model at once, all or nothing, and to each such worker that joins
+later (``reconcile``, after every health poll).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
+from dataclasses import dataclass
 
 import grpc
 
@@ -25,63 +26,59 @@ from splitserve.v1 import worker_pb2
 logger = logging.getLogger(__name__)
 
 _LOAD_TIMEOUT_S = 60.0
-# The most of an unknown model name an error repeats back.
-_MAX_SHOWN_CHARS = 128
-
-
-class ModelNotFoundError(LookupError):
-    """A request's model is neither the served model nor a served adapter."""
 
 
 class RuntimeUpdatesDisabledError(RuntimeError):
     """Loading or unloading adapters through the router was not allowed at start."""
 
 
-class LoraAdapters:
-    """The served model's name and the adapters served beside it (see the module)."""
+@dataclass(frozen=True, slots=True)
+class ServedAdapter:
+    """An adapter some routable worker serves: the key its blocks are hashed with, and the
+    served model it adapts (the model of the first worker seen serving it)."""
 
-    def __init__(
-        self, served_name: str, pools: Sequence[WorkerPool], allow_runtime_updates: bool
-    ) -> None:
-        self._served_name = served_name
+    block_key: str
+    base_model: str
+
+
+class LoraAdapters:
+    """The adapters served beside the router's models (see the module)."""
+
+    def __init__(self, pools: Sequence[WorkerPool], allow_runtime_updates: bool) -> None:
         self._pools = tuple(pools)
         self._allow_runtime_updates = allow_runtime_updates
-        # Loaded through this router: name -> path, pushed to workers that join later.
-        self._runtime: dict[str, str] = {}
+        # Loaded through this router: name -> (path, base model), pushed to workers that join
+        # later.
+        self._runtime: dict[str, tuple[str, str]] = {}
 
-    def served(self) -> dict[str, str]:
-        """Adapters some routable worker serves: name -> block key, in first-seen order."""
-        served: dict[str, str] = {}
+    def served(self) -> dict[str, ServedAdapter]:
+        """Adapters some routable worker serves, by name, in first-seen order."""
+        served: dict[str, ServedAdapter] = {}
         for worker in self._workers(routable=True):
+            assert worker.info is not None  # healthy: it has answered
             for adapter in worker.load.lora_adapters:
-                served.setdefault(adapter.name, adapter.block_key)
+                if adapter.name not in served:
+                    base = worker.info.served_model_name
+                    served[adapter.name] = ServedAdapter(adapter.block_key, base)
         return served
 
-    def resolve(self, model: str) -> tuple[str, str]:
-        """``(lora_name, block key)`` of a request's ``model`` (``("", "")``: the served model
-        itself, also when empty); ``ModelNotFoundError`` naming the models served otherwise."""
-        if not model or model == self._served_name:
-            return "", ""
-        served = self.served()
-        if model not in served:
-            names = ", ".join(f"`{name}`" for name in (self._served_name, *served))
-            shown = model if len(model) <= _MAX_SHOWN_CHARS else f"{model[:_MAX_SHOWN_CHARS]}..."
-            raise ModelNotFoundError(f"The model `{shown}` does not exist (served: {names}).")
-        return model, served[model]
-
-    async def load(self, name: str, path: str) -> None:
-        """Load adapter ``name`` from ``path`` on every worker that has answered; if any refuses,
-        unload it from the others and raise ``ValueError`` with that worker's reason.
+    async def load(self, name: str, path: str, base_model: str, taken: Collection[str]) -> None:
+        """Load adapter ``name`` from ``path`` on every worker of ``base_model`` that has
+        answered; if any refuses, unload it from the others and raise ``ValueError`` with that
+        worker's reason (also for a ``name`` in ``taken``, the served models' names).
         ``RuntimeUpdatesDisabledError`` without ``--allow-runtime-lora-updating``."""
         self._check_allowed()
         check_adapter_name(name)
         if not path:
             raise ValueError("lora_path: required")
-        if name == self._served_name or name in self.served():
+        if name in taken or name in self.served():
             raise ValueError(f"lora_name: `{name}` is already served")
-        workers = list(self._workers(routable=False))
+        workers = [w for w in self._workers(routable=False) if w.serves_model(base_model)]
         if not workers:
-            raise ValueError("no worker has answered yet: nothing to load the adapter on")
+            raise ValueError(
+                f"no worker of model `{base_model}` has answered yet: nothing to load the "
+                "adapter on"
+            )
         request = worker_pb2.LoadLoraAdapterRequest(lora_name=name, lora_path=path)
         refusals = await self._call_all(workers, "LoadLoraAdapter", request)
         if refusals:
@@ -89,8 +86,14 @@ class LoraAdapters:
             unload = worker_pb2.UnloadLoraAdapterRequest(lora_name=name)
             await self._call_all(loaded, "UnloadLoraAdapter", unload)
             raise ValueError(f"LoRA adapter `{name}` was not loaded: {_listed(refusals)}")
-        self._runtime[name] = path
-        logger.info("LoRA adapter %s loaded from %s on %d workers", name, path, len(workers))
+        self._runtime[name] = (path, base_model)
+        logger.info(
+            "LoRA adapter %s of %s loaded from %s on %d workers",
+            name,
+            base_model,
+            path,
+            len(workers),
+        )
 
     async def unload(self, name: str) -> None:
         """Unload adapter ``name`` from every worker serving it; ``ValueError`` when none does
@@ -99,7 +102,7 @@ class LoraAdapters:
         self._check_allowed()
         if not name:
             raise ValueError("lora_name: required")
-        workers = [w for w in self._workers(routable=False) if w.serves(name)]
+        workers = [w for w in self._workers(routable=False) if w.serves_adapter(name)]
         if not workers:
             raise ValueError(f"lora_name: no worker serves a LoRA adapter `{name}`")
         self._runtime.pop(name, None)
@@ -114,8 +117,12 @@ class LoraAdapters:
         joined since, or restarted). Never raises: a refusal is logged, the next poll retries."""
         if not self._runtime:
             return
-        for name, path in list(self._runtime.items()):
-            lacking = [w for w in self._workers(routable=False) if not w.serves(name)]
+        for name, (path, base_model) in list(self._runtime.items()):
+            lacking = [
+                w
+                for w in self._workers(routable=False)
+                if w.serves_model(base_model) and not w.serves_adapter(name)
+            ]
             request = worker_pb2.LoadLoraAdapterRequest(lora_name=name, lora_path=path)
             refusals = await self._call_all(lacking, "LoadLoraAdapter", request)
             if refusals:

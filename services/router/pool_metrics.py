@@ -1,12 +1,13 @@
 """The router's view of the worker pools as Prometheus gauges: how many workers each pool has
 and wants, so that a dashboard shows pool sizes and the planner's decisions over time.
 
-``splitserve_pool_workers{pool, state}`` counts the router's members of each pool by state
-(``ready``: routable; ``unhealthy``: failing its polls; ``draining``: scaled down, finishing
-its requests). With an orchestrator (Ray), ``splitserve_pool_desired_workers``,
-``splitserve_pool_starting_workers`` and ``splitserve_pool_restarts_total`` are its last answer
-(``Router.Status``'s pools), refreshed by the router's poll loop: a step in the desired size is
-a ``Scale`` call or a planner decision.
+``splitserve_pool_workers{model_name, pool, state}`` counts the router's members of each
+model's pool by state (``ready``: routable; ``unhealthy``: failing its polls; ``draining``:
+scaled down, finishing its requests). With an orchestrator (Ray),
+``splitserve_pool_desired_workers``, ``splitserve_pool_starting_workers`` and
+``splitserve_pool_restarts_total`` are its last answer (``Router.Status``'s pools), refreshed
+by the router's poll loop: a step in the desired size is a ``Scale`` call or a planner
+decision.
 """
 
 from __future__ import annotations
@@ -32,8 +33,7 @@ class PoolCollector(Collector):
     """Read at each scrape from ``pools`` and from ``sizes`` (the orchestrator's last answer,
     set by the router; empty without one)."""
 
-    def __init__(self, model_name: str, pools: Sequence[WorkerPool]) -> None:
-        self._model_name = model_name
+    def __init__(self, pools: Sequence[WorkerPool]) -> None:
         self._pools = pools
         self.sizes: list[PoolSize] = []
 
@@ -47,11 +47,15 @@ class PoolCollector(Collector):
             "splitserve_pool_workers", "the router's pool members by state", labels=labels
         )
         for pool in self._pools:
-            counts = dict.fromkeys(WorkerState, 0)
+            # A worker that never answered counts under no model (""): its model is not known.
+            models = {w.info.served_model_name for w in pool.workers if w.info is not None}
+            counts = {(m, s): 0 for m in sorted(models) for s in WorkerState}
             for worker in pool.workers:
-                counts[_state(worker.routable, worker.draining)] += 1
-            for state, count in counts.items():
-                workers.add_metric([self._model_name, str(pool.role), state.value], count)
+                model = worker.info.served_model_name if worker.info is not None else ""
+                key = (model, _state(worker.routable, worker.draining))
+                counts[key] = counts.get(key, 0) + 1
+            for (model, state), count in counts.items():
+                workers.add_metric([model, str(pool.role), state.value], count)
         yield workers
         yield from self._sizes()
 
@@ -69,7 +73,7 @@ class PoolCollector(Collector):
             labels=labels,
         )
         for size in self.sizes:
-            values = [self._model_name, str(size.role)]
+            values = [size.model, str(size.role)]
             desired.add_metric(values, size.desired_workers)
             starting.add_metric(values, size.num_starting)
             restarts.add_metric(values, size.num_restarts)

@@ -34,7 +34,7 @@ from services.router.prefill_ledger import (
     PrefillQuery,
     Reservation,
 )
-from services.router.worker_pool import WorkerHandle, WorkerPool
+from services.router.worker_pool import ServedTarget, WorkerHandle, WorkerPool
 from splitserve.v1 import worker_pb2
 
 logger = logging.getLogger(__name__)
@@ -122,14 +122,14 @@ class PrefillChooser:
         block_hashes: Sequence[BlockHash],
         *,
         with_candidates: bool = True,
-        lora_name: str = "",
+        target: ServedTarget | None = None,
     ) -> PrefillChoice:
         """Decide for a prompt's ``block_hashes``; with a ``req_id``, reserve the chosen worker
         until ``done``. ``with_candidates=False`` only matches (for the decode choice). Only
-        workers serving LoRA adapter ``lora_name`` are candidates."""
+        workers serving ``target`` (a model, maybe an adapter) are candidates."""
         workers: list[WorkerHandle] = []
         loads: list[CandidateLoad] = []
-        for worker in self.pool.routable_workers(lora_name) if with_candidates else []:
+        for worker in self.pool.routable_workers(target) if with_candidates else []:
             if worker.info is not None:
                 queued_blocks = worker.load.num_queued_prefill_tokens / worker.info.block_size
                 workers.append(worker)

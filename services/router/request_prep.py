@@ -26,6 +26,7 @@ from services.common.convert import (
 from services.router.tool_calls.parsers import ToolCallFormat
 from services.router.tool_calls.rendering import template_inputs
 from services.router.tool_calls.tool_use import ToolUse, tool_use
+from services.router.worker_pool import ServedTarget
 from splitserve.v1 import router_pb2
 
 MAX_REQUEST_ID_CHARS = 256
@@ -107,10 +108,16 @@ class PreparedRequest:
     cache_salt: str = ""
     tools: ToolUse | None = None
     priority: int | None = None
-    # The LoRA adapter the request's model names ("": the base model), and the key the workers
-    # hash its blocks with.
+    # The served model it is for, the LoRA adapter its model names ("": the base model), and
+    # the key the workers hash the adapter's blocks with.
+    model: str = ""
     lora_name: str = ""
     lora_block_key: str = ""
+
+    @property
+    def target(self) -> ServedTarget:
+        """The workers it may run on: those of its model (and adapter)."""
+        return ServedTarget(self.model, self.lora_name)
 
     @property
     def block_extra_key(self) -> str:

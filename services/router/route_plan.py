@@ -33,7 +33,7 @@ from services.router.prefill_choice import PrefillChoice, PrefillChooser, Prefil
 from services.router.prefill_cost import PrefillWeights
 from services.router.prefill_ledger import LocalPrefillLedger, PrefillLedger
 from services.router.redis_prefill_ledger import RedisPrefillLedger
-from services.router.worker_pool import WorkerHandle, WorkerPool
+from services.router.worker_pool import ServedTarget, WorkerHandle, WorkerPool
 
 
 class PrefillPlace(enum.Enum):
@@ -81,11 +81,12 @@ class RoutePlanner:
         self._local_prefill_max_tokens = local_prefill_max_tokens
         self._colocated = colocated
 
-    def block_size(self) -> int:
-        """The cluster's KV block size, as the first worker that answered reports it."""
+    def block_size(self, target: ServedTarget | None = None) -> int:
+        """The KV block size of ``target``'s model, as the first of its workers that answered
+        reports it (0 before one has)."""
         pools = (self.decode_chooser.pool, self.prefill_chooser.pool)
         for worker in (w for pool in pools for w in pool.workers):
-            if worker.info is not None:
+            if worker.info is not None and (target is None or worker.serves_model(target.model)):
                 return worker.info.block_size
         return 0
 
@@ -94,28 +95,33 @@ class RoutePlanner:
         req_id: str | None,
         prompt_token_ids: Sequence[int],
         extra_key: str = "",
-        lora_name: str = "",
+        target: ServedTarget | None = None,
     ) -> RoutePlan:
         """Decide for a prompt. With a ``req_id`` the prefill worker is reserved (when one is
         used); without, nothing is (``Router.Explain``). Only blocks hashed with the same
         ``extra_key`` (``block_extra_key`` of its salt and adapter, as the workers hash) count
-        as hits; only workers serving LoRA adapter ``lora_name`` are candidates."""
-        block_size = self.block_size()
+        as hits; only workers serving ``target`` (a model, maybe an adapter) are
+        candidates."""
+        block_size = self.block_size(target)
         block_hashes = (
             hash_block_tokens(prompt_token_ids, block_size, extra_key) if block_size else []
         )
         if self._colocated:
-            return await self._plan_colocated(req_id, block_hashes, lora_name)
+            return await self._plan_colocated(req_id, block_hashes, target)
         short = len(prompt_token_ids) <= self._local_prefill_max_tokens
-        has_prefill_pool = bool(self.prefill_chooser.pool.workers)
+        # A worker not yet answered may be of the model: the pool exists, as before it answers.
+        has_prefill_pool = any(
+            target is None or w.info is None or w.serves_model(target.model)
+            for w in self.prefill_chooser.pool.workers
+        )
         choice = await self.prefill_chooser.choose(
             req_id,
             block_hashes,
             with_candidates=has_prefill_pool and not short,
-            lora_name=lora_name,
+            target=target,
         )
         decode_candidates = tuple(
-            self.decode_chooser.score(len(block_hashes), choice.matched, lora_name=lora_name)
+            self.decode_chooser.score(len(block_hashes), choice.matched, target=target)
         )
         decode = self.decode_chooser.pick(decode_candidates)
         if choice.worker is not None:
@@ -141,11 +147,11 @@ class RoutePlanner:
         return RoutePlan(choice, place, decode_candidates, decode)
 
     async def _plan_colocated(
-        self, req_id: str | None, block_hashes: Sequence[BlockHash], lora_name: str
+        self, req_id: str | None, block_hashes: Sequence[BlockHash], target: ServedTarget | None
     ) -> RoutePlan:
-        choice = await self.prefill_chooser.choose(req_id, block_hashes, lora_name=lora_name)
+        choice = await self.prefill_chooser.choose(req_id, block_hashes, target=target)
         candidates = tuple(
-            self.decode_chooser.score(len(block_hashes), choice.matched, lora_name=lora_name)
+            self.decode_chooser.score(len(block_hashes), choice.matched, target=target)
         )
         chosen = [c for c in candidates if c.worker is choice.worker]
         # Every worker saturated, or the chosen one unhealthy since: the least busy one.

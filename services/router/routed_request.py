@@ -53,8 +53,9 @@ _ENDED_UNFINISHED = "ENDED_UNFINISHED"
 
 @dataclass(frozen=True, slots=True)
 class Routing:
-    """What every request a router runs shares: its flags, tokenizer, planner (whose choosers
-    hold both pools), tracing, and the tasks nobody waits for."""
+    """What every request of one served model shares: the router's flags, the model's
+    tokenizer, the planner (whose choosers hold both pools, every model's), tracing, and the
+    tasks nobody waits for."""
 
     config: RouterConfig
     tokenizer: Tokenizer
@@ -117,7 +118,7 @@ class RoutedRequest:
                 self.prepared.client_request_id,
             )
         try:
-            if not self._planner.decode_chooser.pool.routable_workers(self.prepared.lora_name):
+            if not self._planner.decode_chooser.pool.routable_workers(self.prepared.target):
                 # As in Dynamo, where a request enters through its decode worker: no prefill
                 # (nor its lease) for a request that no decode worker can continue yet.
                 await self._await_decode_worker(0, {}, set())
@@ -157,7 +158,7 @@ class RoutedRequest:
                 self.req_id,
                 prepared.prompt_token_ids,
                 prepared.block_extra_key,
-                prepared.lora_name,
+                prepared.target,
             )
             self.holdings.planned(plan)
             if route_span.is_recording():
@@ -233,7 +234,7 @@ class RoutedRequest:
             worker = slot.worker
             if worker is None or tried or not worker.routable:
                 candidate = self._planner.decode_chooser.choose(
-                    prompt_blocks, plan.prefill.matched, tried, self.prepared.lora_name
+                    prompt_blocks, plan.prefill.matched, tried, self.prepared.target
                 )
                 if candidate is None:
                     candidate = await self._await_decode_worker(
@@ -334,7 +335,7 @@ class RoutedRequest:
             tried,
             wait_s,
             self._config.health_check_interval_s,
-            self.prepared.lora_name,
+            self.prepared.target,
         )
         if candidate is None:
             await abort(self._context, grpc.StatusCode.UNAVAILABLE, "no healthy decode worker")

@@ -26,8 +26,10 @@ _SCALER_TIMEOUT_S = 5.0
 
 @dataclass(frozen=True, slots=True)
 class PoolSize:
-    """Desired and actual size of one worker pool."""
+    """Desired and actual size of one worker pool: ``model``'s (a served model name) of
+    ``role``."""
 
+    model: str
     role: Role
     desired_workers: int
     num_ready: int
@@ -47,9 +49,9 @@ class PoolSize:
 class PoolScaler(Protocol):
     """An orchestrator that sizes the worker pools."""
 
-    async def scale(self, role: Role, num_workers: int) -> list[PoolSize]:
-        """Set the desired size of ``role``'s pool; return every pool's size. Raises
-        ``ValueError`` for a size the cluster cannot have."""
+    async def scale(self, model: str, role: Role, num_workers: int) -> list[PoolSize]:
+        """Set the desired size of ``model``'s ``role`` pool; return every pool's size. Raises
+        ``ValueError`` for a model not served or a size the cluster cannot have."""
         ...
 
     async def pools(self) -> list[PoolSize]:

@@ -17,6 +17,7 @@ from collections.abc import AsyncGenerator, Awaitable
 
 import grpc
 
+from engine.loader.models import resolve_model
 from engine.tokenizer import Tokenizer
 from services.common.api_keys import DEFAULT_TENANT
 from services.common.background import BackgroundTasks
@@ -34,11 +35,7 @@ from services.router.call_context import CallContext, StatusRecorder
 from services.router.config import RouterConfig
 from services.router.explain import explain_response
 from services.router.latency import LatencyWindow
-from services.router.lora_adapters import (
-    LoraAdapters,
-    ModelNotFoundError,
-    RuntimeUpdatesDisabledError,
-)
+from services.router.lora_adapters import LoraAdapters, RuntimeUpdatesDisabledError
 from services.router.pool_metrics import PoolCollector
 from services.router.request_log import Outcome, RequestLog, call_status
 from services.router.request_meter import RequestMeter
@@ -55,6 +52,12 @@ from services.router.request_spans import (
 from services.router.route_plan import build_planner
 from services.router.routed_request import RoutedRequest, Routing
 from services.router.scaler import PoolScaler, reported_pool_sizes
+from services.router.served_models import (
+    ModelNotFoundError,
+    ResolvedModel,
+    ServedModel,
+    ServedModels,
+)
 from services.router.tenants import TenantGate, parse_tenant_limits, tenant_cache_salt
 from services.router.tool_calls.rendering import detect_format
 from services.router.worker_pool import WorkerPool
@@ -73,8 +76,9 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
     """Stateless per request except for the in-flight table used for admission.
 
     Pools start as the config's worker lists; an orchestrator changes them with ``set_pool``
-    and serves ``Scale`` through ``scaler`` (None: a fixed cluster). With ``tls`` the calls to
-    workers are mutual TLS.
+    and serves ``Scale`` through ``scaler`` (None: a fixed cluster). A pool may hold several
+    models' workers: ``models`` serves ``tokenizer``'s model (``--model``) and each one its
+    workers report. With ``tls`` the calls to workers are mutual TLS.
     """
 
     def __init__(
@@ -85,7 +89,6 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         tls: TlsMaterial | None = None,
     ) -> None:
         self.config = config
-        self.tokenizer = tokenizer
         self.scaler = scaler
         rng = random.Random(config.seed)
         # Resolved once: the id names both the router's Redis ledger entries and its traces.
@@ -97,18 +100,9 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         self.planner = build_planner(
             config, self.router_id, self.prefill_pool, self.decode_pool, rng
         )
-        self.adapters = LoraAdapters(
-            config.served_name,
-            (self.prefill_pool, self.decode_pool),
-            config.allow_runtime_lora_updating,
-        )
         self._num_inflight = 0
-        # The last limits the decode workers reported: the model does not change when a pool
-        # briefly has no worker that answered (a scale-down's survivor not yet polled).
-        self._limits_seen: ModelLimits | None = None
         self.bounds = config.request_bounds()
         self.tenants = TenantGate(parse_tenant_limits(config.tenant_limits))
-        self.tool_call_format = config.tool_call_parser or detect_format(tokenizer.chat_template)
         self.latency = LatencyWindow()
         self._poller: asyncio.Task[None] | None = None
         # Redis only: the entries of workers that died without removing them are dropped here
@@ -116,16 +110,32 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         self._reaped_index = (
             RedisPrefixIndex.from_config(config.redis) if config.redis.enabled else None
         )
-        self.serving_metrics = ServingMetrics(config.served_name, str(Role.ROUTER))
-        self.pool_collector = PoolCollector(
-            config.served_name, (self.prefill_pool, self.decode_pool)
-        )
+        pools = (self.prefill_pool, self.decode_pool)
+        self.pool_collector = PoolCollector(pools)
         self.tracing = Tracing(
             config.tracing,
             "splitserve-router",
             {"service.instance.id": self.router_id},
         )
-        self.routing = Routing(config, tokenizer, self.planner, self.tracing, BackgroundTasks())
+        self._background = BackgroundTasks()
+        self.models = ServedModels(
+            self._served_model(config.served_name, config.model, tokenizer),
+            pools,
+            self.decode_pool,
+            LoraAdapters(pools, config.allow_runtime_lora_updating),
+            self._load_model,
+        )
+
+    def _load_model(self, name: str, model: str, revision: str | None) -> ServedModel:
+        """A model learnt from its workers (``ServedModels.discover``): loads its tokenizer."""
+        tokenizer = Tokenizer(resolve_model(model, revision=revision, tokenizer_only=True))
+        return self._served_model(name, model, tokenizer)
+
+    def _served_model(self, name: str, model: str, tokenizer: Tokenizer) -> ServedModel:
+        tool_call_format = self.config.tool_call_parser or detect_format(tokenizer.chat_template)
+        routing = Routing(self.config, tokenizer, self.planner, self.tracing, self._background)
+        metrics = ServingMetrics(name, str(Role.ROUTER))
+        return ServedModel(name, model, tokenizer, tool_call_format, routing, metrics)
 
     # ----------------------------------------------------------------------------- lifecycle
     async def start(self) -> None:
@@ -145,12 +155,14 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
 
     async def _poll_once(self) -> None:
         await asyncio.gather(self.prefill_pool.poll_all(), self.decode_pool.poll_all())
+        await self.models.discover()
 
     async def set_pool(self, role: Role, members: dict[str, bool]) -> None:
         """Make the ``prefill`` or ``decode`` pool exactly ``members`` (address -> draining).
         Added workers are routable once healthy; draining ones get nothing new."""
         pool = self.prefill_pool if role is Role.PREFILL else self.decode_pool
         await pool.set_members(members)
+        await self.models.discover()
 
     def num_inflight_by_worker(self) -> dict[str, int]:
         """This router's requests in flight on each worker (address), prefill and decode."""
@@ -165,7 +177,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         while True:
             await asyncio.sleep(self.config.health_check_interval_s)
             await self._poll_once()
-            await self.adapters.reconcile()
+            await self.models.adapters.reconcile()
             if self._reaped_index is not None and loop.time() >= next_reap_s:
                 next_reap_s = loop.time() + _REAP_INTERVAL_S
                 await self._reap_dead_workers(self._reaped_index)
@@ -182,17 +194,6 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             return
         if dead:
             logger.info("prefix index: removed the entries of dead workers %s", dead)
-
-    def limits(self) -> ModelLimits | None:
-        """The model's limits as the decode workers report them: the tightest over those that
-        answered, else the last seen (None until one has ever answered)."""
-        infos = [w.info for w in self.decode_pool.workers if w.info is not None]
-        if infos:
-            self._limits_seen = ModelLimits(
-                vocab_size=min(i.vocab_size for i in infos),
-                max_model_len=min(i.max_model_len for i in infos),
-            )
-        return self._limits_seen
 
     def routable_addresses(self) -> set[str]:
         """The workers of both pools this router would choose for a new request now."""
@@ -243,7 +244,9 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         start_s = time.perf_counter()
         context = StatusRecorder(context)
         tenant = _caller_tenant()
-        limits = await self._admit(context, tenant)
+        resolved = await self._resolve(request.model, context)
+        served = resolved.served
+        limits = await self._admit(context, tenant, served.name)
         # Counted from here: a burst of expensive prompts is bounded while it is tokenized.
         self._num_inflight += 1
         metrics.INFLIGHT.inc()
@@ -251,19 +254,19 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         log: RequestLog | None = None
         span = self.tracing.start_request_span("generate", context.invocation_metadata() or (), {})
         try:
-            prepared = await self._prepare(request, limits, context, max_tokens_default)
+            prepared = await self._prepare(request, resolved, limits, context, max_tokens_default)
             self._tenant_tokens(tenant, "prompt", len(prepared.prompt_token_ids))
             outcome = Outcome.ERROR
             if span.is_recording():
-                span.set_attributes(request_attributes(prepared, self.config.served_name))
+                span.set_attributes(request_attributes(prepared, served.name))
             log = RequestLog(
                 prepared.req_id,
                 prepared.client_request_id,
                 len(prepared.prompt_token_ids),
                 trace_id=trace_id_hex(span),
             )
-            meter = RequestMeter(start_s, log, self.serving_metrics, self.latency)
-            routed = RoutedRequest(prepared, self.routing, context, log, span)
+            meter = RequestMeter(start_s, log, served.serving_metrics, self.latency)
+            routed = RoutedRequest(prepared, served.routing, context, log, span)
             async with contextlib.aclosing(routed.run()) as messages:
                 async for message in messages:
                     meter.sent(message)
@@ -287,12 +290,21 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                 log.emit(outcome, call_status(outcome, context.code))
             end_request_span(span, log, outcome)
 
-    async def _admit(self, context: CallContext, tenant: str) -> ModelLimits:
-        """The model's limits if a request of ``tenant`` may start now (it then counts in
+    async def _resolve(self, model: str, context: CallContext) -> ResolvedModel:
+        """What a request's ``model`` names (``ServedModels.resolve``); NOT_FOUND naming the
+        models served otherwise."""
+        try:
+            return self.models.resolve(model)
+        except ModelNotFoundError as exc:
+            metrics.REQUESTS.labels(Outcome.INVALID.value).inc()
+            await abort(context, grpc.StatusCode.NOT_FOUND, str(exc))
+
+    async def _admit(self, context: CallContext, tenant: str, model: str) -> ModelLimits:
+        """``model``'s limits if a request of ``tenant`` may start now (it then counts in
         the tenant's flight: release it); else abort the call (UNAVAILABLE before any decode
-        worker answered, RESOURCE_EXHAUSTED at --max-inflight-requests or over the tenant's
-        --tenant-limits, with retry-after)."""
-        limits = await self._limits(context)
+        worker of the model answered, RESOURCE_EXHAUSTED at --max-inflight-requests or over
+        the tenant's --tenant-limits, with retry-after)."""
+        limits = await self._limits(model, context)
         if self._num_inflight >= self.config.max_inflight_requests:
             metrics.REQUESTS.labels(Outcome.REJECTED.value).inc()
             await abort(
@@ -315,40 +327,42 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             metrics.TENANT_TOKENS.labels(tenant, kind).inc(num_tokens)
             self.tenants.charge(tenant, num_tokens)
 
-    async def _limits(self, context: CallContext) -> ModelLimits:
-        """The model's limits; the call is aborted (UNAVAILABLE) before any decode worker
-        answered."""
-        limits = self.limits()
+    async def _limits(self, model: str, context: CallContext) -> ModelLimits:
+        """``model``'s limits; the call is aborted (UNAVAILABLE) before any of its decode
+        workers answered."""
+        limits = self.models.limits(model)
         if limits is None:
             metrics.REQUESTS.labels(Outcome.REJECTED.value).inc()
-            await abort(context, grpc.StatusCode.UNAVAILABLE, "no decode worker has answered yet")
+            await abort(
+                context,
+                grpc.StatusCode.UNAVAILABLE,
+                f"no decode worker of model `{model}` has answered yet",
+            )
         return limits
 
     async def _prepare(
         self,
         request: router_pb2.GenerateRequest,
+        resolved: ResolvedModel,
         limits: ModelLimits,
         context: CallContext,
         max_tokens_default: MaxTokensDefault = MaxTokensDefault.ENGINE,
     ) -> PreparedRequest:
-        """Validate and tokenize ``request`` (off the event loop), then its constraint (on the
-        shared validation threads: a slow one holds no thread that prepares requests);
-        INVALID_ARGUMENT naming the field otherwise; NOT_FOUND for a model not served. Its
-        blocks are salted with the caller's tenant, and its priority is never better than the
+        """Validate and tokenize ``request`` for its ``resolved`` model (off the event loop),
+        then its constraint (on the shared validation threads: a slow one holds no thread
+        that prepares requests); INVALID_ARGUMENT naming the field otherwise. Its blocks are
+        salted with the caller's tenant, and its priority is never better than the
         tenant's."""
-        try:
-            lora_name, lora_block_key = self.adapters.resolve(request.model)
-        except ModelNotFoundError as exc:
-            await abort(context, grpc.StatusCode.NOT_FOUND, str(exc))
+        served = resolved.served
         try:
             prepared = await asyncio.to_thread(
                 prepare_request,
                 request,
-                self.tokenizer,
+                served.tokenizer,
                 limits,
                 self.bounds,
                 max_tokens_default,
-                self.tool_call_format,
+                served.tool_call_format,
             )
         except ValueError as exc:
             await abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(exc))
@@ -366,8 +380,9 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             prepared,
             cache_salt=tenant_cache_salt(tenant, prepared.cache_salt),
             priority=best if asked is None else max(asked, best),
-            lora_name=lora_name,
-            lora_block_key=lora_block_key,
+            model=served.name,
+            lora_name=resolved.lora_name,
+            lora_block_key=resolved.lora_block_key,
         )
 
     # ----------------------------------------------------------------------------- Explain
@@ -375,10 +390,11 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         self, request: router_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> router_pb2.ExplainResponse:
         """Score the prefill candidates for ``request`` as ``Generate`` would, reserving none."""
-        limits = await self._limits(context)
-        prepared = await self._prepare(request, limits, context)
+        resolved = await self._resolve(request.model, context)
+        limits = await self._limits(resolved.served.name, context)
+        prepared = await self._prepare(request, resolved, limits, context)
         plan = await self.planner.plan(
-            None, prepared.prompt_token_ids, prepared.block_extra_key, prepared.lora_name
+            None, prepared.prompt_token_ids, prepared.block_extra_key, prepared.target
         )
         return explain_response(plan, len(prepared.prompt_token_ids))
 
@@ -386,11 +402,13 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
     async def Scale(
         self, request: router_pb2.ScaleRequest, context: grpc.aio.ServicerContext
     ) -> router_pb2.ScaleResponse:
-        """Hand the pool's new size to the orchestrator (which starts or drains workers)."""
+        """Hand the pool's new size to the orchestrator (which starts or drains workers). The
+        pool is ``request.model``'s (empty: the router's ``--model``)."""
         try:
             role = Role.from_proto(request.role)
         except ValueError as exc:
             await abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        model = request.model or self.models.primary.name
         if self.scaler is None:
             await abort(
                 context,
@@ -400,11 +418,11 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             )
         who = caller_name(context)
         try:
-            pools = await self.scaler.scale(role, request.num_workers)
+            pools = await self.scaler.scale(model, role, request.num_workers)
         except ValueError as exc:
             logger.info("scale by %s refused: %s", who, exc)
             await abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        logger.info("scale by %s: %s pool to %d workers", who, role, request.num_workers)
+        logger.info("scale by %s: %s %s pool to %d workers", who, model, role, request.num_workers)
         return router_pb2.ScaleResponse(pools=[p.to_proto() for p in pools])
 
     # ----------------------------------------------------------------------------- Status
@@ -428,33 +446,37 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         pools = await reported_pool_sizes(self.scaler)
         return router_pb2.StatusResponse(
             mode=self.config.mode,
-            model=self.config.served_name,
+            model=self.models.primary.name,
             workers=workers,
             num_inflight_requests=self._num_inflight,
             prefix_hit_blocks_predicted=self.planner.prefill_chooser.num_hit_blocks_predicted,
             prefix_hit_blocks_realized=self.planner.prefill_chooser.num_hit_blocks_realized,
             pools=[p.to_proto() for p in pools],
-            lora_adapters=list(self.adapters.served()),
+            lora_adapters=list(self.models.adapters.served()),
+            models=self.models.names(),
         )
 
     # ----------------------------------------------------------------------------- LoRA
     async def LoadLoraAdapter(
         self, request: worker_pb2.LoadLoraAdapterRequest, context: grpc.aio.ServicerContext
     ) -> router_pb2.LoraAdaptersResponse:
-        """Serve an adapter on every worker (``LoraAdapters.load``)."""
-        await self._update_adapters(
-            self.adapters.load(request.lora_name, request.lora_path), context
+        """Serve an adapter on every worker of its base model (``LoraAdapters.load``; empty
+        ``base_model_name``: the router's ``--model``)."""
+        load = self.models.load_adapter(
+            request.lora_name, request.lora_path, request.base_model_name
         )
+        await self._update_adapters(load, context)
         logger.info("LoRA adapter %s loaded by %s", request.lora_name, caller_name(context))
-        return router_pb2.LoraAdaptersResponse(lora_adapters=list(self.adapters.served()))
+        return router_pb2.LoraAdaptersResponse(lora_adapters=list(self.models.adapters.served()))
 
     async def UnloadLoraAdapter(
         self, request: worker_pb2.UnloadLoraAdapterRequest, context: grpc.aio.ServicerContext
     ) -> router_pb2.LoraAdaptersResponse:
         """Stop serving an adapter on every worker (``LoraAdapters.unload``)."""
-        await self._update_adapters(self.adapters.unload(request.lora_name), context)
+        adapters = self.models.adapters
+        await self._update_adapters(adapters.unload(request.lora_name), context)
         logger.info("LoRA adapter %s unloaded by %s", request.lora_name, caller_name(context))
-        return router_pb2.LoraAdaptersResponse(lora_adapters=list(self.adapters.served()))
+        return router_pb2.LoraAdaptersResponse(lora_adapters=list(adapters.served()))
 
     @staticmethod
     async def _update_adapters(update: Awaitable[None], context: CallContext) -> None:

@@ -36,6 +36,15 @@ _RETIRED_POLL_S = 0.5
 _RETIRED_CLOSE_TIMEOUT_S = 600.0
 
 
+@dataclass(frozen=True, slots=True)
+class ServedTarget:
+    """What a request needs of a worker: its served model (``WorkerInfo.served_model_name``)
+    and, unless empty, a LoRA adapter of it."""
+
+    model: str
+    lora_name: str = ""
+
+
 @dataclass(slots=True, eq=False)
 class WorkerHandle:
     """One worker as the router sees it. ``num_inflight`` counts the router's own requests."""
@@ -60,10 +69,22 @@ class WorkerHandle:
         """May be chosen for a new request (not while it drains or shuts down)."""
         return self.healthy and not self.draining and not self.load.shutting_down
 
-    def serves(self, lora_name: str) -> bool:
-        """Whether it serves LoRA adapter ``lora_name`` ("": the base model, always), as its
-        latest load report says."""
-        return not lora_name or any(a.name == lora_name for a in self.load.lora_adapters)
+    def serves(self, target: ServedTarget | None) -> bool:
+        """Whether it serves ``target``'s model and adapter, as its info and latest load report
+        say (None: any request; a worker that never answered serves none)."""
+        if target is None:
+            return True
+        if not self.serves_model(target.model):
+            return False
+        return not target.lora_name or self.serves_adapter(target.lora_name)
+
+    def serves_model(self, model: str) -> bool:
+        """Whether its info names ``model`` as the one it serves."""
+        return self.info is not None and self.info.served_model_name == model
+
+    def serves_adapter(self, lora_name: str) -> bool:
+        """Whether its latest load report lists LoRA adapter ``lora_name``."""
+        return any(a.name == lora_name for a in self.load.lora_adapters)
 
     def mark_failed(self, error: str) -> None:
         if self.healthy:
@@ -176,9 +197,13 @@ class WorkerPool:
             fence_after_failed_polls=self.fence_after_failed_polls,
         )
 
-    def routable_workers(self, lora_name: str = "") -> list[WorkerHandle]:
-        """The workers that may take a new request (of LoRA adapter ``lora_name``)."""
-        return [w for w in self.workers if w.routable and w.serves(lora_name)]
+    def routable_workers(self, target: ServedTarget | None = None) -> list[WorkerHandle]:
+        """The workers that may take a new request (for ``target``; None: any)."""
+        return [w for w in self.workers if w.routable and w.serves(target)]
+
+    def model_workers(self, model: str) -> list[WorkerHandle]:
+        """The workers that reported serving ``model``, routable or not."""
+        return [w for w in self.workers if w.serves_model(model)]
 
     def get(self, address: str) -> WorkerHandle | None:
         return next((w for w in self.workers if w.address == address), None)

@@ -106,6 +106,7 @@ class WorkerRuntime:
             worker_id=self.worker_id,
             role=self.role.to_proto(),
             model=self.config.engine.model,
+            revision=self.config.engine.revision or "",
             served_model_name=info.served_model_name,
             vocab_size=info.vocab_size,
             max_model_len=info.max_model_len,

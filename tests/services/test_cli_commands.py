@@ -64,4 +64,5 @@ def test_chosen_command(argv, command):
 def test_full_parser_declares_every_command():
     parser = build_parser()
     assert parser.parse_args(["scale", "decode", "2"]).num_workers == 2
+    assert parser.parse_args(["scale", "decode", "2", "--model", "b"]).model == "b"
     assert parser.parse_args(["client", "hi"]).prompt == "hi"

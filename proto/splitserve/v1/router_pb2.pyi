@@ -185,7 +185,7 @@ class StatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class StatusResponse(_message.Message):
-    __slots__ = ("mode", "model", "workers", "num_inflight_requests", "prefix_hit_blocks_predicted", "prefix_hit_blocks_realized", "pools", "lora_adapters")
+    __slots__ = ("mode", "model", "workers", "num_inflight_requests", "prefix_hit_blocks_predicted", "prefix_hit_blocks_realized", "pools", "lora_adapters", "models")
     MODE_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     WORKERS_FIELD_NUMBER: _ClassVar[int]
@@ -194,6 +194,7 @@ class StatusResponse(_message.Message):
     PREFIX_HIT_BLOCKS_REALIZED_FIELD_NUMBER: _ClassVar[int]
     POOLS_FIELD_NUMBER: _ClassVar[int]
     LORA_ADAPTERS_FIELD_NUMBER: _ClassVar[int]
+    MODELS_FIELD_NUMBER: _ClassVar[int]
     mode: str
     model: str
     workers: _containers.RepeatedCompositeFieldContainer[WorkerStatus]
@@ -202,7 +203,8 @@ class StatusResponse(_message.Message):
     prefix_hit_blocks_realized: int
     pools: _containers.RepeatedCompositeFieldContainer[PoolStatus]
     lora_adapters: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, mode: _Optional[str] = ..., model: _Optional[str] = ..., workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ..., num_inflight_requests: _Optional[int] = ..., prefix_hit_blocks_predicted: _Optional[int] = ..., prefix_hit_blocks_realized: _Optional[int] = ..., pools: _Optional[_Iterable[_Union[PoolStatus, _Mapping]]] = ..., lora_adapters: _Optional[_Iterable[str]] = ...) -> None: ...
+    models: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, mode: _Optional[str] = ..., model: _Optional[str] = ..., workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ..., num_inflight_requests: _Optional[int] = ..., prefix_hit_blocks_predicted: _Optional[int] = ..., prefix_hit_blocks_realized: _Optional[int] = ..., pools: _Optional[_Iterable[_Union[PoolStatus, _Mapping]]] = ..., lora_adapters: _Optional[_Iterable[str]] = ..., models: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class LoraAdaptersResponse(_message.Message):
     __slots__ = ("lora_adapters",)
@@ -211,7 +213,7 @@ class LoraAdaptersResponse(_message.Message):
     def __init__(self, lora_adapters: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class PoolStatus(_message.Message):
-    __slots__ = ("role", "desired_workers", "num_ready", "num_starting", "num_draining", "num_restarts", "last_error", "num_failed_starts")
+    __slots__ = ("role", "desired_workers", "num_ready", "num_starting", "num_draining", "num_restarts", "last_error", "num_failed_starts", "model")
     ROLE_FIELD_NUMBER: _ClassVar[int]
     DESIRED_WORKERS_FIELD_NUMBER: _ClassVar[int]
     NUM_READY_FIELD_NUMBER: _ClassVar[int]
@@ -220,6 +222,7 @@ class PoolStatus(_message.Message):
     NUM_RESTARTS_FIELD_NUMBER: _ClassVar[int]
     LAST_ERROR_FIELD_NUMBER: _ClassVar[int]
     NUM_FAILED_STARTS_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
     role: _worker_pb2.WorkerRole
     desired_workers: int
     num_ready: int
@@ -228,15 +231,18 @@ class PoolStatus(_message.Message):
     num_restarts: int
     last_error: str
     num_failed_starts: int
-    def __init__(self, role: _Optional[_Union[_worker_pb2.WorkerRole, str]] = ..., desired_workers: _Optional[int] = ..., num_ready: _Optional[int] = ..., num_starting: _Optional[int] = ..., num_draining: _Optional[int] = ..., num_restarts: _Optional[int] = ..., last_error: _Optional[str] = ..., num_failed_starts: _Optional[int] = ...) -> None: ...
+    model: str
+    def __init__(self, role: _Optional[_Union[_worker_pb2.WorkerRole, str]] = ..., desired_workers: _Optional[int] = ..., num_ready: _Optional[int] = ..., num_starting: _Optional[int] = ..., num_draining: _Optional[int] = ..., num_restarts: _Optional[int] = ..., last_error: _Optional[str] = ..., num_failed_starts: _Optional[int] = ..., model: _Optional[str] = ...) -> None: ...
 
 class ScaleRequest(_message.Message):
-    __slots__ = ("role", "num_workers")
+    __slots__ = ("role", "num_workers", "model")
     ROLE_FIELD_NUMBER: _ClassVar[int]
     NUM_WORKERS_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
     role: _worker_pb2.WorkerRole
     num_workers: int
-    def __init__(self, role: _Optional[_Union[_worker_pb2.WorkerRole, str]] = ..., num_workers: _Optional[int] = ...) -> None: ...
+    model: str
+    def __init__(self, role: _Optional[_Union[_worker_pb2.WorkerRole, str]] = ..., num_workers: _Optional[int] = ..., model: _Optional[str] = ...) -> None: ...
 
 class ScaleResponse(_message.Message):
     __slots__ = ("pools",)

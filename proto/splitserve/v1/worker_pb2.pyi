@@ -221,7 +221,7 @@ class GetInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerInfo(_message.Message):
-    __slots__ = ("worker_id", "role", "model", "vocab_size", "max_model_len", "block_size", "kv_peer", "kv_transfer_backend", "dtype", "cpu_isa", "kernels", "served_model_name")
+    __slots__ = ("worker_id", "role", "model", "vocab_size", "max_model_len", "block_size", "kv_peer", "kv_transfer_backend", "dtype", "cpu_isa", "kernels", "served_model_name", "revision")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
@@ -234,6 +234,7 @@ class WorkerInfo(_message.Message):
     CPU_ISA_FIELD_NUMBER: _ClassVar[int]
     KERNELS_FIELD_NUMBER: _ClassVar[int]
     SERVED_MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
+    REVISION_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     role: WorkerRole
     model: str
@@ -246,7 +247,8 @@ class WorkerInfo(_message.Message):
     cpu_isa: str
     kernels: str
     served_model_name: str
-    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[_Union[WorkerRole, str]] = ..., model: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., block_size: _Optional[int] = ..., kv_peer: _Optional[_Union[KVPeerInfo, _Mapping]] = ..., kv_transfer_backend: _Optional[str] = ..., dtype: _Optional[str] = ..., cpu_isa: _Optional[str] = ..., kernels: _Optional[str] = ..., served_model_name: _Optional[str] = ...) -> None: ...
+    revision: str
+    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[_Union[WorkerRole, str]] = ..., model: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., block_size: _Optional[int] = ..., kv_peer: _Optional[_Union[KVPeerInfo, _Mapping]] = ..., kv_transfer_backend: _Optional[str] = ..., dtype: _Optional[str] = ..., cpu_isa: _Optional[str] = ..., kernels: _Optional[str] = ..., served_model_name: _Optional[str] = ..., revision: _Optional[str] = ...) -> None: ...
 
 class GetLoadRequest(_message.Message):
     __slots__ = ()
@@ -297,12 +299,14 @@ class LoraAdapterInfo(_message.Message):
     def __init__(self, name: _Optional[str] = ..., block_key: _Optional[str] = ...) -> None: ...
 
 class LoadLoraAdapterRequest(_message.Message):
-    __slots__ = ("lora_name", "lora_path")
+    __slots__ = ("lora_name", "lora_path", "base_model_name")
     LORA_NAME_FIELD_NUMBER: _ClassVar[int]
     LORA_PATH_FIELD_NUMBER: _ClassVar[int]
+    BASE_MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     lora_name: str
     lora_path: str
-    def __init__(self, lora_name: _Optional[str] = ..., lora_path: _Optional[str] = ...) -> None: ...
+    base_model_name: str
+    def __init__(self, lora_name: _Optional[str] = ..., lora_path: _Optional[str] = ..., base_model_name: _Optional[str] = ...) -> None: ...
 
 class UnloadLoraAdapterRequest(_message.Message):
     __slots__ = ("lora_name",)

@@ -5,7 +5,7 @@
   key). A request's ``model`` names one of them (absent: the model); another is 404.
 - ``POST /v1/load_lora_adapter``, ``POST /v1/unload_lora_adapter``: vLLM's, with an admin key
   (and only with ``--allow-runtime-lora-updating``).
-- ``POST /tokenize``, ``POST /detokenize``: vLLM's, on the router's tokenizer (a data key).
+- ``POST /tokenize``, ``POST /detokenize``: vLLM's, on the model's tokenizer (a data key).
 - ``GET /metrics``: the router's Prometheus metrics, as on ``--metrics-port`` (no key, as
   vLLM's: clients and benchmark tools probe it there; it holds no request content).
 - ``GET /health``: 200 while at least one decode worker serves, else 503 (no key: probes).
@@ -69,6 +69,7 @@ from services.router.openai.tokenize import (
     detokenize,
     tokenize,
 )
+from services.router.served_models import ServedModel
 from splitserve.v1 import router_pb2
 
 if TYPE_CHECKING:
@@ -148,7 +149,8 @@ class _Api:
         self._budget = RequestBudget(
             config.max_n, config.max_logprobs, config.max_request_output_tokens
         )
-        self._token_texts = TokenTexts(servicer.tokenizer)
+        # Each served model's, made on its first response.
+        self._token_texts: dict[str, TokenTexts] = {}
         self._created_s = int(time.time())
         self._bodies = bodies
 
@@ -157,8 +159,8 @@ class _Api:
         self._authorize(request, KeyRole.DATA)
         body = await self._parse(request, ChatCompletionRequest)
         response_id = f"chatcmpl-{uuid.uuid4().hex}"
-        limits = self._servicer.limits()
-        max_model_len = limits.max_model_len if limits is not None else None
+        _, served = self._resolve(body.model)
+        max_model_len = self._max_model_len(served)
         plan = chat_plan(body, _label(request, response_id), self._budget, max_model_len)
         return await self._respond(request, plan, body, response_id)
 
@@ -176,9 +178,12 @@ class _Api:
         body: ChatCompletionRequest | CompletionRequest,
         response_id: str,
     ) -> Response:
-        model = self._check_model(body.model)
+        model, served = self._resolve(body.model)
+        token_texts = self._token_texts.get(served.name)
+        if token_texts is None:
+            token_texts = self._token_texts[served.name] = TokenTexts(served.tokenizer)
         # Stamped per response, as OpenAI's and vLLM's.
-        builder = ResponseBuilder(plan, response_id, model, int(time.time()), self._token_texts)
+        builder = ResponseBuilder(plan, response_id, model, int(time.time()), token_texts)
         options = body.stream_options
         usage = options.usage if options is not None else StreamUsage.NONE
         return await respond(self._servicer, request, builder, bool(body.stream), usage)
@@ -186,12 +191,17 @@ class _Api:
     # ----------------------------------------------------------------------------- the rest
     async def models(self, request: Request) -> dict[str, Any]:
         self._authorize(request, KeyRole.DATA)
-        limits = self._servicer.limits()
-        max_model_len = limits.max_model_len if limits else None
-        entries: list[tuple[str, str, str | None]] = [
-            (self._model_name, self._servicer.config.model, None)
-        ]
-        entries += [(name, name, self._model_name) for name in self._servicer.adapters.served()]
+        models = self._servicer.models
+        # (id, root, parent, max_model_len): every served model, then every adapter.
+        entries: list[tuple[str, str, str | None, int | None]] = []
+        for name in models.names():
+            served = models.get(name)
+            assert served is not None
+            entries.append((name, served.model, None, self._max_model_len(served)))
+        for name, adapter in models.adapters.served().items():
+            base = models.get(adapter.base_model)
+            if base is not None:
+                entries.append((name, name, base.name, self._max_model_len(base)))
         return {
             "object": "list",
             "data": [
@@ -204,33 +214,32 @@ class _Api:
                     "parent": parent,
                     "max_model_len": max_model_len,
                 }
-                for name, root, parent in entries
+                for name, root, parent, max_model_len in entries
             ],
         }
 
     async def load_lora_adapter(self, request: Request) -> Response:
         self._authorize(request, KeyRole.ADMIN)
         body = await self._parse(request, LoadLoraAdapterRequest)
-        return await load_adapter(self._servicer.adapters, body)
+        return await load_adapter(self._servicer.models, body)
 
     async def unload_lora_adapter(self, request: Request) -> Response:
         self._authorize(request, KeyRole.ADMIN)
         body = await self._parse(request, UnloadLoraAdapterRequest)
-        return await unload_adapter(self._servicer.adapters, body)
+        return await unload_adapter(self._servicer.models.adapters, body)
 
     async def tokenize(self, request: Request) -> dict[str, Any]:
         self._authorize(request, KeyRole.DATA)
         body = await self._parse(request, TokenizeRequest)
-        self._check_model(body.model)
-        limits = self._servicer.limits()
-        max_model_len = limits.max_model_len if limits is not None else None
-        return await asyncio.to_thread(tokenize, body, self._servicer.tokenizer, max_model_len)
+        _, served = self._resolve(body.model)
+        max_model_len = self._max_model_len(served)
+        return await asyncio.to_thread(tokenize, body, served.tokenizer, max_model_len)
 
     async def detokenize(self, request: Request) -> dict[str, Any]:
         self._authorize(request, KeyRole.DATA)
         body = await self._parse(request, DetokenizeRequest)
-        self._check_model(body.model)
-        return await asyncio.to_thread(detokenize, body, self._servicer.tokenizer)
+        _, served = self._resolve(body.model)
+        return await asyncio.to_thread(detokenize, body, served.tokenizer)
 
     async def metrics(self) -> Response:
         exposition = await asyncio.to_thread(generate_latest, REGISTRY)
@@ -253,13 +262,14 @@ class _Api:
         return MessageToDict(status, preserving_proto_field_name=True)
 
     # ----------------------------------------------------------------------------- checks
-    @property
-    def _model_name(self) -> str:
-        return self._servicer.config.served_name
+    def _resolve(self, model: str | None) -> tuple[str, ServedModel]:
+        """The name responses carry and the model that answers; 404 for a model not served
+        (``resolve_model``)."""
+        return resolve_model(self._servicer.models, model)
 
-    def _check_model(self, model: str | None) -> str:
-        """The name responses carry; 404 for a model not served (``resolve_model``)."""
-        return resolve_model(self._servicer.adapters, model, self._model_name)
+    def _max_model_len(self, served: ServedModel) -> int | None:
+        limits = self._servicer.models.limits(served.name)
+        return limits.max_model_len if limits is not None else None
 
     def _authorize(self, request: Request, needed: KeyRole) -> None:
         if not self._keys.enabled:

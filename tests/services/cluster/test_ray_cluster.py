@@ -304,15 +304,16 @@ def test_scale_and_status_commands_add_a_prefill_pool_at_run_time(start_ray_clus
     assert scaled.returncode == 0, scaled.stderr
     header, prefill_row, decode_row = scaled.stdout.split("\n")[:3]
     assert header.split() == [
-        "POOL", "DESIRED", "READY", "STARTING", "DRAINING", "RESTARTS", "FAILED_STARTS",
+        "MODEL", "POOL", "DESIRED", "READY", "STARTING", "DRAINING", "RESTARTS", "FAILED_STARTS",
     ]  # fmt: skip
-    assert prefill_row.split() == ["prefill", "1", "1", "0", "0", "0", "0"]
-    assert decode_row.split() == ["decode", "1", "1", "0", "0", "0", "0"]
+    model = client.status().model
+    assert prefill_row.split() == [model, "prefill", "1", "1", "0", "0", "0", "0"]
+    assert decode_row.split() == [model, "decode", "1", "1", "0", "0", "0", "0"]
 
     table = _cli("status", "--target", address)
     assert table.returncode == 0, table.stderr
     worker_rows = [line.split() for line in table.stdout.splitlines() if ":" in line]
-    roles_states = sorted((row[0], row[3]) for row in worker_rows if row[0] in ROLES)
+    roles_states = sorted((row[1], row[4]) for row in worker_rows if row[1] in ROLES)
     assert roles_states == [("decode", "ready"), ("prefill", "ready")]
     status = json.loads(_cli("status", "--json", "--target", address).stdout)
     assert {p["role"]: p["num_ready"] for p in status["pools"]} == {

@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +29,10 @@ class StandInDecodeWorker(worker_pb2_grpc.DecodeWorkerServicer):
     def __init__(self, vocab_size: int, stall_after: int | None = None) -> None:
         self.vocab_size = vocab_size
         self.stall_after = stall_after
+        # The served model it reports and where that model is (what a router loads its
+        # tokenizer from): the router's --model unless set before ``standin_router``.
+        self.model = ""
+        self.model_path = ""
         self.num_calls = 0
         self.num_sent = 0
         self.num_cancelled = 0
@@ -72,6 +76,8 @@ class StandInDecodeWorker(worker_pb2_grpc.DecodeWorkerServicer):
     ) -> worker_pb2.WorkerInfo:
         return worker_pb2.WorkerInfo(
             worker_id="stand-in",
+            served_model_name=self.model,
+            model=self.model_path,
             vocab_size=self.vocab_size,
             max_model_len=MAX_MODEL_LEN,
             block_size=16,
@@ -90,20 +96,30 @@ def vocab_size(model_dir: Path) -> int:
 
 @contextlib.asynccontextmanager
 async def standin_router(
-    model_dir: Path, worker: StandInDecodeWorker, **flags: Any
+    model_dir: Path,
+    worker: StandInDecodeWorker,
+    others: Sequence[StandInDecodeWorker] = (),
+    **flags: Any,
 ) -> AsyncIterator[RunningRouter]:
-    """A router (gRPC and HTTP on free ports, ``flags`` as its config's fields) whose one
-    decode worker, colocated, is ``worker``; both stopped on exit."""
-    server = grpc.aio.server()
-    worker_pb2_grpc.add_DecodeWorkerServicer_to_server(worker, server)
-    port = server.add_insecure_port("127.0.0.1:0")
-    await server.start()
+    """A router (gRPC and HTTP on free ports, ``flags`` as its config's fields) whose decode
+    worker of its model, colocated, is ``worker``, and ``others`` more decode workers (of the
+    models they report); all stopped on exit."""
+    worker.model = flags.get("served_model_name") or str(model_dir)
+    worker.model_path = str(model_dir)
+    servers: list[grpc.aio.Server] = []
+    addresses = []
+    for servicer in (worker, *others):
+        server = grpc.aio.server()
+        servers.append(server)
+        worker_pb2_grpc.add_DecodeWorkerServicer_to_server(servicer, server)
+        addresses.append(f"127.0.0.1:{server.add_insecure_port('127.0.0.1:0')}")
+        await server.start()
     try:
         config = RouterConfig(
             model=str(model_dir),
             port=0,
             http_port=0,
-            decode_workers=f"127.0.0.1:{port}",
+            decode_workers=",".join(addresses),
             mode="colocated",
             **flags,
         )
@@ -113,7 +129,7 @@ async def standin_router(
         finally:
             await router.stop(0)
     finally:
-        await server.stop(0)
+        await asyncio.gather(*(server.stop(0) for server in servers))
 
 
 async def wait_for(predicate: Any, timeout_s: float, what: str) -> None:

@@ -37,6 +37,9 @@ class W:
     block_size: int = BLOCK_SIZE
     # Its KV cache's compat_hash; None: its engine's KV cannot move (a vLLM worker's today).
     kv_layout: str | None = "fake"
+    model: str = "m"  # the served model it reports
+    lora_adapters: tuple[str, ...] = ()
+    max_model_len: int = 256
 
     def build(self, role: Role) -> WorkerHandle:
         return WorkerHandle(
@@ -48,6 +51,10 @@ class W:
             info=worker_pb2.WorkerInfo(
                 worker_id=self.address,
                 role=role.to_proto(),
+                served_model_name=self.model,
+                model=f"/models/{self.model}",
+                max_model_len=self.max_model_len,
+                vocab_size=100,
                 block_size=self.block_size,
                 kv_peer=(
                     None
@@ -62,6 +69,10 @@ class W:
                 kv_usage=self.kv_usage,
                 num_queued_prefill_tokens=self.queued_prefill_tokens,
                 shutting_down=self.shutting_down,
+                lora_adapters=[
+                    worker_pb2.LoraAdapterInfo(name=name, block_key=f"{name}@key")
+                    for name in self.lora_adapters
+                ],
             ),
             num_inflight=self.inflight,
             draining=self.draining,

@@ -30,10 +30,11 @@ def token_at(prompt_len: int, position: int) -> int:
     return 3 + (prompt_len * 7 + position) % 100
 
 
-def _info(worker_id: str, role: worker_pb2.WorkerRole) -> worker_pb2.WorkerInfo:
+def _info(worker_id: str, role: worker_pb2.WorkerRole, model: str) -> worker_pb2.WorkerInfo:
     return worker_pb2.WorkerInfo(
         worker_id=worker_id,
         role=role,
+        served_model_name=model,
         vocab_size=VOCAB_SIZE,
         max_model_len=MAX_MODEL_LEN,
         block_size=BLOCK_SIZE,
@@ -52,6 +53,8 @@ class StandInDecode(worker_pb2_grpc.DecodeWorkerServicer):
     """
 
     worker_id: str
+    # The served model it reports (the harness sets the router's --model).
+    model: str = ""
     routable: bool = True
     end_after: int | None = None
     running: int = 0
@@ -76,7 +79,7 @@ class StandInDecode(worker_pb2_grpc.DecodeWorkerServicer):
     async def GetInfo(
         self, request: worker_pb2.GetInfoRequest, context: grpc.aio.ServicerContext
     ) -> worker_pb2.WorkerInfo:
-        return _info(self.worker_id, worker_pb2.WORKER_ROLE_DECODE)
+        return _info(self.worker_id, worker_pb2.WORKER_ROLE_DECODE, self.model)
 
     async def GetLoad(
         self, request: worker_pb2.GetLoadRequest, context: grpc.aio.ServicerContext
@@ -91,6 +94,7 @@ class StandInPrefill(worker_pb2_grpc.PrefillWorkerServicer):
     call, ``released`` every ``Release``."""
 
     worker_id: str
+    model: str = ""  # as StandInDecode's
     requests: list[worker_pb2.PrefillRequest] = field(default_factory=list)
     released: list[str] = field(default_factory=list)
 
@@ -120,7 +124,7 @@ class StandInPrefill(worker_pb2_grpc.PrefillWorkerServicer):
     async def GetInfo(
         self, request: worker_pb2.GetInfoRequest, context: grpc.aio.ServicerContext
     ) -> worker_pb2.WorkerInfo:
-        return _info(self.worker_id, worker_pb2.WORKER_ROLE_PREFILL)
+        return _info(self.worker_id, worker_pb2.WORKER_ROLE_PREFILL, self.model)
 
     async def GetLoad(
         self, request: worker_pb2.GetLoadRequest, context: grpc.aio.ServicerContext

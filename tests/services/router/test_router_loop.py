@@ -46,6 +46,8 @@ async def router_over(
 ) -> AsyncIterator[router_pb2_grpc.RouterStub]:
     """A router (in this process) over the stand-ins, each served on its own port; every
     prompt goes to the prefill pool. Yields a client stub."""
+    for worker in (*prefill, *decode):
+        worker.model = str(model_dir)
     servers = [*[await serve_prefill(p) for p in prefill], *[await serve_decode(d) for d in decode]]
     addresses = [f"127.0.0.1:{s.port}" for s in servers]
     config = RouterConfig(

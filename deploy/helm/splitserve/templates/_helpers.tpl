@@ -230,6 +230,7 @@ ray start --head --dashboard-host=127.0.0.1 --num-cpus=0 --disable-usage-stats
 --decode-num-gpus={{ $v.decode.numGpus }}
 {{- with $v.prefill.workerArgs }} --prefill-worker-args={{ include "splitserve.shellQuote" . }}{{ end }}
 {{- with $v.decode.workerArgs }} --decode-worker-args={{ include "splitserve.shellQuote" . }}{{ end }}
+{{- with $v.extraModels }} --extra-models={{ include "splitserve.shellQuote" (toJson .) }}{{ end }}
 --router-metrics-port={{ $v.metrics.port }}
 --worker-metrics-port={{ $v.metrics.port }}
 --kuberay-cluster={{ include "splitserve.fullname" . }}
@@ -246,4 +247,16 @@ ray start --head --dashboard-host=127.0.0.1 --num-cpus=0 --disable-usage-stats
 {{- include "splitserve.flags" $v.redisOptions }}
 {{- include "splitserve.flags" $v.tracing }}
 {{- range $v.extraArgs }} {{ include "splitserve.shellQuote" . }}{{ end }}
+{{- end -}}
+
+{{/* A worker group's replicas: its role's pool of engine.model and of every extraModels entry
+(an entry without its size has the role's replicas). Takes (dict "root" . "role" role). */}}
+{{- define "splitserve.groupReplicas" -}}
+{{- $pool := index .root.Values .role -}}
+{{- $total := int $pool.replicas -}}
+{{- range .root.Values.extraModels -}}
+{{- $size := index . (printf "num_%s_workers" $.role) -}}
+{{- $total = add $total (kindIs "invalid" $size | ternary $pool.replicas $size) -}}
+{{- end -}}
+{{- $total -}}
 {{- end -}}
