@@ -133,11 +133,9 @@ def run(args: argparse.Namespace) -> int:
     if planner.autoscale and not cluster.ray:
         print("splitserve up: --autoscale needs Ray (drop --no-ray)", file=sys.stderr)
         return 2
-    if cluster.extra_models.strip() and (planner.autoscale or not cluster.ray):
-        # The planner sizes one model's pools; plain processes have no controller to run
-        # several models' pools.
-        what = "--autoscale" if planner.autoscale else "--no-ray"
-        print(f"splitserve up: --extra-models does not work with {what} yet", file=sys.stderr)
+    if cluster.extra_models.strip() and not cluster.ray:
+        # Plain processes have no controller to run several models' pools.
+        print("splitserve up: --extra-models needs Ray (drop --no-ray)", file=sys.stderr)
         return 2
     if cluster.num_routers > 1 and not router.redis.enabled:
         # Each would keep its own index and reservations and herd onto the same workers.

@@ -171,11 +171,11 @@ class RouterActor(_ServiceActor):
         assert self._router is not None, "set_pool before start"
         await self._router.servicer.set_pool(role, members)
 
-    async def take_latency_samples(self) -> LatencySamples:
-        """The TTFT and ITL samples since the last call (for the planner)."""
+    async def take_latency_samples(self) -> dict[str, LatencySamples]:
+        """Each served model's TTFT and ITL samples since the last call (for the planner)."""
         if self._router is None:
-            return LatencySamples([], [])
-        return self._router.servicer.latency.take()
+            return {}
+        return self._router.servicer.models.take_latency_samples()
 
     async def num_inflight_by_worker(self) -> dict[str, int]:
         if self._router is None:

@@ -1,6 +1,7 @@
 """The planner's loop: every ``--planner-interval-s`` each planned pool's signals (latency
-percentiles from the routers, load from the workers) decide its size (``PoolPlanner``); a new
-size goes through the controller's ``scale``, as an operator's ``Scale`` would.
+percentiles from the routers, of its own model; load from its workers) decide its size
+(``PoolPlanner``); a new size goes through the controller's ``scale``, as an operator's
+``Scale`` would. Each model's pools are planned apart.
 """
 
 from __future__ import annotations
@@ -9,7 +10,7 @@ import asyncio
 import logging
 from collections.abc import Awaitable, Callable, Mapping
 
-from services.cluster.members import Pool
+from services.cluster.members import Pool, PoolKey
 from services.cluster.planner import PlannerConfig, PoolPlanner
 from services.cluster.probes import ClusterProbes
 from services.common.roles import Role
@@ -18,20 +19,22 @@ logger = logging.getLogger(__name__)
 
 
 class Autoscaler:
-    """Sizes the ``roles`` pools of ``pools`` (the controller's, read live) with one
-    ``PoolPlanner`` each; ``scale`` sets a pool's desired size."""
+    """Sizes ``pools`` (the controller's planned ones, by (served model, role), read live) with
+    one ``PoolPlanner`` each; ``routers`` give the latencies; ``scale`` sets a pool's desired
+    size."""
 
     def __init__(
         self,
         config: PlannerConfig,
-        roles: tuple[Role, ...],
-        pools: Mapping[Role, Pool],
+        pools: Mapping[PoolKey, Pool],
+        routers: Pool,
         probes: ClusterProbes,
-        scale: Callable[[Role, int], Awaitable[object]],
+        scale: Callable[[str, Role, int], Awaitable[object]],
     ) -> None:
         self._config = config
-        self._planners = {role: PoolPlanner(role, config) for role in roles}
+        self._planners = {key: PoolPlanner(key[1], config) for key in pools}
         self._pools = pools
+        self._routers = routers
         self._probes = probes
         self._scale = scale
 
@@ -46,13 +49,12 @@ class Autoscaler:
                 logger.exception("planner evaluation failed; retrying")
 
     async def _decide(self, now_s: float) -> None:
-        planned = {role: self._pools[role] for role in self._planners}
         signals = await self._probes.signals(
-            self._pools[Role.ROUTER].ready(),
-            {role: (pool.desired, pool.ready()) for role, pool in planned.items()},
+            self._routers.ready(),
+            {key: (pool.desired, pool.ready()) for key, pool in self._pools.items()},
         )
-        for role, planner in self._planners.items():
-            size = planner.decide(signals[role], now_s)
-            if size != self._pools[role].desired:
-                logger.info("planner: %s pool %s", role, signals[role])
-                await self._scale(role, size)
+        for (model, role), planner in self._planners.items():
+            size = planner.decide(signals[(model, role)], now_s)
+            if size != self._pools[(model, role)].desired:
+                logger.info("planner: %s %s pool %s", model, role, signals[(model, role)])
+                await self._scale(model, role, size)

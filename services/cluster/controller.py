@@ -37,7 +37,14 @@ from services.cluster.actor_ops import (
 from services.cluster.actors import Endpoint
 from services.cluster.autoscaler import Autoscaler
 from services.cluster.config import ClusterConfig
-from services.cluster.members import Member, MemberState, MemberView, Pool, pick_victims
+from services.cluster.members import (
+    Member,
+    MemberState,
+    MemberView,
+    Pool,
+    PoolKey,
+    pick_victims,
+)
 from services.cluster.planner import PlannerConfig
 from services.cluster.probes import ClusterProbes
 from services.common.background import BackgroundTasks
@@ -61,7 +68,7 @@ _DRAIN_QUIET_POLLS = 2
 # Failed starts kept for ``start_failures`` (the driver fetches them every second).
 _FAILURES_KEPT = 100
 # The routers' pool's key: they serve every model.
-_ROUTERS = ("", Role.ROUTER)
+_ROUTERS: PoolKey = ("", Role.ROUTER)
 
 
 class ClusterController:
@@ -125,14 +132,9 @@ class ClusterController:
                     if self._cluster.mode is ClusterMode.DISAGGREGATED
                     else (Role.DECODE,)
                 )
-                # The --model's pools (up refuses --autoscale with --extra-models).
-                pools = {role: self._pools[(self._primary, role)] for role in POOL_ROLES}
-                pools[Role.ROUTER] = self._pools[_ROUTERS]
-
-                async def scale(role: Role, num_workers: int) -> list[PoolSize]:
-                    return await self.scale(self._primary, role, num_workers)
-
-                autoscaler = Autoscaler(self._planner, roles, pools, self._probes, scale)
+                planned = {key: pool for key, pool in self._pools.items() if key[1] in roles}
+                routers = self._pools[_ROUTERS]
+                autoscaler = Autoscaler(self._planner, planned, routers, self._probes, self.scale)
                 self._planner_task = loop.create_task(autoscaler.run_forever())
 
     async def wait_ready(self, timeout_s: float) -> list[str]:

@@ -19,6 +19,9 @@ from splitserve.v1 import worker_pb2
 
 _MAX_START_BACKOFF_S = 30.0
 
+# A pool's key: (served model, role); the routers' is ("", router).
+PoolKey = tuple[str, Role]
+
 
 class MemberState(enum.StrEnum):
     """Where a member is in its life; a ``str`` (its value), as ``Role`` is, so that

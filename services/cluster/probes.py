@@ -15,7 +15,7 @@ from typing import Any
 
 import grpc
 
-from services.cluster.members import Member, busy_units
+from services.cluster.members import Member, PoolKey, busy_units
 from services.cluster.planner import PoolSignals, percentile
 from services.common.background import BackgroundTasks
 from services.common.roles import Role
@@ -68,27 +68,28 @@ class ClusterProbes:
         }
 
     async def signals(
-        self, routers: Sequence[Member], pools: Mapping[Role, tuple[int, Sequence[Member]]]
-    ) -> dict[Role, PoolSignals]:
-        """This window's ``PoolSignals`` per pool (``pools``: role -> (desired size, ready
-        workers)). Drains the routers' latency windows."""
-        samples: list[LatencySamples] = await asyncio.gather(
+        self, routers: Sequence[Member], pools: Mapping[PoolKey, tuple[int, Sequence[Member]]]
+    ) -> dict[PoolKey, PoolSignals]:
+        """This window's ``PoolSignals`` per pool (``pools``: (served model, role) -> (desired
+        size, ready workers)): a prefill pool is judged by its model's TTFT, a decode pool by
+        its model's ITL. Drains the routers' latency windows (every model's)."""
+        by_router: list[dict[str, LatencySamples]] = await asyncio.gather(
             *(self._latency_samples(r) for r in routers)
         )
-        latencies_s = {
-            Role.PREFILL: [t for s in samples for t in s.ttft_s],
-            Role.DECODE: [t for s in samples for t in s.itl_s],
-        }
         signals = {}
-        for role, (desired, ready) in pools.items():
+        for (model, role), (desired, ready) in pools.items():
+            samples = [s[model] for s in by_router if model in s]
+            latencies_s = [
+                t for s in samples for t in (s.ttft_s if role is Role.PREFILL else s.itl_s)
+            ]
             loads = await asyncio.gather(*(self.load(w) for w in ready))
             num = max(len(ready), 1)
-            latency_s = percentile(latencies_s[role], 0.9)
+            latency_s = percentile(latencies_s, 0.9)
             queued = sum(
                 load.num_waiting + (load.num_waiting_for_kv if role is Role.DECODE else 0)
                 for load in loads
             )
-            signals[role] = PoolSignals(
+            signals[(model, role)] = PoolSignals(
                 num_workers=desired,
                 latency_ms=latency_s * 1000 if latency_s is not None else None,
                 queue_per_worker=queued / num,
@@ -129,11 +130,11 @@ class ClusterProbes:
             return {}
 
     @staticmethod
-    async def _latency_samples(router: Member) -> LatencySamples:
+    async def _latency_samples(router: Member) -> dict[str, LatencySamples]:
         try:
             return await asyncio.wait_for(
                 router.actor.take_latency_samples.remote(), CALL_TIMEOUT_S
             )
         except Exception as exc:
             logger.warning("router %s: no latency samples (%r)", router.name, exc)
-            return LatencySamples([], [])
+            return {}

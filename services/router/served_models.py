@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 from engine.tokenizer import Tokenizer
 from services.common.serving_metrics import ServingMetrics
+from services.router.latency import LatencySamples, LatencyWindow
 from services.router.lora_adapters import LoraAdapters
 from services.router.request_prep import ModelLimits
 from services.router.routed_request import Routing
@@ -39,7 +40,8 @@ class ModelNotFoundError(LookupError):
 @dataclass(frozen=True, slots=True)
 class ServedModel:
     """One model the router serves: the name clients use, what its workers loaded
-    (``--model``), and what its requests are prepared, routed and measured with."""
+    (``--model``), and what its requests are prepared, routed and measured with (``latency``:
+    the samples its pools' autoscaling judges)."""
 
     name: str
     model: str
@@ -47,6 +49,7 @@ class ServedModel:
     tool_call_format: ToolCallFormat
     routing: Routing
     serving_metrics: ServingMetrics
+    latency: LatencyWindow
 
 
 @dataclass(frozen=True, slots=True)
@@ -116,6 +119,10 @@ class ServedModels:
         raise ModelNotFoundError(
             f"The model `{_shown(model)}` does not exist (served: {served_names})."
         )
+
+    def take_latency_samples(self) -> dict[str, LatencySamples]:
+        """Each model's TTFT and ITL samples since the last call (``LatencyWindow.take``)."""
+        return {name: served.latency.take() for name, served in self._models.items()}
 
     async def load_adapter(self, name: str, path: str, base_model: str = "") -> None:
         """Serve LoRA adapter ``name`` from ``path`` on the workers of ``base_model`` (empty:

@@ -103,7 +103,6 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         self._num_inflight = 0
         self.bounds = config.request_bounds()
         self.tenants = TenantGate(parse_tenant_limits(config.tenant_limits))
-        self.latency = LatencyWindow()
         self._poller: asyncio.Task[None] | None = None
         # Redis only: the entries of workers that died without removing them are dropped here
         # (the in-process index is bounded instead).
@@ -135,7 +134,9 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         tool_call_format = self.config.tool_call_parser or detect_format(tokenizer.chat_template)
         routing = Routing(self.config, tokenizer, self.planner, self.tracing, self._background)
         metrics = ServingMetrics(name, str(Role.ROUTER))
-        return ServedModel(name, model, tokenizer, tool_call_format, routing, metrics)
+        return ServedModel(
+            name, model, tokenizer, tool_call_format, routing, metrics, LatencyWindow()
+        )
 
     # ----------------------------------------------------------------------------- lifecycle
     async def start(self) -> None:
@@ -265,7 +266,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                 len(prepared.prompt_token_ids),
                 trace_id=trace_id_hex(span),
             )
-            meter = RequestMeter(start_s, log, served.serving_metrics, self.latency)
+            meter = RequestMeter(start_s, log, served.serving_metrics, served.latency)
             routed = RoutedRequest(prepared, served.routing, context, log, span)
             async with contextlib.aclosing(routed.run()) as messages:
                 async for message in messages:

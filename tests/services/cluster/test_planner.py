@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
 import itertools
 import json
 from pathlib import Path
 
+from services.cluster.autoscaler import Autoscaler
+from services.cluster.members import Pool
 from services.cluster.planner import PlannerConfig, PoolPlanner, PoolSignals, percentile
+from services.common.roles import Role
 
 CONFIG = PlannerConfig(
     autoscale=True,
@@ -119,3 +124,36 @@ def test_recorded_noisy_trace_does_not_flap():
         # Never a step back against the previous one (up then down, or down then up).
         assert all(a == b for a, b in itertools.pairwise(changes)), (role, sizes)
         assert len(changes) <= len(windows) * config.planner_interval_s / 30.0
+
+
+class _Probes:
+    """Hands the autoscaler fixed signals per pool, as the routers and workers would."""
+
+    def __init__(self, signals: dict) -> None:
+        self.signals_by_pool = signals
+        self.asked: list[set] = []
+
+    async def signals(self, routers, pools):
+        self.asked.append(set(pools))
+        return {
+            key: dataclasses.replace(self.signals_by_pool[key], num_workers=desired)
+            for key, (desired, _) in pools.items()
+        }
+
+
+def test_each_models_pools_are_planned_apart():
+    """Two models' decode pools: only the one whose own ITL breaches grows."""
+    slow = PoolSignals(num_workers=1, latency_ms=180.0, queue_per_worker=1.0, kv_usage=0.6)
+    pools = {(m, Role.DECODE): Pool(Role.DECODE, 1, model=m) for m in ("a", "b")}
+    probes = _Probes({("a", Role.DECODE): QUIET_DECODE, ("b", Role.DECODE): slow})
+    scaled: list[tuple[str, Role, int]] = []
+
+    async def scale(model: str, role: Role, num_workers: int) -> None:
+        scaled.append((model, role, num_workers))
+        pools[(model, role)].desired = num_workers
+
+    autoscaler = Autoscaler(CONFIG, pools, Pool(Role.ROUTER, 1), probes, scale)  # type: ignore[arg-type]
+    for now_s in (0.0, 10.0, 20.0):
+        asyncio.run(autoscaler._decide(now_s))
+    assert scaled == [("b", Role.DECODE, 2)]
+    assert probes.asked == [set(pools)] * 3

@@ -13,6 +13,7 @@ from typing import Any, cast
 import pytest
 
 from services.router.decode_choice import DecodeChooser
+from services.router.latency import LatencyWindow
 from services.router.lora_adapters import LoraAdapters, RuntimeUpdatesDisabledError
 from services.router.served_models import ModelNotFoundError, ServedModel, ServedModels
 from services.router.tool_calls.parsers import ToolCallFormat
@@ -36,7 +37,7 @@ class Factory:
 
 def _served(name: str, model: str) -> ServedModel:
     none = cast(Any, None)  # what these tests never reach: tokenizer, routing, metrics
-    return ServedModel(name, model, none, ToolCallFormat.HERMES, none, none)
+    return ServedModel(name, model, none, ToolCallFormat.HERMES, none, none, LatencyWindow())
 
 
 def _models(
@@ -103,6 +104,17 @@ def test_a_model_whose_tokenizer_does_not_load_is_not_served_and_not_retried(cap
     assert "model b (/models/b, reported by decode worker d1) is not served" in caplog.text
     with pytest.raises(ModelNotFoundError):
         models.resolve("b")
+
+
+def test_each_model_has_its_own_latency_window():
+    models = _models([W("d0", model="m"), W("d1", model="b")])
+    asyncio.run(models.discover())
+    b = models.get("b")
+    assert b is not None
+    b.latency.add_ttft(0.5)
+    taken = models.take_latency_samples()
+    assert (taken["m"].ttft_s, taken["b"].ttft_s) == ([], [0.5])
+    assert models.take_latency_samples()["b"].ttft_s == []
 
 
 def test_each_model_has_its_own_limits():
