@@ -184,6 +184,13 @@ class RouterConfig:
         "the decode worker prefills a prompt itself when at most this many of its tokens are "
         "not cached there (0: always use the prefill pool when it has a healthy worker)",
     )
+    priority_local_prefill_max_tokens: int = flag(
+        1024,
+        "the decode worker prefills a prompt itself, rather than have it wait behind the "
+        "prefill in progress, when its priority is better than every prefill this router has "
+        "on the chosen prefill worker, at most this many of its tokens are not cached there, "
+        "and the decode worker runs --scheduling-policy priority (0: never)",
+    )
     decode_load_weight: float = flag(1.0, "decode cost per request active on the worker")
     decode_move_weight: float = flag(
         0.05, "decode cost per prompt block the worker does not cache (to pull or compute)"
@@ -237,10 +244,9 @@ class RouterConfig:
             raise ValueError(
                 f"prefill_load_bound must be 0 (off) or >= 1, got {self.prefill_load_bound}"
             )
-        if self.local_prefill_max_tokens < 0:
-            raise ValueError(
-                f"local_prefill_max_tokens must be >= 0, got {self.local_prefill_max_tokens}"
-            )
+        for name in ("local_prefill_max_tokens", "priority_local_prefill_max_tokens"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         if "|" in self.router_id:
             raise ValueError(f"router_id must not contain '|', got {self.router_id!r}")
         if self.router_heartbeat_ttl_s <= 0:

@@ -6,7 +6,12 @@ pool and the KV transfer, when
 - the part of the prompt it does not cache is at most ``local_prefill_max_tokens`` (moving a
   short prefill costs more than computing it in the decode batch; the default comes from the
   crossover measured in BENCHMARKS.md), or
-- every prefill worker is saturated (``prefill_cost``), or no prefill worker is healthy.
+- every prefill worker is saturated (``prefill_cost``), or no prefill worker is healthy, or
+- the prompt's priority is better than every prefill the router has on the chosen prefill
+  worker, at most ``priority_local_prefill_max_tokens`` of it are uncached, and the decode
+  worker schedules by priority: on the prefill worker it would wait for the lower-priority
+  prefill step in progress (a whole batch of prompts), while the decode worker's scheduler
+  admits it first into a step of decodes, which is short.
 
 One ledger call gives both the prefill decision and the prefix matches the decode choice uses.
 
@@ -45,6 +50,7 @@ class PrefillPlace(enum.Enum):
     NO_PREFILL_WORKER = "no_prefill_worker"  # none healthy
     COLOCATED = "colocated"  # colocated mode: the decode worker chosen by the prefill cost
     KV_CANNOT_MOVE = "kv_cannot_move"  # the decode worker cannot read the prefill worker's KV
+    PRIORITY = "priority"  # better priority than the prefill worker's work: not behind it
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,12 +79,14 @@ class RoutePlanner:
         decode_chooser: DecodeChooser,
         *,
         local_prefill_max_tokens: int,
+        priority_local_prefill_max_tokens: int = 0,
         colocated: bool = False,
     ) -> None:
         """In ``colocated`` mode ``prefill_chooser`` must score the decode pool."""
         self.prefill_chooser = prefill_chooser
         self.decode_chooser = decode_chooser
         self._local_prefill_max_tokens = local_prefill_max_tokens
+        self._priority_local_prefill_max_tokens = priority_local_prefill_max_tokens
         self._colocated = colocated
 
     def block_size(self, target: ServedTarget | None = None) -> int:
@@ -96,12 +104,14 @@ class RoutePlanner:
         prompt_token_ids: Sequence[int],
         extra_key: str = "",
         target: ServedTarget | None = None,
+        priority: int | None = None,
     ) -> RoutePlan:
         """Decide for a prompt. With a ``req_id`` the prefill worker is reserved (when one is
         used); without, nothing is (``Router.Explain``). Only blocks hashed with the same
         ``extra_key`` (``block_extra_key`` of its salt and adapter, as the workers hash) count
         as hits; only workers serving ``target`` (a model, maybe an adapter) are
-        candidates."""
+        candidates. ``priority`` (lower first; None: the default, 0) may keep the prompt off
+        a prefill worker busy with worse-priority prefills."""
         block_size = self.block_size(target)
         block_hashes = (
             hash_block_tokens(prompt_token_ids, block_size, extra_key) if block_size else []
@@ -132,7 +142,13 @@ class RoutePlanner:
                 await self.prefill_chooser.withdraw(choice)
                 place = PrefillPlace.KV_CANNOT_MOVE
             elif uncached_tokens > self._local_prefill_max_tokens:
-                place = PrefillPlace.PREFILL_WORKER
+                if decode is not None and self._skips_busy_prefill(
+                    choice.worker, decode.worker, priority or 0, uncached_tokens
+                ):
+                    await self.prefill_chooser.withdraw(choice)
+                    place = PrefillPlace.PRIORITY
+                else:
+                    place = PrefillPlace.PREFILL_WORKER
             else:
                 await self.prefill_chooser.withdraw(choice)
                 place = PrefillPlace.SHORT_UNCACHED
@@ -145,6 +161,18 @@ class RoutePlanner:
         if req_id is not None and has_prefill_pool and place is not PrefillPlace.PREFILL_WORKER:
             metrics.LOCAL_PREFILLS.labels(place.value).inc()
         return RoutePlan(choice, place, decode_candidates, decode)
+
+    def _skips_busy_prefill(
+        self, prefill: WorkerHandle, decode: WorkerHandle, priority: int, uncached_tokens: int
+    ) -> bool:
+        """Whether a prompt of ``priority`` with ``uncached_tokens`` to compute goes to its
+        ``decode`` worker (which must schedule by priority) rather than wait behind
+        ``prefill``'s worse-priority prefills."""
+        return (
+            uncached_tokens <= self._priority_local_prefill_max_tokens
+            and decode.schedules_by_priority
+            and prefill.prefills_only_worse_than(priority)
+        )
 
     async def _plan_colocated(
         self, req_id: str | None, block_hashes: Sequence[BlockHash], target: ServedTarget | None
@@ -226,5 +254,6 @@ def build_planner(
         prefill_chooser,
         decode_chooser,
         local_prefill_max_tokens=config.local_prefill_max_tokens,
+        priority_local_prefill_max_tokens=config.priority_local_prefill_max_tokens,
         colocated=colocated,
     )

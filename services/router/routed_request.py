@@ -159,6 +159,7 @@ class RoutedRequest:
                 prepared.prompt_token_ids,
                 prepared.block_extra_key,
                 prepared.target,
+                prepared.priority,
             )
             self.holdings.planned(plan)
             if route_span.is_recording():
@@ -179,6 +180,8 @@ class RoutedRequest:
             lora_name=self.prepared.lora_name,
         )
         worker.num_inflight += 1
+        priority = self.prepared.priority or 0
+        worker.prefill_priorities[priority] += 1
         call_span = self._call_span("prefill_call", worker)
         call = worker.stub.Prefill(
             request, timeout=self._call_timeout_s(), metadata=call_metadata(call_span)
@@ -201,6 +204,9 @@ class RoutedRequest:
         finally:
             worker.close_call(call)
             worker.num_inflight -= 1
+            worker.prefill_priorities[priority] -= 1
+            if not worker.prefill_priorities[priority]:
+                del worker.prefill_priorities[priority]
             end_call_span(call_span, error)
         await self.holdings.prefill_done(plan, worker, response)
         if response is not None:

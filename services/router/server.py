@@ -395,7 +395,11 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         limits = await self._limits(resolved.served.name, context)
         prepared = await self._prepare(request, resolved, limits, context)
         plan = await self.planner.plan(
-            None, prepared.prompt_token_ids, prepared.block_extra_key, prepared.target
+            None,
+            prepared.prompt_token_ids,
+            prepared.block_extra_key,
+            prepared.target,
+            prepared.priority,
         )
         return explain_response(plan, len(prepared.prompt_token_ids))
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -58,6 +59,8 @@ class WorkerHandle:
     load: worker_pb2.WorkerLoad = field(default_factory=worker_pb2.WorkerLoad)
     last_error: str = ""
     num_inflight: int = 0
+    # This router's prefill calls open on it, by priority (lower first).
+    prefill_priorities: Counter[int] = field(default_factory=Counter)
     draining: bool = False
     fence_after_failed_polls: int = 2
     num_failed_polls: int = 0
@@ -85,6 +88,16 @@ class WorkerHandle:
     def serves_adapter(self, lora_name: str) -> bool:
         """Whether its latest load report lists LoRA adapter ``lora_name``."""
         return any(a.name == lora_name for a in self.load.lora_adapters)
+
+    @property
+    def schedules_by_priority(self) -> bool:
+        """Its engine admits and preempts by priority (``--scheduling-policy priority``)."""
+        return self.info is not None and self.info.scheduling_policy == "priority"
+
+    def prefills_only_worse_than(self, priority: int) -> bool:
+        """Whether this router has prefills open on it and every one has a worse (higher)
+        priority than ``priority``: a prompt of ``priority`` would wait behind them."""
+        return bool(self.prefill_priorities) and min(self.prefill_priorities) > priority
 
     def mark_failed(self, error: str) -> None:
         if self.healthy:

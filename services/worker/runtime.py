@@ -107,6 +107,7 @@ class WorkerRuntime:
             role=self.role.to_proto(),
             model=self.config.engine.model,
             revision=self.config.engine.revision or "",
+            scheduling_policy=str(self.config.engine.scheduling_policy),
             served_model_name=info.served_model_name,
             vocab_size=info.vocab_size,
             max_model_len=info.max_model_len,

@@ -221,7 +221,7 @@ class GetInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerInfo(_message.Message):
-    __slots__ = ("worker_id", "role", "model", "vocab_size", "max_model_len", "block_size", "kv_peer", "kv_transfer_backend", "dtype", "cpu_isa", "kernels", "served_model_name", "revision")
+    __slots__ = ("worker_id", "role", "model", "vocab_size", "max_model_len", "block_size", "kv_peer", "kv_transfer_backend", "dtype", "cpu_isa", "kernels", "served_model_name", "revision", "scheduling_policy")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
@@ -235,6 +235,7 @@ class WorkerInfo(_message.Message):
     KERNELS_FIELD_NUMBER: _ClassVar[int]
     SERVED_MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     REVISION_FIELD_NUMBER: _ClassVar[int]
+    SCHEDULING_POLICY_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     role: WorkerRole
     model: str
@@ -248,7 +249,8 @@ class WorkerInfo(_message.Message):
     kernels: str
     served_model_name: str
     revision: str
-    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[_Union[WorkerRole, str]] = ..., model: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., block_size: _Optional[int] = ..., kv_peer: _Optional[_Union[KVPeerInfo, _Mapping]] = ..., kv_transfer_backend: _Optional[str] = ..., dtype: _Optional[str] = ..., cpu_isa: _Optional[str] = ..., kernels: _Optional[str] = ..., served_model_name: _Optional[str] = ..., revision: _Optional[str] = ...) -> None: ...
+    scheduling_policy: str
+    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[_Union[WorkerRole, str]] = ..., model: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., block_size: _Optional[int] = ..., kv_peer: _Optional[_Union[KVPeerInfo, _Mapping]] = ..., kv_transfer_backend: _Optional[str] = ..., dtype: _Optional[str] = ..., cpu_isa: _Optional[str] = ..., kernels: _Optional[str] = ..., served_model_name: _Optional[str] = ..., revision: _Optional[str] = ..., scheduling_policy: _Optional[str] = ...) -> None: ...
 
 class GetLoadRequest(_message.Message):
     __slots__ = ()

@@ -40,6 +40,7 @@ class W:
     model: str = "m"  # the served model it reports
     lora_adapters: tuple[str, ...] = ()
     max_model_len: int = 256
+    scheduling_policy: str = "fcfs"
 
     def build(self, role: Role) -> WorkerHandle:
         return WorkerHandle(
@@ -54,6 +55,7 @@ class W:
                 served_model_name=self.model,
                 model=f"/models/{self.model}",
                 max_model_len=self.max_model_len,
+                scheduling_policy=self.scheduling_policy,
                 vocab_size=100,
                 block_size=self.block_size,
                 kv_peer=(

@@ -9,6 +9,7 @@ the prefill worker, left off, as real workers do under greedy sampling.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
@@ -30,11 +31,14 @@ def token_at(prompt_len: int, position: int) -> int:
     return 3 + (prompt_len * 7 + position) % 100
 
 
-def _info(worker_id: str, role: worker_pb2.WorkerRole, model: str) -> worker_pb2.WorkerInfo:
+def _info(
+    worker_id: str, role: worker_pb2.WorkerRole, model: str, scheduling_policy: str = "fcfs"
+) -> worker_pb2.WorkerInfo:
     return worker_pb2.WorkerInfo(
         worker_id=worker_id,
         role=role,
         served_model_name=model,
+        scheduling_policy=scheduling_policy,
         vocab_size=VOCAB_SIZE,
         max_model_len=MAX_MODEL_LEN,
         block_size=BLOCK_SIZE,
@@ -55,6 +59,7 @@ class StandInDecode(worker_pb2_grpc.DecodeWorkerServicer):
     worker_id: str
     # The served model it reports (the harness sets the router's --model).
     model: str = ""
+    scheduling_policy: str = "fcfs"
     routable: bool = True
     end_after: int | None = None
     running: int = 0
@@ -79,7 +84,9 @@ class StandInDecode(worker_pb2_grpc.DecodeWorkerServicer):
     async def GetInfo(
         self, request: worker_pb2.GetInfoRequest, context: grpc.aio.ServicerContext
     ) -> worker_pb2.WorkerInfo:
-        return _info(self.worker_id, worker_pb2.WORKER_ROLE_DECODE, self.model)
+        return _info(
+            self.worker_id, worker_pb2.WORKER_ROLE_DECODE, self.model, self.scheduling_policy
+        )
 
     async def GetLoad(
         self, request: worker_pb2.GetLoadRequest, context: grpc.aio.ServicerContext
@@ -97,11 +104,15 @@ class StandInPrefill(worker_pb2_grpc.PrefillWorkerServicer):
     model: str = ""  # as StandInDecode's
     requests: list[worker_pb2.PrefillRequest] = field(default_factory=list)
     released: list[str] = field(default_factory=list)
+    # Set: each Prefill answers only once it is (a long prefill step in progress).
+    hold: asyncio.Event | None = None
 
     async def Prefill(
         self, request: worker_pb2.PrefillRequest, context: grpc.aio.ServicerContext
     ) -> worker_pb2.PrefillResponse:
         self.requests.append(request)
+        if self.hold is not None:
+            await self.hold.wait()
         prompt_len = len(request.prompt_token_ids)
         return worker_pb2.PrefillResponse(
             token_id=token_at(prompt_len, 0),

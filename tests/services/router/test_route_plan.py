@@ -9,6 +9,7 @@ The processes-and-Redis versions of these behaviours are ``tests/services/test_r
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import random
 from dataclasses import dataclass, field
 
@@ -432,3 +433,37 @@ def test_colocated_replica_lost_while_choosing_goes_to_the_least_busy_other() ->
         assert await reserved(planner) == {}  # the reservation made on d0 was released
 
     asyncio.run(main())
+
+
+def test_a_better_priority_prompt_is_not_put_behind_worse_priority_prefills() -> None:
+    """While this router's prefills on the chosen prefill worker are all of a worse priority,
+    a better-priority prompt is prefilled by its decode worker (whose scheduler admits it
+    first), unless it is longer than --priority-local-prefill-max-tokens uncached tokens or
+    the decode worker schedules first come, first served."""
+    by_priority = tuple(dataclasses.replace(w, scheduling_policy="priority") for w in DECODE2)
+
+    async def place(
+        worker_priorities: dict[int, int],
+        priority: int | None,
+        length: int,
+        decode: tuple[W, ...] = by_priority,
+    ):
+        planner = make_planner(PREFILL2, decode)
+        p0 = planner.prefill_chooser.pool.workers[0]
+        p0.prefill_priorities.update(worker_priorities)
+        plan = await planner.plan("req", prompt_tokens(length), priority=priority)
+        reservations = await reserved(planner)
+        await planner.prefill_chooser.close()
+        return plan.place, address(plan.prefill_worker), reservations
+
+    before = local_prefills(PrefillPlace.PRIORITY)
+    # p0, the cheapest, prefills bulk (priority 10) only: an interactive prompt skips it.
+    assert asyncio.run(place({10: 3}, 0, LONG)) == (PrefillPlace.PRIORITY, None, {})
+    assert local_prefills(PrefillPlace.PRIORITY) == before + 1
+    # Not when its work is as urgent, or idle, or the prompt too long for the decode worker.
+    assert asyncio.run(place({10: 2, 0: 1}, 0, LONG))[:2] == (PrefillPlace.PREFILL_WORKER, "p0")
+    assert asyncio.run(place({10: 3}, 10, LONG))[:2] == (PrefillPlace.PREFILL_WORKER, "p0")
+    assert asyncio.run(place({}, 0, LONG))[:2] == (PrefillPlace.PREFILL_WORKER, "p0")
+    assert asyncio.run(place({10: 3}, None, LONG))[0] is PrefillPlace.PRIORITY
+    assert asyncio.run(place({10: 3}, 0, 2000))[:2] == (PrefillPlace.PREFILL_WORKER, "p0")
+    assert asyncio.run(place({10: 3}, 0, LONG, DECODE2))[:2] == (PrefillPlace.PREFILL_WORKER, "p0")

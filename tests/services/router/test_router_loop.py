@@ -71,12 +71,12 @@ async def router_over(
             await server.stop(grace_s=0)
 
 
-async def generate(stub: router_pb2_grpc.RouterStub) -> list[int]:
-    """Greedy ``MAX_TOKENS`` tokens of ``PROMPT``: the token ids the client receives."""
+async def generate(stub: router_pb2_grpc.RouterStub, priority: int | None = None) -> list[int]:
+    """Greedy ``MAX_TOKENS`` tokens of ``PROMPT`` (at ``priority``): the token ids the client
+    receives."""
     sampling = router_pb2.SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0)
-    call = stub.Generate(
-        router_pb2.GenerateRequest(token_ids=PROMPT, sampling=sampling), timeout=WAIT_S
-    )
+    request = router_pb2.GenerateRequest(token_ids=PROMPT, sampling=sampling, priority=priority)
+    call = stub.Generate(request, timeout=WAIT_S)
     return [token for message in [m async for m in call] for token in message.token_ids]
 
 
@@ -119,5 +119,31 @@ def test_a_decode_stream_ending_without_its_final_message_continues_from_the_tok
             (second,) = busier.requests
             assert list(second.output_token_ids) == WANT[:3]
             assert not second.HasField("kv_ref")
+
+    asyncio.run(main())
+
+
+def test_a_better_priority_prompt_skips_a_prefill_worker_busy_with_worse_priority_work(
+    tiny_llama_dir: Path,
+) -> None:
+    """The prefill worker holds a priority-10 prompt (a long step in progress): a priority-0
+    prompt is prefilled by its decode worker at once; another priority-10 one queues on the
+    prefill worker as usual."""
+
+    async def main() -> None:
+        prefill = StandInPrefill("p0", hold=asyncio.Event())
+        decode = StandInDecode("d0", scheduling_policy="priority")
+        async with router_over(tiny_llama_dir, [prefill], [decode]) as stub:
+            bulk = asyncio.ensure_future(generate(stub, priority=10))
+            await until(lambda: prefill.requests, "the bulk prompt on the prefill worker")
+            assert await generate(stub, priority=0) == WANT
+            (interactive,) = decode.requests
+            assert interactive.priority == 0 and not interactive.HasField("kv_ref")
+            second_bulk = asyncio.ensure_future(generate(stub, priority=10))
+            await until(lambda: len(prefill.requests) == 2, "the second bulk prompt queued")
+            assert prefill.hold is not None
+            prefill.hold.set()
+            assert await bulk == await second_bulk == WANT
+        assert [r.priority for r in prefill.requests] == [10, 10]
 
     asyncio.run(main())
