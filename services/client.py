@@ -27,7 +27,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--target", default="127.0.0.1:50051", help="router host:port")
     parser.add_argument("--chat", action="store_true", help="send as a chat message")
     parser.add_argument(
-        "--model", default="", help="the served model (default) or one of its LoRA adapters"
+        "--model",
+        default="",
+        help="a served model (default: the router's) or a LoRA adapter of one",
     )
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--temperature", type=float, default=0.0)

@@ -71,6 +71,17 @@ class Placement:
     argv_prefix: tuple[str, ...] = ()
 
 
+@dataclass(frozen=True, slots=True)
+class ModelWorkers:
+    """Another served model's workers in a ``LocalCluster``: how many of each role, and the
+    flags that make them that model (``--model``, ``--served-model-name``, its own flags),
+    set over the shared ones."""
+
+    num_prefill: int
+    num_decode: int
+    flags: tuple[str, ...]
+
+
 @dataclass(slots=True)
 class LocalCluster:
     """Router + workers on this machine. ``start()`` returns once everything is healthy."""
@@ -88,6 +99,8 @@ class LocalCluster:
     extra_router_flags: Sequence[str] = ()
     # Flags for the workers of one role only, after the shared ones.
     extra_role_flags: Mapping[Role, Sequence[str]] = field(default_factory=dict)
+    # More models' workers beside ``engine``'s (the routers learn each from its workers).
+    extra_models: Sequence[ModelWorkers] = ()
     # --cpu-cores of each worker in start order (prefill ones first); empty: no pinning.
     worker_cpu_cores: Sequence[str] = ()
     log_level: str = "WARNING"
@@ -139,27 +152,38 @@ class LocalCluster:
             env[env_name("admin_api_key")] = self.admin_api_key
         python = sys.executable
         worker_argv = [*to_argv(self._engine_for_workers()), *self.extra_worker_flags]
-        num_workers = self.num_prefill + self.num_decode
+        groups = [ModelWorkers(self.num_prefill, self.num_decode, ()), *self.extra_models]
+        if self.mode is ClusterMode.COLOCATED:
+            groups = [dataclasses.replace(g, num_prefill=0) for g in groups]
+        num_workers = sum(g.num_prefill + g.num_decode for g in groups)
         if self.worker_cpu_cores and len(self.worker_cpu_cores) != num_workers:
             raise ValueError(f"worker_cpu_cores needs one entry per worker ({num_workers})")
         cpu_cores = iter(self.worker_cpu_cores)
-        for role, count in ((Role.PREFILL, self.num_prefill), (Role.DECODE, self.num_decode)):
-            for i in range(count):
-                where = self.where(role, i)
-                reservations: list[PortReservation] = []
-                port, metrics_port = self._reserve(reservations), self._reserve(reservations)
-                argv = [
-                    *where.argv_prefix, python, "-m", f"services.{role}", "--host", where.host,
-                    "--port", str(port), "--metrics-port", str(metrics_port),
-                ]  # fmt: skip
-                argv += [*worker_argv, *self._tls_flags(role)]
-                argv += self.extra_role_flags.get(role, ())
-                if self.worker_cpu_cores:
-                    argv += ["--cpu-cores", next(cpu_cores)]
-                address = f"{where.host}:{port}"
-                self.processes.append(
-                    ServiceProcess(role, address, metrics_port, argv, reservations=reservations)
-                )
+        workers = [
+            (role, group.flags)
+            for group in groups
+            for role, count in ((Role.PREFILL, group.num_prefill), (Role.DECODE, group.num_decode))
+            for _ in range(count)
+        ]
+        workers.sort(key=lambda worker: worker[0] is not Role.PREFILL)  # prefill ones first
+        index = dict.fromkeys((Role.PREFILL, Role.DECODE), 0)
+        for role, model_flags in workers:
+            where = self.where(role, index[role])
+            index[role] += 1
+            reservations: list[PortReservation] = []
+            port, metrics_port = self._reserve(reservations), self._reserve(reservations)
+            argv = [
+                *where.argv_prefix, python, "-m", f"services.{role}", "--host", where.host,
+                "--port", str(port), "--metrics-port", str(metrics_port),
+            ]  # fmt: skip
+            argv += [*worker_argv, *model_flags, *self._tls_flags(role)]
+            argv += self.extra_role_flags.get(role, ())
+            if self.worker_cpu_cores:
+                argv += ["--cpu-cores", next(cpu_cores)]
+            address = f"{where.host}:{port}"
+            self.processes.append(
+                ServiceProcess(role, address, metrics_port, argv, reservations=reservations)
+            )
         self.processes.extend(self._router_process(i) for i in range(self.num_routers))
         for process in self.processes:
             process.start(env)

@@ -16,6 +16,7 @@ import argparse
 import dataclasses
 import os
 import secrets
+import shlex
 import signal
 import sys
 import threading
@@ -30,7 +31,7 @@ from services.cluster.planner import PlannerConfig
 from services.common.redis_config import RedisConfig
 from services.common.roles import POOL_ROLES, Role
 from services.common.tracing import TracingConfig
-from services.launcher import LocalCluster, split_threads
+from services.launcher import LocalCluster, ModelWorkers, split_threads
 from services.router.config import RouterConfig
 from services.startup import WorkerFailure
 from services.worker.config import PER_REPLICA_FLAGS, WorkerConfig, engine_unavailable
@@ -133,10 +134,6 @@ def run(args: argparse.Namespace) -> int:
     if planner.autoscale and not cluster.ray:
         print("splitserve up: --autoscale needs Ray (drop --no-ray)", file=sys.stderr)
         return 2
-    if cluster.extra_models.strip() and not cluster.ray:
-        # Plain processes have no controller to run several models' pools.
-        print("splitserve up: --extra-models needs Ray (drop --no-ray)", file=sys.stderr)
-        return 2
     if cluster.num_routers > 1 and not router.redis.enabled:
         # Each would keep its own index and reservations and herd onto the same workers.
         print("splitserve up: --num-routers above 1 needs --redis-url", file=sys.stderr)
@@ -228,6 +225,7 @@ def _serve_local(
         tls_dir=cluster.tls_dir,
         extra_worker_flags=(*to_argv(worker, skip=_PER_WORKER), *shared_argv),
         extra_role_flags={role: cluster.worker_args(role) for role in cluster.pool_roles},
+        extra_models=_extra_model_workers(cluster, worker),
         extra_router_flags=(*to_argv(router, skip=(*_PER_ROUTER, *_HTTP)), *shared_argv),
     )
     start_s = time.monotonic()
@@ -247,6 +245,22 @@ def _serve_local(
     finally:
         local.stop()
     return 0
+
+
+def _extra_model_workers(cluster: ClusterConfig, worker: WorkerConfig) -> list[ModelWorkers]:
+    """Each ``--extra-models`` entry's processes: its pool sizes, and the flags that make a
+    worker that model (set over the shared flags, under the pools' own)."""
+    primary = worker.engine.served_model_name or worker.engine.model
+    extra = []
+    for spec in cluster.extra_model_specs(primary):
+        flags = ["--model", spec.model, "--served-model-name", spec.name]
+        if spec.revision:
+            flags += ["--revision", spec.revision]
+        flags += shlex.split(spec.worker_args)
+        num_prefill = cluster.num_workers(spec, Role.PREFILL)
+        num_decode = cluster.num_workers(spec, Role.DECODE)
+        extra.append(ModelWorkers(num_prefill, num_decode, tuple(flags)))
+    return extra
 
 
 def _announce_local(cluster: ClusterConfig, local: LocalCluster, elapsed_s: float) -> None:
