@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import signal
 import subprocess
+import sys
 import urllib.request
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -17,6 +18,7 @@ from engine import EngineConfig
 from loadtest.fixtures.redis_server import RedisServer
 from services.common.router_channel import open_router_channel
 from services.launcher import LocalCluster
+from services.service_process import PortReservation
 from splitserve.v1 import router_pb2, router_pb2_grpc, worker_pb2
 from tests.waiting import wait_until
 
@@ -168,3 +170,21 @@ def stop_like_ctrl_c(proc: subprocess.Popen) -> None:
     _, alive = psutil.wait_procs(services, timeout=10)
     for service in alive:
         service.kill()
+
+
+@contextmanager
+def up_no_ray(*flags: str) -> Iterator[str]:
+    """``splitserve up --no-ray`` with ``flags`` on a free port, until its banner says it
+    listens; yields the router's address, then stops it as Ctrl-C does."""
+    reservation = PortReservation()  # held while `up` binds it
+    port = reservation.port
+    argv = [sys.executable, "-m", "services.cli", "up", *flags, "--port", str(port), "--no-ray"]
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True)
+    assert proc.stdout is not None
+    try:
+        banner = proc.stdout.readline()
+        assert f"listening on 127.0.0.1:{port}" in banner, banner
+        yield f"127.0.0.1:{port}"
+    finally:
+        stop_like_ctrl_c(proc)
+        reservation.close()

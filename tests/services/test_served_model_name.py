@@ -14,9 +14,8 @@ import pytest
 
 from engine.cpu_isa import host_isa
 from services.cli import build_parser
-from services.service_process import PortReservation
 from services.up import configs_from_args
-from tests.services.conftest import stop_like_ctrl_c
+from tests.services.conftest import up_no_ray
 
 SERVED_NAME = "tiny-chat"
 
@@ -37,22 +36,12 @@ def test_up_gives_workers_and_routers_the_same_revision_and_served_name() -> Non
 @pytest.fixture(scope="module")
 def served_cluster(tiny_llama_dir: Path) -> Iterator[str]:
     """``splitserve up --no-ray`` (colocated: one worker and the router) with a served name."""
-    reservation = PortReservation()  # held while `up` binds it
-    port = reservation.port
-    argv = [
-        sys.executable, "-m", "services.cli", "up", "--model", str(tiny_llama_dir),
-        "--served-model-name", SERVED_NAME, "--mode", "colocated", "--num-prefill-workers", "0",
-        "--dtype", "float32", "--num-kv-blocks", "64", "--port", str(port), "--no-ray",
-    ]  # fmt: skip
-    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True)
-    assert proc.stdout is not None
-    try:
-        banner = proc.stdout.readline()
-        assert f"listening on 127.0.0.1:{port}" in banner, banner
-        yield f"127.0.0.1:{port}"
-    finally:
-        stop_like_ctrl_c(proc)
-        reservation.close()
+    with up_no_ray(
+        "--model", str(tiny_llama_dir), "--served-model-name", SERVED_NAME,
+        "--mode", "colocated", "--num-prefill-workers", "0", "--dtype", "float32",
+        "--num-kv-blocks", "64",
+    ) as target:  # fmt: skip
+        yield target
 
 
 def test_status_shows_the_served_name(served_cluster: str, tiny_llama_dir: Path) -> None:

@@ -13,8 +13,7 @@ from pathlib import Path
 import pytest
 
 from engine import LLM, SamplingParams
-from services.service_process import PortReservation
-from tests.services.conftest import NUM_KV_BLOCKS, stop_like_ctrl_c
+from tests.services.conftest import NUM_KV_BLOCKS, up_no_ray
 
 OTHER = "tiny-qwen2"
 PROMPT = "The capital of France"
@@ -29,24 +28,13 @@ def _cli(*argv: str) -> subprocess.CompletedProcess[str]:
 @pytest.fixture(scope="module")
 def two_models(tiny_llama_dir: Path, tiny_model_dirs: dict[str, Path]) -> Iterator[str]:
     """``up --no-ray`` colocated: one worker of the tiny llama, one of the tiny qwen2."""
-    reservation = PortReservation()  # held while `up` binds it
-    port = reservation.port
     extra = json.dumps([{"name": OTHER, "model": str(tiny_model_dirs["qwen2"])}])
-    argv = [
-        sys.executable, "-m", "services.cli", "up", "--model", str(tiny_llama_dir),
-        "--extra-models", extra, "--mode", "colocated", "--num-prefill-workers", "0",
-        "--dtype", "float32", "--num-kv-blocks", str(NUM_KV_BLOCKS), "--port", str(port),
-        "--no-ray",
-    ]  # fmt: skip
-    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True)
-    assert proc.stdout is not None
-    try:
-        banner = proc.stdout.readline()
-        assert f"listening on 127.0.0.1:{port}" in banner, banner
-        yield f"127.0.0.1:{port}"
-    finally:
-        stop_like_ctrl_c(proc)
-        reservation.close()
+    with up_no_ray(
+        "--model", str(tiny_llama_dir), "--extra-models", extra, "--mode", "colocated",
+        "--num-prefill-workers", "0", "--dtype", "float32",
+        "--num-kv-blocks", str(NUM_KV_BLOCKS),
+    ) as target:  # fmt: skip
+        yield target
 
 
 def test_each_model_is_served_by_its_own_worker(
