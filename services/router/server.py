@@ -142,6 +142,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
     async def start(self) -> None:
         self.planner.prefill_chooser.start()
         await self._poll_once()
+        await self.models.discover()
         self._poller = asyncio.create_task(self._poll_forever())
 
     async def stop(self) -> None:
@@ -156,7 +157,6 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
 
     async def _poll_once(self) -> None:
         await asyncio.gather(self.prefill_pool.poll_all(), self.decode_pool.poll_all())
-        await self.models.discover()
 
     async def set_pool(self, role: Role, members: dict[str, bool]) -> None:
         """Make the ``prefill`` or ``decode`` pool exactly ``members`` (address -> draining).
@@ -178,6 +178,8 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         while True:
             await asyncio.sleep(self.config.health_check_interval_s)
             await self._poll_once()
+            # A new model's tokenizer loads beside the health polls, never in their way.
+            self._background.spawn(self.models.discover())
             await self.models.adapters.reconcile()
             if self._reaped_index is not None and loop.time() >= next_reap_s:
                 next_reap_s = loop.time() + _REAP_INTERVAL_S
@@ -436,6 +438,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
     ) -> router_pb2.StatusResponse:
         """Fresh load of every worker (polled now, not the last periodic poll)."""
         await self._poll_once()
+        await self.models.discover()
         workers = [
             router_pb2.WorkerStatus(
                 address=w.address,
