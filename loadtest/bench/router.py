@@ -48,7 +48,7 @@ from loadtest.fixtures.tiny_model import make_tiny_llama
 from services.common.redis_config import RedisConfig
 from services.launcher import LocalCluster
 from services.router.prefill_cost import CandidateLoad, PrefillWeights
-from services.router.prefill_ledger import Selection
+from services.router.prefill_ledger import PrefillQuery, Selection
 from services.router.redis_prefill_ledger import RedisPrefillLedger
 from splitserve.v1 import router_pb2, router_pb2_grpc, worker_pb2
 
@@ -246,7 +246,9 @@ async def decision_cost(
 
     async def decide(i: int) -> Selection:
         block_hashes = hash_block_tokens(prompts[i % len(prompts)], BLOCK_SIZE)
-        return await ledger.select(f"d{i}", block_hashes, loads, weights, rng.random())
+        return await ledger.select(
+            f"d{i}", PrefillQuery(block_hashes, loads, weights, rng.random())
+        )
 
     async def release(selection: Selection) -> None:
         if selection.reservation is not None:

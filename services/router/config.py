@@ -179,6 +179,11 @@ class RouterConfig:
         "when every prefill worker has this many blocks queued, the decode worker prefills "
         "(0: never)",
     )
+    prefill_max_candidates: int = flag(
+        32,
+        "prefill workers one decision scores: in a larger pool, the holders of the prompt's "
+        "longest prefixes (at most half) and a random sample of the others (0: every worker)",
+    )
     local_prefill_max_tokens: int = flag(
         LOCAL_PREFILL_MAX_TOKENS,
         "the decode worker prefills a prompt itself when at most this many of its tokens are "
@@ -244,7 +249,11 @@ class RouterConfig:
             raise ValueError(
                 f"prefill_load_bound must be 0 (off) or >= 1, got {self.prefill_load_bound}"
             )
-        for name in ("local_prefill_max_tokens", "priority_local_prefill_max_tokens"):
+        for name in (
+            "prefill_max_candidates",
+            "local_prefill_max_tokens",
+            "priority_local_prefill_max_tokens",
+        ):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         if "|" in self.router_id:

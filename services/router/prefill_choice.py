@@ -10,11 +10,20 @@ index holds only its own choices (a worker chosen for a prompt is assumed to cac
 fails): approximate, like SGLang's router tree; a stale index only costs affinity. A
 slow or unreachable Redis costs the prefix term and the other routers' reservations, never a
 request: the router then decides on load alone with its own reservations.
+
+In a pool of more than ``max_candidates`` workers a decision does not score every worker: it
+asks the index which workers hold the prompt's prefix, then scores the longest holders (at most
+half the candidates) and a uniform sample of the others (``sample_candidates``) with that
+match (so the match and the reservation are two steps there, not one: another router's
+prediction in between costs affinity only). A decision's
+cost then stays flat with the fleet's size, and bounded load holds over the sample (its
+capacity is the sample's mean times the bound), as in power-of-d-choices balancing.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import enum
 import logging
 import random
@@ -33,6 +42,7 @@ from services.router.prefill_ledger import (
     PrefillLedger,
     PrefillQuery,
     Reservation,
+    Selection,
 )
 from services.router.worker_pool import ServedTarget, WorkerHandle, WorkerPool
 from splitserve.v1 import worker_pb2
@@ -90,7 +100,8 @@ class PrefillCandidate:
 
 
 class PrefillChooser:
-    """Scores the prefill pool through a ledger; call ``done`` after each chosen prefill."""
+    """Scores the prefill pool through a ledger; call ``done`` after each chosen prefill.
+    ``max_candidates`` (0: every worker) caps the workers one decision scores."""
 
     def __init__(
         self,
@@ -102,6 +113,7 @@ class PrefillChooser:
         router_id: str,
         rng: random.Random,
         policy: PrefillPolicy = PrefillPolicy.COST,
+        max_candidates: int = 0,
     ) -> None:
         self.pool = pool
         self.ledger = ledger
@@ -112,6 +124,8 @@ class PrefillChooser:
         self._policy = policy
         self._num_choices = 0
         self._rng = rng
+        # The cache-blind baselines pick among every worker (their tie value counts them all).
+        self._max_candidates = max_candidates if policy is PrefillPolicy.COST else 0
         # Decides on load alone, with this router's reservations, while Redis is unreachable.
         self._fallback = LocalPrefillLedger(router_id, None) if local_index is None else None
         self._background = BackgroundTasks()
@@ -127,27 +141,24 @@ class PrefillChooser:
         """Decide for a prompt's ``block_hashes``; with a ``req_id``, reserve the chosen worker
         until ``done``. ``with_candidates=False`` only matches (for the decode choice). Only
         workers serving ``target`` (a model, maybe an adapter) are candidates."""
-        workers: list[WorkerHandle] = []
-        loads: list[CandidateLoad] = []
-        for worker in self.pool.routable_workers(target) if with_candidates else []:
-            if worker.info is not None:
-                queued_blocks = worker.load.num_queued_prefill_tokens / worker.info.block_size
-                workers.append(worker)
-                loads.append(CandidateLoad(worker.info.worker_id, queued_blocks))
+        workers = [
+            w
+            for w in (self.pool.routable_workers(target) if with_candidates else ())
+            if w.info is not None
+        ]
         block_hashes = tuple(block_hashes)
         if self._local_index is not None:  # its workers are live while the router sees them
-            for load in loads:
-                await self._local_index.heartbeat(load.worker_id, _LOCAL_TTL_S)
-        if not loads and not block_hashes:
+            for worker in workers:
+                await self._local_index.heartbeat(_worker_id(worker), _LOCAL_TTL_S)
+        if not workers and not block_hashes:
             return PrefillChoice(None, block_hashes, (), {}, None, self.ledger)
-        tie_value = self._tie_value(len(loads))
-        query = PrefillQuery(block_hashes, loads, self._weights, tie_value)
+        query = PrefillQuery(block_hashes, (), self._weights, self._tie_value(len(workers)))
         ledger = self.ledger
         start_s = time.perf_counter()
         try:
             with metrics.DECISION_SECONDS.time():
-                selection = await asyncio.wait_for(
-                    ledger.select(req_id, query),
+                selection, considered = await asyncio.wait_for(
+                    self._select(ledger, req_id, query, workers),
                     _SELECT_TIMEOUT_S,
                 )
         except Exception as exc:  # Redis down or slow: decide on load alone
@@ -160,7 +171,8 @@ class PrefillChooser:
                 extra=rate_limited("redis"),
             )
             ledger = self._fallback
-            selection = await ledger.select(req_id, query)
+            selection, considered = await self._select(ledger, req_id, query, workers)
+        workers = [workers[i] for i in considered]
         scored = zip(workers, selection.scores, strict=True)
         candidates = tuple(PrefillCandidate(w, s) for w, s in scored)
         chosen = workers[selection.chosen] if selection.chosen is not None else None
@@ -173,6 +185,27 @@ class PrefillChooser:
             ledger,
             time.perf_counter() - start_s,
         )
+
+    async def _select(
+        self,
+        ledger: PrefillLedger,
+        req_id: str | None,
+        query: PrefillQuery,
+        workers: Sequence[WorkerHandle],
+    ) -> tuple[Selection, Sequence[int]]:
+        """``ledger``'s selection for ``query`` (its candidates left out) among ``workers``, and
+        the indices in ``workers`` of the candidates it scored: all of them, or in a larger pool
+        the holders of the prompt's prefix and a sample (see the module's docstring)."""
+        considered: Sequence[int] = range(len(workers))
+        if 0 < self._max_candidates < len(workers):
+            holders = (await ledger.select(None, query)).matched
+            ids = [_worker_id(w) for w in workers]
+            considered = sample_candidates(ids, holders, self._max_candidates, self._rng)
+            # The sample's scores use this match: the prompt is not matched a second time.
+            query = dataclasses.replace(query, matched=holders)
+        candidates = [_candidate_load(workers[i]) for i in considered]
+        selection = await ledger.select(req_id, dataclasses.replace(query, candidates=candidates))
+        return selection, considered
 
     def _tie_value(self, num_candidates: int) -> float:
         if self._policy is PrefillPolicy.ROUND_ROBIN and num_candidates:
@@ -247,3 +280,29 @@ class PrefillChooser:
                 exc,
                 extra=rate_limited("redis"),
             )
+
+
+def _worker_id(worker: WorkerHandle) -> str:
+    assert worker.info is not None  # the chooser takes only workers that answered a poll
+    return worker.info.worker_id
+
+
+def _candidate_load(worker: WorkerHandle) -> CandidateLoad:
+    assert worker.info is not None
+    queued_blocks = worker.load.num_queued_prefill_tokens / worker.info.block_size
+    return CandidateLoad(worker.info.worker_id, queued_blocks)
+
+
+def sample_candidates(
+    worker_ids: Sequence[str], matched: dict[str, int], k: int, rng: random.Random
+) -> list[int]:
+    """The indices (ascending) of ``k`` of ``worker_ids`` to score: the workers holding the
+    longest prefixes of the prompt (``matched``: worker id -> leading blocks held), at most
+    ``k // 2`` of them (ties broken at random), then a uniform sample of the rest."""
+    holders = [i for i, w in enumerate(worker_ids) if matched.get(w, 0) > 0]
+    rng.shuffle(holders)
+    holders.sort(key=lambda i: -matched[worker_ids[i]])
+    chosen = set(holders[: k // 2])
+    others = [i for i in range(len(worker_ids)) if i not in chosen]
+    chosen.update(rng.sample(others, min(k - len(chosen), len(others))))
+    return sorted(chosen)

@@ -17,7 +17,7 @@ router without Redis, and for routing on load alone while Redis is unreachable.
 from __future__ import annotations
 
 import abc
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from engine.block_hash import BlockHash
@@ -44,6 +44,10 @@ class PrefillQuery:
     candidates: Sequence[CandidateLoad]
     weights: PrefillWeights
     tie_value: float
+    # The index's matches for this prompt, when a match of it just ran (worker id -> leading
+    # blocks held; every live holder, candidates or not): the ledger scores with them instead
+    # of matching again. None: the ledger matches, atomically with its pick.
+    matched: Mapping[str, int] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,8 +83,9 @@ class PrefillLedger(abc.ABC):
 
     @abc.abstractmethod
     async def select(self, req_id: str | None, query: PrefillQuery) -> Selection:
-        """Match ``query.block_hashes``, score its candidates (``prefill_cost``), pick one and,
-        when ``req_id`` is given, reserve its uncached blocks, all as one atomic step."""
+        """Match ``query.block_hashes`` (unless ``query.matched`` is given), score its
+        candidates (``prefill_cost``), pick one and, when ``req_id`` is given, reserve its
+        uncached blocks, all as one atomic step."""
 
     @abc.abstractmethod
     async def release(self, reservation: Reservation) -> None:
@@ -117,7 +122,10 @@ class LocalPrefillLedger(PrefillLedger):
 
     async def select(self, req_id: str | None, query: PrefillQuery) -> Selection:
         block_hashes, candidates, weights = query.block_hashes, query.candidates, query.weights
-        matched = await self._index.match(block_hashes) if self._index and block_hashes else {}
+        if query.matched is not None:
+            matched = dict(query.matched)
+        else:
+            matched = await self._index.match(block_hashes) if self._index and block_hashes else {}
         reserved = [self._reserved.get(c.worker_id, {}) for c in candidates]
         scores = score_candidates(
             len(block_hashes),

@@ -38,7 +38,8 @@ logger = logging.getLogger(__name__)
 # ARGV: 1 namespace, 2 router id, 3 req id ('' = reserve nothing), 4 router ttl ms,
 # 5 reservation max ms, 6 cache weight, 7 load weight, 8 load bound, 9 load bound slack,
 # 10 saturation blocks, 11 tie value, 12 n candidates, then n x (worker id, reported queued
-# blocks), then the prompt's block hashes concatenated (32 bytes each).
+# blocks), then the prompt's block hashes concatenated (32 bytes each), then optionally n
+# known matched-block counts, one per candidate (the prompt is then not matched here).
 # Returns {chosen (1-based, 0: none), n x (matched, reserved blocks, reserved requests),
 # then (worker id, matched) for matched workers that are not candidates}.
 # Mirrors prefill_cost.score_candidates and pick operation for operation.
@@ -56,7 +57,11 @@ local t = redis.call('TIME')
 local now_ms = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 redis.call('SET', ns .. 'router:' .. router, '1', 'PX', ARGV[4])
 local matched = {}
-if prompt_blocks > 0 then matched = match_prefix(ns, hashes) end
+if #ARGV > 13 + 2 * n then
+  for i = 1, n do matched[ARGV[11 + 2 * i]] = tonumber(ARGV[13 + 2 * n + i]) end
+elseif prompt_blocks > 0 then
+  matched = match_prefix(ns, hashes)
+end
 local alive, ids, m, rblocks, rreqs, total = {}, {}, {}, {}, {}, 0
 for i = 1, n do
   ids[i] = ARGV[11 + 2 * i]
@@ -192,6 +197,8 @@ class RedisPrefillLedger(PrefillLedger):
         for candidate in candidates:
             args += [candidate.worker_id, candidate.reported_queued_blocks]
         args.append(b"".join(query.block_hashes))
+        if query.matched is not None:
+            args += [query.matched.get(c.worker_id, 0) for c in candidates]
         try:
             reply = await self._select(args=args)
         except asyncio.CancelledError:
@@ -230,6 +237,8 @@ class RedisPrefillLedger(PrefillLedger):
         matched = {c.worker_id: int(reply[1 + 3 * i]) for i, c in enumerate(candidates)}
         rest = reply[1 + 3 * n :]
         matched.update({rest[i].decode(): int(rest[i + 1]) for i in range(0, len(rest), 2)})
+        if query.matched is not None:  # the script saw the candidates' counts alone
+            matched.update(query.matched)
         scores = score_candidates(
             len(block_hashes),
             candidates,

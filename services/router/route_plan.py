@@ -243,6 +243,7 @@ def build_planner(
         router_id=router_id,
         rng=rng,
         policy=PrefillPolicy(config.prefill_policy),
+        max_candidates=config.prefill_max_candidates,
     )
     decode_chooser = DecodeChooser(
         decode_pool,
