@@ -15,9 +15,9 @@ In a pool of more than ``max_candidates`` workers a decision does not score ever
 asks the index which workers hold the prompt's prefix, then scores the longest holders (at most
 half the candidates) and a uniform sample of the others (``sample_candidates``) with that
 match (so the match and the reservation are two steps there, not one: another router's
-prediction in between costs affinity only). A decision's
-cost then stays flat with the fleet's size, and bounded load holds over the sample (its
-capacity is the sample's mean times the bound), as in power-of-d-choices balancing.
+prediction in between costs affinity only). A decision's cost then stays flat with the
+fleet's size, and bounded load holds over the sample (its capacity is the sample's mean times
+the bound), as in power-of-d-choices balancing.
 """
 
 from __future__ import annotations
