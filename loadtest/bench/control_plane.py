@@ -2,7 +2,7 @@
 1,024 workers.
 
 ``python -m loadtest.bench.control_plane [--workers 16,64,256,512,1024]
-[--max-candidates 0,32] [--blocks-per-worker 1024] [--out DIR]``
+[--max-candidates 0,32] [--match-in redis,replica] [--blocks-per-worker 1024] [--out DIR]``
 
 For each fleet size, against one real ``redis-server`` (emptied between sizes), two processes:
 
@@ -15,14 +15,17 @@ For each fleet size, against one real ``redis-server`` (emptied between sizes), 
   as a router decides a prefill: hash the prompt, the Lua match-score-reserve (with more workers
   than ``--prefill-max-candidates``, first the match alone, then a sample), the Python scoring
   of its reply; each reservation released afterwards, as the router does. Once per value of
-  ``--max-candidates`` (0: every worker is scored, as before that flag). A prompt is one of the
-  system prompts plus ``--user-blocks`` blocks of its own.
+  ``--max-candidates`` (0: every worker is scored, as before that flag) and of ``--match-in``
+  (``replica``: the router matches in its ``PrefixIndexReplica``, and every writer of the index,
+  the fleet's publishers included, appends to its change stream of ``--kv-event-stream-len``
+  entries). A prompt is one of the system prompts plus ``--user-blocks`` blocks of its own.
 
 Reported per fleet size:
 
 - **index memory** per cached block (a hash held by at least one worker) and per entry (a
-  block held by one worker): Redis's ``used_memory`` less its clients' buffers, against the
-  empty server;
+  block held by one worker): Redis's ``used_memory`` less its clients' buffers and the
+  change stream, against the empty server; the stream's memory after the fleet's first
+  publication; the replica's (the router's RSS growth over its first snapshot, per entry);
 - **decisions** one at a time (p50, p99) and ``--in-flight`` at a time (decisions per second,
   and the share of them over the router's 50 ms wait for Redis, which it takes on load alone),
   the router process's CPU per decision, and per decision the Redis commands, bytes in and
@@ -58,6 +61,7 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any, cast
 
+import psutil
 import redis
 import redis.asyncio
 from prometheus_client import REGISTRY
@@ -65,10 +69,12 @@ from prometheus_client import REGISTRY
 from engine.block_hash import BlockHash, hash_block_tokens
 from engine.block_pool import BlockStored, KVCacheEvent
 from loadtest.fixtures.redis_server import RedisServer
+from services.common.kv_event_stream import stream_key
 from services.common.prefix_index import RedisPrefixIndex
 from services.common.roles import Role
 from services.router.prefill_choice import PrefillChooser
 from services.router.prefill_cost import PrefillWeights
+from services.router.prefix_replica import PrefixIndexReplica
 from services.router.redis_prefill_ledger import RedisPrefillLedger
 from services.router.worker_pool import WorkerHandle, WorkerPool
 from services.worker.kv_events import KVEventPublisher
@@ -120,10 +126,17 @@ class SizeResult:
 
     workers: int
     max_candidates: int
+    # Where the router matched prompts: "redis" (the index's Lua walk) or "replica" (its own
+    # copy, following the index's change stream).
+    match_in: str
     cached_blocks: int
     entries: int
     index_bytes_per_block: float
     index_bytes_per_entry: float
+    # The change stream's memory in Redis after the fleet's first publication (0: no stream).
+    stream_mib: float
+    # The router's replica: its process's RSS growth over the first snapshot, per entry.
+    replica_bytes_per_entry: float
     decision_p50_ms: float
     decision_p99_ms: float
     decisions_per_s: float
@@ -150,8 +163,14 @@ def percentile(values: Sequence[float], q: float) -> float:
 class _LagRecordingIndex(RedisPrefixIndex):
     """The publisher's index, recording each event's lag from ``submitted_s`` to its write."""
 
-    def __init__(self, client: Any, submitted_s: dict[int, float], lags_s: list[float]) -> None:
-        super().__init__(client)
+    def __init__(
+        self,
+        client: Any,
+        submitted_s: dict[int, float],
+        lags_s: list[float],
+        stream_max_len: int,
+    ) -> None:
+        super().__init__(client, stream_max_len=stream_max_len)
         self._submitted_s = submitted_s
         self._lags_s = lags_s
 
@@ -180,7 +199,9 @@ async def _fleet(url: str, num_workers: int, args: argparse.Namespace, conn: Con
         async def snapshot(cache: list[BlockHash] = cache) -> list[BlockHash]:
             return cache
 
-        index = _LagRecordingIndex(redis.asyncio.Redis.from_url(url), submitted_s, lags_s)
+        index = _LagRecordingIndex(
+            redis.asyncio.Redis.from_url(url), submitted_s, lags_s, _stream_len(args)
+        )
         publishers.append(
             KVEventPublisher(
                 index, worker_id, snapshot, args.heartbeat_ttl_s, reconcile_interval_s=1e9
@@ -222,19 +243,31 @@ class _Router:
     the fleet's workers (healthy, idle, never called), each reservation released after."""
 
     def __init__(
-        self, url: str, fleet: Fleet, max_candidates: int, args: argparse.Namespace
+        self,
+        url: str,
+        fleet: Fleet,
+        max_candidates: int,
+        match_in: str,
+        args: argparse.Namespace,
     ) -> None:
         pool = WorkerPool(Role.PREFILL, ())
         pool.workers = [_handle(worker_id) for worker_id in fleet.worker_ids]
         rng = random.Random(args.seed + 2)
+        stream_len = _stream_len(args)
+        self.replica = (
+            PrefixIndexReplica(redis.asyncio.Redis.from_url(url)) if match_in == "replica" else None
+        )
         self.chooser = PrefillChooser(
             pool,
-            RedisPrefillLedger(redis.asyncio.Redis.from_url(url), "r0", 30.0),
+            RedisPrefillLedger(
+                redis.asyncio.Redis.from_url(url), "r0", 30.0, stream_max_len=stream_len
+            ),
             local_index=None,
             weights=PrefillWeights(load_bound=2.0, load_bound_slack=8),
             router_id="r0",
             rng=rng,
             max_candidates=max_candidates,
+            replica=self.replica,
         )
         self.prompts = [
             rng.choice(fleet.system_prompts)
@@ -242,6 +275,12 @@ class _Router:
             for _ in range(256)
         ]
         self.count = 0
+
+    async def start(self) -> None:
+        """Start the chooser; with a replica, wait for its first snapshot."""
+        self.chooser.start()
+        while self.replica is not None and not self.replica.ready:
+            await asyncio.sleep(0.01)
 
     async def decide(self) -> None:
         """One decision, timed from the prompt's tokens; its reservation released after."""
@@ -274,6 +313,12 @@ class _Router:
         start_s, start_cpu_s = time.perf_counter(), time.process_time()
         await asyncio.gather(*(loop() for _ in range(in_flight)))
         return done, time.perf_counter() - start_s, time.process_time() - start_cpu_s
+
+
+def _stream_len(args: argparse.Namespace) -> int:
+    """The index's change stream length: on (for every writer) when a router matches in a
+    replica."""
+    return args.kv_event_stream_len if "replica" in args.match_in.split(",") else 0
 
 
 def _handle(worker_id: str) -> WorkerHandle:
@@ -321,22 +366,32 @@ async def measure_size(url: str, num_workers: int, args: argparse.Namespace) -> 
     try:
         ready = await loop.run_in_executor(None, ours.recv)
         assert ready == "ready", ready
-        index_bytes = _redis_counters(client)["memory"] - empty["memory"]
+        stream_bytes = client.memory_usage(stream_key("splitserve:")) or 0
+        index_bytes = _redis_counters(client)["memory"] - empty["memory"] - stream_bytes
         for max_candidates in (int(k) for k in args.max_candidates.split(",")):
-            router = _Router(url, fleet, max_candidates, args)
-            figures = await _measure_router(router, client, ours, args)
-            await router.chooser.close()
-            results.append(
-                SizeResult(
-                    workers=num_workers,
-                    max_candidates=max_candidates,
-                    cached_blocks=fleet.num_blocks,
-                    entries=fleet.num_entries,
-                    index_bytes_per_block=index_bytes / fleet.num_blocks,
-                    index_bytes_per_entry=index_bytes / fleet.num_entries,
-                    **figures,
+            for match_in in args.match_in.split(","):
+                router = _Router(url, fleet, max_candidates, match_in, args)
+                rss_before = psutil.Process().memory_info().rss
+                await router.start()
+                replica_bytes = 0
+                if router.replica is not None:
+                    replica_bytes = psutil.Process().memory_info().rss - rss_before
+                figures = await _measure_router(router, client, ours, args)
+                await router.chooser.close()
+                results.append(
+                    SizeResult(
+                        workers=num_workers,
+                        max_candidates=max_candidates,
+                        match_in=match_in,
+                        cached_blocks=fleet.num_blocks,
+                        entries=fleet.num_entries,
+                        index_bytes_per_block=index_bytes / fleet.num_blocks,
+                        index_bytes_per_entry=index_bytes / fleet.num_entries,
+                        stream_mib=stream_bytes / 2**20,
+                        replica_bytes_per_entry=replica_bytes / fleet.num_entries,
+                        **figures,
+                    )
                 )
-            )
         ours.send("stop")
     finally:
         process.join(timeout=30)
@@ -394,6 +449,18 @@ def main() -> None:
     parser.add_argument(
         "--max-candidates", default="0,32", help="the router's --prefill-max-candidates values"
     )
+    parser.add_argument(
+        "--match-in",
+        default="redis,replica",
+        help="where the router matches prompts: redis (the index's Lua walk), replica (its own "
+        "copy, following the index's change stream)",
+    )
+    parser.add_argument(
+        "--kv-event-stream-len",
+        type=int,
+        default=100_000,
+        help="the change stream's length (--redis-kv-event-stream-len) when a replica is measured",
+    )
     parser.add_argument("--blocks-per-worker", type=int, default=1024)
     parser.add_argument("--system-prompts", type=int, default=64)
     parser.add_argument("--system-blocks", type=int, default=64)
@@ -438,18 +505,19 @@ def main() -> None:
 
 def print_report(results: Sequence[SizeResult]) -> None:
     print(
-        "| workers | max candidates | cached blocks | index B/block | B/entry "
-        "| decision p50 ms | p99 ms "
+        "| workers | max candidates | match in | cached blocks | index B/block | B/entry "
+        "| stream MiB | replica B/entry | decision p50 ms | p99 ms "
         "| decisions/s | on load alone | router CPU µs/decision | Redis cmds/decision "
         "| Redis B in/out "
         "| Redis CPU µs/decision | events/s | ingest lag p50/p99 ms | decision p99 ms in ingest |"
     )
-    print("|" + "---:|" * 16)
+    print("|" + "---:|" * 19)
     for r in results:
         print(
-            f"| {r.workers} | {r.max_candidates} | {r.cached_blocks:,} | "
-            f"{r.index_bytes_per_block:.0f} | "
-            f"{r.index_bytes_per_entry:.0f} | {r.decision_p50_ms:.2f} | {r.decision_p99_ms:.2f} | "
+            f"| {r.workers} | {r.max_candidates} | {r.match_in} | {r.cached_blocks:,} | "
+            f"{r.index_bytes_per_block:.0f} | {r.index_bytes_per_entry:.0f} | "
+            f"{r.stream_mib:.1f} | {r.replica_bytes_per_entry:.0f} | "
+            f"{r.decision_p50_ms:.2f} | {r.decision_p99_ms:.2f} | "
             f"{r.decisions_per_s:,.0f} | {r.decisions_on_load_alone:.0%} | "
             f"{r.router_cpu_us_per_decision:.0f} | "
             f"{r.redis_commands_per_decision:.1f} | {r.redis_bytes_in_per_decision:,.0f} / "

@@ -17,13 +17,16 @@ import abc
 import enum
 import time
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from collections.abc import Set as AbstractSet
 from typing import cast
 
 import redis.asyncio as aioredis
 
 from engine.block_hash import BlockHash
 from engine.block_pool import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
+from services.common import kv_event_stream
+from services.common.kv_event_stream import STREAM_APPEND_LUA, StreamOp
 from services.common.redis_config import RedisConfig
 
 
@@ -150,19 +153,37 @@ class InProcessPrefixIndex(PrefixIndex):
 
     async def match(self, block_hashes: Sequence[BlockHash]) -> dict[str, int]:
         now_s = time.monotonic()
-        counts: dict[str, int] = {}
-        active: set[str] | None = None
-        for i, block_hash in enumerate(block_hashes):
-            holders = self._holders.get(block_hash, set())
-            active = set(holders) if active is None else active & holders
-            if not active:
-                break
-            for worker_id in active:
-                counts[worker_id] = i + 1
+        counts = match_holders(self._holders, block_hashes)
         return {w: n for w, n in counts.items() if self._alive_until_s.get(w, 0.0) > now_s}
 
     async def close(self) -> None:
         """Nothing to release."""
+
+
+def match_holders(
+    holders: Mapping[BlockHash, AbstractSet[str]], block_hashes: Sequence[BlockHash]
+) -> dict[str, int]:
+    """For each worker in ``holders`` of the first block: how many leading blocks of
+    ``block_hashes`` it holds (the walk ``match_prefix`` does in Redis, in this process)."""
+    counts: dict[str, int] = {}
+    active: set[str] = set()
+    for i, block_hash in enumerate(block_hashes):
+        held = holders.get(block_hash, _NO_HOLDERS)
+        if i == 0:
+            active = set(held)
+        elif not active <= held:  # those not holding block i hold exactly i blocks
+            kept = active & held
+            for worker_id in active - kept:
+                counts[worker_id] = i
+            active = kept
+        if not active:
+            break
+    for worker_id in active:  # they hold every block
+        counts[worker_id] = len(block_hashes)
+    return counts
+
+
+_NO_HOLDERS: frozenset[str] = frozenset()
 
 
 # Lua functions shared by the scripts that match prompts (``match`` here, the router's
@@ -217,6 +238,23 @@ return out
 )
 
 
+# ARGV: 1 namespace, 2 worker id, 3 change stream length (0: off). Drops every entry of the
+# worker, atomically (so that no write lands between reading its entries and removing them).
+_CLEAR_SCRIPT = (
+    STREAM_APPEND_LUA
+    + """
+local ns, worker = ARGV[1], ARGV[2]
+local key = ns .. 'worker:' .. worker
+for _, block_hash in ipairs(redis.call('SMEMBERS', key)) do
+  redis.call('SREM', ns .. 'blk:' .. block_hash, worker)
+end
+redis.call('DEL', key)
+stream_append(ns, tonumber(ARGV[3]), 'c', worker, '')
+return 0
+"""
+)
+
+
 class _SetOp(enum.Enum):
     """A Redis set command, by its name."""
 
@@ -230,27 +268,33 @@ class RedisPrefixIndex(PrefixIndex):
     Layout: ``{ns}blk:{hash}`` = set of worker ids holding the block (the hash as its raw 32
     bytes: binary keys keep every lookup's arguments short); ``{ns}worker:{id}`` = set of the
     worker's hashes (to clear it); ``{ns}alive:{id}`` = a key whose TTL is the worker's
-    heartbeat. Writes go in one pipeline per call; ``match`` is one ``EVALSHA``.
+    heartbeat. Writes go in one pipeline per call; ``match`` is one ``EVALSHA``. With
+    ``stream_max_len`` > 0 each write also appends its change to the change stream
+    (``kv_event_stream``), in the same pipeline, after the change.
     """
 
-    def __init__(self, client: aioredis.Redis, namespace: str = "splitserve:") -> None:
+    def __init__(
+        self, client: aioredis.Redis, namespace: str = "splitserve:", stream_max_len: int = 0
+    ) -> None:
         self._redis = client
         self._ns = namespace
+        self._stream_max_len = stream_max_len
         self._blk = f"{namespace}blk:".encode()
         self._match = client.register_script(_MATCH_SCRIPT)
+        self._clear = client.register_script(_CLEAR_SCRIPT)
 
     @classmethod
     def from_config(cls, config: RedisConfig) -> RedisPrefixIndex:
-        return cls(config.client(), config.redis_namespace)
+        return cls(config.client(), config.redis_namespace, config.redis_kv_event_stream_len)
 
     async def store(self, worker_id: str, block_hashes: Sequence[BlockHash]) -> None:
-        await self._update(_SetOp.ADD, worker_id, block_hashes)
+        await self._update(_SetOp.ADD, worker_id, block_hashes, StreamOp.STORE)
 
     async def remove(self, worker_id: str, block_hashes: Sequence[BlockHash]) -> None:
-        await self._update(_SetOp.REMOVE, worker_id, block_hashes)
+        await self._update(_SetOp.REMOVE, worker_id, block_hashes, StreamOp.REMOVE)
 
     async def clear(self, worker_id: str) -> None:
-        await self.remove(worker_id, await self.entries(worker_id))
+        await self._clear(args=[self._ns, worker_id, self._stream_max_len])
 
     async def forget(self, worker_id: str) -> None:
         await self.clear(worker_id)
@@ -287,14 +331,27 @@ class RedisPrefixIndex(PrefixIndex):
     async def close(self) -> None:
         await self._redis.aclose()
 
-    async def _update(self, op: _SetOp, worker_id: str, block_hashes: Sequence[BlockHash]) -> None:
+    async def _update(
+        self,
+        op: _SetOp,
+        worker_id: str,
+        block_hashes: Sequence[BlockHash],
+        stream_op: StreamOp,
+    ) -> None:
         """Add ``worker_id`` to (or remove it from) each block's set, and the blocks to (from)
-        the worker's own set, in one round trip."""
+        the worker's own set, in one round trip; with the change stream on, append
+        ``stream_op`` in the same transaction, so that the stream orders changes as the sets
+        took them."""
         if not block_hashes:
             return
-        async with self._redis.pipeline(transaction=False) as pipe:
+        streamed = self._stream_max_len > 0
+        async with self._redis.pipeline(transaction=streamed) as pipe:
             command = getattr(pipe, op.value)
             for block_hash in block_hashes:
                 command(self._blk + block_hash, worker_id)
             command(f"{self._ns}worker:{worker_id}", *block_hashes)
+            if streamed:
+                kv_event_stream.append(
+                    pipe, self._ns, self._stream_max_len, stream_op, worker_id, block_hashes
+                )
             await pipe.execute()

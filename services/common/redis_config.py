@@ -28,6 +28,11 @@ class RedisConfig:
     redis_namespace: str = flag(
         "splitserve:", "prefix of every key (clusters sharing one Redis need different ones)"
     )
+    redis_kv_event_stream_len: int = flag(
+        0,
+        "entries of the prefix index's change stream in Redis, which every router then follows "
+        "to match prompts in its own memory (0: no stream; routers match in Redis)",
+    )
 
     def __post_init__(self) -> None:
         tls_files = (self.redis_tls_ca_file, self.redis_tls_cert_file, self.redis_tls_key_file)
@@ -35,6 +40,10 @@ class RedisConfig:
             raise ValueError("--redis-tls-* options need a rediss:// --redis-url")
         if bool(self.redis_tls_cert_file) != bool(self.redis_tls_key_file):
             raise ValueError("--redis-tls-cert-file and --redis-tls-key-file go together")
+        if self.redis_kv_event_stream_len < 0:
+            raise ValueError(
+                f"--redis-kv-event-stream-len must be >= 0, got {self.redis_kv_event_stream_len}"
+            )
 
     @property
     def enabled(self) -> bool:

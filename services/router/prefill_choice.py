@@ -18,6 +18,10 @@ match (so the match and the reservation are two steps there, not one: another ro
 prediction in between costs affinity only). A decision's cost then stays flat with the
 fleet's size, and bounded load holds over the sample (its capacity is the sample's mean times
 the bound), as in power-of-d-choices balancing.
+
+With a ``replica`` of the index (the index's change stream is on) the match is made in this
+process (``prefix_replica``) and the ledger's Redis step only scores and reserves; while the
+replica is not ready, the ledger matches in Redis as without one.
 """
 
 from __future__ import annotations
@@ -44,6 +48,7 @@ from services.router.prefill_ledger import (
     Reservation,
     Selection,
 )
+from services.router.prefix_replica import PrefixIndexReplica
 from services.router.worker_pool import ServedTarget, WorkerHandle, WorkerPool
 from splitserve.v1 import worker_pb2
 
@@ -114,12 +119,14 @@ class PrefillChooser:
         rng: random.Random,
         policy: PrefillPolicy = PrefillPolicy.COST,
         max_candidates: int = 0,
+        replica: PrefixIndexReplica | None = None,
     ) -> None:
         self.pool = pool
         self.ledger = ledger
         self.num_hit_blocks_predicted = 0
         self.num_hit_blocks_realized = 0
         self._local_index = local_index
+        self._replica = replica
         self._weights = weights if policy is PrefillPolicy.COST else _BLIND
         self._policy = policy
         self._num_choices = 0
@@ -197,14 +204,24 @@ class PrefillChooser:
         the indices in ``workers`` of the candidates it scored: all of them, or in a larger pool
         the holders of the prompt's prefix and a sample (see the module's docstring)."""
         considered: Sequence[int] = range(len(workers))
+        holders: dict[str, int] | None = None
+        if self._replica is not None and self._replica.ready:
+            holders = self._replica.match(query.block_hashes)
+            if not workers:
+                return Selection((), None, holders, None), considered
+            query = dataclasses.replace(query, matched=holders)
         if 0 < self._max_candidates < len(workers):
-            holders = (await ledger.select(None, query)).matched
+            if holders is None:
+                holders = (await ledger.select(None, query)).matched
             ids = [_worker_id(w) for w in workers]
             considered = sample_candidates(ids, holders, self._max_candidates, self._rng)
             # The sample's scores use this match: the prompt is not matched a second time.
             query = dataclasses.replace(query, matched=holders)
         candidates = [_candidate_load(workers[i]) for i in considered]
         selection = await ledger.select(req_id, dataclasses.replace(query, candidates=candidates))
+        reservation = selection.reservation
+        if self._replica is not None and reservation is not None:
+            self._replica.note_prediction(reservation.worker_id, reservation.recorded)
         return selection, considered
 
     def _tie_value(self, num_candidates: int) -> float:
@@ -227,6 +244,8 @@ class PrefillChooser:
         affinity, never the request."""
         if choice.reservation is None:
             return
+        if self._replica is not None:
+            self._replica.note_withdrawal(choice.reservation.worker_id, choice.reservation.recorded)
         try:
             await choice.ledger.withdraw(choice.reservation)
         except Exception as exc:  # the reservation still ends with the heartbeat or max age
@@ -263,10 +282,15 @@ class PrefillChooser:
             await self._local_index.clear(worker.info.worker_id)
 
     def start(self) -> None:
-        """Start the ledger's background work (a Redis ledger's router heartbeat)."""
+        """Start the ledger's background work (a Redis ledger's router heartbeat) and the
+        replica's following of the index's stream."""
         self.ledger.start()
+        if self._replica is not None:
+            self._replica.start()
 
     async def close(self) -> None:
+        if self._replica is not None:
+            await self._replica.close()
         await self.ledger.close()
 
     @staticmethod

@@ -17,7 +17,9 @@ from collections.abc import Sequence
 
 import redis.asyncio as aioredis
 
+from services.common import kv_event_stream
 from services.common.background import BackgroundTasks
+from services.common.kv_event_stream import STREAM_APPEND_LUA, StreamOp
 from services.common.logs import rate_limited
 from services.common.prefix_index import MATCH_PREFIX_LUA
 from services.router.prefill_cost import (
@@ -37,34 +39,36 @@ logger = logging.getLogger(__name__)
 
 # ARGV: 1 namespace, 2 router id, 3 req id ('' = reserve nothing), 4 router ttl ms,
 # 5 reservation max ms, 6 cache weight, 7 load weight, 8 load bound, 9 load bound slack,
-# 10 saturation blocks, 11 tie value, 12 n candidates, then n x (worker id, reported queued
-# blocks), then the prompt's block hashes concatenated (32 bytes each), then optionally n
-# known matched-block counts, one per candidate (the prompt is then not matched here).
+# 10 saturation blocks, 11 tie value, 12 change stream length (0: off), 13 n candidates, then
+# n x (worker id, reported queued blocks), then the prompt's block hashes concatenated (32 bytes
+# each), then optionally n known matched-block counts, one per candidate (the prompt is then
+# not matched here).
 # Returns {chosen (1-based, 0: none), n x (matched, reserved blocks, reserved requests),
 # then (worker id, matched) for matched workers that are not candidates}.
 # Mirrors prefill_cost.score_candidates and pick operation for operation.
 _SELECT_SCRIPT = (
     MATCH_PREFIX_LUA
+    + STREAM_APPEND_LUA
     + """
 local ns, router, req = ARGV[1], ARGV[2], ARGV[3]
 local cache_w, load_w = tonumber(ARGV[6]), tonumber(ARGV[7])
 local bound, slack = tonumber(ARGV[8]), tonumber(ARGV[9])
 local saturation, tie = tonumber(ARGV[10]), tonumber(ARGV[11])
-local n = tonumber(ARGV[12])
-local hashes = split_hashes(ARGV[13 + 2 * n])
+local stream_len, n = tonumber(ARGV[12]), tonumber(ARGV[13])
+local hashes = split_hashes(ARGV[14 + 2 * n])
 local prompt_blocks = #hashes
 local t = redis.call('TIME')
 local now_ms = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 redis.call('SET', ns .. 'router:' .. router, '1', 'PX', ARGV[4])
 local matched = {}
-if #ARGV > 13 + 2 * n then
-  for i = 1, n do matched[ARGV[11 + 2 * i]] = tonumber(ARGV[13 + 2 * n + i]) end
+if #ARGV > 14 + 2 * n then
+  for i = 1, n do matched[ARGV[12 + 2 * i]] = tonumber(ARGV[14 + 2 * n + i]) end
 elseif prompt_blocks > 0 then
   matched = match_prefix(ns, hashes)
 end
 local alive, ids, m, rblocks, rreqs, total = {}, {}, {}, {}, {}, 0
 for i = 1, n do
-  ids[i] = ARGV[11 + 2 * i]
+  ids[i] = ARGV[12 + 2 * i]
   m[i] = matched[ids[i]] or 0
   local key = ns .. 'resv:' .. ids[i]
   redis.call('ZREMRANGEBYSCORE', key, '-inf', now_ms)
@@ -88,7 +92,7 @@ if bound > 0 and n > 0 then capacity = math.max(math.ceil(bound * (total + 1) / 
 local cost, eligible = {}, {}
 local saturated = n > 0 and saturation > 0
 for i = 1, n do
-  local queued = math.max(tonumber(ARGV[12 + 2 * i]), rblocks[i])
+  local queued = math.max(tonumber(ARGV[13 + 2 * i]), rblocks[i])
   cost[i] = cache_w * (prompt_blocks - m[i]) + load_w * queued
   eligible[i] = rreqs[i] + 1 <= capacity
   if queued < saturation then saturated = false end
@@ -115,6 +119,9 @@ if n > 0 and not saturated then
     for i = m[chosen] + 1, prompt_blocks, 1000 do
       local last = math.min(i + 999, prompt_blocks)
       redis.call('SADD', ns .. 'worker:' .. worker, unpack(hashes, i, last))
+    end
+    if m[chosen] < prompt_blocks then
+      stream_append(ns, stream_len, 's', worker, string.sub(ARGV[14 + 2 * n], 32 * m[chosen] + 1))
     end
   end
 end
@@ -153,7 +160,8 @@ class RedisPrefillLedger(PrefillLedger):
 
     Keys: ``{ns}resv:{worker_id}`` = sorted set of reservations (member ``router|req|blocks``,
     score = hard expiry in ms); ``{ns}router:{router_id}`` = the router's heartbeat. The prefix
-    index (``{ns}blk:*``, ``{ns}alive:*``) is read in the same script.
+    index (``{ns}blk:*``, ``{ns}alive:*``) is read in the same script; with ``stream_max_len``
+    > 0 a recorded prediction and a withdrawal are appended to its change stream too.
     """
 
     def __init__(
@@ -162,6 +170,7 @@ class RedisPrefillLedger(PrefillLedger):
         router_id: str,
         router_ttl_s: float,
         namespace: str = "splitserve:",
+        stream_max_len: int = 0,
     ) -> None:
         if "|" in router_id:
             raise ValueError(f"router id must not contain '|': {router_id!r}")
@@ -169,6 +178,7 @@ class RedisPrefillLedger(PrefillLedger):
         self._router_id = router_id
         self._router_ttl_ms = max(int(router_ttl_s * 1e3), 1)
         self._ns = namespace
+        self._stream_max_len = stream_max_len
         self._select = client.register_script(_SELECT_SCRIPT)
         self._abandon = client.register_script(_ABANDON_SCRIPT)
         self._background = BackgroundTasks()
@@ -192,6 +202,7 @@ class RedisPrefillLedger(PrefillLedger):
             weights.load_bound_slack,
             weights.saturation_blocks,
             query.tie_value,
+            self._stream_max_len,
             len(candidates),
         ]
         for candidate in candidates:
@@ -220,6 +231,15 @@ class RedisPrefillLedger(PrefillLedger):
                 pipe.srem(blk + block_hash, worker_id)
             if reservation.recorded:
                 pipe.srem(f"{self._ns}worker:{worker_id}", *reservation.recorded)
+                if self._stream_max_len > 0:
+                    kv_event_stream.append(
+                        pipe,
+                        self._ns,
+                        self._stream_max_len,
+                        StreamOp.REMOVE,
+                        worker_id,
+                        reservation.recorded,
+                    )
             await pipe.execute()
 
     async def close(self) -> None:

@@ -37,6 +37,7 @@ from services.router.decode_choice import DecodeCandidate, DecodeChooser
 from services.router.prefill_choice import PrefillChoice, PrefillChooser, PrefillPolicy
 from services.router.prefill_cost import PrefillWeights
 from services.router.prefill_ledger import LocalPrefillLedger, PrefillLedger
+from services.router.prefix_replica import PrefixIndexReplica
 from services.router.redis_prefill_ledger import RedisPrefillLedger
 from services.router.worker_pool import ServedTarget, WorkerHandle, WorkerPool
 
@@ -219,14 +220,19 @@ def build_planner(
     ``router_id`` (``RouterConfig.resolved_router_id``, resolved once by the router) names this
     router's reservations."""
     local_index: InProcessPrefixIndex | None = None
+    replica: PrefixIndexReplica | None = None
     ledger: PrefillLedger
     if config.redis.enabled:
+        stream_len = config.redis.redis_kv_event_stream_len
         ledger = RedisPrefillLedger(
             config.redis.client(),
             router_id,
             config.router_heartbeat_ttl_s,
             config.redis.redis_namespace,
+            stream_len,
         )
+        if stream_len > 0:
+            replica = PrefixIndexReplica(config.redis.client(), config.redis.redis_namespace)
     else:
         local_index = InProcessPrefixIndex()
         ledger = LocalPrefillLedger(router_id, local_index)
@@ -244,6 +250,7 @@ def build_planner(
         rng=rng,
         policy=PrefillPolicy(config.prefill_policy),
         max_candidates=config.prefill_max_candidates,
+        replica=replica,
     )
     decode_chooser = DecodeChooser(
         decode_pool,

@@ -1,6 +1,7 @@
 """``loadtest.bench.control_plane`` end to end at a small size: its fleet fills a real Redis
 through the workers' publishers, the router decides through ``PrefillChooser`` (whole and
-sampled), and every figure it reports is consistent with what it did."""
+sampled, matching in Redis and in its replica), and every figure it reports is consistent
+with what it did."""
 
 from __future__ import annotations
 
@@ -15,6 +16,8 @@ from loadtest.fixtures.redis_server import RedisServer
 def test_a_small_sweep_reports_consistent_figures(tmp_path) -> None:
     args = argparse.Namespace(
         max_candidates="0,4",
+        match_in="redis,replica",
+        kv_event_stream_len=10_000,
         blocks_per_worker=80,
         system_prompts=4,
         system_blocks=8,
@@ -37,7 +40,12 @@ def test_a_small_sweep_reports_consistent_figures(tmp_path) -> None:
     finally:
         redis_server.stop()
     fleet = Fleet.make(8, args)
-    assert [r.max_candidates for r in results] == [0, 4]
+    assert [(r.max_candidates, r.match_in) for r in results] == [
+        (0, "redis"),
+        (0, "replica"),
+        (4, "redis"),
+        (4, "replica"),
+    ]
     for r in results:
         assert (r.workers, r.entries) == (8, 8 * 80)
         assert r.cached_blocks == fleet.num_blocks < r.entries  # system prompts are shared
@@ -47,3 +55,10 @@ def test_a_small_sweep_reports_consistent_figures(tmp_path) -> None:
         assert r.redis_commands_per_decision > 0
         assert r.ingest_events_per_s > 0 and not math.isnan(r.ingest_lag_p99_ms)
         assert r.republications == 0
+        assert r.stream_mib > 0
+        if r.match_in == "replica":  # the match left Redis: fewer commands per decision
+            assert r.replica_bytes_per_entry > 0
+            same = next(
+                x for x in results if (x.max_candidates, x.match_in) == (r.max_candidates, "redis")
+            )
+            assert r.redis_commands_per_decision < same.redis_commands_per_decision
