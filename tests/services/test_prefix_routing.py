@@ -1,6 +1,7 @@
-"""Prefix-aware prefill choice through real processes: with the router's in-process index and
-with the workers publishing to a real Redis, requests sharing a prefix go to the prefill worker
-that caches it; with Redis gone the router routes on load alone and no request fails."""
+"""Prefix-aware prefill choice through real processes: with the router's in-process index, with
+the workers publishing to a real Redis, and with the router matching in its replica of that
+index (the change stream on), requests sharing a prefix go to the prefill worker that caches
+it; with Redis gone the router routes on load alone and no request fails."""
 
 from __future__ import annotations
 
@@ -15,13 +16,16 @@ from tests.services.conftest import greedy, scrape
 SHARED_TOKENS = 64  # four full blocks
 
 
-@pytest.fixture(scope="module", params=["in-process", "redis"])
+@pytest.fixture(scope="module", params=["in-process", "redis", "redis-replica"])
 def cluster(request, start_cluster, redis_server):
     worker_flags: tuple[str, ...] = ()
     router_flags: tuple[str, ...] = ()
-    if request.param == "redis":
-        worker_flags = ("--redis-url", redis_server.url, "--heartbeat-ttl-s", "1")
-        router_flags = ("--redis-url", redis_server.url)
+    if request.param.startswith("redis"):
+        stream = (
+            ("--redis-kv-event-stream-len", "10000") if request.param.endswith("replica") else ()
+        )
+        worker_flags = ("--redis-url", redis_server.url, "--heartbeat-ttl-s", "1", *stream)
+        router_flags = ("--redis-url", redis_server.url, *stream)
     local, client = start_cluster(
         num_prefill=2,
         num_decode=1,
@@ -99,7 +103,7 @@ def test_cache_salt_isolates_tenants_prefix_caches(cluster):
 
 def test_without_redis_the_router_routes_on_load_and_nothing_fails(cluster, redis_server):
     mode, local, client = cluster
-    if mode != "redis":
+    if not mode.startswith("redis"):
         pytest.skip("only the Redis index can go away")
     redis_server.stop()
     try:
