@@ -17,7 +17,7 @@ import abc
 import enum
 import time
 from collections import OrderedDict
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from collections.abc import Set as AbstractSet
 from typing import cast
 
@@ -100,36 +100,23 @@ class InProcessPrefixIndex(PrefixIndex):
         self.max_blocks = max_blocks
         # Least recently stored first.
         self._holders: OrderedDict[BlockHash, set[str]] = OrderedDict()
-        self._blocks: dict[str, set[BlockHash]] = {}
+        self._entries = BlockHolders(self._holders)
         self._alive_until_s: dict[str, float] = {}
 
     async def store(self, worker_id: str, block_hashes: Sequence[BlockHash]) -> None:
-        blocks = self._blocks.setdefault(worker_id, set())
+        self._entries.store(worker_id, block_hashes)
         for block_hash in block_hashes:
-            holders = self._holders.get(block_hash)
-            if holders is None:
-                holders = self._holders[block_hash] = set()
-            else:
-                self._holders.move_to_end(block_hash)
-            holders.add(worker_id)
-            blocks.add(block_hash)
+            self._holders.move_to_end(block_hash)
         while len(self._holders) > self.max_blocks:
             block_hash, holders = self._holders.popitem(last=False)
             for holder in holders:
-                self._blocks[holder].discard(block_hash)
+                self._entries.blocks[holder].discard(block_hash)
 
     async def remove(self, worker_id: str, block_hashes: Sequence[BlockHash]) -> None:
-        blocks = self._blocks.get(worker_id, set())
-        for block_hash in block_hashes:
-            blocks.discard(block_hash)
-            holders = self._holders.get(block_hash)
-            if holders is not None:
-                holders.discard(worker_id)
-                if not holders:
-                    del self._holders[block_hash]
+        self._entries.remove(worker_id, block_hashes)
 
     async def clear(self, worker_id: str) -> None:
-        await self.remove(worker_id, list(self._blocks.pop(worker_id, ())))
+        self._entries.clear(worker_id)
 
     async def forget(self, worker_id: str) -> None:
         await self.clear(worker_id)
@@ -137,13 +124,13 @@ class InProcessPrefixIndex(PrefixIndex):
 
     async def reap(self) -> list[str]:
         now_s = time.monotonic()
-        dead = [w for w in self._blocks if self._alive_until_s.get(w, 0.0) <= now_s]
+        dead = [w for w in self._entries.blocks if self._alive_until_s.get(w, 0.0) <= now_s]
         for worker_id in dead:
             await self.forget(worker_id)
         return dead
 
     async def entries(self, worker_id: str) -> list[BlockHash]:
-        return list(self._blocks.get(worker_id, ()))
+        return list(self._entries.blocks.get(worker_id, ()))
 
     async def heartbeat(self, worker_id: str, ttl_s: float) -> bool:
         now_s = time.monotonic()
@@ -158,6 +145,41 @@ class InProcessPrefixIndex(PrefixIndex):
 
     async def close(self) -> None:
         """Nothing to release."""
+
+
+class BlockHolders:
+    """Which workers hold which blocks, both ways (block -> holders, worker -> blocks), as the
+    Redis index keeps them: for the in-process index and a router's replica of the Redis one.
+    ``holders`` may be given (an ``OrderedDict`` whose order its owner keeps)."""
+
+    __slots__ = ("blocks", "holders")
+
+    def __init__(self, holders: dict[BlockHash, set[str]] | None = None) -> None:
+        self.holders: dict[BlockHash, set[str]] = {} if holders is None else holders
+        self.blocks: dict[str, set[BlockHash]] = {}
+
+    def store(self, worker_id: str, block_hashes: Iterable[BlockHash]) -> None:
+        blocks = self.blocks.setdefault(worker_id, set())
+        for block_hash in block_hashes:
+            holders = self.holders.get(block_hash)
+            if holders is None:
+                holders = self.holders[block_hash] = set()
+            holders.add(worker_id)
+            blocks.add(block_hash)
+
+    def remove(self, worker_id: str, block_hashes: Iterable[BlockHash]) -> None:
+        """Unknown hashes are ignored."""
+        blocks = self.blocks.get(worker_id, set())
+        for block_hash in block_hashes:
+            blocks.discard(block_hash)
+            holders = self.holders.get(block_hash)
+            if holders is not None:
+                holders.discard(worker_id)
+                if not holders:
+                    del self.holders[block_hash]
+
+    def clear(self, worker_id: str) -> None:
+        self.remove(worker_id, self.blocks.pop(worker_id, set()))
 
 
 def match_holders(

@@ -32,7 +32,7 @@ import redis.asyncio as aioredis
 from engine.block_hash import BlockHash
 from services.common.kv_event_stream import StreamOp, split_hashes, stream_key
 from services.common.logs import rate_limited
-from services.common.prefix_index import match_holders
+from services.common.prefix_index import BlockHolders, match_holders
 
 logger = logging.getLogger(__name__)
 
@@ -42,41 +42,6 @@ _READ_BLOCK_MS = 500
 _READ_COUNT = 1000
 # The wait before another snapshot after a failure.
 _RETRY_S = 0.5
-
-
-class _Entries:
-    """Which workers hold which blocks: both directions, as the sets in Redis."""
-
-    __slots__ = ("blocks", "holders")
-
-    def __init__(self) -> None:
-        self.holders: dict[BlockHash, set[str]] = {}
-        self.blocks: dict[str, set[BlockHash]] = {}
-
-    def store(self, worker_id: str, block_hashes: Sequence[BlockHash]) -> None:
-        blocks = self.blocks.setdefault(worker_id, set())
-        for block_hash in block_hashes:
-            holders = self.holders.get(block_hash)
-            if holders is None:
-                holders = self.holders[block_hash] = set()
-            holders.add(worker_id)
-            blocks.add(block_hash)
-
-    def remove(self, worker_id: str, block_hashes: Sequence[BlockHash] | set[BlockHash]) -> None:
-        blocks = self.blocks.get(worker_id)
-        if blocks is None:
-            return
-        for block_hash in block_hashes:
-            blocks.discard(block_hash)
-            holders = self.holders.get(block_hash)
-            if holders is not None:
-                holders.discard(worker_id)
-                if not holders:
-                    del self.holders[block_hash]
-
-    def clear(self, worker_id: str) -> None:
-        self.remove(worker_id, set(self.blocks.get(worker_id, ())))
-        self.blocks.pop(worker_id, None)
 
 
 class PrefixIndexReplica:
@@ -95,7 +60,7 @@ class PrefixIndexReplica:
         # whose connection survives the restart (the client's retries) still sees it.
         self._epoch_key = f"{namespace}kv-epoch"
         self._epoch: bytes | None = None
-        self._entries = _Entries()
+        self._entries = BlockHolders()
         self._last_id = b"0-0"
         # Entries of the stream that the replica holds: applied, or in its snapshot.
         self._num_consumed = 0
@@ -164,7 +129,7 @@ class PrefixIndexReplica:
         """Take every worker's entries from Redis, after noting where the stream ends."""
         self._ready = False
         last_id, num_added = await self._stream_end()
-        entries = _Entries()
+        entries = BlockHolders()
         prefix = f"{self._ns}worker:"
         async for key in self._redis.scan_iter(f"{prefix}*", count=1000):
             worker_id = key.decode()[len(prefix) :]
@@ -180,12 +145,9 @@ class PrefixIndexReplica:
             list[tuple[bytes, list[tuple[bytes, dict[bytes, bytes]]]]],
             await self._redis.xread({self._key: self._last_id}, _READ_COUNT, _READ_BLOCK_MS),
         )
-        if not reply:
-            return await self._stream_intact()
-        entries = reply[0][1]
         if not await self._stream_intact():
             return False
-        for entry_id, fields in entries:
+        for entry_id, fields in reply[0][1] if reply else ():
             worker_id = fields[b"w"].decode()
             op = StreamOp(fields[b"o"])
             if op is StreamOp.STORE:

@@ -119,20 +119,22 @@ def test_entries_trimmed_before_they_are_read_mean_a_new_snapshot(redis_server) 
         await client.config_set("stream-node-max-entries", 10)
         replica = PrefixIndexReplica(RedisConfig(redis_server.url).client(), ns)
         replica.start()
-        await index.store("w0", chain(seed=0, num_blocks=4))
-        await _wait_for(lambda: _caught_up(replica, client, ns), "the first entry")
-        # Entries of a store the sets never saw, trimmed at once: the replica cannot apply
-        # them in order, so it takes the sets again (without them).
-        async with client.pipeline(transaction=True) as pipe:
-            for seed in range(1, 60):
-                hashes = chain(seed=seed, num_blocks=2)
-                kv_event_stream.append(pipe, ns, 5, StreamOp.STORE, "w1", hashes)
-            await pipe.execute()
-        await _wait_for(lambda: _caught_up(replica, client, ns), "a new snapshot")
-        assert replica.num_snapshots >= 2
-        assert replica.match(chain(seed=1, num_blocks=2)) == {}
-        assert replica.match(chain(seed=0, num_blocks=4)) == {"w0": 4}
-        await client.config_set("stream-node-max-entries", 100)
+        try:
+            await index.store("w0", chain(seed=0, num_blocks=4))
+            await _wait_for(lambda: _caught_up(replica, client, ns), "the first entry")
+            # Entries of a store the sets never saw, trimmed at once: the replica cannot apply
+            # them in order, so it takes the sets again (without them).
+            async with client.pipeline(transaction=True) as pipe:
+                for seed in range(1, 60):
+                    hashes = chain(seed=seed, num_blocks=2)
+                    kv_event_stream.append(pipe, ns, 5, StreamOp.STORE, "w1", hashes)
+                await pipe.execute()
+            await _wait_for(lambda: _caught_up(replica, client, ns), "a new snapshot")
+            assert replica.num_snapshots >= 2
+            assert replica.match(chain(seed=1, num_blocks=2)) == {}
+            assert replica.match(chain(seed=0, num_blocks=4)) == {"w0": 4}
+        finally:
+            await client.config_set("stream-node-max-entries", 100)
         await replica.close()
         await index.close()
         await client.aclose()
@@ -155,10 +157,11 @@ def test_a_restarted_redis_means_a_new_snapshot(redis_server) -> None:
         assert replica.match(chain(seed=0, num_blocks=4)) == {"w0": 4}
         redis_server.restart()
         await _wait_for(lambda: _republished(index, client), "Redis back")
-        await _wait_for(
-            lambda: _caught_up(replica, client, ns) if replica.num_snapshots > 1 else _no(),
-            "a snapshot of the restarted Redis",
-        )
+
+        async def caught_up_after_a_new_snapshot() -> bool:
+            return replica.num_snapshots > 1 and await _caught_up(replica, client, ns)
+
+        await _wait_for(caught_up_after_a_new_snapshot, "a snapshot of the restarted Redis")
         assert replica.match(chain(seed=0, num_blocks=4)) == {}
         assert replica.match(chain(seed=1, num_blocks=3)) == {"w1": 3}
         await replica.close()
@@ -176,10 +179,6 @@ async def _republished(index: RedisPrefixIndex, client: redis.asyncio.Redis) -> 
     except (redis.ConnectionError, redis.TimeoutError, OSError):
         return False
     return True
-
-
-async def _no() -> bool:
-    return False
 
 
 def test_a_chooser_matching_in_its_replica_decides_as_one_matching_in_redis(redis_server) -> None:
