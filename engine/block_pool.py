@@ -13,7 +13,7 @@ Every change to the set of hashed blocks is recorded as an event for the router'
 from __future__ import annotations
 
 from collections import OrderedDict, deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 from engine.block_hash import BlockHash
@@ -78,6 +78,9 @@ class BlockPool:
         self._cached: OrderedDict[int, KVCacheBlock] = OrderedDict()
         self._hash_to_block: dict[BlockHash, KVCacheBlock] = {}
         self._events: list[KVCacheEvent] = []
+        # Called with (block_id, block_hash) for each cached block evicted to be reused,
+        # before anything can write into it (the engine's second tier copies it).
+        self.on_evict: Callable[[int, BlockHash], None] | None = None
 
     @property
     def num_free_blocks(self) -> int:
@@ -112,6 +115,8 @@ class BlockPool:
             else:
                 _, block = self._cached.popitem(last=False)
                 assert block.block_hash is not None
+                if self.on_evict is not None:
+                    self.on_evict(block.block_id, block.block_hash)
                 evicted.append(block.block_hash)
                 del self._hash_to_block[block.block_hash]
                 block.block_hash = None
@@ -188,6 +193,11 @@ class BlockPool:
         self._hash_to_block.clear()
         self._events.append(AllBlocksCleared())
         return True
+
+    @property
+    def hash_map(self) -> dict[BlockHash, KVCacheBlock]:
+        """The live map from hash to the block holding it (read only)."""
+        return self._hash_to_block
 
     def block_hashes(self) -> list[BlockHash]:
         """Hashes of every block that can give a prefix hit now (in use or cached)."""

@@ -121,6 +121,18 @@ class EngineConfig:
     )
     num_kv_blocks: int | None = flag(None, "exact number of KV blocks (overrides the size)")
     enable_prefix_caching: bool = flag(True, "reuse KV blocks of shared prompt prefixes")
+    kv_offload_gib: float = flag(
+        0.0,
+        "a second KV tier of this many GiB under the prefix cache (--engine native or mock): "
+        "blocks the cache evicts go there and come back on a prefix hit instead of being "
+        "recomputed; on local disk with --kv-offload-dir, else in host memory (for a GPU "
+        "engine); 0: none",
+    )
+    kv_offload_dir: str | None = flag(
+        None,
+        "--kv-offload-gib: keep the tier's blocks in files under this directory (one per worker; "
+        "they survive a restart of the worker and are checked on every read)",
+    )
     check_kv_integrity: bool = flag(
         False, "check the KV block pool's invariants after every step (slow: tests, debugging)"
     )
@@ -242,5 +254,14 @@ class EngineConfig:
                 raise ValueError(f"lora_modules: more adapters than max_loras {self.max_loras}")
         if self.cpu_cores is not None:
             parse_cpu_list(self.cpu_cores)
+        if self.kv_offload_gib < 0:
+            raise ValueError(f"kv_offload_gib must be >= 0, got {self.kv_offload_gib}")
+        if self.kv_offload_dir and not self.kv_offload_gib:
+            raise ValueError("kv_offload_dir needs kv_offload_gib > 0")
+        if self.kv_offload_gib and self.engine is EngineKind.VLLM:
+            raise ValueError(
+                "kv_offload_gib: the second KV tier is the native (and mock) engine's; vLLM's "
+                "engine has none here"
+            )
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")

@@ -10,8 +10,14 @@ A request's blocks cover its token positions in order::
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
+from engine.block_hash import BlockHash
 from engine.block_pool import BlockPool, KVCacheBlock, KVCacheEvent
 from engine.request import Request
+
+if TYPE_CHECKING:
+    from engine.kv_offload import KVOffload
 
 
 def cdiv(a: int, b: int) -> int:
@@ -24,12 +30,25 @@ class KVCacheManager:
     Blocks are keyed by request id, and an id's blocks belong to the ``Request`` that got them
     until ``free``: no other request with that id (a reused id) may extend or cache them, and
     neither may their owner once finished (a lease holds them for a KV pull).
+
+    With an ``offload`` (a second tier), evicted blocks go to the tier, and a
+    request's prefix that continues in the tier past the cache is loaded back from it
+    (``num_offloaded_hits``, ``load_offloaded``) instead of being recomputed.
     """
 
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool) -> None:
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_prefix_caching: bool,
+        offload: KVOffload | None = None,
+    ) -> None:
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.block_pool = BlockPool(num_blocks, block_size, enable_prefix_caching)
+        self.offload = offload if enable_prefix_caching else None
+        if self.offload is not None:
+            self.block_pool.on_evict = self.offload.save
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
         # The ids of ``req_to_blocks``' blocks, kept alongside (read every step).
         self._block_ids: dict[str, list[int]] = {}
@@ -58,14 +77,35 @@ class KVCacheManager:
         """
         if not self.enable_prefix_caching or request.sampling_params.prompt_logprobs is not None:
             return []
-        max_hit_blocks = (request.num_tokens - 1) // self.block_size
         hits: list[KVCacheBlock] = []
-        for block_hash in request.block_hashes[:max_hit_blocks]:
+        for block_hash in request.block_hashes[: self._max_hit_blocks(request)]:
             block = self.block_pool.get_cached_block(block_hash)
             if block is None:
                 break
             hits.append(block)
         return hits
+
+    def num_offloaded_hits(self, request: Request, num_cached_blocks: int) -> int:
+        """How many full blocks after the request's first ``num_cached_blocks`` (its hits in
+        the cache) the second tier holds, within the blocks a hit may cover. No side effects."""
+        if self.offload is None or request.sampling_params.prompt_logprobs is not None:
+            return 0
+        hashes = request.block_hashes[num_cached_blocks : self._max_hit_blocks(request)]
+        return self.offload.num_hits(hashes)
+
+    def load_offloaded(self, request: Request, first_block: int, num_blocks: int) -> int:
+        """Fill the request's blocks ``[first_block, first_block + num_blocks)`` (allocated,
+        not computed, not published) from the second tier, in order; returns how many it
+        filled (it stops at the first block the tier no longer has or refuses)."""
+        assert self.offload is not None
+        end = first_block + num_blocks
+        return self.offload.load(
+            request.block_hashes[first_block:end], self._block_ids[request.req_id][first_block:end]
+        )
+
+    def _max_hit_blocks(self, request: Request) -> int:
+        # At least one token is left to compute: its logits give the next token.
+        return (request.num_tokens - 1) // self.block_size
 
     def allocate_slots(
         self,
@@ -127,7 +167,9 @@ class KVCacheManager:
         hashes = request.block_hashes
         parent = hashes[num_cached - 1] if num_cached else None
         self.block_pool.cache_blocks(
-            blocks[num_cached:num_full], hashes[num_cached:num_full], parent
+            blocks[num_cached:num_full],
+            hashes[num_cached:num_full],
+            parent,
         )
         self._num_cached_blocks[request.req_id] = num_full
 
@@ -161,7 +203,20 @@ class KVCacheManager:
             )
 
     def take_events(self) -> list[KVCacheEvent]:
-        return self.block_pool.take_events()
+        """Changes to the blocks a prefix hit can use (the cache's, and the tier's when there
+        is one) since the last call."""
+        events = self.block_pool.take_events()
+        if self.offload is None:
+            return events
+        return self.offload.held_events(events, self.block_pool.hash_map)
+
+    def block_hashes(self) -> list[BlockHash]:
+        """Every block a prefix hit can use now: the state ``take_events`` reports."""
+        held = self.block_pool.block_hashes()
+        if self.offload is not None:
+            cached = self.block_pool.hash_map
+            held += [h for h in self.offload.tier.hashes() if h not in cached]
+        return held
 
     def check_integrity(self) -> None:
         """Pool invariants plus: every block a request holds has a positive ref count."""

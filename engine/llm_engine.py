@@ -14,6 +14,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -29,6 +30,7 @@ from engine.executor import NativeExecutor, build_executor
 from engine.grammar_pool import GrammarPool
 from engine.kv_cache_manager import KVCacheManager
 from engine.kv_cache_spec import KVCacheSpec
+from engine.kv_offload import build_offload
 from engine.loader.models import resolve_model
 from engine.lora.names import parse_lora_modules
 from engine.lora.registry import LoraRegistry
@@ -152,8 +154,18 @@ class LLMEngine:
         for name, path in parse_lora_modules(config.lora_modules):
             self.lora.load(name, path)
         _check_kv_capacity(self.executor.num_kv_blocks, config.block_size, self.max_model_len)
+        offload = None
+        if config.kv_offload_gib and config.enable_prefix_caching:
+            offload = build_offload(
+                self.executor.kv_cache,
+                self.executor.kv_cache_spec,
+                config.kv_offload_gib,
+                config.kv_offload_dir,
+                Path(self.model_dir),
+                self.dtype,
+            )
         self.kv_cache_manager = KVCacheManager(
-            self.executor.num_kv_blocks, config.block_size, config.enable_prefix_caching
+            self.executor.num_kv_blocks, config.block_size, config.enable_prefix_caching, offload
         )
         self.scheduler = Scheduler(
             SchedulerConfig(
@@ -475,7 +487,7 @@ class LLMEngine:
     def prefix_cache_block_hashes(self) -> list[BlockHash]:
         """Hashes of every block a prefix hit can use now: the state whose changes
         ``take_kv_cache_events`` reports. No side effects."""
-        return self.kv_cache_manager.block_pool.block_hashes()
+        return self.kv_cache_manager.block_hashes()
 
     # ----------------------------------------------------------------------------- step
     def step(self) -> list[RequestOutput]:

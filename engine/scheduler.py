@@ -265,8 +265,9 @@ class Scheduler:
                 continue
             skipped = request.num_external_tokens
             if request.num_computed_tokens == 0:
-                hits = self.kv_cache_manager.get_computed_blocks(request)
-                skipped = max(skipped, len(hits) * self.block_size)
+                hits = len(self.kv_cache_manager.get_computed_blocks(request))
+                hits += self.kv_cache_manager.num_offloaded_hits(request, hits)
+                skipped = max(skipped, hits * self.block_size)
             total += max(remaining - skipped, 0)
         return total
 
@@ -336,21 +337,35 @@ class Scheduler:
             ):
                 break  # a higher priority's prompt does not share its step with a lower one's
             hits = []
-            if not self.kv_cache_manager.has_blocks(request.req_id):
+            fresh = not self.kv_cache_manager.has_blocks(request.req_id)
+            if fresh:
                 hits = self.kv_cache_manager.get_computed_blocks(request)
             remote = request.num_external_tokens > 0
             num_hit_tokens = len(hits) * self.block_size
+            # Blocks of the prefix past ``hits`` that the second tier holds: loaded, not computed.
+            num_tier_blocks = 0
             if remote:
                 num_hit_tokens = min(num_hit_tokens, request.num_external_tokens)
                 num_new = request.num_external_tokens - num_hit_tokens
             else:
+                if fresh:
+                    num_tier_blocks = self.kv_cache_manager.num_offloaded_hits(request, len(hits))
                 num_new = min(
-                    request.num_tokens - request.num_computed_tokens - num_hit_tokens,
+                    request.num_tokens
+                    - request.num_computed_tokens
+                    - num_hit_tokens
+                    - num_tier_blocks * self.block_size,
                     budget,
                     self.config.max_chunk_tokens,
                 )
+            num_tier_tokens = num_tier_blocks * self.block_size
             if len(self.running) >= self.config.max_num_seqs or not (
-                self.kv_cache_manager.allocate_slots(request, num_new, hits, cache=not remote)
+                self.kv_cache_manager.allocate_slots(
+                    request,
+                    num_tier_tokens + num_new,
+                    hits,
+                    cache=not remote and not num_tier_blocks,
+                )
             ):
                 victim = self._newest_paused_running()
                 if victim is None:
@@ -363,6 +378,8 @@ class Scheduler:
             if remote:
                 self._wait_for_remote_kv(request, num_hit_tokens, out.kv_loads)
                 continue
+            if num_tier_blocks:
+                num_hit_tokens += self._load_offloaded(request, len(hits), num_tier_blocks, num_new)
             request.num_computed_tokens += num_hit_tokens
             if request.num_cached_tokens < 0:
                 request.num_cached_tokens = request.num_computed_tokens
@@ -371,6 +388,18 @@ class Scheduler:
             admitted.append(self._scheduled(request, num_new))
             budget -= num_new
         return admitted
+
+    def _load_offloaded(
+        self, request: Request, first_block: int, num_blocks: int, num_new: int
+    ) -> int:
+        """Fill the blocks allocated for the tier's part of the prefix; publish them and the
+        ones this step computes. Returns the tokens loaded: on a short load the step computes
+        its ``num_new`` tokens from the first block not loaded instead."""
+        num_loaded = self.kv_cache_manager.load_offloaded(request, first_block, num_blocks)
+        num_loaded_tokens = num_loaded * self.block_size
+        num_hit_tokens = first_block * self.block_size
+        self.kv_cache_manager.cache_blocks(request, num_hit_tokens + num_loaded_tokens + num_new)
+        return num_loaded_tokens
 
     def _wait_for_remote_kv(
         self, request: Request, num_hit_tokens: int, kv_loads: list[KVLoad]

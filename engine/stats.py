@@ -23,6 +23,12 @@ class EngineStats:
     # Speculative decoding: draft tokens proposed and accepted since the engine started.
     num_draft_tokens: int = 0
     num_accepted_draft_tokens: int = 0
+    # The second KV tier (``--kv-offload-gib``): blocks it holds now, and since it opened the
+    # blocks it stored, loaded back on prefix hits and refused on read (damaged files).
+    num_tier_blocks: int = 0
+    num_tier_stored_blocks: int = 0
+    num_tier_hit_blocks: int = 0
+    num_tier_refused_blocks: int = 0
 
     @property
     def kv_usage(self) -> float:
@@ -33,6 +39,16 @@ def make_stats(scheduler: Scheduler, num_compiling: int = 0) -> EngineStats:
     """Snapshot ``scheduler`` and the block pool behind it. No side effects. Requests held
     outside the scheduler until their grammar compiles (``num_compiling``) count as waiting."""
     pool = scheduler.kv_cache_manager.block_pool
+    offload = scheduler.kv_cache_manager.offload
+    tier = {}
+    if offload is not None:
+        counters = offload.tier.counters
+        tier = {
+            "num_tier_blocks": offload.tier.num_blocks,
+            "num_tier_stored_blocks": counters.num_stored,
+            "num_tier_hit_blocks": counters.num_hits,
+            "num_tier_refused_blocks": counters.num_refused,
+        }
     return EngineStats(
         num_running=len(scheduler.running),
         num_waiting=len(scheduler.waiting) + num_compiling,
@@ -45,4 +61,5 @@ def make_stats(scheduler: Scheduler, num_compiling: int = 0) -> EngineStats:
         num_preemptions=scheduler.num_preemptions,
         num_draft_tokens=scheduler.num_draft_tokens,
         num_accepted_draft_tokens=scheduler.num_accepted_tokens,
+        **tier,
     )

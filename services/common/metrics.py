@@ -30,6 +30,7 @@ _GAUGES = {
     "num_cached_blocks": "free KV blocks still holding reusable prefix KV",
     "kv_usage": "used / total KV blocks",
     "num_queued_prefill_tokens": "prompt tokens admitted or waiting but not computed",
+    "num_tier_blocks": "KV blocks in the second tier (--kv-offload-gib)",
 }
 _COUNTERS = {
     "num_preemptions": ("preemptions", "requests preempted for lack of KV blocks"),
@@ -39,6 +40,15 @@ _COUNTERS = {
     "num_accepted_draft_tokens": (
         "spec_decode_accepted_tokens",
         "speculative draft tokens the model accepted",
+    ),
+    "num_tier_stored_blocks": ("kv_tier_stored_blocks", "evicted KV blocks the second tier kept"),
+    "num_tier_hit_blocks": (
+        "kv_tier_hit_blocks",
+        "KV blocks loaded back from the second tier instead of recomputed",
+    ),
+    "num_tier_refused_blocks": (
+        "kv_tier_refused_blocks",
+        "second-tier KV blocks refused on read (damaged; recomputed)",
     ),
 }
 # vLLM's names of the same counters (prometheus_client adds the _total suffix).

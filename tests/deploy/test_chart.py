@@ -276,6 +276,8 @@ def test_every_flag_value_reaches_its_flag():
                 value = "tcp"
             if field.name == "otlp_traces_sample_ratio":  # a share
                 value = 0.25
+            if field.name == "engine":  # vllm has no second KV tier (--kv-offload-gib)
+                value = "mock"
             if field.name == "mode":  # colocated has no prefill pool to size
                 value = "disaggregated"
             if field.name == "tenant_limits":

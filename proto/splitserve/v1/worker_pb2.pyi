@@ -257,7 +257,7 @@ class GetLoadRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerLoad(_message.Message):
-    __slots__ = ("num_running", "num_waiting", "num_waiting_for_kv", "num_kv_leases", "num_total_blocks", "num_used_blocks", "num_cached_blocks", "kv_usage", "num_queued_prefill_tokens", "num_preemptions", "num_transfers_failed", "num_leases_expired", "shutting_down", "num_draft_tokens", "num_accepted_draft_tokens", "lora_adapters")
+    __slots__ = ("num_running", "num_waiting", "num_waiting_for_kv", "num_kv_leases", "num_total_blocks", "num_used_blocks", "num_cached_blocks", "kv_usage", "num_queued_prefill_tokens", "num_preemptions", "num_transfers_failed", "num_leases_expired", "shutting_down", "num_draft_tokens", "num_accepted_draft_tokens", "lora_adapters", "num_tier_blocks", "num_tier_stored_blocks", "num_tier_hit_blocks", "num_tier_refused_blocks")
     NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
     NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
     NUM_WAITING_FOR_KV_FIELD_NUMBER: _ClassVar[int]
@@ -274,6 +274,10 @@ class WorkerLoad(_message.Message):
     NUM_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NUM_ACCEPTED_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     LORA_ADAPTERS_FIELD_NUMBER: _ClassVar[int]
+    NUM_TIER_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    NUM_TIER_STORED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    NUM_TIER_HIT_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    NUM_TIER_REFUSED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     num_running: int
     num_waiting: int
     num_waiting_for_kv: int
@@ -290,7 +294,11 @@ class WorkerLoad(_message.Message):
     num_draft_tokens: int
     num_accepted_draft_tokens: int
     lora_adapters: _containers.RepeatedCompositeFieldContainer[LoraAdapterInfo]
-    def __init__(self, num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_waiting_for_kv: _Optional[int] = ..., num_kv_leases: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., num_used_blocks: _Optional[int] = ..., num_cached_blocks: _Optional[int] = ..., kv_usage: _Optional[float] = ..., num_queued_prefill_tokens: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., num_transfers_failed: _Optional[int] = ..., num_leases_expired: _Optional[int] = ..., shutting_down: _Optional[bool] = ..., num_draft_tokens: _Optional[int] = ..., num_accepted_draft_tokens: _Optional[int] = ..., lora_adapters: _Optional[_Iterable[_Union[LoraAdapterInfo, _Mapping]]] = ...) -> None: ...
+    num_tier_blocks: int
+    num_tier_stored_blocks: int
+    num_tier_hit_blocks: int
+    num_tier_refused_blocks: int
+    def __init__(self, num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_waiting_for_kv: _Optional[int] = ..., num_kv_leases: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., num_used_blocks: _Optional[int] = ..., num_cached_blocks: _Optional[int] = ..., kv_usage: _Optional[float] = ..., num_queued_prefill_tokens: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., num_transfers_failed: _Optional[int] = ..., num_leases_expired: _Optional[int] = ..., shutting_down: _Optional[bool] = ..., num_draft_tokens: _Optional[int] = ..., num_accepted_draft_tokens: _Optional[int] = ..., lora_adapters: _Optional[_Iterable[_Union[LoraAdapterInfo, _Mapping]]] = ..., num_tier_blocks: _Optional[int] = ..., num_tier_stored_blocks: _Optional[int] = ..., num_tier_hit_blocks: _Optional[int] = ..., num_tier_refused_blocks: _Optional[int] = ...) -> None: ...
 
 class LoraAdapterInfo(_message.Message):
     __slots__ = ("name", "block_key")

@@ -1,0 +1,116 @@
+"""Moves KV blocks between the engine's paged cache and its second tier (``engine.kv_tier``).
+
+The block pool hands each block it evicts to ``save`` before the block is reused (the block's
+bytes are copied at once; the tier writes them later), and the scheduler asks ``num_hits`` and
+``load`` when it admits a request whose prefix continues in the tier past the cache. A block's
+hash names its adapter by the adapter's weights (``LoraAdapter.block_key``), so an adapter's
+blocks are kept too.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+from collections.abc import Container, Iterable, Sequence
+from pathlib import Path
+
+import torch
+
+from engine.block_hash import BlockHash
+from engine.block_pool import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
+from engine.kv_cache_spec import KVCacheSpec
+from engine.kv_tier import DiskKVTier, HostKVTier, KVTier, TierIdentity, model_fingerprint
+
+logger = logging.getLogger(__name__)
+
+
+class KVOffload:
+    """The engine's door to its tier. Called on the scheduler thread only.
+
+    ``kv_cache`` is the engine's block-major cache ``[num_blocks, *block_shape]``: block ``i``
+    is the contiguous region ``kv_cache[i]``, moved as raw bytes.
+    """
+
+    def __init__(self, tier: KVTier, kv_cache: torch.Tensor, block_size: int) -> None:
+        self.tier = tier
+        self.block_size = block_size
+        self._blocks = kv_cache.view(kv_cache.shape[0], -1).view(torch.uint8)
+
+    def save(self, block_id: int, block_hash: BlockHash) -> None:
+        """Copy an evicted block into the tier (no-op if it holds that hash already)."""
+        if block_hash in self.tier:
+            return
+        self.tier.put(block_hash, self._blocks[block_id].cpu().numpy().tobytes())
+
+    def held_events(
+        self, events: Sequence[KVCacheEvent], cached: Container[BlockHash]
+    ) -> list[KVCacheEvent]:
+        """The cache's ``events`` restated for the blocks held in the cache *or* the tier
+        (what the router's index must know: a hit in either saves the compute): a removal is
+        kept only for blocks in neither (``cached`` is the cache's live hash map), the tier's
+        own drops are added, and after a reset of the cache the tier's blocks are stored again.
+        """
+        out: list[KVCacheEvent] = []
+        cleared = False
+        for event in events:
+            if isinstance(event, BlockRemoved):
+                if gone := self._gone(event.block_hashes, cached):
+                    out.append(BlockRemoved(gone))
+            else:
+                cleared |= isinstance(event, AllBlocksCleared)
+                out.append(event)
+        if gone := self._gone(self.tier.take_removed(), cached):
+            out.append(BlockRemoved(gone))
+        if cleared and (held := self.tier.hashes()):
+            out.append(BlockStored(tuple(held), None, self.block_size))
+        return out
+
+    def _gone(
+        self, block_hashes: Iterable[BlockHash], cached: Container[BlockHash]
+    ) -> tuple[BlockHash, ...]:
+        return tuple(h for h in block_hashes if h not in cached and h not in self.tier)
+
+    def num_hits(self, block_hashes: Sequence[BlockHash]) -> int:
+        """How many of ``block_hashes``, from the first, the tier holds. No side effects."""
+        n = 0
+        for block_hash in block_hashes:
+            if block_hash not in self.tier:
+                break
+            n += 1
+        return n
+
+    def load(self, block_hashes: Sequence[BlockHash], block_ids: Sequence[int]) -> int:
+        """Fill ``block_ids`` with the tier's copies of ``block_hashes``, in order; stop at the
+        first one the tier no longer has or refuses. Returns how many were loaded."""
+        for n, (block_hash, block_id) in enumerate(zip(block_hashes, block_ids, strict=True)):
+            payload = self.tier.get(block_hash)
+            if payload is None:
+                return n
+            self._blocks[block_id].copy_(torch.frombuffer(bytearray(payload), dtype=torch.uint8))
+        return len(block_ids)
+
+    def close(self) -> None:
+        self.tier.close()
+
+
+def build_offload(
+    kv_cache: torch.Tensor,
+    spec: KVCacheSpec,
+    capacity_gib: float,
+    directory: str | None,
+    model_path: Path,
+    dtype: str,
+) -> KVOffload:
+    """A disk tier under ``directory``, else one in host memory, of ``capacity_gib``."""
+    capacity_bytes = int(capacity_gib * 2**30)
+    tier: KVTier
+    if directory:
+        identity = TierIdentity(model_fingerprint(model_path), dtype, spec.compat_hash())
+        tier = DiskKVTier(Path(directory), capacity_bytes, spec.block_bytes, identity)
+        # A clean exit writes the blocks still queued; after a crash they are recomputed.
+        atexit.register(tier.close)
+        logger.info("KV tier: %.2f GiB on disk at %s", capacity_gib, tier.directory)
+    else:
+        tier = HostKVTier(capacity_bytes, spec.block_bytes)
+        logger.info("KV tier: %.2f GiB of host memory", capacity_gib)
+    return KVOffload(tier, kv_cache, spec.block_size)
