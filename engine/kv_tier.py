@@ -16,7 +16,9 @@ and on every read checked against all five (a truncated, corrupted or misplaced 
 and reported as a miss, so the caller recomputes). Files are written by a thread of the tier's
 own, so the engine's step only copies a block into memory; until written, a block is served from
 that copy. The directory survives a restart: its index is rebuilt from the files' names and
-sizes (least recently written first out), and a lock file keeps a second process out of it.
+sizes (least recently written first out). Several workers may share one ``--kv-offload-dir``
+(a node's disk): each takes the first slot ``<identity>/<n>`` that no live process holds (a
+lock file), so a restarted worker finds a slot full of its model's blocks.
 """
 
 from __future__ import annotations
@@ -50,6 +52,8 @@ _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".gguf")
 # Most bytes waiting for the writer thread; beyond it an evicted block is dropped, not queued,
 # so that a slow disk never stalls the engine's step.
 _MAX_PENDING_BYTES = 256 * 2**20
+# Workers of one model sharing a tier directory (each takes a slot of its own).
+MAX_SLOTS = 64
 
 
 @dataclass(frozen=True, slots=True)
@@ -232,11 +236,11 @@ class HostKVTier:
 
 
 class TierLockedError(RuntimeError):
-    """Another process uses the same tier directory for the same model."""
+    """Every slot of a tier directory is held by another live process."""
 
 
 class DiskKVTier:
-    """A tier of block files under ``root/<identity name>/`` (see the module)."""
+    """A tier of block files under ``root/<identity name>/<slot>/`` (see the module)."""
 
     def __init__(
         self, root: Path, capacity_bytes: int, block_bytes: int, identity: TierIdentity
@@ -246,10 +250,8 @@ class DiskKVTier:
             raise ValueError(f"a {capacity_bytes}-byte KV tier holds no {file_bytes}-byte block")
         self.block_bytes = block_bytes
         self.identity = identity
-        self.directory = root / identity.name
-        self.directory.mkdir(parents=True, exist_ok=True)
+        self.directory, self._lock_file = _take_slot(root / identity.name)
         self.counters = TierCounters()
-        self._lock_file = self._take_lock()
         self._lock = threading.Lock()
         self._index = _LruIndex(capacity_bytes)
         self._pending: dict[BlockHash, bytes] = {}
@@ -406,7 +408,7 @@ class DiskKVTier:
         """Index the files a previous run left, oldest first; delete partial writes and files
         of the wrong size (their contents are checked when read)."""
         found: list[tuple[float, BlockHash]] = []
-        for path in self.directory.glob("*/*"):
+        for path in self.directory.glob("*/*.*"):
             if path.suffix == _TMP_SUFFIX:
                 path.unlink(missing_ok=True)
                 continue
@@ -432,14 +434,21 @@ class DiskKVTier:
                 self._index.used_bytes / 2**20,
             )
 
-    def _take_lock(self) -> IO[bytes]:
-        lock_file = (self.directory / ".lock").open("wb")
+
+def _take_slot(model_dir: Path) -> tuple[Path, IO[bytes]]:
+    """The first slot directory under ``model_dir`` no live process holds, and its held lock
+    (released when the file closes, or the process ends)."""
+    for slot in range(MAX_SLOTS):
+        directory = model_dir / str(slot)
+        directory.mkdir(parents=True, exist_ok=True)
+        lock_file = (directory / ".lock").open("wb")
         try:
             fcntl.flock(lock_file, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             lock_file.close()
-            raise TierLockedError(
-                f"KV tier directory {self.directory} is in use by another process: give each "
-                "worker its own --kv-offload-dir"
-            ) from None
-        return lock_file
+            continue
+        return directory, lock_file
+    raise TierLockedError(
+        f"all {MAX_SLOTS} KV tier slots under {model_dir} are held by live processes: give "
+        "these workers another --kv-offload-dir"
+    )

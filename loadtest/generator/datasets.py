@@ -149,18 +149,30 @@ def _jsonl_entries(path: Path, text: str, default_output_tokens: int) -> list[En
 
 
 def _sharegpt_entries(path: Path, text: str) -> list[Entry]:
+    entries = []
+    for turns in _sharegpt_conversations(path, text):
+        if len(turns) >= 2 and turns[0][0] == "human" and turns[1][0] == "gpt":
+            entries.append(Entry(turns[0][1], reply=turns[1][1]))
+    return entries
+
+
+def sharegpt_user_turns(path: Path) -> list[tuple[str, ...]]:
+    """The human turns of each conversation of a ShareGPT file, in order (conversations
+    without one are left out): what a multi-turn replay sends, the replies being the
+    server's own. ``DatasetError`` for a malformed file."""
+    conversations = _sharegpt_conversations(path, path.read_text())
+    user_turns = [tuple(v for who, v in turns if who == "human") for turns in conversations]
+    return [turns for turns in user_turns if turns]
+
+
+def _sharegpt_conversations(path: Path, text: str) -> list[list[tuple[str, str]]]:
     try:
         items = json.loads(text)
     except json.JSONDecodeError as exc:
         raise DatasetError(f"{path}:{exc.lineno}: not JSON: {exc.msg}") from None
     if not isinstance(items, list):
         raise DatasetError(f"{path}: not a JSON list of conversations")
-    entries = []
-    for index, item in enumerate(items):
-        turns = _turns(item, f"{path}: entry {index}")
-        if len(turns) >= 2 and turns[0][0] == "human" and turns[1][0] == "gpt":
-            entries.append(Entry(turns[0][1], reply=turns[1][1]))
-    return entries
+    return [_turns(item, f"{path}: entry {index}") for index, item in enumerate(items)]
 
 
 def _turns(item: Any, where: str) -> list[tuple[str, str]]:

@@ -116,22 +116,54 @@ class OpenAIClient:
         return "/v1/completions", {**common, "prompt": prompt, "max_tokens": request.max_tokens}
 
     async def send(self, request: LoadRequest, timeout_s: float) -> RequestRecord:
-        assert self._session is not None, "send outside `async with`"
         path, body = self._body(request)
         record = RequestRecord(
             sent_s=time.perf_counter(), prompt_tokens=len(request.prompt_token_ids)
         )
+        await self._post(path, body, record, timeout_s, None)
+        return record
+
+    async def send_messages(
+        self, messages: list[dict[str, str]], max_tokens: int, timeout_s: float
+    ) -> tuple[RequestRecord, str]:
+        """One chat completion of a whole conversation so far (``Backend.OPENAI_CHAT``):
+        its record (prompt tokens from the server's usage) and the reply's text."""
+        if self.backend is not Backend.OPENAI_CHAT:
+            raise ValueError("a conversation's messages go to the chat API")
+        body = {
+            "model": self._model,
+            "temperature": 0,
+            "ignore_eos": True,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+            "messages": messages,
+            "max_completion_tokens": max_tokens,
+        }
+        record = RequestRecord(sent_s=time.perf_counter(), prompt_tokens=0)
+        reply: list[str] = []
+        await self._post("/v1/chat/completions", body, record, timeout_s, reply)
+        return record, "".join(reply)
+
+    async def _post(
+        self,
+        path: str,
+        body: dict[str, Any],
+        record: RequestRecord,
+        timeout_s: float,
+        reply: list[str] | None,
+    ) -> None:
+        """Send ``body`` and read its stream into ``record`` (and the text into ``reply``)."""
+        assert self._session is not None, "send outside `async with`"
         try:
             async with self._session.post(
                 self.base_url + path, json=body, timeout=aiohttp.ClientTimeout(total=timeout_s)
             ) as response:
                 if response.status != 200:
                     record.error = f"HTTP {response.status}"
-                    return record
-                record.error = await _read_stream(response.content, record, self.backend)
+                    return
+                record.error = await _read_stream(response.content, record, self.backend, reply)
         except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
             record.error = type(exc).__name__
-        return record
 
 
 def _text(choice: dict[str, Any], backend: Backend) -> str | None:
@@ -141,11 +173,15 @@ def _text(choice: dict[str, Any], backend: Backend) -> str | None:
 
 
 async def _read_stream(
-    lines: AsyncIterable[bytes], record: RequestRecord, backend: Backend
+    lines: AsyncIterable[bytes],
+    record: RequestRecord,
+    backend: Backend,
+    reply: list[str] | None = None,
 ) -> str | None:
     """Read a completion's server-sent events into ``record`` (token arrivals, ``end_s``,
-    prompt and cached tokens from ``usage``); return the error, None when it ends with
-    ``data: [DONE]``. Raises ``ValueError`` for an event that is not JSON."""
+    prompt and cached tokens from ``usage``) and their text into ``reply`` when given; return
+    the error, None when it ends with ``data: [DONE]``. Raises ``ValueError`` for an event
+    that is not JSON."""
     completion_tokens: int | None = None
     async for line in lines:
         now_s = time.perf_counter()
@@ -165,9 +201,11 @@ async def _read_stream(
         if "error" in event:
             return "stream error"
         choices = event.get("choices") or []
-        if choices and _text(choices[0], backend):
+        if choices and (text := _text(choices[0], backend)):
             record.token_times_s.append(now_s)
             record.token_counts.append(1)
+            if reply is not None:
+                reply.append(text)
         if usage := event.get("usage"):
             completion_tokens = usage.get("completion_tokens")
             record.prompt_tokens = usage.get("prompt_tokens", record.prompt_tokens)

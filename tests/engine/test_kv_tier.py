@@ -124,12 +124,22 @@ def test_a_restart_rebuilds_the_index_oldest_first_and_drops_partial_writes(tmp_
     reopened.close()
 
 
-def test_one_process_per_tier_directory(tmp_path):
-    tier = open_disk(tmp_path)
+def test_workers_sharing_a_directory_take_a_slot_each_and_a_restart_finds_one(
+    tmp_path, monkeypatch
+):
+    first, second = open_disk(tmp_path), open_disk(tmp_path)
+    assert first.directory != second.directory
+    block_hash, payload = block(7)
+    second.put(block_hash, payload)
+    second.close()
+    restarted = open_disk(tmp_path)  # the slot the second worker left, with its blocks
+    assert restarted.directory == second.directory
+    assert restarted.get(block_hash) == payload
+    monkeypatch.setattr("engine.kv_tier.MAX_SLOTS", 2)
     with pytest.raises(TierLockedError, match="--kv-offload-dir"):
         open_disk(tmp_path)
-    tier.close()
-    open_disk(tmp_path).close()
+    first.close()
+    restarted.close()
 
 
 def test_model_fingerprint_tells_checkpoints_of_one_architecture_apart(tmp_path):

@@ -1,0 +1,165 @@
+"""Multi-turn chat with and without the second KV tier, in one run.
+
+``python -m loadtest.bench.multi_turn --model smollm2-135m --num-kv-blocks 160
+[--users 64 --turns 6 ...] [--arms cache,tier] [--sharegpt FILE] [--out DIR]``
+
+For each arm a local cluster (``--prefill-workers`` + ``--decode-workers``, the engine flags as
+given, ``--num-threads`` per worker) serves ``--users`` users, each replaying a conversation of
+``--turns`` turns through the chat API (``loadtest.generator.conversations``: every turn's
+prompt is the whole history, the replies are the server's, ``--think-time-s`` between turns).
+Size the cache (``--num-kv-blocks``) below the working set so that histories are evicted
+between turns, as on a busy fleet:
+
+- ``cache``: today's behaviour, the engine's prefix cache only;
+- ``tier``: the same plus a disk tier of ``--tier-gib`` per worker (``--kv-offload-dir``:
+  ``tier`` under ``--out``, emptied first; each worker takes a slot of its own in it).
+
+Reported per arm: TTFT p50 and p99 of turn 1 and of the later turns, prompt tokens of the later
+turns and how many were computed, reused from a cache, and loaded from a tier (the workers'
+``num_tier_hit_blocks`` before and after, from the router's ``Status``). Prints a Markdown
+table and writes ``multi_turn.json`` under ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+from engine.config import EngineConfig
+from engine.flags import add_flags, from_args
+from loadtest.generator.backends import Backend
+from loadtest.generator.conversations import (
+    Conversation,
+    ConversationPlan,
+    run_conversations,
+    summarize_turns,
+    synthetic_conversations,
+)
+from loadtest.generator.datasets import sharegpt_user_turns
+from loadtest.generator.openai_http import OpenAIClient
+from loadtest.generator.sweep import served_model
+from services.common.router_channel import open_router_channel
+from services.launcher import LocalCluster
+from splitserve.v1 import router_pb2, router_pb2_grpc
+
+ARMS = ("cache", "tier")
+
+
+def tier_hit_blocks(router_address: str) -> int:
+    """Blocks every worker behind the router loaded from its tier since it started."""
+    with open_router_channel(router_address) as channel:
+        status = router_pb2_grpc.RouterStub(channel).Status(router_pb2.StatusRequest(), timeout=30)
+    return sum(w.load.num_tier_hit_blocks for w in status.workers)
+
+
+def run_arm(
+    arm: str, engine: EngineConfig, args: argparse.Namespace, conversations: list[Conversation]
+) -> dict[str, Any]:
+    """Start the arm's cluster, replay ``conversations``, stop it; the arm's figures."""
+    engine = dataclasses.replace(engine, kv_offload_gib=0.0, kv_offload_dir=None)
+    if arm == "tier":
+        # One directory for every worker: each takes a slot of its own in it.
+        tier_dir = args.out / "tier"
+        shutil.rmtree(tier_dir, ignore_errors=True)
+        engine = dataclasses.replace(
+            engine, kv_offload_gib=args.tier_gib, kv_offload_dir=str(tier_dir)
+        )
+    cluster = LocalCluster(
+        engine=engine,
+        num_prefill=args.prefill_workers,
+        num_decode=args.decode_workers,
+        log_level="WARNING",
+    )
+    try:
+        cluster.start()
+        served = served_model(cluster.router_address)
+        client = OpenAIClient(Backend.OPENAI_CHAT, cluster.http_url, served.name)
+        tier_before = tier_hit_blocks(cluster.router_address)
+        plan = ConversationPlan(
+            num_users=args.users,
+            max_tokens=args.output_tokens,
+            think_time_s=args.think_time_s,
+            seed=args.seed,
+        )
+        records = asyncio.run(run_conversations(client, plan, conversations))
+        tier_tokens = (tier_hit_blocks(cluster.router_address) - tier_before) * engine.block_size
+    finally:
+        cluster.stop()
+    first, later = summarize_turns(records, 1, 1), summarize_turns(records, 2)
+    return {
+        "arm": arm,
+        "first_turn": dataclasses.asdict(first),
+        "later_turns": dataclasses.asdict(later),
+        "later_turns_computed_tokens": later.computed_tokens,
+        # The tier's hits over the whole run (turn 1 may hit a tier too, for the system prompt).
+        "tier_tokens": tier_tokens,
+        "per_turn": [
+            dataclasses.asdict(summarize_turns(records, t, t)) for t in range(1, args.turns + 1)
+        ],
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_flags(parser, EngineConfig)
+    parser.add_argument("--arms", default=",".join(ARMS), help=f"some of {', '.join(ARMS)}")
+    parser.add_argument("--tier-gib", type=float, default=1.0, help="the tier arm's tier")
+    parser.add_argument("--prefill-workers", type=int, default=2)
+    parser.add_argument("--decode-workers", type=int, default=2)
+    parser.add_argument("--users", type=int, default=64)
+    parser.add_argument("--turns", type=int, default=6)
+    parser.add_argument("--system-prompt-tokens", type=int, default=64)
+    parser.add_argument("--user-turn-tokens", default="32,96", help="min,max tokens per turn")
+    parser.add_argument("--output-tokens", type=int, default=32)
+    parser.add_argument("--think-time-s", type=float, default=1.0)
+    parser.add_argument("--sharegpt", type=Path, help="replay this file's human turns instead")
+    parser.add_argument("--out", type=Path, default=Path("bench-out/multi_turn"))
+    args = parser.parse_args()
+    engine = from_args(EngineConfig, args)
+    args.out.mkdir(parents=True, exist_ok=True)
+    conversations = _conversations(engine, args)
+    results = [run_arm(arm, engine, args, conversations) for arm in args.arms.split(",")]
+    (args.out / "multi_turn.json").write_text(
+        json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "arms": results}, indent=2)
+    )
+    _report(results)
+
+
+def _conversations(engine: EngineConfig, args: argparse.Namespace) -> list[Conversation]:
+    if args.sharegpt is not None:
+        turns = [t[: args.turns] for t in sharegpt_user_turns(args.sharegpt)]
+        return [Conversation(t) for t in turns[: args.users]]
+    from engine.loader.models import resolve_model
+    from engine.tokenizer import Tokenizer
+
+    low, high = (int(n) for n in args.user_turn_tokens.split(","))
+    tokenizer = Tokenizer(resolve_model(engine.model))
+    return synthetic_conversations(
+        tokenizer, args.users, args.turns, args.system_prompt_tokens, (low, high), args.seed
+    )
+
+
+def _report(results: list[dict[str, Any]]) -> None:
+    print(
+        "| arm | turn 1 TTFT p50 / p99 ms | turns 2+ TTFT p50 / p99 ms | turns 2+ prompt tokens "
+        "| computed | reused | of which from a tier | failed turns |"
+    )
+    print("|---|---:|---:|---:|---:|---:|---:|---:|")
+    for r in results:
+        first, later = r["first_turn"], r["later_turns"]
+        print(
+            f"| {r['arm']} | {first['ttft_p50_ms']:.0f} / {first['ttft_p99_ms']:.0f} | "
+            f"{later['ttft_p50_ms']:.0f} / {later['ttft_p99_ms']:.0f} | "
+            f"{later['prompt_tokens']:,} | {r['later_turns_computed_tokens']:,} | "
+            f"{later['cached_tokens']:,} | {r['tier_tokens']:,} | "
+            f"{first['num_errors'] + later['num_errors']} |"
+        )
+
+
+if __name__ == "__main__":
+    main()
