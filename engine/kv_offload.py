@@ -36,6 +36,14 @@ class KVOffload:
         self.block_size = block_size
         self._blocks = kv_cache.view(kv_cache.shape[0], -1).view(torch.uint8)
 
+    @property
+    def num_cache_blocks(self) -> int:
+        return int(self._blocks.shape[0])
+
+    @property
+    def block_bytes(self) -> int:
+        return int(self._blocks.shape[1])
+
     def save(self, block_id: int, block_hash: BlockHash) -> None:
         """Copy an evicted block into the tier (no-op if it holds that hash already)."""
         if block_hash in self.tier:

@@ -130,6 +130,10 @@ class KVTier(Protocol):
         """Blocks the tier dropped (evicted, refused, failed to write) since the last call."""
         ...
 
+    def flush(self) -> None:
+        """Return once every block put so far is stored (written, for a disk tier)."""
+        ...
+
     def close(self) -> None:
         """Finish pending writes and release the tier's resources."""
         ...
@@ -229,6 +233,9 @@ class HostKVTier:
             removed, self.counters.removed = self.counters.removed, []
         return removed
 
+    def flush(self) -> None:
+        return None
+
     def close(self) -> None:
         with self._lock:
             self._blocks.clear()
@@ -256,7 +263,8 @@ class DiskKVTier:
         self._index = _LruIndex(capacity_bytes)
         self._pending: dict[BlockHash, bytes] = {}
         self._pending_bytes = 0
-        self._writes: queue.SimpleQueue[BlockHash | None] = queue.SimpleQueue()
+        # Block hashes to write; an Event to set once the ones before it are; None to stop.
+        self._writes: queue.SimpleQueue[BlockHash | threading.Event | None] = queue.SimpleQueue()
         self._rebuild_index()
         self._writer = threading.Thread(target=self._write_loop, name="kv-tier-writer", daemon=True)
         self._writer.start()
@@ -322,6 +330,11 @@ class DiskKVTier:
             removed, self.counters.removed = self.counters.removed, []
         return removed
 
+    def flush(self) -> None:
+        done = threading.Event()
+        self._writes.put(done)
+        done.wait()
+
     def close(self) -> None:
         self._writes.put(None)
         self._writer.join()
@@ -363,6 +376,9 @@ class DiskKVTier:
 
     def _write_loop(self) -> None:
         while (block_hash := self._writes.get()) is not None:
+            if isinstance(block_hash, threading.Event):
+                block_hash.set()
+                continue
             with self._lock:
                 payload = self._pending.get(block_hash)
             if payload is not None:

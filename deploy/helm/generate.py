@@ -261,6 +261,7 @@ def schema() -> dict[str, Any]:
                 "readOnly": {"type": "boolean"},
             }
         ),
+        "kvOffloadVolume": _obj({"hostPath": _ABSOLUTE_PATH_OR_EMPTY}),
         "huggingface": _obj(
             {
                 "home": _ABSOLUTE_PATH_OR_EMPTY,

@@ -553,6 +553,25 @@ def test_model_on_a_host_path_and_nothing_extra_by_default():
         render({"modelVolume": {"claimName": "models", "hostPath": "/srv/models"}})
 
 
+def test_the_kv_tier_on_the_nodes_disk_is_mounted_in_the_worker_pods_only():
+    values = {
+        "engine": {"kvOffloadGib": 50, "kvOffloadDir": "/var/lib/splitserve/kv"},
+        "kvOffloadVolume": {"hostPath": "/mnt/nvme/splitserve-kv"},
+    }
+    for group, pod in ray_pods(values).items():
+        tier_volume = {
+            "name": "kv-offload",
+            "hostPath": {"path": "/mnt/nvme/splitserve-kv", "type": "DirectoryOrCreate"},
+        }
+        tier_mount = {"name": "kv-offload", "mountPath": "/var/lib/splitserve/kv"}
+        worker = group != "head"
+        assert (tier_volume in pod["volumes"]) is worker, group
+        assert (tier_mount in pod["containers"][0]["volumeMounts"]) is worker, group
+    assert "--kv-offload-dir=/var/lib/splitserve/kv" in head_argv(values)
+    with pytest.raises(helm_python.HelmRenderError, match=r"set engine\.kvOffloadDir"):
+        render({"kvOffloadVolume": {"hostPath": "/mnt/nvme/splitserve-kv"}})
+
+
 def test_extra_args_follow_the_values_flags_and_win():
     """extraArgs, shell-quoted, reach `splitserve up`'s parser after the values' flags."""
     argv = head_argv(VALUE_SETS["model-volume"])

@@ -41,8 +41,10 @@ def test_disk_block_read_back_is_bit_identical_before_and_after_its_write(tmp_pa
     block_hash, payload = block(0)
     assert tier.put(block_hash, payload)
     assert tier.get(block_hash) == payload  # served from memory or the file, either way equal
-    tier.close()
+    tier.flush()
     assert block_file(tier, block_hash).stat().st_size == HEADER_BYTES + BLOCK_BYTES
+    assert tier.get(block_hash) == payload  # from the file now
+    tier.close()
     reopened = open_disk(tmp_path)
     assert reopened.get(block_hash) == payload
     assert reopened.counters.num_hits == 1

@@ -80,7 +80,8 @@ integers.
 
 {{/*
 A group's volumes and its container's mounts, as YAML {volumes: [...], mounts: [...]}: the user's
-model (modelVolume), a writable /tmp (the root filesystem is read-only), the group's TLS Secrets
+model (modelVolume), a writable /tmp (the root filesystem is read-only), the workers' KV tier
+directory (kvOffloadVolume, prefill and decode only), the group's TLS Secrets
 under /etc/splitserve/tls/<identity>, an external Redis's TLS Secret under
 /etc/splitserve/redis-tls, and the API key file on the head.
 Arguments: root (the chart's context), group ("head", "prefill" or "decode").
@@ -103,6 +104,15 @@ Arguments: root (the chart's context), group ("head", "prefill" or "decode").
 {{- end -}}
 {{- $volumes = append $volumes (dict "name" "tmp" "emptyDir" dict) -}}
 {{- $mounts = append $mounts (dict "name" "tmp" "mountPath" "/tmp") -}}
+{{- with $v.kvOffloadVolume.hostPath -}}
+{{- if not $v.engine.kvOffloadDir -}}
+{{- fail "kvOffloadVolume.hostPath: set engine.kvOffloadDir, where the workers see it" -}}
+{{- end -}}
+{{- if ne $.group "head" -}}
+{{- $volumes = append $volumes (dict "name" "kv-offload" "hostPath" (dict "path" . "type" "DirectoryOrCreate")) -}}
+{{- $mounts = append $mounts (dict "name" "kv-offload" "mountPath" $v.engine.kvOffloadDir) -}}
+{{- end -}}
+{{- end -}}
 {{- if $v.security.tls.enabled -}}
 {{- range $identity := splitList " " (include "splitserve.tlsIdentities" $.group) -}}
 {{- $secret := include "splitserve.tlsSecretName" (dict "root" $.root "identity" $identity) -}}
