@@ -81,7 +81,7 @@ def time_recompute(engine: LLMEngine, num_tokens: int, seed: int) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_flags(parser, EngineConfig)
-    parser.add_argument("--blocks", type=int, default=512)
+    parser.add_argument("--blocks", type=int, default=256)
     parser.add_argument("--prefill-tokens", type=int, default=1024)
     parser.add_argument("--dir", type=Path, default=Path("bench-out/kv_tier/tier"))
     parser.add_argument("--drop-caches", action="store_true", help="also time cold reads")
