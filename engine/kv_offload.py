@@ -109,12 +109,16 @@ def build_offload(
     model_path: Path,
     dtype: str,
 ) -> KVOffload:
-    """A disk tier under ``directory``, else one in host memory, of ``capacity_gib``."""
+    """A disk tier under ``directory``, else one in host memory, of ``capacity_gib``.
+    ``ValueError`` naming the flag for a directory that cannot be used."""
     capacity_bytes = int(capacity_gib * 2**30)
     tier: KVTier
     if directory:
         identity = TierIdentity(model_fingerprint(model_path), dtype, spec.compat_hash())
-        tier = DiskKVTier(Path(directory), capacity_bytes, spec.block_bytes, identity)
+        try:
+            tier = DiskKVTier(Path(directory), capacity_bytes, spec.block_bytes, identity)
+        except OSError as exc:
+            raise ValueError(f"--kv-offload-dir {directory}: {exc.strerror or exc}") from None
         # A clean exit writes the blocks still queued; after a crash they are recomputed.
         atexit.register(tier.close)
         logger.info("KV tier: %.2f GiB on disk at %s", capacity_gib, tier.directory)

@@ -132,6 +132,13 @@ def test_two_salts_never_read_each_others_tier_blocks(tiny_llama_dir):
     assert (same.token_ids, same.num_cached_tokens) == (cold.token_ids, TIER_HIT_TOKENS)
 
 
+def test_an_unusable_tier_directory_is_a_clear_error(tiny_llama_dir, tmp_path):
+    not_a_directory = tmp_path / "file"
+    not_a_directory.write_text("")
+    with pytest.raises(ValueError, match=r"--kv-offload-dir .*file"):
+        make_engine(tiny_llama_dir, not_a_directory / "tier")
+
+
 def test_kv_offload_flags_are_checked():
     with pytest.raises(ValueError, match="kv_offload_dir needs kv_offload_gib"):
         EngineConfig(model="m", kv_offload_dir="/tmp/x")
