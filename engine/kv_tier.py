@@ -295,7 +295,7 @@ class DiskKVTier:
                 return False
             for old in self._index.add(block_hash, HEADER_BYTES + len(payload)):
                 self._drop_pending(old)
-                self._path(old).unlink(missing_ok=True)
+                _remove(self._path(old))
                 self.counters.num_evicted += 1
                 self.counters.removed.append(old)
             self._pending[block_hash] = payload
@@ -331,6 +331,8 @@ class DiskKVTier:
         return removed
 
     def flush(self) -> None:
+        if not self._writer.is_alive():  # closed: everything queued was written
+            return
         done = threading.Event()
         self._writes.put(done)
         done.wait()
@@ -356,7 +358,7 @@ class DiskKVTier:
         if problem is None:
             return data[HEADER_BYTES:]
         logger.warning("KV tier: refusing %s (%s); it will be recomputed", path, problem)
-        path.unlink(missing_ok=True)
+        _remove(path)
         return None
 
     def _check(self, data: bytes, block_hash: BlockHash) -> str | None:
@@ -412,10 +414,10 @@ class DiskKVTier:
                 if block_hash in self._index.entries:
                     os.replace(tmp, path)
                     return
-            tmp.unlink(missing_ok=True)
+            _remove(tmp)
         except OSError as exc:
             logger.warning("KV tier: writing %s failed (%s); the block is dropped", path, exc)
-            tmp.unlink(missing_ok=True)
+            _remove(tmp)
             with self._lock:
                 self._index.discard(block_hash)
                 self.counters.removed.append(block_hash)
@@ -426,7 +428,7 @@ class DiskKVTier:
         found: list[tuple[float, BlockHash]] = []
         for path in self.directory.glob("*/*.*"):
             if path.suffix == _TMP_SUFFIX:
-                path.unlink(missing_ok=True)
+                _remove(path)
                 continue
             try:
                 block_hash = bytes.fromhex(path.stem)
@@ -436,12 +438,12 @@ class DiskKVTier:
             if path.suffix != _SUFFIX or len(block_hash) != 32:
                 continue
             if stat.st_size != HEADER_BYTES + self.block_bytes:
-                path.unlink(missing_ok=True)
+                _remove(path)
                 continue
             found.append((stat.st_mtime, block_hash))
         for _, block_hash in sorted(found):
             for old in self._index.add(block_hash, HEADER_BYTES + self.block_bytes):
-                self._path(old).unlink(missing_ok=True)
+                _remove(self._path(old))
         if found:
             logger.info(
                 "KV tier %s: %d blocks from an earlier run (%.1f MiB)",
@@ -449,6 +451,15 @@ class DiskKVTier:
                 len(self._index.entries),
                 self._index.used_bytes / 2**20,
             )
+
+
+def _remove(path: Path) -> None:
+    """Delete ``path`` if it exists; a failure (a read-only disk) is logged, never raised: the
+    engine's step and the writer thread must go on, and a stale file is refused when read."""
+    try:
+        path.unlink(missing_ok=True)
+    except OSError as exc:
+        logger.warning("KV tier: cannot delete %s (%s)", path, exc)
 
 
 def _take_slot(model_dir: Path) -> tuple[Path, IO[bytes]]:
