@@ -43,6 +43,7 @@ from loadtest.generator.conversations import (
 from loadtest.generator.datasets import sharegpt_user_turns
 from loadtest.generator.openai_http import OpenAIClient
 from loadtest.generator.sweep import served_model
+from services.common.roles import Role
 from services.common.router_channel import open_router_channel
 from services.launcher import LocalCluster
 from splitserve.v1 import router_pb2, router_pb2_grpc
@@ -69,10 +70,14 @@ def run_arm(
         engine = dataclasses.replace(
             engine, kv_offload_gib=args.tier_gib, kv_offload_dir=str(tier_dir)
         )
+    decode_flags: tuple[str, ...] = ()
+    if args.decode_num_kv_blocks is not None:
+        decode_flags = ("--num-kv-blocks", str(args.decode_num_kv_blocks))
     cluster = LocalCluster(
         engine=engine,
         num_prefill=args.prefill_workers,
         num_decode=args.decode_workers,
+        extra_role_flags={Role.DECODE: decode_flags},
         log_level="WARNING",
     )
     try:
@@ -111,6 +116,9 @@ def main() -> None:
     parser.add_argument("--tier-gib", type=float, default=1.0, help="the tier arm's tier")
     parser.add_argument("--prefill-workers", type=int, default=2)
     parser.add_argument("--decode-workers", type=int, default=2)
+    parser.add_argument(
+        "--decode-num-kv-blocks", type=int, help="the decode workers' (default: --num-kv-blocks)"
+    )
     parser.add_argument("--users", type=int, default=64)
     parser.add_argument("--turns", type=int, default=6)
     parser.add_argument("--system-prompt-tokens", type=int, default=64)
