@@ -177,17 +177,17 @@ class _LruIndex:
             self.used_bytes -= size
 
 
-class HostKVTier:
-    """A tier in host memory: for an engine whose cache is in device memory."""
+class _LruTier:
+    """What both tiers keep: the LRU index of their blocks (the blocks a tier holds are
+    exactly its index's keys), its counters and the lock guarding both."""
 
-    def __init__(self, capacity_bytes: int, block_bytes: int) -> None:
-        if capacity_bytes < block_bytes:
-            raise ValueError(f"a {capacity_bytes}-byte KV tier holds no {block_bytes}-byte block")
+    def __init__(self, capacity_bytes: int, block_bytes: int, charged_bytes: int) -> None:
+        if capacity_bytes < charged_bytes:
+            raise ValueError(f"a {capacity_bytes}-byte KV tier holds no {charged_bytes}-byte block")
         self.block_bytes = block_bytes
         self.counters = TierCounters()
         self._lock = threading.Lock()
         self._index = _LruIndex(capacity_bytes)
-        self._blocks: dict[BlockHash, bytes] = {}
 
     @property
     def capacity_bytes(self) -> int:
@@ -202,7 +202,24 @@ class HostKVTier:
         return len(self._index.entries)
 
     def __contains__(self, block_hash: BlockHash) -> bool:
-        return block_hash in self._blocks
+        return block_hash in self._index.entries
+
+    def hashes(self) -> list[BlockHash]:
+        with self._lock:
+            return list(self._index.entries)
+
+    def take_removed(self) -> list[BlockHash]:
+        with self._lock:
+            removed, self.counters.removed = self.counters.removed, []
+        return removed
+
+
+class HostKVTier(_LruTier):
+    """A tier in host memory: for an engine whose cache is in device memory."""
+
+    def __init__(self, capacity_bytes: int, block_bytes: int) -> None:
+        super().__init__(capacity_bytes, block_bytes, block_bytes)
+        self._blocks: dict[BlockHash, bytes] = {}
 
     def put(self, block_hash: BlockHash, payload: bytes) -> bool:
         with self._lock:
@@ -224,15 +241,6 @@ class HostKVTier:
                 self.counters.num_hits += 1
             return payload
 
-    def hashes(self) -> list[BlockHash]:
-        with self._lock:
-            return list(self._blocks)
-
-    def take_removed(self) -> list[BlockHash]:
-        with self._lock:
-            removed, self.counters.removed = self.counters.removed, []
-        return removed
-
     def flush(self) -> None:
         return None
 
@@ -246,21 +254,15 @@ class TierLockedError(RuntimeError):
     """Every slot of a tier directory is held by another live process."""
 
 
-class DiskKVTier:
+class DiskKVTier(_LruTier):
     """A tier of block files under ``root/<identity name>/<slot>/`` (see the module)."""
 
     def __init__(
         self, root: Path, capacity_bytes: int, block_bytes: int, identity: TierIdentity
     ) -> None:
-        file_bytes = HEADER_BYTES + block_bytes
-        if capacity_bytes < file_bytes:
-            raise ValueError(f"a {capacity_bytes}-byte KV tier holds no {file_bytes}-byte block")
-        self.block_bytes = block_bytes
+        super().__init__(capacity_bytes, block_bytes, HEADER_BYTES + block_bytes)
         self.identity = identity
         self.directory, self._lock_file = _take_slot(root / identity.name)
-        self.counters = TierCounters()
-        self._lock = threading.Lock()
-        self._index = _LruIndex(capacity_bytes)
         self._pending: dict[BlockHash, bytes] = {}
         self._pending_bytes = 0
         # Block hashes to write; an Event to set once the ones before it are; None to stop.
@@ -268,21 +270,6 @@ class DiskKVTier:
         self._rebuild_index()
         self._writer = threading.Thread(target=self._write_loop, name="kv-tier-writer", daemon=True)
         self._writer.start()
-
-    @property
-    def capacity_bytes(self) -> int:
-        return self._index.capacity_bytes
-
-    @property
-    def used_bytes(self) -> int:
-        return self._index.used_bytes
-
-    @property
-    def num_blocks(self) -> int:
-        return len(self._index.entries)
-
-    def __contains__(self, block_hash: BlockHash) -> bool:
-        return block_hash in self._index.entries
 
     def put(self, block_hash: BlockHash, payload: bytes) -> bool:
         if len(payload) != self.block_bytes:
@@ -320,15 +307,6 @@ class DiskKVTier:
             else:
                 self.counters.num_hits += 1
         return payload
-
-    def hashes(self) -> list[BlockHash]:
-        with self._lock:
-            return list(self._index.entries)
-
-    def take_removed(self) -> list[BlockHash]:
-        with self._lock:
-            removed, self.counters.removed = self.counters.removed, []
-        return removed
 
     def flush(self) -> None:
         if not self._writer.is_alive():  # closed: everything queued was written

@@ -94,26 +94,30 @@ class OpenAIClient:
 
     def _body(self, request: LoadRequest) -> tuple[str, dict[str, Any]]:
         """The endpoint and the JSON body for ``request``."""
-        common = {
+        if self.backend is Backend.OPENAI_CHAT:
+            assert request.prompt_text is not None, "a chat API takes text prompts only"
+            messages = [{"role": "user", "content": request.prompt_text}]
+            return "/v1/chat/completions", self._chat_body(messages, request.max_tokens)
+        prompt = (
+            request.prompt_text
+            if request.prompt_text is not None
+            else list(request.prompt_token_ids)
+        )
+        body = {**self._common(), "prompt": prompt, "max_tokens": request.max_tokens}
+        return "/v1/completions", body
+
+    def _common(self) -> dict[str, Any]:
+        """Every request's fields: greedy, no early stop, streamed with the usage."""
+        return {
             "model": self._model,
             "temperature": 0,
             "ignore_eos": True,
             "stream": True,
             "stream_options": {"include_usage": True},
         }
-        if self.backend is Backend.OPENAI_CHAT:
-            assert request.prompt_text is not None, "a chat API takes text prompts only"
-            return "/v1/chat/completions", {
-                **common,
-                "messages": [{"role": "user", "content": request.prompt_text}],
-                "max_completion_tokens": request.max_tokens,
-            }
-        prompt = (
-            request.prompt_text
-            if request.prompt_text is not None
-            else list(request.prompt_token_ids)
-        )
-        return "/v1/completions", {**common, "prompt": prompt, "max_tokens": request.max_tokens}
+
+    def _chat_body(self, messages: list[dict[str, str]], max_tokens: int) -> dict[str, Any]:
+        return {**self._common(), "messages": messages, "max_completion_tokens": max_tokens}
 
     async def send(self, request: LoadRequest, timeout_s: float) -> RequestRecord:
         path, body = self._body(request)
@@ -130,15 +134,7 @@ class OpenAIClient:
         its record (prompt tokens from the server's usage) and the reply's text."""
         if self.backend is not Backend.OPENAI_CHAT:
             raise ValueError("a conversation's messages go to the chat API")
-        body = {
-            "model": self._model,
-            "temperature": 0,
-            "ignore_eos": True,
-            "stream": True,
-            "stream_options": {"include_usage": True},
-            "messages": messages,
-            "max_completion_tokens": max_tokens,
-        }
+        body = self._chat_body(messages, max_tokens)
         record = RequestRecord(sent_s=time.perf_counter(), prompt_tokens=0)
         reply: list[str] = []
         await self._post("/v1/chat/completions", body, record, timeout_s, reply)
