@@ -164,6 +164,20 @@ class EngineBackend(Protocol):
     def release_held_kv(self, req_id: str) -> bool:
         """Free the blocks a finished ``hold_kv`` request keeps; False if it held none."""
 
+    def pin_prefix(
+        self,
+        pin_id: str,
+        prompt_token_ids: Sequence[int],
+        max_blocks: int,
+        *,
+        cache_salt: str = "",
+        lora_name: str = "",
+    ) -> list[int]:
+        """Hold the longest run, at most ``max_blocks``, of the prompt's full blocks this
+        engine caches under ``pin_id`` as a finished ``hold_kv`` request (``held_kv_block_ids``,
+        ``release_held_kv``): what a peer pulls the prefix from. [] when none is cached or the
+        engine cannot pin by prefix (then nothing is held)."""
+
     def take_kv_loads(self) -> list[KVLoad]:
         """Transfers into ``kv_cache`` the engine started since the last call (each reported
         once): the blocks to fill for requests added with ``num_external_tokens``."""

@@ -402,6 +402,39 @@ class LLMEngine:
             return []
         return self.kv_cache_manager.get_block_ids(req_id)
 
+    def pin_prefix(
+        self,
+        pin_id: str,
+        prompt_token_ids: Sequence[int],
+        max_blocks: int,
+        *,
+        cache_salt: str = "",
+        lora_name: str = "",
+    ) -> list[int]:
+        """Hold the longest cached run (at most ``max_blocks``) of the prompt's full blocks
+        under ``pin_id`` until ``release_held_kv``; [] when none is cached, the salt is bad or
+        the adapter is not loaded here (nothing is held then). ``DuplicateRequestError`` if
+        ``pin_id`` is a live request's or holds KV here."""
+        if lora_name and lora_name not in self.lora_adapters:
+            return []
+        try:
+            check_cache_salt(cache_salt)
+        except ValueError:
+            return []
+        lora_key = self.lora.block_key(lora_name) if lora_name else ""
+        request = Request(
+            req_id=pin_id,
+            prompt_token_ids=list(prompt_token_ids),
+            sampling_params=SamplingParams(max_tokens=1),
+            eos_token_ids=self.tokenizer.eos_token_ids,
+            block_size=self.config.block_size,
+            arrival_time_s=time.perf_counter(),
+            hold_kv=True,
+            extra_key=block_extra_key(cache_salt, lora_key),
+            lora_name=lora_name,
+        )
+        return self.scheduler.pin_cached_prefix(request, max_blocks)
+
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.num_unfinished_requests > 0 or bool(self._compiling)
 

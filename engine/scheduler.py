@@ -242,6 +242,19 @@ class Scheduler:
             index -= 1
         self.waiting.insert(index, request)
 
+    def pin_cached_prefix(self, request: Request, max_blocks: int) -> list[int]:
+        """Hold the longest run (at most ``max_blocks``) of ``request``'s full blocks cached
+        here, as a finished ``hold_kv`` request would (until ``release_held_kv``), without
+        scheduling it: what a peer pulls a prefix from. Returns their ids ([]: none cached, and
+        nothing is held). ``DuplicateRequestError`` if the id is live or holds KV here."""
+        if request.req_id in self.requests or request.req_id in self.held_kv:
+            raise DuplicateRequestError(f"request_id {request.req_id!r} is in use here")
+        hits = self.kv_cache_manager.get_computed_blocks(request)[:max_blocks]
+        if not hits or not self.kv_cache_manager.allocate_slots(request, 0, hits, cache=False):
+            return []
+        self.held_kv[request.req_id] = request
+        return self.kv_cache_manager.get_block_ids(request.req_id)
+
     def release_held_kv(self, req_id: str) -> bool:
         """Free the blocks a finished ``hold_kv`` request kept; False if it holds none."""
         request = self.held_kv.pop(req_id, None)

@@ -405,6 +405,19 @@ class VLLMEngine:
         """vLLM frees the blocks at the next step (``has_unfinished_requests`` says so)."""
         return self._channel is not None and self._channel.release(req_id)
 
+    def pin_prefix(
+        self,
+        pin_id: str,
+        prompt_token_ids: Sequence[int],
+        max_blocks: int,
+        *,
+        cache_salt: str = "",
+        lora_name: str = "",
+    ) -> list[int]:
+        """Never pins: vLLM's scheduler owns its blocks' references, and its connector sees a
+        request's blocks only while the request runs. A vLLM worker is no peer source."""
+        return []
+
     def take_kv_loads(self) -> list[KVLoad]:
         return [] if self._channel is None else self._channel.take_loads()
 

@@ -29,9 +29,9 @@ from services.common.failures import FailureKind, abort_with
 from services.common.roles import Role
 from services.common.stream_writer import StreamWriter
 from services.common.tracing import ending
-from services.decode.kv_puller import KVPullHooks, PullResult
 from services.decode.spans import record_decode
 from services.worker.config import WorkerConfig
+from services.worker.kv_puller import PullResult
 from services.worker.runtime import RunningWorker, WorkerService, start_worker
 from services.worker.servicer import WorkerServicerBase, engine_errors
 from splitserve.v1 import worker_pb2, worker_pb2_grpc
@@ -39,9 +39,9 @@ from splitserve.v1 import worker_pb2, worker_pb2_grpc
 logger = logging.getLogger(__name__)
 
 
-class DecodeServicer(WorkerServicerBase[KVPullHooks], worker_pb2_grpc.DecodeWorkerServicer):
+class DecodeServicer(WorkerServicerBase, worker_pb2_grpc.DecodeWorkerServicer):
     """Handlers run on the asyncio loop; the engine runs on ``runtime.loop``'s thread, with
-    the KV puller (``hooks``) around its steps."""
+    the KV puller and leases (``hooks``) around its steps."""
 
     async def Decode(
         self, request: worker_pb2.DecodeRequest, context: grpc.aio.ServicerContext
@@ -70,7 +70,7 @@ class DecodeServicer(WorkerServicerBase[KVPullHooks], worker_pb2_grpc.DecodeWork
         salt = request.cache_salt
 
         def add(engine: EngineBackend) -> None:
-            if src is None or not self.hooks.expect(req_id, src, peer):
+            if src is None or not self.hooks.puller.expect(req_id, src, peer):
                 engine.add_request(
                     req_id,
                     prompt,
@@ -95,7 +95,7 @@ class DecodeServicer(WorkerServicerBase[KVPullHooks], worker_pb2_grpc.DecodeWork
             except DuplicateRequestError:
                 raise  # the id's pull, if any, is another request's
             except ValueError:
-                self.hooks.abort(engine, req_id)
+                self.hooks.puller.abort(engine, req_id)
                 raise
 
         outputs = self.runtime.loop.generate(req_id, add)
@@ -121,7 +121,7 @@ class DecodeServicer(WorkerServicerBase[KVPullHooks], worker_pb2_grpc.DecodeWork
                             context, grpc.StatusCode.INTERNAL, FailureKind.REQUEST, output.error
                         )
                     # Taken with the final output; a request that ended otherwise leaves it.
-                    pull = self.hooks.take_result(req_id) if output.finished else None
+                    pull = self.hooks.puller.take_result(req_id) if output.finished else None
                     response = self._response(output, pull)
                     if output.finished:
                         record_decode(
@@ -136,7 +136,7 @@ class DecodeServicer(WorkerServicerBase[KVPullHooks], worker_pb2_grpc.DecodeWork
             logger.info("req_id=%s cancelled by the caller", req_id)
             raise
         finally:
-            self.hooks.take_result(req_id)
+            self.hooks.puller.take_result(req_id)
         if stalled:
             idle_s = writer.idle_s
             logger.warning("req_id=%s aborted: its reader took no output for %g s", req_id, idle_s)
@@ -185,7 +185,9 @@ class DecodeServicer(WorkerServicerBase[KVPullHooks], worker_pb2_grpc.DecodeWork
     def load(self) -> worker_pb2.WorkerLoad:
         return load_to_proto(
             self.runtime.loop.stats,
-            num_transfers_failed=self.hooks.num_transfers_failed,
+            num_transfers_failed=self.hooks.puller.num_transfers_failed,
+            num_kv_leases=self.hooks.leases.num_leases,
+            num_leases_expired=self.hooks.leases.num_leases_expired,
             shutting_down=self.runtime.shutting_down,
         )
 
@@ -193,7 +195,6 @@ class DecodeServicer(WorkerServicerBase[KVPullHooks], worker_pb2_grpc.DecodeWork
 DECODE_WORKER = WorkerService(
     Role.DECODE,
     "splitserve.v1.DecodeWorker",
-    lambda config, backend: KVPullHooks(backend),
     DecodeServicer,
     worker_pb2_grpc.add_DecodeWorkerServicer_to_server,
 )

@@ -8,7 +8,7 @@ from opentelemetry.trace import Span
 
 from engine.outputs import RequestOutput
 from services.common.tracing import Tracing
-from services.decode.kv_puller import PullResult
+from services.worker.kv_puller import PullResult
 from services.worker.spans import record_engine_request
 
 

@@ -2,9 +2,13 @@
 
 A prefill runs the request with ``max_tokens=1``: prefix-cache hits are reused, the rest of the
 prompt is computed, the first token is sampled. Unless that token already ends the request, the
-prompt's blocks stay pinned under a lease (see ``leases``) and the response carries a ``KVRef``
-the decode worker pulls them with, including the lease's grant, without which the KV transfer
-backend refuses the pull.
+prompt's blocks stay pinned under a lease (see ``kv_leases``) and the response carries a
+``KVRef`` the decode worker pulls them with, including the lease's grant, without which the KV
+transfer backend refuses the pull.
+
+With a ``peer_kv_ref`` (a prefix another worker pinned for this prompt: ``PinPrefix``) the
+prefix's blocks past this worker's own hits are pulled from that peer instead of computed
+(``kv_puller``); a failed pull computes them, with the same tokens.
 """
 
 from __future__ import annotations
@@ -18,17 +22,19 @@ from opentelemetry.trace import Span
 
 from engine.backend import EngineBackend
 from engine.outputs import RequestOutput
+from engine.scheduler import DuplicateRequestError
 from kvtransfer.base import KVRef
 from services.common.convert import (
+    kv_ref_from_proto,
     kv_ref_to_proto,
     load_to_proto,
     logprobs_to_proto,
+    peer_info_from_proto,
     peer_info_to_proto,
 )
 from services.common.failures import FailureKind, abort_with
 from services.common.roles import Role
 from services.common.tracing import ending
-from services.prefill.leases import LeaseHooks
 from services.prefill.spans import record_prefill
 from services.worker.config import WorkerConfig
 from services.worker.runtime import RunningWorker, WorkerService, start_worker
@@ -38,9 +44,9 @@ from splitserve.v1 import worker_pb2, worker_pb2_grpc
 logger = logging.getLogger(__name__)
 
 
-class PrefillServicer(WorkerServicerBase[LeaseHooks], worker_pb2_grpc.PrefillWorkerServicer):
-    """Handlers run on the asyncio loop; the engine, with the leases (``hooks``) around its
-    steps, on ``runtime.loop``'s thread."""
+class PrefillServicer(WorkerServicerBase, worker_pb2_grpc.PrefillWorkerServicer):
+    """Handlers run on the asyncio loop; the engine, with the leases and the puller
+    (``hooks``) around its steps, on ``runtime.loop``'s thread."""
 
     async def Prefill(
         self, request: worker_pb2.PrefillRequest, context: grpc.aio.ServicerContext
@@ -59,17 +65,34 @@ class PrefillServicer(WorkerServicerBase[LeaseHooks], worker_pb2_grpc.PrefillWor
         hold_kv = params.max_tokens > 1
         salt = request.cache_salt
         first_token_params = dataclasses.replace(params, max_tokens=1)
+        src: KVRef | None = None
+        if request.HasField("peer_kv_ref"):
+            src = kv_ref_from_proto(request.peer_kv_ref)
+            error = self._check_peer_kv_ref(src, len(prompt), params.prompt_logprobs)
+            if error:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, error)
+        peer = peer_info_from_proto(request.peer_kv_peer)
+        puller = self.hooks.puller
 
         def add(engine: EngineBackend) -> None:
-            engine.add_request(
-                req_id,
-                prompt,
-                first_token_params,
-                hold_kv=hold_kv,
-                cache_salt=salt,
-                priority=request.priority,
-                lora_name=request.lora_name,
-            )
+            pulls = src is not None and puller.expect(req_id, src, peer)
+            try:
+                engine.add_request(
+                    req_id,
+                    prompt,
+                    first_token_params,
+                    num_external_tokens=src.num_tokens if src is not None and pulls else 0,
+                    hold_kv=hold_kv,
+                    cache_salt=salt,
+                    priority=request.priority,
+                    lora_name=request.lora_name,
+                )
+            except DuplicateRequestError:
+                raise  # the id's pull, if any, is another request's
+            except ValueError:
+                if pulls:
+                    puller.abort(engine, req_id)
+                raise
 
         loop = self.runtime.loop
         final: RequestOutput | None = None
@@ -81,6 +104,8 @@ class PrefillServicer(WorkerServicerBase[LeaseHooks], worker_pb2_grpc.PrefillWor
             # The request may have finished (and leased its blocks) just before the cancel.
             loop.abort(req_id)
             raise
+        finally:
+            pull = puller.take_result(req_id)
         assert final is not None and final.finished
         record_prefill(self.runtime.tracing, span, final)
         if (metrics := self.runtime.metrics) is not None:
@@ -88,7 +113,26 @@ class PrefillServicer(WorkerServicerBase[LeaseHooks], worker_pb2_grpc.PrefillWor
             metrics.engine_request_finished(final, len(final.token_ids))
         if final.error is not None:
             await abort_with(context, grpc.StatusCode.INTERNAL, FailureKind.REQUEST, final.error)
-        return await self._respond(req_id, prompt, params.max_tokens, final)
+        response = await self._respond(req_id, prompt, params.max_tokens, final)
+        if pull is not None:
+            response.num_peer_blocks = pull.num_transferred_blocks
+            response.peer_pull_failed = pull.failed
+        return response
+
+    def _check_peer_kv_ref(
+        self, src: KVRef, num_prompt_tokens: int, prompt_logprobs: int | None
+    ) -> str | None:
+        block_size = self.runtime.engine.info.block_size
+        if prompt_logprobs is not None:
+            return "peer_kv_ref: a prompt asking for prompt_logprobs computes every token"
+        if not 0 < src.num_tokens < num_prompt_tokens or src.num_tokens % block_size:
+            return (
+                f"peer_kv_ref: covers {src.num_tokens} tokens; a peer's prefix is whole blocks "
+                f"of {block_size} and shorter than the prompt's {num_prompt_tokens}"
+            )
+        if len(src.block_ids) != src.num_tokens // block_size:
+            return f"peer_kv_ref: {len(src.block_ids)} blocks for {src.num_tokens} tokens"
+        return None
 
     async def _respond(
         self, req_id: str, prompt: list[int], max_tokens: int, final: RequestOutput
@@ -115,9 +159,9 @@ class PrefillServicer(WorkerServicerBase[LeaseHooks], worker_pb2_grpc.PrefillWor
             response.finish_reason = final.finish_reason or "length"
             if final.stop_reason is not None:
                 response.stop_reason = str(final.stop_reason)
-            await self.runtime.loop.call(lambda e: self.hooks.release(e, req_id))
+            await self.runtime.loop.call(lambda e: self.hooks.leases.release(e, req_id))
             return response
-        lease = self.hooks.get(req_id)
+        lease = self.hooks.leases.get(req_id)
         assert lease is not None, f"req_id={req_id} finished prefill without a lease"
         ref = KVRef(
             engine_id=kv_peer.engine_id,
@@ -130,20 +174,12 @@ class PrefillServicer(WorkerServicerBase[LeaseHooks], worker_pb2_grpc.PrefillWor
         logger.debug("req_id=%s prefilled: %d blocks leased", req_id, len(lease.block_ids))
         return response
 
-    async def Release(
-        self, request: worker_pb2.ReleaseRequest, context: grpc.aio.ServicerContext
-    ) -> worker_pb2.ReleaseResponse:
-        req_id = request.request_id
-        loop = self.runtime.loop
-        released = await loop.call(lambda e: self.hooks.release(e, req_id))
-        aborted = await loop.abort_and_wait(req_id)
-        return worker_pb2.ReleaseResponse(released=released or aborted)
-
     def load(self) -> worker_pb2.WorkerLoad:
         return load_to_proto(
             self.runtime.loop.stats,
-            num_kv_leases=self.hooks.num_leases,
-            num_leases_expired=self.hooks.num_leases_expired,
+            num_kv_leases=self.hooks.leases.num_leases,
+            num_leases_expired=self.hooks.leases.num_leases_expired,
+            num_transfers_failed=self.hooks.puller.num_transfers_failed,
             shutting_down=self.runtime.shutting_down,
         )
 
@@ -151,7 +187,6 @@ class PrefillServicer(WorkerServicerBase[LeaseHooks], worker_pb2_grpc.PrefillWor
 PREFILL_WORKER = WorkerService(
     Role.PREFILL,
     "splitserve.v1.PrefillWorker",
-    lambda config, backend: LeaseHooks(backend, config.lease_ttl_s),
     PrefillServicer,
     worker_pb2_grpc.add_PrefillWorkerServicer_to_server,
 )

@@ -196,6 +196,12 @@ class RouterConfig:
         "on the chosen prefill worker, at most this many of its tokens are not cached there, "
         "and the decode worker runs --scheduling-policy priority (0: never)",
     )
+    peer_pull_min_tokens: int = flag(
+        64,
+        "the prefill worker pulls a prompt's prefix from the worker (prefill or decode) whose "
+        "cache holds the most of it, instead of computing it, when that worker holds at least "
+        "this many tokens more than the prefill worker (0: never pull from a peer)",
+    )
     decode_load_weight: float = flag(1.0, "decode cost per request active on the worker")
     decode_move_weight: float = flag(
         0.05, "decode cost per prompt block the worker does not cache (to pull or compute)"
@@ -253,6 +259,7 @@ class RouterConfig:
             "prefill_max_candidates",
             "local_prefill_max_tokens",
             "priority_local_prefill_max_tokens",
+            "peer_pull_min_tokens",
         ):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")

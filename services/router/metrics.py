@@ -61,6 +61,16 @@ LOCAL_PREFILLS = Counter(
     "no_prefill_worker",
     ["reason"],
 )
+PEER_PULLS = Counter(
+    "splitserve_router_peer_pulls_total",
+    "prefixes planned to be pulled from a peer's cache rather than computed, by outcome: "
+    "pulled, not_cached, pin_failed, pull_failed (the last three computed them)",
+    ["outcome"],
+)
+PEER_PULLED_BLOCKS = Counter(
+    "splitserve_router_peer_pulled_blocks_total",
+    "KV blocks prefill workers pulled from peers instead of computing them",
+)
 TENANT_TOKENS = Counter(
     "splitserve_router_tenant_tokens_total",
     "tokens of each tenant's requests: prompt, cached (prompt tokens served from a prefix "

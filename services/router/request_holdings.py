@@ -93,8 +93,8 @@ class Holdings:
 
 
 async def release_lease(worker: WorkerHandle, req_id: str) -> None:
-    """Tell prefill ``worker`` to free ``req_id``'s KV blocks. Best effort: a failure is
-    logged (the worker's lease expires on its own)."""
+    """Tell ``worker`` (either role) to free the KV blocks leased under ``req_id``. Best
+    effort: a failure is logged (the worker's lease expires on its own)."""
     try:
         await worker.stub.Release(
             worker_pb2.ReleaseRequest(request_id=req_id), timeout=_RELEASE_TIMEOUT_S

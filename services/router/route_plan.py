@@ -55,6 +55,15 @@ class PrefillPlace(enum.Enum):
 
 
 @dataclass(frozen=True, slots=True)
+class PeerPull:
+    """Pull the prompt's first ``num_blocks`` blocks from ``source``, whose cache holds them,
+    instead of computing them on the prefill worker (which holds fewer)."""
+
+    source: WorkerHandle
+    num_blocks: int
+
+
+@dataclass(frozen=True, slots=True)
 class RoutePlan:
     """The decision for one request; ``prefill.reservation`` is held only when the place is
     ``PREFILL_WORKER`` or ``COLOCATED`` (release it with ``PrefillChooser.done`` or ``cancel``
@@ -65,6 +74,7 @@ class RoutePlan:
     place: PrefillPlace
     decode_candidates: tuple[DecodeCandidate, ...]
     decode: DecodeCandidate | None
+    peer_pull: PeerPull | None = None  # only with place PREFILL_WORKER
 
     @property
     def prefill_worker(self) -> WorkerHandle | None:
@@ -82,13 +92,17 @@ class RoutePlanner:
         local_prefill_max_tokens: int,
         priority_local_prefill_max_tokens: int = 0,
         colocated: bool = False,
+        peer_pull_min_tokens: int = 0,
     ) -> None:
-        """In ``colocated`` mode ``prefill_chooser`` must score the decode pool."""
+        """In ``colocated`` mode ``prefill_chooser`` must score the decode pool. A plan pulls a
+        prefix from a peer when that peer caches at least ``peer_pull_min_tokens`` more of it
+        than the prefill worker (0: never)."""
         self.prefill_chooser = prefill_chooser
         self.decode_chooser = decode_chooser
         self._local_prefill_max_tokens = local_prefill_max_tokens
         self._priority_local_prefill_max_tokens = priority_local_prefill_max_tokens
         self._colocated = colocated
+        self._peer_pull_min_tokens = peer_pull_min_tokens
 
     def block_size(self, target: ServedTarget | None = None) -> int:
         """The KV block size of ``target``'s model, as the first of its workers that answered
@@ -161,7 +175,41 @@ class RoutePlanner:
             place = PrefillPlace.NO_PREFILL_WORKER
         if req_id is not None and has_prefill_pool and place is not PrefillPlace.PREFILL_WORKER:
             metrics.LOCAL_PREFILLS.labels(place.value).inc()
-        return RoutePlan(choice, place, decode_candidates, decode)
+        peer_pull = None
+        if place is PrefillPlace.PREFILL_WORKER:
+            max_blocks = (len(prompt_token_ids) - 1) // block_size
+            peer_pull = self._peer_pull(choice, max_blocks, block_size, target)
+        return RoutePlan(choice, place, decode_candidates, decode, peer_pull)
+
+    def _peer_pull(
+        self,
+        choice: PrefillChoice,
+        max_blocks: int,
+        block_size: int,
+        target: ServedTarget | None,
+    ) -> PeerPull | None:
+        """The routable worker (either pool) whose cache holds the longest run of the prompt's
+        first ``max_blocks`` blocks, when it holds ``peer_pull_min_tokens`` more than the
+        chosen prefill worker and its KV can move there; None otherwise.
+
+        Pulling a block costs a fraction of a millisecond on every KV backend, computing it
+        tens (BENCHMARKS.md, "What a block costs"); the threshold pays for the pin's round
+        trip."""
+        prefill = choice.worker
+        if self._peer_pull_min_tokens <= 0 or prefill is None:
+            return None
+        own_blocks = choice.matched_blocks
+        best: PeerPull | None = None
+        pools = (self.prefill_chooser.pool, self.decode_chooser.pool)
+        for worker in (w for pool in pools for w in pool.routable_workers(target)):
+            if worker is prefill or worker.info is None:
+                continue
+            num_blocks = min(choice.matched.get(worker.info.worker_id, 0), max_blocks)
+            if (num_blocks - own_blocks) * block_size < self._peer_pull_min_tokens:
+                continue
+            if (best is None or num_blocks > best.num_blocks) and kv_can_move(worker, prefill):
+                best = PeerPull(worker, num_blocks)
+        return best
 
     def _skips_busy_prefill(
         self, prefill: WorkerHandle, decode: WorkerHandle, priority: int, uncached_tokens: int
@@ -264,4 +312,5 @@ def build_planner(
         local_prefill_max_tokens=config.local_prefill_max_tokens,
         priority_local_prefill_max_tokens=config.priority_local_prefill_max_tokens,
         colocated=colocated,
+        peer_pull_min_tokens=config.peer_pull_min_tokens,
     )

@@ -3,8 +3,10 @@
 One generation (disaggregated mode)::
 
     run ─▶ no routable decode worker? wait for one (no prefill, no lease before)
-        ─▶ plan: prefill worker P (maybe), decode worker D
-        ─▶ P.Prefill ─▶ first token yielded at once, the KVRef of the leased prompt
+        ─▶ plan: prefill worker P (maybe), decode worker D, peer W (maybe)
+        ─▶ W.PinPrefix ─▶ the KVRef of the prefix W caches (see peer_pin)
+        ─▶ P.Prefill(W's KVRef) ─▶ P pulls the prefix, computes the rest; the first token
+           is yielded at once, with the KVRef of the leased prompt
         ─▶ D.Decode(prompt, [first], KVRef) ─▶ D pulls the blocks, streams tokens 2..
 
 Failures degrade instead of failing the request: a prefill worker that is down or fails makes
@@ -36,12 +38,13 @@ from services.router.call_context import CallContext
 from services.router.config import RouterConfig
 from services.router.decode_choice import DecodeCandidate
 from services.router.failure_policy import FailurePolicy
+from services.router.peer_pin import PeerPullOutcome, count, pin_id, pin_peer_prefix
 from services.router.request_holdings import Holdings, release_lease
 from services.router.request_log import RequestLog
 from services.router.request_prep import PreparedRequest
 from services.router.request_spans import end_call_span, route_attributes
 from services.router.response_stream import ResponseStream
-from services.router.route_plan import PrefillPlace, RoutePlan, RoutePlanner
+from services.router.route_plan import PeerPull, PrefillPlace, RoutePlan, RoutePlanner
 from services.router.worker_pool import WorkerHandle
 from splitserve.v1 import router_pb2, worker_pb2
 
@@ -179,6 +182,13 @@ class RoutedRequest:
             priority=self.prepared.priority,
             lora_name=self.prepared.lora_name,
         )
+        pull = plan.peer_pull
+        pinned = None
+        if pull is not None and not self.worker_params.HasField("prompt_logprobs"):
+            pinned = await pin_peer_prefix(pull, self.prepared)
+        if pinned is not None:
+            request.peer_kv_ref.CopyFrom(pinned.kv_ref)
+            request.peer_kv_peer.CopyFrom(pinned.kv_peer)
         worker.num_inflight += 1
         priority = self.prepared.priority or 0
         worker.prefill_priorities[priority] += 1
@@ -209,6 +219,8 @@ class RoutedRequest:
                 del worker.prefill_priorities[priority]
             end_call_span(call_span, error)
         await self.holdings.prefill_done(plan, worker, response)
+        if pull is not None and pinned is not None:
+            self._peer_pull_done(pull, response)
         if response is not None:
             if response.HasField("kv_ref"):
                 self.decode_request.kv_ref.CopyFrom(response.kv_ref)
@@ -226,6 +238,20 @@ class RoutedRequest:
             error,
         )
         return None
+
+    def _peer_pull_done(self, pull: PeerPull, response: worker_pb2.PrefillResponse | None) -> None:
+        """Count how the pull of a pinned prefix ended; release the pin at its source unless
+        the reader did (it does once its read ends)."""
+        if response is not None and response.num_peer_blocks:
+            count(PeerPullOutcome.PULLED, response.num_peer_blocks)
+            self._span.add_event(
+                "peer_pull",
+                {"splitserve.worker": pull.source.address, "blocks": response.num_peer_blocks},
+            )
+            return
+        if response is not None and response.peer_pull_failed:
+            count(PeerPullOutcome.PULL_FAILED)
+        self._routing.background.spawn(release_lease(pull.source, pin_id(self.req_id)))
 
     async def _decode(self, plan: RoutePlan) -> AsyncIterator[router_pb2.GenerateResponse]:
         """Stream the decode on the planned worker (the slot's); on a failure continue on

@@ -7,7 +7,7 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any, Generic, Protocol, TypeVar, cast
+from typing import Any, Protocol, cast
 
 import grpc
 from opentelemetry.trace import Span
@@ -36,6 +36,7 @@ from services.worker.config import WorkerConfig, parse_worker_args
 from services.worker.engine_loop import EngineHooks, EngineLoop
 from services.worker.engine_thread import EngineThread
 from services.worker.kv_events import KVEventPublisher
+from services.worker.kv_hooks import KVHooks
 from splitserve.v1 import worker_pb2
 
 logger = logging.getLogger(__name__)
@@ -155,8 +156,8 @@ def build_runtime(
 
 
 def kv_transfer_tls(config: WorkerConfig, role: Role) -> KVTransferTls | None:
-    """The mutual TLS of a worker's KV transfers: its ``--tls-dir`` material, pairing prefill
-    sources with decode readers only. None without ``--tls-dir``, and for a backend without
+    """The mutual TLS of a worker's KV transfers: its ``--tls-dir`` material, pairing workers
+    (prefill and decode certificates) only. None without ``--tls-dir``, and for a backend without
     TLS (``nixl``: logged, its reads stay gated by grants alone)."""
     if not config.tls_dir:
         return None
@@ -168,8 +169,9 @@ def kv_transfer_tls(config: WorkerConfig, role: Role) -> KVTransferTls | None:
             " or ".join(TLS_BACKENDS),
         )
         return None
-    peer = Role.DECODE if role is Role.PREFILL else Role.PREFILL
-    return KVTransferTls.from_dir(config.tls_dir, {peer.value})
+    # Every worker reads from and serves to both roles (a prefill worker pulls a prefix a
+    # decode worker holds); no other certificate (router, controller, client) moves KV.
+    return KVTransferTls.from_dir(config.tls_dir, {Role.PREFILL.value, Role.DECODE.value})
 
 
 @dataclass(slots=True)
@@ -233,38 +235,34 @@ class RunningWorker:
         await self.runtime.tracing.shutdown()
 
 
-HooksT = TypeVar("HooksT", bound=EngineHooks)
-
-
 @dataclass(frozen=True, slots=True)
-class WorkerService(Generic[HooksT]):
-    """What makes a worker a prefill or a decode worker: its role, its gRPC service, the
-    hooks its engine loop runs around each step (made once the KV backend exists) and the
-    servicer of its calls."""
+class WorkerService:
+    """What makes a worker a prefill or a decode worker: its role, its gRPC service and the
+    servicer of its calls. Every worker's engine loop runs the same ``KVHooks`` around each
+    step: each worker is both a KV source and a KV reader."""
 
     role: Role
     service_name: str  # the gRPC service's full name, as health checks and reflection say it
-    make_hooks: Callable[[WorkerConfig, KVTransferBackend], HooksT]
-    make_servicer: Callable[[WorkerRuntime, HooksT], WorkerServicer]
+    make_servicer: Callable[[WorkerRuntime, KVHooks], WorkerServicer]
     add_to_server: Callable[[Any, grpc.aio.Server], None]  # add_<Service>Servicer_to_server
 
 
-async def start_worker(config: WorkerConfig, service: WorkerService[HooksT]) -> RunningWorker:
+async def start_worker(config: WorkerConfig, service: WorkerService) -> RunningWorker:
     """Load the engine and serve ``service``; health is SERVING on return."""
     role, service_name = service.role, service.service_name
     tls = read_tls_dir(config.tls_dir)  # before the model loads: a bad path fails at once
     # The engine is built on the thread that will step it (see engine_thread).
     engine_thread = EngineThread()
 
-    def make_hooks(backend: KVTransferBackend) -> HooksT:
-        return service.make_hooks(config, backend)
+    def make_hooks(backend: KVTransferBackend) -> KVHooks:
+        return KVHooks(backend, config.lease_ttl_s)
 
     try:
         runtime = await engine_thread.run(build_runtime, config, role, config.port, make_hooks)
     except BaseException:
         engine_thread.shutdown()
         raise
-    hooks = cast(HooksT, runtime.loop.hooks)  # make_hooks made them, above
+    hooks = cast(KVHooks, runtime.loop.hooks)  # make_hooks made them, above
     servicer = service.make_servicer(runtime, hooks)
     serving = await start_server(
         config.host,
@@ -313,7 +311,7 @@ async def start_worker(config: WorkerConfig, service: WorkerService[HooksT]) -> 
     return RunningWorker(runtime, servicer, serving, publisher, engine_died, worker_metrics)
 
 
-def worker_main(service: WorkerService[Any], argv: list[str] | None) -> int:
+def worker_main(service: WorkerService, argv: list[str] | None) -> int:
     """``python -m services.<role>``: parse the flags, start the worker and serve until a
     signal or the engine's death (see ``serve_worker``); returns the exit status."""
     config = parse_worker_args(service.role, argv)

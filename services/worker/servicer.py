@@ -1,29 +1,33 @@
 """What the prefill and decode servicers share: a call's sampling parameters, the engine's
-errors as the call's status, ``GetInfo`` and ``GetLoad``."""
+errors as the call's status, ``PinPrefix`` and ``Release`` (every worker is a KV source),
+``GetInfo``, ``GetLoad`` and the LoRA calls."""
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import AsyncIterator
-from typing import Generic
 
 import grpc
 
+from engine.backend import EngineBackend
 from engine.sampling_params import SamplingParams
 from engine.scheduler import DuplicateRequestError
-from services.common.convert import sampling_params_from_worker
+from kvtransfer.base import KVRef
+from services.common.convert import kv_ref_to_proto, peer_info_to_proto, sampling_params_from_worker
 from services.common.failures import FailureKind, abort_with
 from services.worker.engine_loop import EngineDeadError, StreamEndedError
-from services.worker.runtime import HooksT, WorkerRuntime
+from services.worker.kv_hooks import KVHooks
+from services.worker.kv_leases import Lease
+from services.worker.runtime import WorkerRuntime
 from splitserve.v1 import worker_pb2
 
 
-class WorkerServicerBase(Generic[HooksT]):
+class WorkerServicerBase:
     """The part of a worker's gRPC servicer that does not depend on its role; a role's
-    servicer adds its calls and ``load``. ``hooks`` are the role's engine-loop hooks (they
-    run on the engine thread). Handlers run on the asyncio loop."""
+    servicer adds its calls and ``load``. ``hooks`` are the engine loop's KV hooks (they run
+    on the engine thread). Handlers run on the asyncio loop."""
 
-    def __init__(self, runtime: WorkerRuntime, hooks: HooksT) -> None:
+    def __init__(self, runtime: WorkerRuntime, hooks: KVHooks) -> None:
         self.runtime = runtime
         self.hooks = hooks
 
@@ -40,6 +44,58 @@ class WorkerServicerBase(Generic[HooksT]):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"sampling.{exc}")
         await self.runtime.compile_constraint(params, context)
         return params
+
+    async def PinPrefix(
+        self, request: worker_pb2.PinPrefixRequest, context: grpc.aio.ServicerContext
+    ) -> worker_pb2.PinPrefixResponse:
+        """Lease the longest cached run of the prompt's blocks for a peer (see
+        ``LeaseHooks.pin``); no ``kv_ref`` when none is cached or the engine's KV does not
+        move. ALREADY_EXISTS when ``pin_id`` is in use here."""
+        await self.runtime.refuse_if_shutting_down(context)
+        kv_peer = self.runtime.kv_peer
+        response = worker_pb2.PinPrefixResponse()
+        if kv_peer is None or request.max_blocks == 0:
+            return response
+        pin_id, prompt = request.pin_id, list(request.prompt_token_ids)
+        if not pin_id:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "pin_id: must not be empty")
+
+        def pin(engine: EngineBackend) -> Lease | None:
+            return self.hooks.leases.pin(
+                engine,
+                pin_id,
+                prompt,
+                request.max_blocks,
+                cache_salt=request.cache_salt,
+                lora_name=request.lora_name,
+            )
+
+        async with engine_errors(context):
+            lease = await self.runtime.loop.call(pin)
+        if lease is None:
+            return response
+        block_size = self.runtime.engine.info.block_size
+        ref = KVRef(
+            engine_id=kv_peer.engine_id,
+            req_id=pin_id,
+            block_ids=lease.block_ids,
+            num_tokens=len(lease.block_ids) * block_size,
+            grant=lease.grant,
+        )
+        response.kv_ref.CopyFrom(kv_ref_to_proto(ref))
+        response.kv_peer.CopyFrom(peer_info_to_proto(kv_peer))
+        return response
+
+    async def Release(
+        self, request: worker_pb2.ReleaseRequest, context: grpc.aio.ServicerContext
+    ) -> worker_pb2.ReleaseResponse:
+        """Drop ``request_id``: end its lease (a finished prefill's, a pinned prefix's) and
+        abort it if it runs. Idempotent."""
+        req_id = request.request_id
+        loop = self.runtime.loop
+        released = await loop.call(lambda e: self.hooks.leases.release(e, req_id))
+        aborted = await loop.abort_and_wait(req_id)
+        return worker_pb2.ReleaseResponse(released=released or aborted)
 
     async def GetInfo(
         self, request: worker_pb2.GetInfoRequest, context: grpc.aio.ServicerContext

@@ -44,6 +44,11 @@ class PrefillWorkerStub:
                 request_serializer=splitserve_dot_v1_dot_worker__pb2.ReleaseRequest.SerializeToString,
                 response_deserializer=splitserve_dot_v1_dot_worker__pb2.ReleaseResponse.FromString,
                 _registered_method=True)
+        self.PinPrefix = channel.unary_unary(
+                '/splitserve.v1.PrefillWorker/PinPrefix',
+                request_serializer=splitserve_dot_v1_dot_worker__pb2.PinPrefixRequest.SerializeToString,
+                response_deserializer=splitserve_dot_v1_dot_worker__pb2.PinPrefixResponse.FromString,
+                _registered_method=True)
         self.GetInfo = channel.unary_unary(
                 '/splitserve.v1.PrefillWorker/GetInfo',
                 request_serializer=splitserve_dot_v1_dot_worker__pb2.GetInfoRequest.SerializeToString,
@@ -80,6 +85,13 @@ class PrefillWorkerServicer:
 
     def Release(self, request, context):
         """Drop a request: abort it if running, free its leased blocks otherwise. Idempotent.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def PinPrefix(self, request, context):
+        """Lease the longest cached run of a prompt's blocks for a peer to pull (see PinPrefixRequest).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -122,6 +134,11 @@ def add_PrefillWorkerServicer_to_server(servicer, server):
                     servicer.Release,
                     request_deserializer=splitserve_dot_v1_dot_worker__pb2.ReleaseRequest.FromString,
                     response_serializer=splitserve_dot_v1_dot_worker__pb2.ReleaseResponse.SerializeToString,
+            ),
+            'PinPrefix': grpc.unary_unary_rpc_method_handler(
+                    servicer.PinPrefix,
+                    request_deserializer=splitserve_dot_v1_dot_worker__pb2.PinPrefixRequest.FromString,
+                    response_serializer=splitserve_dot_v1_dot_worker__pb2.PinPrefixResponse.SerializeToString,
             ),
             'GetInfo': grpc.unary_unary_rpc_method_handler(
                     servicer.GetInfo,
@@ -198,6 +215,33 @@ class PrefillWorker:
             '/splitserve.v1.PrefillWorker/Release',
             splitserve_dot_v1_dot_worker__pb2.ReleaseRequest.SerializeToString,
             splitserve_dot_v1_dot_worker__pb2.ReleaseResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PinPrefix(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/splitserve.v1.PrefillWorker/PinPrefix',
+            splitserve_dot_v1_dot_worker__pb2.PinPrefixRequest.SerializeToString,
+            splitserve_dot_v1_dot_worker__pb2.PinPrefixResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -331,6 +375,16 @@ class DecodeWorkerStub:
                 request_serializer=splitserve_dot_v1_dot_worker__pb2.DecodeRequest.SerializeToString,
                 response_deserializer=splitserve_dot_v1_dot_worker__pb2.DecodeResponse.FromString,
                 _registered_method=True)
+        self.PinPrefix = channel.unary_unary(
+                '/splitserve.v1.DecodeWorker/PinPrefix',
+                request_serializer=splitserve_dot_v1_dot_worker__pb2.PinPrefixRequest.SerializeToString,
+                response_deserializer=splitserve_dot_v1_dot_worker__pb2.PinPrefixResponse.FromString,
+                _registered_method=True)
+        self.Release = channel.unary_unary(
+                '/splitserve.v1.DecodeWorker/Release',
+                request_serializer=splitserve_dot_v1_dot_worker__pb2.ReleaseRequest.SerializeToString,
+                response_deserializer=splitserve_dot_v1_dot_worker__pb2.ReleaseResponse.FromString,
+                _registered_method=True)
         self.GetInfo = channel.unary_unary(
                 '/splitserve.v1.DecodeWorker/GetInfo',
                 request_serializer=splitserve_dot_v1_dot_worker__pb2.GetInfoRequest.SerializeToString,
@@ -366,6 +420,19 @@ class DecodeWorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def PinPrefix(self, request, context):
+        """As PrefillWorker's: a decode worker's cache (a conversation's replies) is a peer source.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Release(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def GetInfo(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -397,6 +464,16 @@ def add_DecodeWorkerServicer_to_server(servicer, server):
                     servicer.Decode,
                     request_deserializer=splitserve_dot_v1_dot_worker__pb2.DecodeRequest.FromString,
                     response_serializer=splitserve_dot_v1_dot_worker__pb2.DecodeResponse.SerializeToString,
+            ),
+            'PinPrefix': grpc.unary_unary_rpc_method_handler(
+                    servicer.PinPrefix,
+                    request_deserializer=splitserve_dot_v1_dot_worker__pb2.PinPrefixRequest.FromString,
+                    response_serializer=splitserve_dot_v1_dot_worker__pb2.PinPrefixResponse.SerializeToString,
+            ),
+            'Release': grpc.unary_unary_rpc_method_handler(
+                    servicer.Release,
+                    request_deserializer=splitserve_dot_v1_dot_worker__pb2.ReleaseRequest.FromString,
+                    response_serializer=splitserve_dot_v1_dot_worker__pb2.ReleaseResponse.SerializeToString,
             ),
             'GetInfo': grpc.unary_unary_rpc_method_handler(
                     servicer.GetInfo,
@@ -446,6 +523,60 @@ class DecodeWorker:
             '/splitserve.v1.DecodeWorker/Decode',
             splitserve_dot_v1_dot_worker__pb2.DecodeRequest.SerializeToString,
             splitserve_dot_v1_dot_worker__pb2.DecodeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PinPrefix(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/splitserve.v1.DecodeWorker/PinPrefix',
+            splitserve_dot_v1_dot_worker__pb2.PinPrefixRequest.SerializeToString,
+            splitserve_dot_v1_dot_worker__pb2.PinPrefixResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Release(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/splitserve.v1.DecodeWorker/Release',
+            splitserve_dot_v1_dot_worker__pb2.ReleaseRequest.SerializeToString,
+            splitserve_dot_v1_dot_worker__pb2.ReleaseResponse.FromString,
             options,
             channel_credentials,
             insecure,

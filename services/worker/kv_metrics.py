@@ -1,4 +1,4 @@
-"""The decode worker's KV pull metrics (served by ``start_metrics_server``), labelled with the
+"""A worker's KV pull metrics (served by ``start_metrics_server``), labelled with the
 served ``model_name`` as the standard metrics are (``services.common.serving_metrics``)."""
 
 from __future__ import annotations
@@ -15,11 +15,11 @@ KV_PULL_SECONDS = Histogram(
 )
 KV_PULLED_BLOCKS = Counter(
     "splitserve_kv_pulled_blocks_total",
-    "KV blocks read from prefill workers",
+    "KV blocks read from peers (a prefill worker's prompt, a peer's prefix)",
     ["model_name", "backend"],
 )
 KV_PULLED_BYTES = Counter(
     "splitserve_kv_pulled_bytes_total",
-    "bytes of KV read from prefill workers",
+    "bytes of KV read from peers",
     ["model_name", "backend"],
 )

@@ -1,9 +1,10 @@
-"""Leases: the blocks of finished prefills, pinned until the decode side has pulled them.
+"""Leases: the blocks of finished prefills, and prefixes pinned for a peer, kept until pulled.
 
-A finished prefill's blocks are published to the KV transfer backend under the request id and
-stay allocated until one of: the decode side releases them through the backend after its pull,
-the router calls ``Release`` (the request ended without a decode), or the lease expires (the
-decode side never came). An abandoned request therefore never strands KV for longer than the TTL.
+A finished prefill's blocks, and a cached prefix pinned for a peer (``pin``), are published to
+the KV transfer backend under the request (or pin) id and stay allocated until one of: the
+reader releases them through the backend after its pull, the router calls ``Release`` (the
+request ended without a pull), or the lease expires (the reader never came). An abandoned
+request therefore never strands KV for longer than the TTL.
 
 A released lease is unpublished at once (no new read is served), but its blocks stay pinned while
 reads of them are still sending (a slow or hung reader, up to the backend's io timeout): they are
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from engine.backend import EngineBackend
@@ -63,11 +65,33 @@ class LeaseHooks:
             if not output.finished:
                 continue
             block_ids = engine.held_kv_block_ids(output.req_id)
-            if not block_ids:
-                continue
-            grant = self.backend.publish(output.req_id, block_ids)
-            expires_at_s = time.monotonic() + self.ttl_s
-            self._leases[output.req_id] = Lease(tuple(block_ids), grant, expires_at_s)
+            if block_ids:
+                self._lease(output.req_id, block_ids)
+
+    def pin(
+        self,
+        engine: EngineBackend,
+        pin_id: str,
+        prompt_token_ids: Sequence[int],
+        max_blocks: int,
+        *,
+        cache_salt: str,
+        lora_name: str,
+    ) -> Lease | None:
+        """Lease the longest cached run (at most ``max_blocks``) of the prompt's blocks under
+        ``pin_id`` for a peer to pull (``EngineBackend.pin_prefix``); None when none is cached.
+        It ends as a prefill's lease does: released by the reader, by ``release``, or expired.
+        ``DuplicateRequestError`` if ``pin_id`` is in use here."""
+        block_ids = engine.pin_prefix(
+            pin_id, prompt_token_ids, max_blocks, cache_salt=cache_salt, lora_name=lora_name
+        )
+        return self._lease(pin_id, block_ids) if block_ids else None
+
+    def _lease(self, req_id: str, block_ids: list[int]) -> Lease:
+        grant = self.backend.publish(req_id, block_ids)
+        lease = Lease(tuple(block_ids), grant, time.monotonic() + self.ttl_s)
+        self._leases[req_id] = lease
+        return lease
 
     def before_step(self, engine: EngineBackend) -> None:
         for req_id in self.backend.take_released():

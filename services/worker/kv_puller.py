@@ -1,11 +1,13 @@
-"""Pulling prefilled KV into a decode engine without stalling its running batch.
+"""Pulling KV from a peer into this engine without stalling its running batch.
 
-A request that arrives with a ``KVRef`` is added with ``num_external_tokens`` = its prompt
-length. When the scheduler admits it, it allocates the request's blocks (reusing this worker's own
-prefix-cache hits) and announces a ``KVLoad``; only the blocks after the local hits are read from
-the source. Reads run on the backend's threads while the engine keeps stepping; each finished
-read is reported to the scheduler (a failed one means the prompt is recomputed here) and released
-at the source so its lease ends.
+A decode worker pulls the prompt a prefill worker computed; a prefill worker pulls the prefix a
+peer pinned for it (``PinPrefix``). A request that arrives with a ``KVRef`` is added with
+``num_external_tokens`` = the tokens the reference covers (a decode worker's whole prompt, a
+prefill worker's prefix). When the scheduler admits it, it allocates the request's blocks
+(reusing this worker's own prefix-cache hits) and announces a ``KVLoad``; only the blocks after
+the local hits are read from the source. Reads run on the backend's threads while the engine
+keeps stepping; each finished read is reported to the scheduler (a failed one means those tokens
+are computed here) and released at the source so its lease ends.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from engine.kv_cache_manager import cdiv
 from engine.outputs import RequestOutput
 from engine.scheduler import KVLoad
 from kvtransfer.base import KVRef, KVTransferBackend, KVTransferError, PeerInfo, TransferState
-from services.decode.metrics import KV_PULL_SECONDS, KV_PULLED_BLOCKS, KV_PULLED_BYTES
+from services.worker.kv_metrics import KV_PULL_SECONDS, KV_PULLED_BLOCKS, KV_PULLED_BYTES
 
 logger = logging.getLogger(__name__)
 
@@ -38,7 +40,7 @@ class PullResult:
 
 
 class KVPullHooks:
-    """``EngineHooks`` of a decode worker. Methods run on the engine thread except
+    """The reader half of a worker's ``KVHooks``. Methods run on the engine thread except
     ``take_result``, called by the gRPC handler after the request's final output."""
 
     def __init__(self, backend: KVTransferBackend) -> None:

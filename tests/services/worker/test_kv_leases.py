@@ -16,7 +16,7 @@ from kvtransfer._pull_protocol import PullEndpoint, hello_frame, read_frame, spl
 from kvtransfer._tcp_wire import recv_frame, send_frame
 from kvtransfer.base import KVRef, PeerInfo
 from kvtransfer.tcp import TcpBackend
-from services.prefill.leases import LeaseHooks
+from services.worker.kv_leases import LeaseHooks
 from tests.waiting import wait_until
 
 # Far longer than any wait here: a release that waited for a hung reader's timeout would fail.
