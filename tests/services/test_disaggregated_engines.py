@@ -17,8 +17,8 @@ from engine import LLM, EngineConfig, LLMEngine, SamplingParams
 from engine.outputs import RequestOutput
 from kvtransfer.base import KVRef
 from kvtransfer.inproc import InprocBackend
-from services.worker.kv_puller import KVPullHooks
 from services.worker.kv_leases import LeaseHooks
+from services.worker.kv_puller import KVPullHooks
 from tests.waiting import wait_until
 
 MAX_TOKENS = 10

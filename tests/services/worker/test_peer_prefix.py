@@ -57,8 +57,10 @@ class Worker:
         """Run ``prompt`` to its end, pulling ``src`` first when given (as the prefill server
         does with a ``peer_kv_ref``)."""
         num_external_tokens = 0
-        if src is not None and src_peer is not None and self.hooks.puller.expect(
-            req_id, src, src_peer
+        if (
+            src is not None
+            and src_peer is not None
+            and self.hooks.puller.expect(req_id, src, src_peer)
         ):
             num_external_tokens = src.num_tokens
         self.engine.add_request(
