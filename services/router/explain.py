@@ -38,4 +38,7 @@ def explain_response(plan: RoutePlan, prompt_tokens: int) -> router_pb2.ExplainR
         )
     if plan.decode is not None:
         response.chosen_decode = plan.decode.worker.address
+    if plan.peer_pull is not None:
+        response.peer_pull_source = plan.peer_pull.source.address
+        response.peer_pull_blocks = plan.peer_pull.num_blocks
     return response

@@ -67,7 +67,9 @@ class WorkerConfig:
         "before it ends them, marked so that routers continue them on other workers",
     )
     lease_ttl_s: float = flag(
-        30.0, "prefill: seconds a finished prefill's blocks wait for the decode side's pull"
+        30.0,
+        "seconds leased blocks wait for their reader's pull: a finished prefill's (for the "
+        "decode worker), a cached prefix pinned for a peer",
     )
     tls_dir: str = flag(
         "",

@@ -305,7 +305,7 @@ class DecodeCandidateScore(_message.Message):
     def __init__(self, address: _Optional[str] = ..., worker_id: _Optional[str] = ..., matched_blocks: _Optional[int] = ..., active_requests: _Optional[int] = ..., kv_usage: _Optional[float] = ..., cost: _Optional[float] = ...) -> None: ...
 
 class ExplainResponse(_message.Message):
-    __slots__ = ("prompt_tokens", "prompt_blocks", "prefill", "chosen_prefill", "decode", "chosen_decode", "prefill_place")
+    __slots__ = ("prompt_tokens", "prompt_blocks", "prefill", "chosen_prefill", "decode", "chosen_decode", "prefill_place", "peer_pull_source", "peer_pull_blocks")
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     PREFILL_FIELD_NUMBER: _ClassVar[int]
@@ -313,6 +313,8 @@ class ExplainResponse(_message.Message):
     DECODE_FIELD_NUMBER: _ClassVar[int]
     CHOSEN_DECODE_FIELD_NUMBER: _ClassVar[int]
     PREFILL_PLACE_FIELD_NUMBER: _ClassVar[int]
+    PEER_PULL_SOURCE_FIELD_NUMBER: _ClassVar[int]
+    PEER_PULL_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     prompt_tokens: int
     prompt_blocks: int
     prefill: _containers.RepeatedCompositeFieldContainer[PrefillCandidateScore]
@@ -320,4 +322,6 @@ class ExplainResponse(_message.Message):
     decode: _containers.RepeatedCompositeFieldContainer[DecodeCandidateScore]
     chosen_decode: str
     prefill_place: str
-    def __init__(self, prompt_tokens: _Optional[int] = ..., prompt_blocks: _Optional[int] = ..., prefill: _Optional[_Iterable[_Union[PrefillCandidateScore, _Mapping]]] = ..., chosen_prefill: _Optional[str] = ..., decode: _Optional[_Iterable[_Union[DecodeCandidateScore, _Mapping]]] = ..., chosen_decode: _Optional[str] = ..., prefill_place: _Optional[str] = ...) -> None: ...
+    peer_pull_source: str
+    peer_pull_blocks: int
+    def __init__(self, prompt_tokens: _Optional[int] = ..., prompt_blocks: _Optional[int] = ..., prefill: _Optional[_Iterable[_Union[PrefillCandidateScore, _Mapping]]] = ..., chosen_prefill: _Optional[str] = ..., decode: _Optional[_Iterable[_Union[DecodeCandidateScore, _Mapping]]] = ..., chosen_decode: _Optional[str] = ..., prefill_place: _Optional[str] = ..., peer_pull_source: _Optional[str] = ..., peer_pull_blocks: _Optional[int] = ...) -> None: ...

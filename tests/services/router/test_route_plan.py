@@ -29,6 +29,7 @@ from tests.services.router.fakes import BLOCK_SIZE, DECODE, PREFILL, W, make_poo
 LOCAL_MAX_TOKENS = 32  # --local-prefill-max-tokens (the default)
 SATURATION_BLOCKS = 8  # --prefill-saturation-blocks
 LONG = 100  # 6 full blocks: more than LOCAL_MAX_TOKENS
+PEER_PULL_MIN_TOKENS = 64  # --peer-pull-min-tokens (the default): 4 blocks
 SHORT = 30  # 1 full block
 LIVE_S = 3600.0
 
@@ -53,6 +54,9 @@ class PlanCase:
     want_chosen: str | None = SAME  # the prefill chooser's pick, used or not
     colocated: bool = False
     local_prefill_max_tokens: int = LOCAL_MAX_TOKENS
+    # The peer the prefill worker pulls the prefix from, and how many blocks (None: none).
+    want_peer: tuple[str, int] | None = None
+    peer_pull_min_tokens: int = PEER_PULL_MIN_TOKENS
 
 
 def prompt_tokens(n: int, seed: int = 0) -> list[int]:
@@ -66,12 +70,14 @@ def make_planner(
     *,
     colocated: bool = False,
     local_prefill_max_tokens: int = LOCAL_MAX_TOKENS,
+    peer_pull_min_tokens: int = PEER_PULL_MIN_TOKENS,
 ) -> RoutePlanner:
     config = RouterConfig(
         model="unused",
         mode="colocated" if colocated else "disaggregated",
         router_id="router-test",
         local_prefill_max_tokens=local_prefill_max_tokens,
+        peer_pull_min_tokens=peer_pull_min_tokens,
         prefill_saturation_blocks=SATURATION_BLOCKS,
     )
     # As the router does: colocated mode has no prefill pool.
@@ -127,6 +133,8 @@ def check_plan(plan: RoutePlan, case: PlanCase, prompt_len: int) -> None:
     assert len(plan.prefill.block_hashes) == prompt_len // BLOCK_SIZE
     routable = [w.address for w in case.decode if w.healthy and not (w.draining or w.shutting_down)]
     assert sorted(c.worker.address for c in plan.decode_candidates) == sorted(routable)
+    peer = plan.peer_pull
+    assert (None if peer is None else (peer.source.address, peer.num_blocks)) == case.want_peer
 
 
 @pytest.mark.parametrize(
@@ -175,10 +183,38 @@ def check_plan(plan: RoutePlan, case: PlanCase, prompt_len: int) -> None:
             id="a-decode-worker-caching-part-of-the-prefix-still-pulls-it",
         ),
         pytest.param(
-            # d1 caches it all but is busier: d0 is chosen, and it caches nothing.
+            # d1 caches it all but is busier: d0 is chosen, and it caches nothing. The prefill
+            # worker pulls the prefix from d1 rather than compute it.
             PlanCase(PREFILL2, DECODE2, LONG, PrefillPlace.PREFILL_WORKER, "p0", "d0",
-                     hits={"d1": 6}, want_reserved={"p0": 6}),
+                     hits={"d1": 6}, want_reserved={"p0": 6}, want_peer=("d1", 6)),
             id="only-the-chosen-decode-workers-cache-counts",
+        ),
+        pytest.param(
+            # p1 caches the prefix but has 20 blocks queued (10 > p0's 6): bounded by its load,
+            # the prompt goes to p0, which pulls the prefix from p1.
+            PlanCase((W("p0"), W("p1", queued_prefill_tokens=20 * BLOCK_SIZE)), DECODE2, LONG,
+                     PrefillPlace.PREFILL_WORKER, "p0", "d0", hits={"p1": 6},
+                     want_reserved={"p0": 6}, want_peer=("p1", 6)),
+            id="a-busy-holder-of-the-prefix-is-its-peer-source",
+        ),
+        pytest.param(
+            PlanCase((W("p0"), W("p1", queued_prefill_tokens=20 * BLOCK_SIZE)), DECODE2, LONG,
+                     PrefillPlace.PREFILL_WORKER, "p0", "d0", hits={"p1": 6},
+                     want_reserved={"p0": 6}, peer_pull_min_tokens=0),
+            id="peer-pull-min-tokens-0-never-pulls",
+        ),
+        pytest.param(
+            # 6 - 3 blocks = 48 tokens more than p0 holds: under the 64 that pay for a pull.
+            PlanCase((W("p0"), W("p1", queued_prefill_tokens=20 * BLOCK_SIZE)), DECODE2, LONG,
+                     PrefillPlace.PREFILL_WORKER, "p0", "d0", hits={"p0": 3, "p1": 6},
+                     want_reserved={"p0": 3}),
+            id="a-peer-holding-too-little-more-is-not-pulled-from",
+        ),
+        pytest.param(
+            PlanCase(PREFILL2, (W("d0"), W("d1", running=1, kv_layout="bfloat16-cache")), LONG,
+                     PrefillPlace.PREFILL_WORKER, "p0", "d0", hits={"d1": 6},
+                     want_reserved={"p0": 6}),
+            id="a-peer-whose-kv-cannot-move-is-not-pulled-from",
         ),
         pytest.param(
             PlanCase((W("p0", queued_prefill_tokens=10 * BLOCK_SIZE),
@@ -284,6 +320,7 @@ def test_route_plan_placements(case: PlanCase) -> None:
             case.decode,
             colocated=case.colocated,
             local_prefill_max_tokens=case.local_prefill_max_tokens,
+            peer_pull_min_tokens=case.peer_pull_min_tokens,
         )
         prompt = prompt_tokens(case.prompt_len)
         await seed_hits(planner, prompt, case.hits)
@@ -299,6 +336,7 @@ def test_route_plan_placements(case: PlanCase) -> None:
         assert response.prefill_place == case.want_place.value
         assert response.chosen_prefill == (case.want_prefill or "")
         assert response.chosen_decode == (case.want_decode or "")
+        assert (response.peer_pull_source, response.peer_pull_blocks) == (case.want_peer or ("", 0))
 
         # Router.Generate: reserves the prefill worker it uses, counts a local prefill.
         before = local_prefills(case.want_place)
