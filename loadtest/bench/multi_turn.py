@@ -1,22 +1,28 @@
-"""Multi-turn chat with and without the second KV tier, in one run.
+"""Multi-turn chat with and without the second KV tier and peer pulls, in one run.
 
 ``python -m loadtest.bench.multi_turn --model smollm2-135m --num-kv-blocks 160
-[--users 64 --turns 6 ...] [--arms cache,tier] [--sharegpt FILE] [--out DIR]``
+[--users 64 --turns 6 ...] [--arms cache,tier,peer,cluster] [--sharegpt FILE] [--out DIR]``
 
 For each arm a local cluster (``--prefill-workers`` + ``--decode-workers``, the engine flags as
-given, ``--num-threads`` per worker) serves ``--users`` users, each replaying a conversation of
-``--turns`` turns through the chat API (``loadtest.generator.conversations``: every turn's
-prompt is the whole history, the replies are the server's, ``--think-time-s`` between turns).
+given, ``--num-threads`` per worker, a fresh Redis prefix index) serves ``--users`` users, each
+replaying a conversation of ``--turns`` turns through the chat API
+(``loadtest.generator.conversations``: every turn's prompt is the whole history, the replies
+are the server's, ``--think-time-s`` between turns).
 Size the cache (``--num-kv-blocks``) below the working set so that histories are evicted
 between turns, as on a busy fleet:
 
-- ``cache``: today's behaviour, the engine's prefix cache only;
+- ``cache``: the engine's prefix cache only (``--peer-pull-min-tokens 0``: the behaviour before
+  tiers and peer pulls);
 - ``tier``: the same plus a disk tier of ``--tier-gib`` per worker (``--kv-offload-dir``:
-  ``tier`` under ``--out``, emptied first; each worker takes a slot of its own in it).
+  ``tier`` under ``--out``, emptied first; each worker takes a slot of its own in it);
+- ``peer``: the cache plus peer pulls (the router's default ``--peer-pull-min-tokens``): a
+  prefill worker pulls the history another worker holds, the reply's KV from its decode worker;
+- ``cluster``: the tier and peer pulls together.
 
 Reported per arm: TTFT p50 and p99 of turn 1 and of the later turns, prompt tokens of the later
-turns and how many were computed, reused from a cache, and loaded from a tier (the workers'
-``num_tier_hit_blocks`` before and after, from the router's ``Status``). Prints a Markdown
+turns and how many were computed, reused from a cache, loaded from a tier (the workers'
+``num_tier_hit_blocks`` before and after, from the router's ``Status``) and pulled from a peer
+(the router's ``splitserve_router_peer_pulled_blocks_total``). Prints a Markdown
 table and writes ``multi_turn.json`` under ``--out``.
 """
 
@@ -27,11 +33,16 @@ import asyncio
 import dataclasses
 import json
 import shutil
+import tempfile
+import urllib.request
 from pathlib import Path
 from typing import Any
 
+from prometheus_client.parser import text_string_to_metric_families
+
 from engine.config import EngineConfig
 from engine.flags import add_flags, from_args
+from loadtest.fixtures.redis_server import RedisServer
 from loadtest.generator.backends import Backend
 from loadtest.generator.conversations import (
     Conversation,
@@ -48,7 +59,9 @@ from services.common.router_channel import open_router_channel
 from services.launcher import LocalCluster
 from splitserve.v1 import router_pb2, router_pb2_grpc
 
-ARMS = ("cache", "tier")
+ARMS = ("cache", "tier", "peer", "cluster")
+_TIER_ARMS = ("tier", "cluster")
+_PEER_ARMS = ("peer", "cluster")
 
 
 def tier_hit_blocks(router_address: str) -> int:
@@ -58,12 +71,27 @@ def tier_hit_blocks(router_address: str) -> int:
     return sum(w.load.num_tier_hit_blocks for w in status.workers)
 
 
+def peer_pulled_blocks(cluster: LocalCluster) -> int:
+    """Blocks prefill workers pulled from peers since the router started (its metrics)."""
+    port = cluster.workers(Role.ROUTER)[0].metrics_port
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30) as reply:
+        text = reply.read().decode()
+    return int(
+        sum(
+            sample.value
+            for family in text_string_to_metric_families(text)
+            for sample in family.samples
+            if sample.name == "splitserve_router_peer_pulled_blocks_total"
+        )
+    )
+
+
 def run_arm(
     arm: str, engine: EngineConfig, args: argparse.Namespace, conversations: list[Conversation]
 ) -> dict[str, Any]:
     """Start the arm's cluster, replay ``conversations``, stop it; the arm's figures."""
     engine = dataclasses.replace(engine, kv_offload_gib=0.0, kv_offload_dir=None)
-    if arm == "tier":
+    if arm in _TIER_ARMS:
         # One directory for every worker: each takes a slot of its own in it.
         tier_dir = args.out / "tier"
         shutil.rmtree(tier_dir, ignore_errors=True)
@@ -73,14 +101,23 @@ def run_arm(
     decode_flags: tuple[str, ...] = ()
     if args.decode_num_kv_blocks is not None:
         decode_flags = ("--num-kv-blocks", str(args.decode_num_kv_blocks))
+    # Workers publish their caches to a Redis index, as deployed: the router then knows what
+    # a decode worker holds (a conversation's replies), which its own predictions never say.
+    redis_dir = tempfile.TemporaryDirectory()
+    redis_server = RedisServer(Path(redis_dir.name))
+    redis_flags = ("--redis-url", redis_server.url)
+    peer_flags = () if arm in _PEER_ARMS else ("--peer-pull-min-tokens", "0")
     cluster = LocalCluster(
         engine=engine,
         num_prefill=args.prefill_workers,
         num_decode=args.decode_workers,
         extra_role_flags={Role.DECODE: decode_flags},
+        extra_worker_flags=redis_flags,
+        extra_router_flags=(*redis_flags, *peer_flags),
         log_level="WARNING",
     )
     try:
+        redis_server.start()
         cluster.start()
         served = served_model(cluster.router_address)
         client = OpenAIClient(Backend.OPENAI_CHAT, cluster.http_url, served.name)
@@ -93,8 +130,11 @@ def run_arm(
         )
         records = asyncio.run(run_conversations(client, plan, conversations))
         tier_tokens = (tier_hit_blocks(cluster.router_address) - tier_before) * engine.block_size
+        peer_tokens = peer_pulled_blocks(cluster) * engine.block_size
     finally:
         cluster.stop()
+        redis_server.stop()
+        redis_dir.cleanup()
     first, later = summarize_turns(records, 1, 1), summarize_turns(records, 2)
     return {
         "arm": arm,
@@ -103,6 +143,7 @@ def run_arm(
         "later_turns_computed_tokens": later.computed_tokens,
         # The tier's hits over the whole run (turn 1 may hit a tier too, for the system prompt).
         "tier_tokens": tier_tokens,
+        "peer_tokens": peer_tokens,
         "per_turn": [
             dataclasses.asdict(summarize_turns(records, t, t)) for t in range(1, args.turns + 1)
         ],
@@ -155,16 +196,16 @@ def _conversations(engine: EngineConfig, args: argparse.Namespace) -> list[Conve
 def _report(results: list[dict[str, Any]]) -> None:
     print(
         "| arm | turn 1 TTFT p50 / p99 ms | turns 2+ TTFT p50 / p99 ms | turns 2+ prompt tokens "
-        "| computed | reused | of which from a tier | failed turns |"
+        "| computed | reused | of which from a tier | from a peer | failed turns |"
     )
-    print("|---|---:|---:|---:|---:|---:|---:|---:|")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in results:
         first, later = r["first_turn"], r["later_turns"]
         print(
             f"| {r['arm']} | {first['ttft_p50_ms']:.0f} / {first['ttft_p99_ms']:.0f} | "
             f"{later['ttft_p50_ms']:.0f} / {later['ttft_p99_ms']:.0f} | "
             f"{later['prompt_tokens']:,} | {r['later_turns_computed_tokens']:,} | "
-            f"{later['cached_tokens']:,} | {r['tier_tokens']:,} | "
+            f"{later['cached_tokens']:,} | {r['tier_tokens']:,} | {r['peer_tokens']:,} | "
             f"{first['num_errors'] + later['num_errors']} |"
         )
 

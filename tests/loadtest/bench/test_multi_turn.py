@@ -1,6 +1,7 @@
 """``loadtest.bench.multi_turn`` end to end at a small size, on the tiny model: conversations
 whose histories the cache cannot keep are recomputed without a tier and loaded from the disk
-tier with one, with the same replies."""
+tier with one; with peer pulls the prefill worker pulls the replies (and histories) its decode
+worker holds instead of computing them."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from loadtest.bench.multi_turn import run_arm
 from loadtest.generator.conversations import Conversation
 
 
-def test_the_tier_arm_recomputes_less_of_later_turns(tiny_llama_dir, tmp_path) -> None:
+def test_the_tier_and_peer_arms_recompute_less_of_later_turns(tiny_llama_dir, tmp_path) -> None:
     engine = EngineConfig(
         model=str(tiny_llama_dir),
         dtype="float32",
@@ -41,11 +42,14 @@ def test_the_tier_arm_recomputes_less_of_later_turns(tiny_llama_dir, tmp_path) -
     )
     cache = run_arm("cache", engine, args, conversations)
     tier = run_arm("tier", engine, args, conversations)
-    for arm in (cache, tier):
+    peer = run_arm("peer", engine, args, conversations)
+    for arm in (cache, tier, peer):
         assert arm["first_turn"]["num_errors"] == arm["later_turns"]["num_errors"] == 0
         assert arm["later_turns"]["num_turns"] == 6 * 2
-    assert cache["tier_tokens"] == 0
+    assert cache["tier_tokens"] == cache["peer_tokens"] == tier["peer_tokens"] == 0
     assert tier["tier_tokens"] > 0
+    assert peer["peer_tokens"] > 0 and peer["tier_tokens"] == 0
+    assert peer["later_turns_computed_tokens"] < cache["later_turns_computed_tokens"]
     assert tier["later_turns"]["prompt_tokens"] == cache["later_turns"]["prompt_tokens"]
     assert tier["later_turns_computed_tokens"] < cache["later_turns_computed_tokens"]
     assert sorted(tier["per_turn"], key=lambda t: t["turns"])[0]["turns"] == "1"
