@@ -40,6 +40,7 @@ from engine.ngram_proposer import NgramProposer
 from engine.outputs import RequestOutput
 from engine.request import Request, RequestStatus
 from engine.request_limits import check_cache_salt, check_request_limits
+from engine.request_state import RequestState
 from engine.resolve import resolve_device, resolve_dtype, resolve_kv_cache_dtype
 from engine.sampler import Sampler, TokenLogprobs
 from engine.sampling_params import SamplingParams
@@ -68,19 +69,6 @@ def _check_kv_capacity(num_kv_blocks: int, block_size: int, max_model_len: int) 
             f"{block_size}), fewer than one request of max_model_len {max_model_len}: give it "
             f"more memory (--kv-cache-memory-gb, --num-kv-blocks) or lower --max-model-len"
         )
-
-
-@dataclass(slots=True)
-class _RequestState:
-    """Engine-side bookkeeping the scheduler does not need."""
-
-    request: Request
-    detokenizer: IncrementalDetokenizer | None
-    logprobs: list[TokenLogprobs] | None
-    first_token_time_s: float | None = None
-    num_reported_tokens: int = 0
-    # Prompt logprobs computed so far; handed out with the first token, then None.
-    prompt_logprobs: list[TokenLogprobs] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -187,7 +175,7 @@ class LLMEngine:
             ),
         )
         self.vocab_size = self.executor.vocab_size
-        self._states: dict[str, _RequestState] = {}
+        self._states: dict[str, RequestState] = {}
         self._kv_loads: list[KVLoad] = []
         self.last_num_scheduled_tokens = 0
         logger.info(
@@ -299,7 +287,7 @@ class LLMEngine:
             if output_token_ids:
                 detokenizer.update(output_token_ids)
                 detokenizer.take_delta(False)
-        self._states[req_id] = _RequestState(
+        self._states[req_id] = RequestState(
             request=request,
             detokenizer=detokenizer,
             logprobs=[] if params.logprobs is not None else None,
@@ -356,7 +344,7 @@ class LLMEngine:
                 request.status = RequestStatus.FINISHED_ERROR
                 request.error = f"constraint: {exc}"
                 logger.warning("req_id=%s failed: %s", req_id, request.error)
-                outputs.append(self._make_output(self._states.pop(req_id), []))
+                outputs.append(self._states.pop(req_id).output([]))
         return outputs
 
     def abort_requests(self, req_ids: Iterable[str]) -> list[RequestOutput]:
@@ -368,9 +356,9 @@ class LLMEngine:
             if self._compiling.pop(req_id, None) is not None:
                 state = self._states.pop(req_id)
                 state.request.status = RequestStatus.FINISHED_ABORTED
-                outputs.append(self._make_output(state, []))
+                outputs.append(state.output([]))
         finished = self.scheduler.finish_requests(req_ids, RequestStatus.FINISHED_ABORTED)
-        return outputs + [self._make_output(self._states.pop(r.req_id), []) for r in finished]
+        return outputs + [self._states.pop(r.req_id).output([]) for r in finished]
 
     def set_paused(self, req_id: str, paused: bool) -> None:
         """Stop (or resume) scheduling running request ``req_id``, whose reader fell behind: it
@@ -563,7 +551,7 @@ class LLMEngine:
             if state.logprobs is not None and logprobs is not None:
                 state.logprobs.append(logprobs)
             try:
-                stop = self._detokenize(state, request.req_id in finished_ids)
+                stop = state.detokenize(request.req_id in finished_ids)
             except Exception as exc:  # confined to this request
                 detokenize_errors[request.req_id] = f"detokenizing failed: {exc!r}"
                 continue
@@ -571,7 +559,7 @@ class LLMEngine:
                 request.stop_reason = stop
                 self.scheduler.finish_requests([request.req_id], RequestStatus.FINISHED_STOPPED)
             new_ids = request.output_token_ids[state.num_reported_tokens :]
-            outputs.append(self._make_output(state, new_ids))
+            outputs.append(state.output(new_ids))
             if request.status.is_finished:
                 del self._states[request.req_id]
         outputs.extend(self._fail_requests(detokenize_errors))
@@ -596,33 +584,6 @@ class LLMEngine:
                 state.prompt_logprobs = []
             state.prompt_logprobs.extend(prompt_logprobs[request.req_id])
 
-    def _detokenize(self, state: _RequestState, finished: bool) -> str | None:
-        """Feed the request's tokens of this step to its detokenizer, one at a time; return the
-        stop string that matched, else None.
-
-        Like vLLM, the eos / stop token that ended a request adds no text. On a stop string the
-        output is cut after the token that completed it: tokens a step accepted past it (drafts)
-        are dropped, as if generation had stopped there.
-        """
-        request = state.request
-        if state.detokenizer is None:
-            return None
-        new_ids = request.output_token_ids[state.num_reported_tokens :]
-        if finished and isinstance(request.stop_reason, int):
-            new_ids = new_ids[:-1]
-        for i, token_id in enumerate(new_ids):
-            stop = state.detokenizer.update([token_id])
-            if stop is not None:
-                num_dropped = request.num_output_tokens - state.num_reported_tokens - i - 1
-                if num_dropped:
-                    del request.output_token_ids[-num_dropped:]
-                    del request.all_token_ids[-num_dropped:]
-                    if finished:  # by a token the stop string came before
-                        request.status = RequestStatus.FINISHED_STOPPED
-                        request.stop_reason = stop
-                return stop
-        return None
-
     def _fail_requests(self, errors: dict[str, str]) -> list[RequestOutput]:
         """Finish the requests in ``errors`` with FINISHED_ERROR (their blocks leave the prefix
         cache) and return their final outputs."""
@@ -633,37 +594,5 @@ class LLMEngine:
         for request in finished:
             request.error = errors[request.req_id]
             logger.warning("req_id=%s failed in the engine: %s", request.req_id, request.error)
-            outputs.append(self._make_output(self._states.pop(request.req_id), []))
+            outputs.append(self._states.pop(request.req_id).output([]))
         return outputs
-
-    def _make_output(self, state: _RequestState, new_token_ids: list[int]) -> RequestOutput:
-        request = state.request
-        finished = request.status.is_finished
-        state.num_reported_tokens = request.num_output_tokens
-        detokenizer = state.detokenizer
-        # take_delta flushes the tail when finished.
-        delta_text = detokenizer.take_delta(finished) if detokenizer is not None else ""
-        logprobs = state.logprobs
-        prompt_logprobs, state.prompt_logprobs = state.prompt_logprobs, None
-        new_logprobs = None
-        if logprobs is not None:
-            new_logprobs = logprobs[len(logprobs) - len(new_token_ids) :] if new_token_ids else []
-        return RequestOutput(
-            req_id=request.req_id,
-            prompt_token_ids=request.prompt_token_ids,
-            token_ids=list(request.output_token_ids) if finished else [],
-            new_token_ids=new_token_ids,
-            text=detokenizer.output_text if finished and detokenizer is not None else "",
-            delta_text=delta_text,
-            finished=finished,
-            finish_reason=request.status.finish_reason,
-            stop_reason=request.stop_reason,
-            num_cached_tokens=max(request.num_cached_tokens, 0),
-            logprobs=list(logprobs) if finished and logprobs is not None else None,
-            arrival_time_s=request.arrival_time_s,
-            first_token_time_s=state.first_token_time_s,
-            scheduled_time_s=request.scheduled_time_s,
-            new_logprobs=new_logprobs,
-            error=request.error,
-            prompt_logprobs=prompt_logprobs,
-        )

@@ -41,9 +41,11 @@ def pin_id(req_id: str) -> str:
 
 
 async def pin_peer_prefix(
-    pull: PeerPull, prepared: PreparedRequest
+    pull: PeerPull, prepared: PreparedRequest, ttl_s: float
 ) -> worker_pb2.PinPrefixResponse | None:
-    """Ask ``pull.source`` to lease the prompt's cached prefix (at most ``pull.num_blocks``);
+    """Ask ``pull.source`` to lease the prompt's cached prefix (at most ``pull.num_blocks``)
+    for up to ``ttl_s`` (the prefill call's deadline: the request may queue on its prefill
+    worker before it reads; the caller releases the pin when the call ends without the read);
     the response when it holds some of it, None (counted) otherwise. Never raises a worker's
     error: the prefill worker then computes the prefix."""
     request = worker_pb2.PinPrefixRequest(
@@ -52,6 +54,7 @@ async def pin_peer_prefix(
         max_blocks=pull.num_blocks,
         cache_salt=prepared.cache_salt,
         lora_name=prepared.lora_name,
+        ttl_s=ttl_s,
     )
     try:
         response: worker_pb2.PinPrefixResponse = await pull.source.stub.PinPrefix(

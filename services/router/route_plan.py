@@ -199,6 +199,9 @@ class RoutePlanner:
         if self._peer_pull_min_tokens <= 0 or prefill is None:
             return None
         own_blocks = choice.matched_blocks
+        most_blocks = min(max(choice.matched.values(), default=0), max_blocks)
+        if (most_blocks - own_blocks) * block_size < self._peer_pull_min_tokens:
+            return None  # the common case: no worker holds enough more (no pool walk)
         best: PeerPull | None = None
         pools = (self.prefill_chooser.pool, self.decode_chooser.pool)
         for worker in (w for pool in pools for w in pool.routable_workers(target)):

@@ -185,7 +185,7 @@ class RoutedRequest:
         pull = plan.peer_pull
         pinned = None
         if pull is not None and not self.worker_params.HasField("prompt_logprobs"):
-            pinned = await pin_peer_prefix(pull, self.prepared)
+            pinned = await pin_peer_prefix(pull, self.prepared, self._call_timeout_s())
         if pinned is not None:
             request.peer_kv_ref.CopyFrom(pinned.kv_ref)
             request.peer_kv_peer.CopyFrom(pinned.kv_peer)
@@ -218,9 +218,9 @@ class RoutedRequest:
             if not worker.prefill_priorities[priority]:
                 del worker.prefill_priorities[priority]
             end_call_span(call_span, error)
+            if pull is not None and pinned is not None:
+                self._peer_pull_done(pull, response)
         await self.holdings.prefill_done(plan, worker, response)
-        if pull is not None and pinned is not None:
-            self._peer_pull_done(pull, response)
         if response is not None:
             if response.HasField("kv_ref"):
                 self.decode_request.kv_ref.CopyFrom(response.kv_ref)
@@ -241,7 +241,8 @@ class RoutedRequest:
 
     def _peer_pull_done(self, pull: PeerPull, response: worker_pb2.PrefillResponse | None) -> None:
         """Count how the pull of a pinned prefix ended; release the pin at its source unless
-        the reader did (it does once its read ends)."""
+        the reader did (it does once its read ends). ``response`` is None when the prefill
+        failed or was cancelled."""
         if response is not None and response.num_peer_blocks:
             count(PeerPullOutcome.PULLED, response.num_peer_blocks)
             self._span.add_event(

@@ -26,6 +26,9 @@ from kvtransfer.base import KVTransferBackend
 
 logger = logging.getLogger(__name__)
 
+# A pinned prefix may wait this many lease TTLs for its reader (see ``LeaseHooks.pin``).
+MAX_PIN_TTL_FACTOR = 10
+
 
 @dataclass(frozen=True, slots=True)
 class Lease:
@@ -35,6 +38,7 @@ class Lease:
     block_ids: tuple[int, ...]
     grant: bytes = field(repr=False)
     expires_at_s: float
+    ttl_s: float
 
 
 class LeaseHooks:
@@ -77,19 +81,27 @@ class LeaseHooks:
         *,
         cache_salt: str,
         lora_name: str,
+        ttl_s: float = 0.0,
     ) -> Lease | None:
         """Lease the longest cached run (at most ``max_blocks``) of the prompt's blocks under
         ``pin_id`` for a peer to pull (``EngineBackend.pin_prefix``); None when none is cached.
         It ends as a prefill's lease does: released by the reader, by ``release``, or expired.
+        ``ttl_s`` (0: the TTL of every lease) is how long the reader may take to come: the
+        request it is for may queue on its prefill worker first; at most ``MAX_PIN_TTL_FACTOR``
+        times the TTL, so that a router that died never strands blocks for long.
         ``DuplicateRequestError`` if ``pin_id`` is in use here."""
         block_ids = engine.pin_prefix(
             pin_id, prompt_token_ids, max_blocks, cache_salt=cache_salt, lora_name=lora_name
         )
-        return self._lease(pin_id, block_ids) if block_ids else None
+        if not block_ids:
+            return None
+        ttl_s = min(ttl_s or self.ttl_s, MAX_PIN_TTL_FACTOR * self.ttl_s)
+        return self._lease(pin_id, block_ids, ttl_s)
 
-    def _lease(self, req_id: str, block_ids: list[int]) -> Lease:
+    def _lease(self, req_id: str, block_ids: list[int], ttl_s: float | None = None) -> Lease:
+        ttl_s = self.ttl_s if ttl_s is None else ttl_s
         grant = self.backend.publish(req_id, block_ids)
-        lease = Lease(tuple(block_ids), grant, time.monotonic() + self.ttl_s)
+        lease = Lease(tuple(block_ids), grant, time.monotonic() + ttl_s, ttl_s)
         self._leases[req_id] = lease
         return lease
 
@@ -98,9 +110,9 @@ class LeaseHooks:
             self.release(engine, req_id)
         if self._leases:
             now_s = time.monotonic()
-            expired = [r for r, lease in self._leases.items() if lease.expires_at_s <= now_s]
-            for req_id in expired:
-                logger.warning("req_id=%s KV lease expired after %.1f s", req_id, self.ttl_s)
+            expired = [item for item in self._leases.items() if item[1].expires_at_s <= now_s]
+            for req_id, lease in expired:
+                logger.warning("req_id=%s KV lease expired after %.1f s", req_id, lease.ttl_s)
                 self.num_leases_expired += 1
                 self.release(engine, req_id)
         if self._unpublishing:

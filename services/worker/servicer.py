@@ -68,6 +68,7 @@ class WorkerServicerBase:
                 request.max_blocks,
                 cache_salt=request.cache_salt,
                 lora_name=request.lora_name,
+                ttl_s=max(request.ttl_s, 0.0),
             )
 
         async with engine_errors(context):

@@ -169,18 +169,20 @@ class PrefillResponse(_message.Message):
     def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[_Union[TokenLogprob, _Mapping]] = ..., finished: _Optional[bool] = ..., finish_reason: _Optional[str] = ..., num_cached_tokens: _Optional[int] = ..., kv_ref: _Optional[_Union[KVRef, _Mapping]] = ..., kv_peer: _Optional[_Union[KVPeerInfo, _Mapping]] = ..., prefill_time_s: _Optional[float] = ..., stop_reason: _Optional[str] = ..., prompt_logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., num_peer_blocks: _Optional[int] = ..., peer_pull_failed: _Optional[bool] = ...) -> None: ...
 
 class PinPrefixRequest(_message.Message):
-    __slots__ = ("pin_id", "prompt_token_ids", "max_blocks", "cache_salt", "lora_name")
+    __slots__ = ("pin_id", "prompt_token_ids", "max_blocks", "cache_salt", "lora_name", "ttl_s")
     PIN_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     MAX_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     LORA_NAME_FIELD_NUMBER: _ClassVar[int]
+    TTL_S_FIELD_NUMBER: _ClassVar[int]
     pin_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     max_blocks: int
     cache_salt: str
     lora_name: str
-    def __init__(self, pin_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., max_blocks: _Optional[int] = ..., cache_salt: _Optional[str] = ..., lora_name: _Optional[str] = ...) -> None: ...
+    ttl_s: float
+    def __init__(self, pin_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., max_blocks: _Optional[int] = ..., cache_salt: _Optional[str] = ..., lora_name: _Optional[str] = ..., ttl_s: _Optional[float] = ...) -> None: ...
 
 class PinPrefixResponse(_message.Message):
     __slots__ = ("kv_ref", "kv_peer")

@@ -24,6 +24,7 @@ from kvtransfer._pull_protocol import PullEndpoint
 from kvtransfer.base import KVRef, PeerInfo
 from kvtransfer.tcp import TcpBackend
 from services.worker.kv_hooks import KVHooks
+from services.worker.kv_leases import MAX_PIN_TTL_FACTOR
 from tests.waiting import wait_until
 
 BLOCK_SIZE = 16
@@ -229,4 +230,22 @@ def test_a_pin_holds_only_what_the_source_caches_under_that_salt(source: Worker)
         )
     assert source.hooks.leases.release(source.engine, src.req_id)
     source.wait_released(src.req_id)
+    source.engine.kv_cache_manager.check_integrity()
+
+
+def test_a_pin_waits_for_its_reader_as_asked_within_a_cap(source: Worker) -> None:
+    history, turn = _turns(5)
+    source.run("history", history)
+    leases = source.hooks.leases
+    asked = leases.pin(source.engine, "asked", turn, 5, cache_salt="", lora_name="", ttl_s=90.0)
+    capped = leases.pin(source.engine, "capped", turn, 5, cache_salt="", lora_name="", ttl_s=1e9)
+    default = leases.pin(source.engine, "default", turn, 5, cache_salt="", lora_name="")
+    assert asked is not None and asked.ttl_s == 90.0
+    assert capped is not None and capped.ttl_s == MAX_PIN_TTL_FACTOR * leases.ttl_s
+    assert default is not None and default.ttl_s == leases.ttl_s
+    # Three pins of one prefix share its blocks: each holds a reference.
+    assert asked.block_ids == capped.block_ids == default.block_ids
+    for pin_id in ("asked", "capped", "default"):
+        assert leases.release(source.engine, pin_id)
+        source.wait_released(pin_id)
     source.engine.kv_cache_manager.check_integrity()
