@@ -35,6 +35,7 @@ import json
 import shutil
 import tempfile
 import urllib.request
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -144,6 +145,8 @@ def run_arm(
         # The tier's hits over the whole run (turn 1 may hit a tier too, for the system prompt).
         "tier_tokens": tier_tokens,
         "peer_tokens": peer_tokens,
+        # Why turns failed (the client's error, e.g. "HTTP 503", "ServerDisconnectedError").
+        "errors": dict(Counter(r.record.error or "no [DONE]" for r in records if not r.record.ok)),
         "per_turn": [
             dataclasses.asdict(summarize_turns(records, t, t)) for t in range(1, args.turns + 1)
         ],
@@ -208,6 +211,9 @@ def _report(results: list[dict[str, Any]]) -> None:
             f"{later['cached_tokens']:,} | {r['tier_tokens']:,} | {r['peer_tokens']:,} | "
             f"{first['num_errors'] + later['num_errors']} |"
         )
+    for r in results:
+        if r["errors"]:
+            print(f"{r['arm']}: failed turns by error: {r['errors']}")
 
 
 if __name__ == "__main__":
