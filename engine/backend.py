@@ -174,9 +174,9 @@ class EngineBackend(Protocol):
         lora_name: str = "",
     ) -> list[int]:
         """Hold the longest run, at most ``max_blocks``, of the prompt's full blocks this
-        engine caches under ``pin_id`` as a finished ``hold_kv`` request (``held_kv_block_ids``,
-        ``release_held_kv``): what a peer pulls the prefix from. [] when none is cached or the
-        engine cannot pin by prefix (then nothing is held)."""
+        engine holds (its cache, then its second tier) under ``pin_id`` as a finished
+        ``hold_kv`` request (``release_held_kv`` frees them): what a peer pulls the prefix
+        from. [] when it holds none or cannot pin by prefix (then nothing is held)."""
 
     def take_kv_loads(self) -> list[KVLoad]:
         """Transfers into ``kv_cache`` the engine started since the last call (each reported

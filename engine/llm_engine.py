@@ -399,9 +399,10 @@ class LLMEngine:
         cache_salt: str = "",
         lora_name: str = "",
     ) -> list[int]:
-        """Hold the longest cached run (at most ``max_blocks``) of the prompt's full blocks
-        under ``pin_id`` until ``release_held_kv``; [] when none is cached, the salt is bad or
-        the adapter is not loaded here (nothing is held then). ``DuplicateRequestError`` if
+        """Hold the longest run (at most ``max_blocks``) of the prompt's full blocks this
+        engine holds, in its cache or its second tier (loaded back), under ``pin_id`` until
+        ``release_held_kv``; [] when it holds none, the salt is bad or the adapter is not
+        loaded here (nothing is held then). ``DuplicateRequestError`` if
         ``pin_id`` is a live request's or holds KV here."""
         if lora_name and lora_name not in self.lora_adapters:
             return []

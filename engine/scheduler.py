@@ -243,17 +243,34 @@ class Scheduler:
         self.waiting.insert(index, request)
 
     def pin_cached_prefix(self, request: Request, max_blocks: int) -> list[int]:
-        """Hold the longest run (at most ``max_blocks``) of ``request``'s full blocks cached
-        here, as a finished ``hold_kv`` request would (until ``release_held_kv``), without
-        scheduling it: what a peer pulls a prefix from. Returns their ids ([]: none cached, and
-        nothing is held). ``DuplicateRequestError`` if the id is live or holds KV here."""
+        """Hold the longest run (at most ``max_blocks``) of ``request``'s full blocks held here,
+        as a finished ``hold_kv`` request would (until ``release_held_kv``), without scheduling
+        it: what a peer pulls a prefix from. The run continues from the cache into the second
+        tier: those blocks are loaded into free ones and published, as a prefix hit loads them.
+        Returns their ids ([]: none held, and nothing is held then). ``DuplicateRequestError``
+        if the id is live or holds KV here."""
         if request.req_id in self.requests or request.req_id in self.held_kv:
             raise DuplicateRequestError(f"request_id {request.req_id!r} is in use here")
-        hits = self.kv_cache_manager.get_computed_blocks(request)[:max_blocks]
-        if not hits or not self.kv_cache_manager.allocate_slots(request, 0, hits, cache=False):
+        manager = self.kv_cache_manager
+        hits = manager.get_computed_blocks(request)[:max_blocks]
+        num_tier_blocks = min(
+            manager.num_offloaded_hits(request, len(hits)), max_blocks - len(hits)
+        )
+        if not hits and not num_tier_blocks:
+            return []
+        num_tier_tokens = num_tier_blocks * self.block_size
+        if not manager.allocate_slots(request, num_tier_tokens, hits, cache=False):
+            return []
+        num_blocks = len(hits)
+        if num_tier_blocks:
+            num_blocks += manager.load_offloaded(request, len(hits), num_tier_blocks)
+            manager.cache_blocks(request, num_blocks * self.block_size)
+        if not num_blocks:  # the tier's blocks went (or were refused) since it counted them
+            manager.free(request)
             return []
         self.held_kv[request.req_id] = request
-        return self.kv_cache_manager.get_block_ids(request.req_id)
+        # A short load leaves blocks past the run unfilled: held, never published, never read.
+        return manager.get_block_ids(request.req_id)[:num_blocks]
 
     def release_held_kv(self, req_id: str) -> bool:
         """Free the blocks a finished ``hold_kv`` request kept; False if it holds none."""

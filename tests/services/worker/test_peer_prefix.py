@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from engine import LLM, EngineConfig, LLMEngine, SamplingParams
+from engine.block_hash import hash_block_tokens
 from engine.outputs import RequestOutput
 from engine.scheduler import DuplicateRequestError
 from kvtransfer._pull_protocol import PullEndpoint
@@ -110,10 +111,9 @@ class Worker:
         wait_until(freed, WAIT_S, f"{pin_id}'s blocks freed", 0.01)
 
 
-def _worker(model_dir: Path, name: str) -> Worker:
-    config = EngineConfig(
-        model=str(model_dir), dtype="float32", num_kv_blocks=64, block_size=BLOCK_SIZE
-    )
+def _worker(model_dir: Path, name: str, **engine_flags: object) -> Worker:
+    flags: dict[str, object] = {"dtype": "float32", "num_kv_blocks": 64, **engine_flags}
+    config = EngineConfig(model=str(model_dir), block_size=BLOCK_SIZE, **flags)  # type: ignore[arg-type]
     engine = LLMEngine(config)
     backend = TcpBackend(f"{name}-{next(_IDS)}", PullEndpoint(io_timeout_s=WAIT_S))
     peer = backend.register_kv_cache(engine.kv_cache, engine.kv_cache_spec)
@@ -249,3 +249,38 @@ def test_a_pin_waits_for_its_reader_as_asked_within_a_cap(source: Worker) -> Non
         assert leases.release(source.engine, pin_id)
         source.wait_released(pin_id)
     source.engine.kv_cache_manager.check_integrity()
+
+
+def test_a_prefix_the_source_moved_to_its_tier_is_pulled_from_there(
+    tiny_llama_dir: Path, reader: Worker, offline: LLM
+) -> None:
+    """A decode worker's cache soon evicts a conversation's reply; its second tier keeps it,
+    and a pin loads it back for the peer instead of the peer computing it."""
+    # 16 blocks of 16 tokens: the next two prompts push the history's blocks out to the tier.
+    source = _worker(
+        tiny_llama_dir, "tiered", num_kv_blocks=16, max_model_len=256, kv_offload_gib=0.05
+    )
+    try:
+        history, turn = _turns(6)
+        source.run("history", history)
+        for i in range(2):
+            source.run(f"evicts-{i}", _turns(10 + i)[0] + _turns(20 + i)[0])
+        pool = source.engine.kv_cache_manager.block_pool
+        hashes = hash_block_tokens(turn, BLOCK_SIZE)[:5]
+        num_in_cache = sum(pool.get_cached_block(h) is not None for h in hashes)
+        assert num_in_cache < 5  # evicted: some or all in the tier only
+        tier_hits = source.engine.stats().num_tier_hit_blocks
+
+        src = source.pin(turn)
+
+        assert src is not None and src.num_tokens == 5 * BLOCK_SIZE
+        assert source.engine.stats().num_tier_hit_blocks - tier_hits == 5 - num_in_cache
+
+        final = reader.run("turn", turn, src=src, src_peer=source.peer)
+
+        assert final.token_ids == offline.generate([turn], GREEDY)[0].token_ids
+        assert final.num_cached_tokens == src.num_tokens
+        source.wait_released(src.req_id)
+        source.engine.kv_cache_manager.check_integrity()
+    finally:
+        source.backend.close()
