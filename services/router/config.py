@@ -197,10 +197,11 @@ class RouterConfig:
         "and the decode worker runs --scheduling-policy priority (0: never)",
     )
     peer_pull_min_tokens: int = flag(
-        64,
-        "the prefill worker pulls a prompt's prefix from the worker (prefill or decode) whose "
-        "cache holds the most of it, instead of computing it, when that worker holds at least "
-        "this many tokens more than the prefill worker (0: never pull from a peer)",
+        16,
+        "the prefill worker pulls a prompt's prefix from the worker (prefill or decode) that "
+        "holds the most of it (cache or tier), instead of computing it, when that worker holds "
+        "at least this many tokens more than the prefill worker (0: never pull from a peer; on "
+        "a GPU, where a block computes in well under a millisecond, raise it)",
     )
     decode_load_weight: float = flag(1.0, "decode cost per request active on the worker")
     decode_move_weight: float = flag(

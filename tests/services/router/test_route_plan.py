@@ -29,7 +29,7 @@ from tests.services.router.fakes import BLOCK_SIZE, DECODE, PREFILL, W, make_poo
 LOCAL_MAX_TOKENS = 32  # --local-prefill-max-tokens (the default)
 SATURATION_BLOCKS = 8  # --prefill-saturation-blocks
 LONG = 100  # 6 full blocks: more than LOCAL_MAX_TOKENS
-PEER_PULL_MIN_TOKENS = 64  # --peer-pull-min-tokens (the default): 4 blocks
+PEER_PULL_MIN_TOKENS = 16  # --peer-pull-min-tokens (the default): one block
 SHORT = 30  # 1 full block
 LIVE_S = 3600.0
 
@@ -152,10 +152,10 @@ def check_plan(plan: RoutePlan, case: PlanCase, prompt_len: int) -> None:
             id="the-prefill-worker-caching-the-prefix",
         ),
         pytest.param(
-            # p1: 5 uncached + 0.5 * 20 queued = 15 > p0: 6.
+            # p1: 5 uncached + 0.5 * 20 queued = 15 > p0: 6. p0 pulls p1's one block.
             PlanCase((W("p0"), W("p1", queued_prefill_tokens=20 * BLOCK_SIZE)), DECODE2, LONG,
                      PrefillPlace.PREFILL_WORKER, "p0", "d0", hits={"p1": 1},
-                     want_reserved={"p0": 6}),
+                     want_reserved={"p0": 6}, want_peer=("p1", 1)),
             id="queued-work-outweighs-a-short-prefix-hit",
         ),
         pytest.param(
@@ -178,8 +178,9 @@ def check_plan(plan: RoutePlan, case: PlanCase, prompt_len: int) -> None:
             id="a-decode-worker-caching-the-prefix-computes-the-rest",
         ),
         pytest.param(
+            # p0 computes the rest after pulling d0's two blocks; d0 then pulls the prompt.
             PlanCase(PREFILL2, DECODE2, LONG, PrefillPlace.PREFILL_WORKER, "p0", "d0",
-                     hits={"d0": 2}, want_reserved={"p0": 6}),
+                     hits={"d0": 2}, want_reserved={"p0": 6}, want_peer=("d0", 2)),
             id="a-decode-worker-caching-part-of-the-prefix-still-pulls-it",
         ),
         pytest.param(
@@ -204,10 +205,10 @@ def check_plan(plan: RoutePlan, case: PlanCase, prompt_len: int) -> None:
             id="peer-pull-min-tokens-0-never-pulls",
         ),
         pytest.param(
-            # 6 - 3 blocks = 48 tokens more than p0 holds: under the 64 that pay for a pull.
+            # 6 - 3 blocks = 48 tokens more than p0 holds: under a threshold of 64.
             PlanCase((W("p0"), W("p1", queued_prefill_tokens=20 * BLOCK_SIZE)), DECODE2, LONG,
                      PrefillPlace.PREFILL_WORKER, "p0", "d0", hits={"p0": 3, "p1": 6},
-                     want_reserved={"p0": 3}),
+                     want_reserved={"p0": 3}, peer_pull_min_tokens=64),
             id="a-peer-holding-too-little-more-is-not-pulled-from",
         ),
         pytest.param(
