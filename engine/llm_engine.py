@@ -245,8 +245,7 @@ class LLMEngine:
         break it.
         """
         self.validate_request(prompt_token_ids, params, output_token_ids)
-        check_cache_salt(cache_salt)
-        lora_key = self.lora.block_key(lora_name) if lora_name else ""
+        extra_key = self._block_extra_key(cache_salt, lora_name)
         request = Request(
             req_id=req_id,
             prompt_token_ids=list(prompt_token_ids),
@@ -257,7 +256,7 @@ class LLMEngine:
             num_external_tokens=num_external_tokens,
             hold_kv=hold_kv,
             output_token_ids=list(output_token_ids),
-            extra_key=block_extra_key(cache_salt, lora_key),
+            extra_key=extra_key,
             lora_name=lora_name,
             priority=priority,
         )
@@ -294,6 +293,12 @@ class LLMEngine:
             num_reported_tokens=len(output_token_ids),
         )
         logger.debug("req_id=%s added: %d prompt tokens", req_id, len(prompt_token_ids))
+
+    def _block_extra_key(self, cache_salt: str, lora_name: str) -> str:
+        """What a request's block hashes carry besides its tokens: its salt and its adapter's
+        key. ``ValueError`` naming the field for a bad salt or an adapter not loaded here."""
+        check_cache_salt(cache_salt)
+        return block_extra_key(cache_salt, self.lora.block_key(lora_name) if lora_name else "")
 
     def _compile_grammar(self, constraint: Constraint) -> CompiledGrammar:
         """``grammars``' compile, on a compile thread. The compiler is built by the first one
@@ -404,13 +409,10 @@ class LLMEngine:
         ``release_held_kv``; [] when it holds none, the salt is bad or the adapter is not
         loaded here (nothing is held then). ``DuplicateRequestError`` if
         ``pin_id`` is a live request's or holds KV here."""
-        if lora_name and lora_name not in self.lora_adapters:
-            return []
         try:
-            check_cache_salt(cache_salt)
+            extra_key = self._block_extra_key(cache_salt, lora_name)
         except ValueError:
             return []
-        lora_key = self.lora.block_key(lora_name) if lora_name else ""
         request = Request(
             req_id=pin_id,
             prompt_token_ids=list(prompt_token_ids),
@@ -419,7 +421,7 @@ class LLMEngine:
             block_size=self.config.block_size,
             arrival_time_s=time.perf_counter(),
             hold_kv=True,
-            extra_key=block_extra_key(cache_salt, lora_key),
+            extra_key=extra_key,
             lora_name=lora_name,
         )
         return self.scheduler.pin_cached_prefix(request, max_blocks)

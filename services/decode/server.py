@@ -17,7 +17,6 @@ from opentelemetry.trace import Span
 
 from engine.backend import EngineBackend
 from engine.outputs import RequestOutput
-from engine.scheduler import DuplicateRequestError
 from kvtransfer.base import KVRef
 from services.common.convert import (
     kv_ref_from_proto,
@@ -70,33 +69,22 @@ class DecodeServicer(WorkerServicerBase, worker_pb2_grpc.DecodeWorkerServicer):
         salt = request.cache_salt
 
         def add(engine: EngineBackend) -> None:
-            if src is None or not self.hooks.puller.expect(req_id, src, peer):
-                engine.add_request(
+            self.hooks.puller.add_request(
+                engine,
+                req_id,
+                src,
+                peer,
+                lambda num_external_tokens: engine.add_request(
                     req_id,
                     prompt,
                     params,
                     output_token_ids=output_token_ids,
+                    num_external_tokens=num_external_tokens,
                     cache_salt=salt,
                     priority=request.priority,
                     lora_name=request.lora_name,
-                )
-                return
-            try:
-                engine.add_request(
-                    req_id,
-                    prompt,
-                    params,
-                    output_token_ids=output_token_ids,
-                    num_external_tokens=src.num_tokens,
-                    cache_salt=salt,
-                    priority=request.priority,
-                    lora_name=request.lora_name,
-                )
-            except DuplicateRequestError:
-                raise  # the id's pull, if any, is another request's
-            except ValueError:
-                self.hooks.puller.abort(engine, req_id)
-                raise
+                ),
+            )
 
         outputs = self.runtime.loop.generate(req_id, add)
         stalled = False

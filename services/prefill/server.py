@@ -22,7 +22,6 @@ from opentelemetry.trace import Span
 
 from engine.backend import EngineBackend
 from engine.outputs import RequestOutput
-from engine.scheduler import DuplicateRequestError
 from kvtransfer.base import KVRef
 from services.common.convert import (
     kv_ref_from_proto,
@@ -75,24 +74,22 @@ class PrefillServicer(WorkerServicerBase, worker_pb2_grpc.PrefillWorkerServicer)
         puller = self.hooks.puller
 
         def add(engine: EngineBackend) -> None:
-            pulls = src is not None and puller.expect(req_id, src, peer)
-            try:
-                engine.add_request(
+            puller.add_request(
+                engine,
+                req_id,
+                src,
+                peer,
+                lambda num_external_tokens: engine.add_request(
                     req_id,
                     prompt,
                     first_token_params,
-                    num_external_tokens=src.num_tokens if src is not None and pulls else 0,
+                    num_external_tokens=num_external_tokens,
                     hold_kv=hold_kv,
                     cache_salt=salt,
                     priority=request.priority,
                     lora_name=request.lora_name,
-                )
-            except DuplicateRequestError:
-                raise  # the id's pull, if any, is another request's
-            except ValueError:
-                if pulls:
-                    puller.abort(engine, req_id)
-                raise
+                ),
+            )
 
         loop = self.runtime.loop
         final: RequestOutput | None = None

@@ -14,12 +14,13 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 from engine.backend import EngineBackend
 from engine.kv_cache_manager import cdiv
 from engine.outputs import RequestOutput
-from engine.scheduler import KVLoad
+from engine.scheduler import DuplicateRequestError, KVLoad
 from kvtransfer.base import KVRef, KVTransferBackend, KVTransferError, PeerInfo, TransferState
 from services.worker.kv_metrics import KV_PULL_SECONDS, KV_PULLED_BLOCKS, KV_PULLED_BYTES
 
@@ -66,6 +67,27 @@ class KVPullHooks:
             return False
         self._sources[req_id] = src
         return True
+
+    def add_request(
+        self,
+        engine: EngineBackend,
+        req_id: str,
+        src: KVRef | None,
+        peer: PeerInfo,
+        add: Callable[[int], None],
+    ) -> None:
+        """Add ``req_id`` with ``add(num_external_tokens)``: the tokens ``src`` covers when it
+        is given and its peer pairs (they are pulled once the scheduler admits the request),
+        else 0 (computed here). An add the engine refuses forgets the pull and re-raises."""
+        pulls = src is not None and self.expect(req_id, src, peer)
+        try:
+            add(src.num_tokens if src is not None and pulls else 0)
+        except DuplicateRequestError:
+            raise  # the id's pull, if any, is another request's
+        except ValueError:
+            if pulls:
+                self.abort(engine, req_id)
+            raise
 
     def take_result(self, req_id: str) -> PullResult | None:
         """How ``req_id``'s KV arrived (None if it pulled none); forgotten once taken. The

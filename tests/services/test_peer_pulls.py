@@ -17,7 +17,7 @@ import pytest
 
 from engine.llm import LLM
 from engine.sampling_params import SamplingParams
-from tests.services.conftest import Client, greedy, scrape
+from tests.services.conftest import greedy, scrape
 
 BLOCK_SIZE = 16
 SYSTEM_TOKENS = 6 * BLOCK_SIZE
@@ -54,7 +54,6 @@ def test_a_hot_system_prompt_on_two_prefill_workers_is_computed_once(
     cluster, tiny_llama_dir
 ) -> None:
     local, client = cluster
-    client: Client
     router_port = local.workers("router")[0].metrics_port
     rng = random.Random(0)
     system = [rng.randrange(3, 480) for _ in range(SYSTEM_TOKENS)]
