@@ -26,7 +26,7 @@ import torch
 from prometheus_client.registry import Collector
 
 from engine.block_hash import BlockHash
-from engine.block_pool import KVCacheEvent
+from engine.block_pool import KVCacheEvent, KVMedium
 from engine.constraint import Constraint
 from engine.kv_cache_spec import KVCacheSpec
 from engine.outputs import RequestOutput
@@ -149,9 +149,9 @@ class EngineBackend(Protocol):
         """Prefix-cache changes since the last call, in order, each returned once: drain them
         every step (the router's prefix index is built from them)."""
 
-    def prefix_cache_block_hashes(self) -> list[BlockHash]:
-        """Every block a prefix hit can use now: the state ``take_kv_cache_events`` reports
-        the changes of. No side effects."""
+    def prefix_cache_blocks(self) -> dict[BlockHash, KVMedium]:
+        """Every block a prefix hit can use now, and where it is (its cache, or its second tier
+        alone): the state ``take_kv_cache_events`` reports the changes of. No side effects."""
 
     # ----------------------------------------------------------------------------- KV transfer
     def holds_kv(self, req_id: str) -> bool:

@@ -12,6 +12,7 @@ Every change to the set of hashed blocks is recorded as an event for the router'
 
 from __future__ import annotations
 
+import enum
 from collections import OrderedDict, deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
@@ -28,13 +29,24 @@ class KVCacheBlock:
     block_hash: BlockHash | None = None
 
 
+class KVMedium(enum.Enum):
+    """Where an engine holds a block a prefix hit can use (vLLM's KV events name it too): its
+    paged cache, or only its second tier (``engine.kv_offload``), loaded back on a hit."""
+
+    CACHE = "cache"
+    TIER = "tier"
+
+
 @dataclass(frozen=True, slots=True)
 class BlockStored:
-    """Blocks became reusable by prefix hits; ``block_hashes`` form a chain after ``parent``."""
+    """Blocks became reusable by prefix hits; ``block_hashes`` form a chain after ``parent``.
+    ``medium`` says where the engine holds them now: a block stored again in another medium
+    moved there (from the cache into the tier when evicted, back when loaded)."""
 
     block_hashes: tuple[BlockHash, ...]
     parent_block_hash: BlockHash | None
     block_size: int
+    medium: KVMedium = KVMedium.CACHE
 
 
 @dataclass(frozen=True, slots=True)

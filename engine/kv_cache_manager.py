@@ -13,7 +13,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from engine.block_hash import BlockHash
-from engine.block_pool import BlockPool, KVCacheBlock, KVCacheEvent
+from engine.block_pool import BlockPool, KVCacheBlock, KVCacheEvent, KVMedium
 from engine.request import Request
 
 if TYPE_CHECKING:
@@ -210,12 +210,13 @@ class KVCacheManager:
             return events
         return self.offload.held_events(events, self.block_pool.hash_map)
 
-    def block_hashes(self) -> list[BlockHash]:
-        """Every block a prefix hit can use now: the state ``take_events`` reports."""
-        held = self.block_pool.block_hashes()
+    def held_blocks(self) -> dict[BlockHash, KVMedium]:
+        """Every block a prefix hit can use now, and where it is (the cache, when in both):
+        the state ``take_events`` reports."""
+        held = dict.fromkeys(self.block_pool.block_hashes(), KVMedium.CACHE)
         if self.offload is not None:
-            cached = self.block_pool.hash_map
-            held += [h for h in self.offload.tier.hashes() if h not in cached]
+            for block_hash in self.offload.tier.hashes():
+                held.setdefault(block_hash, KVMedium.TIER)
         return held
 
     def check_integrity(self) -> None:

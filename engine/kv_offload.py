@@ -11,15 +11,17 @@ from __future__ import annotations
 
 import atexit
 import logging
+import time
 from collections.abc import Container, Iterable, Sequence
 from pathlib import Path
 
 import torch
 
 from engine.block_hash import BlockHash
-from engine.block_pool import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
+from engine.block_pool import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent, KVMedium
 from engine.kv_cache_spec import KVCacheSpec
 from engine.kv_tier import DiskKVTier, HostKVTier, KVTier, TierIdentity, model_fingerprint
+from engine.moving_average import MovingAverage
 
 logger = logging.getLogger(__name__)
 
@@ -34,6 +36,8 @@ class KVOffload:
     def __init__(self, tier: KVTier, kv_cache: torch.Tensor, block_size: int) -> None:
         self.tier = tier
         self.block_size = block_size
+        # Seconds to load one block back into the cache (read, check, copy), as measured.
+        self.load_s_per_block = MovingAverage()
         self._blocks = kv_cache.view(kv_cache.shape[0], -1).view(torch.uint8)
 
     @property
@@ -53,30 +57,41 @@ class KVOffload:
     def held_events(
         self, events: Sequence[KVCacheEvent], cached: Container[BlockHash]
     ) -> list[KVCacheEvent]:
-        """The cache's ``events`` restated for the blocks held in the cache *or* the tier
-        (what the router's index must know: a hit in either saves the compute): a removal is
-        kept only for blocks in neither (``cached`` is the cache's live hash map), the tier's
-        own drops are added, and after a reset of the cache the tier's blocks are stored again.
-        """
+        """The cache's ``events`` restated for the blocks held in the cache *or* the tier, each
+        with where it is (what the router's index must know: a hit in either saves the compute,
+        a hit in the tier costs its load). ``cached`` is the cache's live hash map: a block the
+        cache evicted into the tier is stored again as the tier's, a removal is kept only for
+        blocks in neither, the tier's own drops are added, and after a reset of the cache the
+        tier's blocks are stored again as the tier's."""
         out: list[KVCacheEvent] = []
         cleared = False
         for event in events:
             if isinstance(event, BlockRemoved):
-                if gone := self._gone(event.block_hashes, cached):
-                    out.append(BlockRemoved(gone))
+                out += self._removed(event.block_hashes, cached)
             else:
                 cleared |= isinstance(event, AllBlocksCleared)
                 out.append(event)
-        if gone := self._gone(self.tier.take_removed(), cached):
-            out.append(BlockRemoved(gone))
+        out += self._removed(self.tier.take_removed(), cached)
         if cleared and (held := self.tier.hashes()):
-            out.append(BlockStored(tuple(held), None, self.block_size))
+            out.append(BlockStored(tuple(held), None, self.block_size, KVMedium.TIER))
         return out
 
-    def _gone(
+    def _removed(
         self, block_hashes: Iterable[BlockHash], cached: Container[BlockHash]
-    ) -> tuple[BlockHash, ...]:
-        return tuple(h for h in block_hashes if h not in cached and h not in self.tier)
+    ) -> list[KVCacheEvent]:
+        """The events for ``block_hashes`` having left the cache or the tier: those still in the
+        cache change nothing, those in the tier alone moved there, the others are gone."""
+        moved: list[BlockHash] = []
+        gone: list[BlockHash] = []
+        for block_hash in block_hashes:
+            if block_hash not in cached:
+                (moved if block_hash in self.tier else gone).append(block_hash)
+        out: list[KVCacheEvent] = []
+        if moved:
+            out.append(BlockStored(tuple(moved), None, self.block_size, KVMedium.TIER))
+        if gone:
+            out.append(BlockRemoved(tuple(gone)))
+        return out
 
     def num_hits(self, block_hashes: Sequence[BlockHash]) -> int:
         """How many of ``block_hashes``, from the first, the tier holds. No side effects."""
@@ -89,13 +104,19 @@ class KVOffload:
 
     def load(self, block_hashes: Sequence[BlockHash], block_ids: Sequence[int]) -> int:
         """Fill ``block_ids`` with the tier's copies of ``block_hashes``, in order; stop at the
-        first one the tier no longer has or refuses. Returns how many were loaded."""
-        for n, (block_hash, block_id) in enumerate(zip(block_hashes, block_ids, strict=True)):
+        first one the tier no longer has or refuses. Returns how many were loaded; measures
+        ``load_s_per_block``."""
+        start_s = time.perf_counter()
+        num_loaded = 0
+        for block_hash, block_id in zip(block_hashes, block_ids, strict=True):
             payload = self.tier.get(block_hash)
             if payload is None:
-                return n
+                break
             self._blocks[block_id].copy_(torch.frombuffer(bytearray(payload), dtype=torch.uint8))
-        return len(block_ids)
+            num_loaded += 1
+        if num_loaded:
+            self.load_s_per_block.add((time.perf_counter() - start_s) / num_loaded)
+        return num_loaded
 
     def close(self) -> None:
         self.tier.close()

@@ -20,7 +20,7 @@ import torch
 
 from engine.backend import EngineInfo
 from engine.block_hash import BlockHash, block_extra_key
-from engine.block_pool import KVCacheEvent
+from engine.block_pool import KVCacheEvent, KVMedium
 from engine.config import EngineConfig, SchedulingPolicy
 from engine.constraint import Constraint
 from engine.cpu_isa import CpuIsa, host_isa, resolve_isa
@@ -36,6 +36,7 @@ from engine.lora.names import parse_lora_modules
 from engine.lora.registry import LoraRegistry
 from engine.model.kernel_plan import KernelPlan
 from engine.model_runner import ModelRunner
+from engine.moving_average import MovingAverage
 from engine.ngram_proposer import NgramProposer
 from engine.outputs import RequestOutput
 from engine.request import Request, RequestStatus
@@ -178,6 +179,7 @@ class LLMEngine:
         self._states: dict[str, RequestState] = {}
         self._kv_loads: list[KVLoad] = []
         self.last_num_scheduled_tokens = 0
+        self.prefill_s_per_token = MovingAverage()
         logger.info(
             "engine ready: model=%s dtype=%s kv_cache_dtype=%s device=%s pid=%d",
             self.model_dir,
@@ -457,7 +459,7 @@ class LLMEngine:
         self.lora.unload(name)
 
     def stats(self) -> EngineStats:
-        return make_stats(self.scheduler, len(self._compiling))
+        return make_stats(self.scheduler, len(self._compiling), self.prefill_s_per_token.value)
 
     @property
     def info(self) -> EngineInfo:
@@ -508,10 +510,10 @@ class LLMEngine:
         order, each returned once: the engine keeps them until taken, so drain them every step."""
         return self.kv_cache_manager.take_events()
 
-    def prefix_cache_block_hashes(self) -> list[BlockHash]:
-        """Hashes of every block a prefix hit can use now: the state whose changes
+    def prefix_cache_blocks(self) -> dict[BlockHash, KVMedium]:
+        """Every block a prefix hit can use now, and where it is: the state whose changes
         ``take_kv_cache_events`` reports. No side effects."""
-        return self.kv_cache_manager.block_hashes()
+        return self.kv_cache_manager.held_blocks()
 
     # ----------------------------------------------------------------------------- step
     def step(self) -> list[RequestOutput]:
@@ -530,7 +532,13 @@ class LLMEngine:
         self.last_num_scheduled_tokens = sched.total_num_scheduled_tokens
         if sched.is_empty:
             return outputs
+        start_s = time.perf_counter()
         sampled, errors = self.executor.run(sched.scheduled)
+        # What a token of prefill costs here (steps with at least a block of prompt tokens).
+        num_prompt_tokens = sum(s.num_new_tokens for s in sched.scheduled if not s.is_decode)
+        if num_prompt_tokens >= self.config.block_size:
+            seconds_per_token = (time.perf_counter() - start_s) / sched.total_num_scheduled_tokens
+            self.prefill_s_per_token.add(seconds_per_token)
         outputs.extend(self._fail_requests(errors))
         self._keep_prompt_logprobs(sched.scheduled, sampled.prompt_logprobs, errors)
         if errors:

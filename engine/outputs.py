@@ -33,6 +33,8 @@ class RequestOutput:
     first_token_time_s: float | None
     # When the scheduler first gave it blocks (the end of its queue wait); None while queued.
     scheduled_time_s: float | None = None
+    # Of num_cached_tokens, those loaded back from the engine's second tier.
+    num_tier_tokens: int = 0
     # One per new token when logprobs were asked for (None otherwise).
     new_logprobs: list[TokenLogprobs] | None = None
     # Set when finish_reason is "error": why this request (only) failed.

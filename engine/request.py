@@ -101,6 +101,8 @@ class Request:
     all_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     num_cached_tokens: int = -1
+    # Of num_cached_tokens, those loaded back from the second tier.
+    num_tier_tokens: int = 0
     num_preemptions: int = 0
     # Prompt positions whose next token's logprobs were computed (prompt_logprobs): a
     # recompute after preemption does not compute them again.

@@ -76,6 +76,7 @@ class RequestState:
             finish_reason=request.status.finish_reason,
             stop_reason=request.stop_reason,
             num_cached_tokens=max(request.num_cached_tokens, 0),
+            num_tier_tokens=request.num_tier_tokens,
             logprobs=list(logprobs) if finished and logprobs is not None else None,
             arrival_time_s=request.arrival_time_s,
             first_token_time_s=self.first_token_time_s,

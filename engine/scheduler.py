@@ -408,11 +408,16 @@ class Scheduler:
             if remote:
                 self._wait_for_remote_kv(request, num_hit_tokens, out.kv_loads)
                 continue
+            num_loaded_tokens = 0
             if num_tier_blocks:
-                num_hit_tokens += self._load_offloaded(request, len(hits), num_tier_blocks, num_new)
+                num_loaded_tokens = self._load_offloaded(
+                    request, len(hits), num_tier_blocks, num_new
+                )
+                num_hit_tokens += num_loaded_tokens
             request.num_computed_tokens += num_hit_tokens
             if request.num_cached_tokens < 0:
                 request.num_cached_tokens = request.num_computed_tokens
+                request.num_tier_tokens = num_loaded_tokens
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             admitted.append(self._scheduled(request, num_new))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from engine.scheduler import Scheduler
@@ -29,27 +30,25 @@ class EngineStats:
     num_tier_stored_blocks: int = 0
     num_tier_hit_blocks: int = 0
     num_tier_refused_blocks: int = 0
+    # Measured moving averages (0.0 until measured): seconds to load a block back from the
+    # tier, and seconds of a prefilling step per token it scheduled.
+    tier_load_s_per_block: float = 0.0
+    prefill_s_per_token: float = 0.0
 
     @property
     def kv_usage(self) -> float:
         return self.num_used_blocks / self.num_total_blocks
 
 
-def make_stats(scheduler: Scheduler, num_compiling: int = 0) -> EngineStats:
+def make_stats(
+    scheduler: Scheduler, num_compiling: int = 0, prefill_s_per_token: float = 0.0
+) -> EngineStats:
     """Snapshot ``scheduler`` and the block pool behind it. No side effects. Requests held
-    outside the scheduler until their grammar compiles (``num_compiling``) count as waiting."""
+    outside the scheduler until their grammar compiles (``num_compiling``) count as waiting;
+    ``prefill_s_per_token`` is the engine's measure of its steps."""
     pool = scheduler.kv_cache_manager.block_pool
     offload = scheduler.kv_cache_manager.offload
-    tier = {}
-    if offload is not None:
-        counters = offload.tier.counters
-        tier = {
-            "num_tier_blocks": offload.tier.num_blocks,
-            "num_tier_stored_blocks": counters.num_stored,
-            "num_tier_hit_blocks": counters.num_hits,
-            "num_tier_refused_blocks": counters.num_refused,
-        }
-    return EngineStats(
+    stats = EngineStats(
         num_running=len(scheduler.running),
         num_waiting=len(scheduler.waiting) + num_compiling,
         num_waiting_for_kv=len(scheduler.waiting_for_remote_kv),
@@ -61,5 +60,16 @@ def make_stats(scheduler: Scheduler, num_compiling: int = 0) -> EngineStats:
         num_preemptions=scheduler.num_preemptions,
         num_draft_tokens=scheduler.num_draft_tokens,
         num_accepted_draft_tokens=scheduler.num_accepted_tokens,
-        **tier,
+        prefill_s_per_token=prefill_s_per_token,
+    )
+    if offload is None:
+        return stats
+    counters = offload.tier.counters
+    return dataclasses.replace(
+        stats,
+        num_tier_blocks=offload.tier.num_blocks,
+        num_tier_stored_blocks=counters.num_stored,
+        num_tier_hit_blocks=counters.num_hits,
+        num_tier_refused_blocks=counters.num_refused,
+        tier_load_s_per_block=offload.load_s_per_block.value,
     )

@@ -27,7 +27,7 @@ from prometheus_client import CollectorRegistry
 
 from engine.backend import EngineInfo
 from engine.block_hash import BlockHash
-from engine.block_pool import KVCacheEvent
+from engine.block_pool import KVCacheEvent, KVMedium
 from engine.config import EngineConfig
 from engine.constraint import Constraint
 from engine.cpu_isa import resolve_isa
@@ -391,8 +391,8 @@ class VLLMEngine:
     def take_kv_cache_events(self) -> list[KVCacheEvent]:
         return self._translator.translate(self._events.take())
 
-    def prefix_cache_block_hashes(self) -> list[BlockHash]:
-        return self._translator.live_block_hashes()
+    def prefix_cache_blocks(self) -> dict[BlockHash, KVMedium]:
+        return dict.fromkeys(self._translator.live_block_hashes(), KVMedium.CACHE)
 
     # ----------------------------------------------------------------------------- KV transfer
     def holds_kv(self, req_id: str) -> bool:

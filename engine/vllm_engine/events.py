@@ -4,7 +4,7 @@ vLLM names a block by its own hash; splitserve's router hashes prompts with
 ``engine.block_hash`` (``cache_salt`` in every block). vLLM's ``BlockStored`` carries each
 block's token ids and, on a chain's first block, its ``cache_salt``, so the splitserve hash of
 every stored block can be computed here, chained through the parent's. The translator keeps
-the mapping of live blocks, which is also the state ``prefix_cache_block_hashes`` reports.
+the mapping of live blocks, which is also the state ``prefix_cache_blocks`` reports.
 """
 
 from __future__ import annotations

@@ -67,7 +67,7 @@ import redis.asyncio
 from prometheus_client import REGISTRY
 
 from engine.block_hash import BlockHash, hash_block_tokens
-from engine.block_pool import BlockStored, KVCacheEvent
+from engine.block_pool import BlockStored, KVCacheEvent, KVMedium
 from loadtest.fixtures.redis_server import RedisServer
 from services.common.kv_event_stream import stream_key
 from services.common.prefix_index import RedisPrefixIndex
@@ -196,8 +196,8 @@ async def _fleet(url: str, num_workers: int, args: argparse.Namespace, conn: Con
     publishers = []
     for worker_id, cache in zip(fleet.worker_ids, fleet.caches, strict=True):
 
-        async def snapshot(cache: list[BlockHash] = cache) -> list[BlockHash]:
-            return cache
+        async def snapshot(cache: list[BlockHash] = cache) -> dict[BlockHash, KVMedium]:
+            return dict.fromkeys(cache, KVMedium.CACHE)
 
         index = _LagRecordingIndex(
             redis.asyncio.Redis.from_url(url), submitted_s, lags_s, _stream_len(args)

@@ -48,6 +48,7 @@ from loadtest.generator.backends import Backend
 from loadtest.generator.conversations import (
     Conversation,
     ConversationPlan,
+    history_recomputed_tokens,
     run_conversations,
     summarize_turns,
     synthetic_conversations,
@@ -72,19 +73,17 @@ def tier_hit_blocks(router_address: str) -> int:
     return sum(w.load.num_tier_hit_blocks for w in status.workers)
 
 
-def peer_pulled_blocks(cluster: LocalCluster) -> int:
-    """Blocks prefill workers pulled from peers since the router started (its metrics)."""
+def router_counters(cluster: LocalCluster) -> dict[tuple[str, str], float]:
+    """The router's counters since it started, by (name, its labels' values joined)."""
     port = cluster.workers(Role.ROUTER)[0].metrics_port
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30) as reply:
         text = reply.read().decode()
-    return int(
-        sum(
-            sample.value
-            for family in text_string_to_metric_families(text)
-            for sample in family.samples
-            if sample.name == "splitserve_router_peer_pulled_blocks_total"
-        )
-    )
+    return {
+        (sample.name, ",".join(sample.labels.values())): sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.name.endswith("_total")
+    }
 
 
 def run_arm(
@@ -131,7 +130,7 @@ def run_arm(
         )
         records = asyncio.run(run_conversations(client, plan, conversations))
         tier_tokens = (tier_hit_blocks(cluster.router_address) - tier_before) * engine.block_size
-        peer_tokens = peer_pulled_blocks(cluster) * engine.block_size
+        counters = router_counters(cluster)
     finally:
         cluster.stop()
         redis_server.stop()
@@ -142,9 +141,27 @@ def run_arm(
         "first_turn": dataclasses.asdict(first),
         "later_turns": dataclasses.asdict(later),
         "later_turns_computed_tokens": later.computed_tokens,
+        # Of those, the history's (reused by no cache): what is left to save.
+        "later_turns_history_recomputed_tokens": history_recomputed_tokens(records),
         # The tier's hits over the whole run (turn 1 may hit a tier too, for the system prompt).
         "tier_tokens": tier_tokens,
-        "peer_tokens": peer_tokens,
+        "peer_tokens": int(
+            counters.get(("splitserve_router_peer_pulled_blocks_total", ""), 0) * engine.block_size
+        ),
+        # How the router's peer pulls ended (pulled, not_cached, pin_failed, pull_failed).
+        "peer_pulls": {
+            outcome: int(value)
+            for (name, outcome), value in counters.items()
+            if name == "splitserve_router_peer_pulls_total"
+        },
+        # What the router predicted of the chosen prefill workers' tier hits, and what they
+        # loaded (blocks).
+        "tier_hit_blocks_predicted": int(
+            counters.get(("splitserve_router_prefix_tier_hit_blocks_predicted_total", ""), 0)
+        ),
+        "tier_hit_blocks_realized": int(
+            counters.get(("splitserve_router_prefix_tier_hit_blocks_realized_total", ""), 0)
+        ),
         # Why turns failed (the client's error, e.g. "HTTP 503", "ServerDisconnectedError").
         "errors": dict(Counter(r.record.error or "no [DONE]" for r in records if not r.record.ok)),
         "per_turn": [
@@ -199,21 +216,25 @@ def _conversations(engine: EngineConfig, args: argparse.Namespace) -> list[Conve
 def _report(results: list[dict[str, Any]]) -> None:
     print(
         "| arm | turn 1 TTFT p50 / p99 ms | turns 2+ TTFT p50 / p99 ms | turns 2+ prompt tokens "
-        "| computed | reused | of which from a tier | from a peer | failed turns |"
+        "| computed | of which history | reused | of which from a tier | from a peer "
+        "| failed turns |"
     )
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in results:
         first, later = r["first_turn"], r["later_turns"]
         print(
             f"| {r['arm']} | {first['ttft_p50_ms']:.0f} / {first['ttft_p99_ms']:.0f} | "
             f"{later['ttft_p50_ms']:.0f} / {later['ttft_p99_ms']:.0f} | "
             f"{later['prompt_tokens']:,} | {r['later_turns_computed_tokens']:,} | "
-            f"{later['cached_tokens']:,} | {r['tier_tokens']:,} | {r['peer_tokens']:,} | "
+            f"{r['later_turns_history_recomputed_tokens']:,} | {later['cached_tokens']:,} | "
+            f"{r['tier_tokens']:,} | {r['peer_tokens']:,} | "
             f"{first['num_errors'] + later['num_errors']} |"
         )
     for r in results:
         if r["errors"]:
             print(f"{r['arm']}: failed turns by error: {r['errors']}")
+        if r["peer_pulls"]:
+            print(f"{r['arm']}: peer pulls by outcome: {r['peer_pulls']}")
 
 
 if __name__ == "__main__":

@@ -152,3 +152,20 @@ def summarize_turns(
         prompt_tokens=sum(r.prompt_tokens for r in done),
         cached_tokens=sum(r.cached_tokens for r in done),
     )
+
+
+def history_recomputed_tokens(records: Sequence[TurnRecord]) -> int:
+    """Of the prompt tokens computed for turns 2 and later, those of the conversation's
+    history: a turn's computed tokens past its new ones (what neither the previous turn's
+    prompt nor its reply held: the user's text and the template's tokens around the turns).
+    What any cache could have saved; 0 when every turn reused its whole history."""
+    by_turn = {(r.conversation, r.turn): r.record for r in records}
+    total = 0
+    for r in records:
+        previous = by_turn.get((r.conversation, r.turn - 1))
+        if previous is None or not r.record.ok:
+            continue
+        new_tokens = r.record.prompt_tokens - previous.prompt_tokens - previous.output_tokens
+        computed = r.record.prompt_tokens - r.record.cached_tokens
+        total += max(computed - new_tokens, 0)
+    return total

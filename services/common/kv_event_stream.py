@@ -26,7 +26,8 @@ HASH_BYTES = 32
 class StreamOp(enum.Enum):
     """What one stream entry does to a worker's entries in the index."""
 
-    STORE = b"s"
+    STORE = b"s"  # into the worker's cache
+    STORE_TIER = b"t"  # into the worker's tier alone
     REMOVE = b"r"
     CLEAR = b"c"
 

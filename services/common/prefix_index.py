@@ -4,7 +4,9 @@ Workers report their prefix-cache events (``BlockStored`` / ``BlockRemoved`` /
 ``AllBlocksCleared``) and heartbeat; the router asks, for a prompt's chained block hashes, how
 many leading blocks each live worker already holds. Because hashes are chained, a worker holds
 a prompt's first ``n`` blocks exactly when it holds each of the hashes ``0..n-1``; a stale index
-costs cache affinity, never correctness.
+costs cache affinity, never correctness. A block is held in the worker's cache or only in its
+second tier (``KVMedium``); a match counts both, and ``tier_blocks`` says how many of a match
+are the tier's (loaded on a hit, not computed, yet not free).
 
 Two implementations share ``PrefixIndex``: ``InProcessPrefixIndex`` (one router, no Redis) and
 ``RedisPrefixIndex`` (several routers and workers sharing one Redis; ``match`` is one round trip
@@ -24,7 +26,7 @@ from typing import cast
 import redis.asyncio as aioredis
 
 from engine.block_hash import BlockHash
-from engine.block_pool import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
+from engine.block_pool import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent, KVMedium
 from services.common import kv_event_stream
 from services.common.kv_event_stream import STREAM_APPEND_LUA, StreamOp
 from services.common.redis_config import RedisConfig
@@ -34,8 +36,14 @@ class PrefixIndex(abc.ABC):
     """``worker_id`` -> the block hashes it caches, plus liveness by heartbeat TTL."""
 
     @abc.abstractmethod
-    async def store(self, worker_id: str, block_hashes: Sequence[BlockHash]) -> None:
-        """``worker_id`` now holds ``block_hashes`` (idempotent)."""
+    async def store(
+        self,
+        worker_id: str,
+        block_hashes: Sequence[BlockHash],
+        medium: KVMedium = KVMedium.CACHE,
+    ) -> None:
+        """``worker_id`` now holds ``block_hashes`` in ``medium`` (idempotent; a block stored
+        in the other medium before moved)."""
 
     @abc.abstractmethod
     async def remove(self, worker_id: str, block_hashes: Sequence[BlockHash]) -> None:
@@ -78,7 +86,7 @@ class PrefixIndex(abc.ABC):
         """Apply a worker's cache events in order."""
         for event in events:
             if isinstance(event, BlockStored):
-                await self.store(worker_id, event.block_hashes)
+                await self.store(worker_id, event.block_hashes, event.medium)
             elif isinstance(event, BlockRemoved):
                 await self.remove(worker_id, event.block_hashes)
             elif isinstance(event, AllBlocksCleared):
@@ -92,8 +100,9 @@ class PrefixIndex(abc.ABC):
 class InProcessPrefixIndex(PrefixIndex):
     """The index in this process's memory: for a single router without Redis.
 
-    Bounded: it keeps the ``max_blocks`` most recently stored block hashes (a router without
-    Redis only learns predictions, one per routed prompt block, and nothing removes them).
+    Bounded: it keeps the ``max_blocks`` most recently stored or matched block hashes (a router
+    without Redis only learns predictions, one per routed prompt block, and nothing removes
+    them; a prefix that keeps matching stays).
     """
 
     def __init__(self, max_blocks: int = 2**18) -> None:
@@ -103,14 +112,20 @@ class InProcessPrefixIndex(PrefixIndex):
         self._entries = BlockHolders(self._holders)
         self._alive_until_s: dict[str, float] = {}
 
-    async def store(self, worker_id: str, block_hashes: Sequence[BlockHash]) -> None:
-        self._entries.store(worker_id, block_hashes)
+    async def store(
+        self,
+        worker_id: str,
+        block_hashes: Sequence[BlockHash],
+        medium: KVMedium = KVMedium.CACHE,
+    ) -> None:
+        self._entries.store(worker_id, block_hashes, medium)
         for block_hash in block_hashes:
             self._holders.move_to_end(block_hash)
         while len(self._holders) > self.max_blocks:
             block_hash, holders = self._holders.popitem(last=False)
             for holder in holders:
                 self._entries.blocks[holder].discard(block_hash)
+                self._entries.tier.get(holder, set()).discard(block_hash)
 
     async def remove(self, worker_id: str, block_hashes: Sequence[BlockHash]) -> None:
         self._entries.remove(worker_id, block_hashes)
@@ -141,36 +156,71 @@ class InProcessPrefixIndex(PrefixIndex):
     async def match(self, block_hashes: Sequence[BlockHash]) -> dict[str, int]:
         now_s = time.monotonic()
         counts = match_holders(self._holders, block_hashes)
+        for block_hash in block_hashes[: max(counts.values(), default=0)]:
+            self._holders.move_to_end(block_hash)
         return {w: n for w, n in counts.items() if self._alive_until_s.get(w, 0.0) > now_s}
+
+    def tier_blocks(
+        self, block_hashes: Sequence[BlockHash], matched: Mapping[str, int]
+    ) -> dict[str, int]:
+        """``BlockHolders.tier_blocks``: of each worker's ``matched`` blocks, those in its tier
+        alone (what the Redis select script counts)."""
+        return self._entries.tier_blocks(block_hashes, matched)
 
     async def close(self) -> None:
         """Nothing to release."""
 
 
 class BlockHolders:
-    """Which workers hold which blocks, both ways (block -> holders, worker -> blocks), as the
-    Redis index keeps them: for the in-process index and a router's replica of the Redis one.
-    ``holders`` may be given (an ``OrderedDict`` whose order its owner keeps)."""
+    """Which workers hold which blocks, both ways (block -> holders, worker -> blocks), and
+    which of a worker's blocks are in its tier alone, as the Redis index keeps them: for the
+    in-process index and a router's replica of the Redis one. ``holders`` may be given (an
+    ``OrderedDict`` whose order its owner keeps). Invariant: ``tier[w] <= blocks[w]``."""
 
-    __slots__ = ("blocks", "holders")
+    __slots__ = ("blocks", "holders", "tier")
 
     def __init__(self, holders: dict[BlockHash, set[str]] | None = None) -> None:
         self.holders: dict[BlockHash, set[str]] = {} if holders is None else holders
         self.blocks: dict[str, set[BlockHash]] = {}
+        self.tier: dict[str, set[BlockHash]] = {}
 
-    def store(self, worker_id: str, block_hashes: Iterable[BlockHash]) -> None:
+    def store(
+        self,
+        worker_id: str,
+        block_hashes: Iterable[BlockHash],
+        medium: KVMedium = KVMedium.CACHE,
+    ) -> None:
         blocks = self.blocks.setdefault(worker_id, set())
+        block_hashes = list(block_hashes)
         for block_hash in block_hashes:
             holders = self.holders.get(block_hash)
             if holders is None:
                 holders = self.holders[block_hash] = set()
             holders.add(worker_id)
             blocks.add(block_hash)
+        if medium is KVMedium.TIER:
+            self.tier.setdefault(worker_id, set()).update(block_hashes)
+        elif tier := self.tier.get(worker_id):
+            tier.difference_update(block_hashes)
+
+    def tier_blocks(
+        self, block_hashes: Sequence[BlockHash], matched: Mapping[str, int]
+    ) -> dict[str, int]:
+        """For each worker of ``matched`` (worker id -> leading blocks of ``block_hashes`` it
+        holds) whose tier holds any of them: how many."""
+        counts = {}
+        for worker_id, num_blocks in matched.items():
+            tier = self.tier.get(worker_id)
+            if tier and (n := sum(h in tier for h in block_hashes[:num_blocks])):
+                counts[worker_id] = n
+        return counts
 
     def remove(self, worker_id: str, block_hashes: Iterable[BlockHash]) -> None:
         """Unknown hashes are ignored."""
         blocks = self.blocks.get(worker_id, set())
+        tier = self.tier.get(worker_id, set())
         for block_hash in block_hashes:
+            tier.discard(block_hash)
             blocks.discard(block_hash)
             holders = self.holders.get(block_hash)
             if holders is not None:
@@ -180,6 +230,7 @@ class BlockHolders:
 
     def clear(self, worker_id: str) -> None:
         self.remove(worker_id, self.blocks.pop(worker_id, set()))
+        self.tier.pop(worker_id, None)
 
 
 def match_holders(
@@ -211,7 +262,8 @@ _NO_HOLDERS: frozenset[str] = frozenset()
 # Lua functions shared by the scripts that match prompts (``match`` here, the router's
 # select-and-reserve). ``split_hashes`` cuts concatenated block hashes (sha256: 32 bytes each)
 # apart; ``match_prefix(ns, hashes)`` walks them in prompt order and returns
-# {worker_id = leading blocks held} for live workers holding at least the first.
+# {worker_id = leading blocks held} for live workers holding at least the first;
+# ``tier_count(ns, worker, hashes, n)`` counts the first ``n`` that are in the worker's tier alone.
 MATCH_PREFIX_LUA = """
 local function split_hashes(blob)
   local hashes = {}
@@ -242,6 +294,18 @@ local function match_prefix(ns, hashes)
   end
   return live
 end
+
+local function tier_count(ns, worker, hashes, n)
+  local key = ns .. 'tier:' .. worker
+  if n == 0 or redis.call('EXISTS', key) == 0 then return 0 end
+  local count = 0
+  for i = 1, n, 1000 do
+    for _, held in ipairs(redis.call('SMISMEMBER', key, unpack(hashes, i, math.min(i + 999, n)))) do
+      count = count + held
+    end
+  end
+  return count
+end
 """
 
 # KEYS: none (every key shares ARGV[1], the namespace; a single Redis, not a cluster).
@@ -270,7 +334,7 @@ local key = ns .. 'worker:' .. worker
 for _, block_hash in ipairs(redis.call('SMEMBERS', key)) do
   redis.call('SREM', ns .. 'blk:' .. block_hash, worker)
 end
-redis.call('DEL', key)
+redis.call('DEL', key, ns .. 'tier:' .. worker)
 stream_append(ns, tonumber(ARGV[3]), 'c', worker, '')
 return 0
 """
@@ -289,7 +353,8 @@ class RedisPrefixIndex(PrefixIndex):
 
     Layout: ``{ns}blk:{hash}`` = set of worker ids holding the block (the hash as its raw 32
     bytes: binary keys keep every lookup's arguments short); ``{ns}worker:{id}`` = set of the
-    worker's hashes (to clear it); ``{ns}alive:{id}`` = a key whose TTL is the worker's
+    worker's hashes (to clear it); ``{ns}tier:{id}`` = the subset of those in its tier alone
+    (absent for a worker without a tier); ``{ns}alive:{id}`` = a key whose TTL is the worker's
     heartbeat. Writes go in one pipeline per call; ``match`` is one ``EVALSHA``. With
     ``stream_max_len`` > 0 each write also appends its change to the change stream
     (``kv_event_stream``), in the same pipeline, after the change.
@@ -309,8 +374,16 @@ class RedisPrefixIndex(PrefixIndex):
     def from_config(cls, config: RedisConfig) -> RedisPrefixIndex:
         return cls(config.client(), config.redis_namespace, config.redis_kv_event_stream_len)
 
-    async def store(self, worker_id: str, block_hashes: Sequence[BlockHash]) -> None:
-        await self._update(_SetOp.ADD, worker_id, block_hashes, StreamOp.STORE)
+    async def store(
+        self,
+        worker_id: str,
+        block_hashes: Sequence[BlockHash],
+        medium: KVMedium = KVMedium.CACHE,
+    ) -> None:
+        if medium is KVMedium.TIER:
+            await self._update(_SetOp.ADD, worker_id, block_hashes, StreamOp.STORE_TIER)
+        else:
+            await self._update(_SetOp.ADD, worker_id, block_hashes, StreamOp.STORE)
 
     async def remove(self, worker_id: str, block_hashes: Sequence[BlockHash]) -> None:
         await self._update(_SetOp.REMOVE, worker_id, block_hashes, StreamOp.REMOVE)
@@ -361,9 +434,9 @@ class RedisPrefixIndex(PrefixIndex):
         stream_op: StreamOp,
     ) -> None:
         """Add ``worker_id`` to (or remove it from) each block's set, and the blocks to (from)
-        the worker's own set, in one round trip; with the change stream on, append
-        ``stream_op`` in the same transaction, so that the stream orders changes as the sets
-        took them."""
+        the worker's own set and, for a store in the tier, to its tier set (from it, for any
+        other change), in one round trip; with the change stream on, append ``stream_op`` in
+        the same transaction, so that the stream orders changes as the sets took them."""
         if not block_hashes:
             return
         streamed = self._stream_max_len > 0
@@ -372,6 +445,11 @@ class RedisPrefixIndex(PrefixIndex):
             for block_hash in block_hashes:
                 command(self._blk + block_hash, worker_id)
             command(f"{self._ns}worker:{worker_id}", *block_hashes)
+            tier_key = f"{self._ns}tier:{worker_id}"
+            if stream_op is StreamOp.STORE_TIER:
+                pipe.sadd(tier_key, *block_hashes)
+            else:
+                pipe.srem(tier_key, *block_hashes)
             if streamed:
                 kv_event_stream.append(
                     pipe, self._ns, self._stream_max_len, stream_op, worker_id, block_hashes

@@ -165,6 +165,7 @@ class DecodeServicer(WorkerServicerBase, worker_pb2_grpc.DecodeWorkerServicer):
             if output.stop_reason is not None:
                 response.stop_reason = str(output.stop_reason)
             response.num_cached_tokens = output.num_cached_tokens
+            response.num_tier_tokens = output.num_tier_tokens
             if pull is not None:
                 response.num_transferred_blocks = pull.num_transferred_blocks
                 response.kv_transfer_failed = pull.failed

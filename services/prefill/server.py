@@ -143,6 +143,7 @@ class PrefillServicer(WorkerServicerBase, worker_pb2_grpc.PrefillWorkerServicer)
         response = worker_pb2.PrefillResponse(
             token_id=token_id,
             num_cached_tokens=final.num_cached_tokens,
+            num_tier_tokens=final.num_tier_tokens,
             kv_peer=peer_info_to_proto(kv_peer),
             prefill_time_s=final.first_token_time_s - final.arrival_time_s,
         )

@@ -31,6 +31,7 @@ def explain_response(plan: RoutePlan, prompt_tokens: int) -> router_pb2.ExplainR
                 address=decode.worker.address,
                 worker_id=info.worker_id if info is not None else "",
                 matched_blocks=decode.matched_blocks,
+                tier_blocks=plan.prefill.tier_matched.get(info.worker_id, 0) if info else 0,
                 active_requests=decode.active_requests,
                 kv_usage=decode.worker.load.kv_usage,
                 cost=decode.cost,

@@ -46,6 +46,14 @@ PREFIX_HITS_REALIZED = Counter(
     "splitserve_router_prefix_hit_blocks_realized_total",
     "prompt blocks the chosen prefill worker reported as prefix-cache hits",
 )
+PREFIX_TIER_HITS_PREDICTED = Counter(
+    "splitserve_router_prefix_tier_hit_blocks_predicted_total",
+    "of the predicted hits, blocks the prefix index said are in the chosen worker's tier alone",
+)
+PREFIX_TIER_HITS_REALIZED = Counter(
+    "splitserve_router_prefix_tier_hit_blocks_realized_total",
+    "of the realized hits, blocks the chosen worker loaded back from its second tier",
+)
 PREFIX_INDEX_ERRORS = Counter(
     "splitserve_router_prefix_index_errors_total",
     "prefix index lookups that failed or timed out (routed on load alone)",

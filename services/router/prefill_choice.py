@@ -75,7 +75,8 @@ _BLIND = PrefillWeights(cache_weight=0.0, load_weight=0.0)
 @dataclass(frozen=True, slots=True)
 class PrefillChoice:
     """One decision. ``worker`` is None when no prefill worker is healthy or all are saturated;
-    ``matched`` holds the index's matches for every live worker, decode workers included."""
+    ``matched`` holds the index's matches for every live worker, decode workers included, and
+    ``tier_matched`` how many of those are in the worker's tier alone (absent: none)."""
 
     worker: WorkerHandle | None
     block_hashes: tuple[BlockHash, ...]
@@ -85,11 +86,18 @@ class PrefillChoice:
     ledger: PrefillLedger
     # Seconds the ledger took to decide (a Redis round trip with a Redis index).
     ledger_s: float = 0.0
+    tier_matched: dict[str, int] = dataclasses.field(default_factory=dict)
 
     @property
     def matched_blocks(self) -> int:
         chosen = [c for c in self.candidates if c.worker is self.worker]
         return chosen[0].score.matched_blocks if chosen else 0
+
+    @property
+    def tier_blocks(self) -> int:
+        """Of ``matched_blocks``, those in the chosen worker's tier alone."""
+        chosen = [c for c in self.candidates if c.worker is self.worker]
+        return chosen[0].score.tier_blocks if chosen else 0
 
     @property
     def saturated(self) -> bool:
@@ -125,6 +133,8 @@ class PrefillChooser:
         self.ledger = ledger
         self.num_hit_blocks_predicted = 0
         self.num_hit_blocks_realized = 0
+        self.num_tier_hit_blocks_predicted = 0
+        self.num_tier_hit_blocks_realized = 0
         self._local_index = local_index
         self._replica = replica
         self._weights = weights if policy is PrefillPolicy.COST else _BLIND
@@ -191,6 +201,7 @@ class PrefillChooser:
             selection.reservation,
             ledger,
             time.perf_counter() - start_s,
+            selection.tier_matched,
         )
 
     async def _select(
@@ -207,12 +218,15 @@ class PrefillChooser:
         holders: dict[str, int] | None = None
         if self._replica is not None and self._replica.ready:
             holders = self._replica.match(query.block_hashes)
+            tier = self._replica.tier_blocks(query.block_hashes, holders)
             if not workers:
-                return Selection((), None, holders, None), considered
-            query = dataclasses.replace(query, matched=holders)
+                return Selection((), None, holders, None, tier), considered
+            query = dataclasses.replace(query, matched=holders, tier_matched=tier)
         if 0 < self._max_candidates < len(workers):
             if holders is None:
-                holders = (await ledger.select(None, query)).matched
+                matching = await ledger.select(None, query)
+                holders = matching.matched
+                query = dataclasses.replace(query, tier_matched=matching.tier_matched)
             ids = [_worker_id(w) for w in workers]
             considered = sample_candidates(ids, holders, self._max_candidates, self._rng)
             # The sample's scores use this match: the prompt is not matched a second time.
@@ -261,19 +275,28 @@ class PrefillChooser:
         cancelled). Releases the reservation and records predicted vs realized hits."""
         self.cancel(choice)
         if response is not None:
-            self.record_hits(choice, response.num_cached_tokens)
+            self.record_hits(choice, response.num_cached_tokens, response.num_tier_tokens)
 
-    def record_hits(self, choice: PrefillChoice, num_cached_tokens: int) -> None:
-        """The chosen worker found ``num_cached_tokens`` of the prompt cached: count them
-        against the blocks the index predicted."""
+    def record_hits(
+        self, choice: PrefillChoice, num_cached_tokens: int, num_tier_tokens: int = 0
+    ) -> None:
+        """The chosen worker found ``num_cached_tokens`` of the prompt cached, of which it
+        loaded ``num_tier_tokens`` from its tier: count them against the blocks the index
+        predicted, in all and in the tier."""
         worker = choice.worker
         if worker is None or worker.info is None:
             return
-        hit_blocks = min(num_cached_tokens // worker.info.block_size, len(choice.block_hashes))
+        block_size = worker.info.block_size
+        hit_blocks = min(num_cached_tokens // block_size, len(choice.block_hashes))
+        tier_hit_blocks = min(num_tier_tokens // block_size, hit_blocks)
         self.num_hit_blocks_predicted += choice.matched_blocks
         self.num_hit_blocks_realized += hit_blocks
+        self.num_tier_hit_blocks_predicted += choice.tier_blocks
+        self.num_tier_hit_blocks_realized += tier_hit_blocks
         metrics.PREFIX_HITS_PREDICTED.inc(choice.matched_blocks)
         metrics.PREFIX_HITS_REALIZED.inc(hit_blocks)
+        metrics.PREFIX_TIER_HITS_PREDICTED.inc(choice.tier_blocks)
+        metrics.PREFIX_TIER_HITS_REALIZED.inc(tier_hit_blocks)
 
     async def forget(self, worker: WorkerHandle) -> None:
         """An in-process index drops what it assumed ``worker`` caches (its prefill failed; a
@@ -313,8 +336,20 @@ def _worker_id(worker: WorkerHandle) -> str:
 
 def _candidate_load(worker: WorkerHandle) -> CandidateLoad:
     assert worker.info is not None
-    queued_blocks = worker.load.num_queued_prefill_tokens / worker.info.block_size
-    return CandidateLoad(worker.info.worker_id, queued_blocks)
+    block_size = worker.info.block_size
+    queued_blocks = worker.load.num_queued_prefill_tokens / block_size
+    return CandidateLoad(
+        worker.info.worker_id, queued_blocks, tier_load_cost(worker.load, block_size)
+    )
+
+
+def tier_load_cost(load: worker_pb2.WorkerLoad, block_size: int) -> float:
+    """Blocks of compute that loading one block from the worker's tier costs, from what it
+    measured (``load``): 0 without a tier, or before it has measured both."""
+    compute_s_per_block = load.prefill_s_per_token * block_size
+    if load.tier_load_s_per_block <= 0 or compute_s_per_block <= 0:
+        return 0.0
+    return load.tier_load_s_per_block / compute_s_per_block
 
 
 def sample_candidates(

@@ -3,11 +3,16 @@
 For each candidate prefill worker (Dynamo-style cost in blocks; docs/architecture.md#prefill-cost)::
 
     queued_blocks = max(reported_queued_blocks, reserved_blocks)
-    cost = cache_weight * (prompt_blocks - matched_blocks) + load_weight * queued_blocks
+    uncached = prompt_blocks - matched_blocks + tier_blocks * tier_load_cost
+    cost = cache_weight * uncached + load_weight * queued_blocks
 
 ``reported_queued_blocks`` is the worker's last polled prefill queue; ``reserved_blocks`` is the
 uncached work every router has reserved on it and not yet seen finish. Taking the larger one
-counts a request once whether or not the worker's report already includes it.
+counts a request once whether or not the worker's report already includes it. Of the
+``matched_blocks`` the worker holds, ``tier_blocks`` are in its second tier alone: a hit loads
+them, at ``tier_load_cost`` blocks of compute each (the worker's measured load time over its
+measured compute time; a few hundredths on CPUs, BENCHMARKS.md), so a worker holding a prefix in
+its cache wins over one holding it in its tier, and either over one computing it.
 
 Bounded load (consistent hashing with bounded loads, Mirrokni et al.): with ``R`` prefill
 requests reserved over ``n`` candidates, a worker may take one more only while its own count
@@ -27,7 +32,7 @@ decode worker instead (conditional disaggregation).
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 
@@ -48,6 +53,7 @@ class CandidateScore:
 
     worker_id: str
     matched_blocks: int
+    tier_blocks: int  # of matched_blocks, those in the worker's tier alone
     reserved_blocks: int
     reserved_requests: int
     queued_blocks: float
@@ -61,6 +67,8 @@ class CandidateLoad:
 
     worker_id: str
     reported_queued_blocks: float
+    # Blocks of compute that loading one block from its tier costs (0: no tier, or unmeasured).
+    tier_load_cost: float = 0.0
 
 
 def score_candidates(
@@ -70,8 +78,11 @@ def score_candidates(
     reserved_blocks: Sequence[int],
     reserved_requests: Sequence[int],
     weights: PrefillWeights,
+    tier_matched: Mapping[str, int] | None = None,
 ) -> tuple[CandidateScore, ...]:
-    """Score every candidate (``reserved_*`` are per candidate, in order)."""
+    """Score every candidate (``reserved_*`` are per candidate, in order). ``tier_matched``:
+    worker id -> how many of its matched blocks are in its tier alone (absent: none)."""
+    tier_matched = tier_matched or {}
     total_requests = sum(reserved_requests)
     capacity = (
         max(
@@ -86,15 +97,15 @@ def score_candidates(
         candidates, reserved_blocks, reserved_requests, strict=True
     ):
         matched_blocks = min(matched.get(candidate.worker_id, 0), prompt_blocks)
+        tier_blocks = min(tier_matched.get(candidate.worker_id, 0), matched_blocks)
         queued_blocks = max(candidate.reported_queued_blocks, float(blocks))
-        cost = (
-            weights.cache_weight * (prompt_blocks - matched_blocks)
-            + weights.load_weight * queued_blocks
-        )
+        uncached = prompt_blocks - matched_blocks + tier_blocks * candidate.tier_load_cost
+        cost = weights.cache_weight * uncached + weights.load_weight * queued_blocks
         scores.append(
             CandidateScore(
                 candidate.worker_id,
                 matched_blocks,
+                tier_blocks,
                 blocks,
                 requests,
                 queued_blocks,

@@ -21,7 +21,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from engine.block_hash import BlockHash
-from services.common.prefix_index import PrefixIndex
+from services.common.prefix_index import InProcessPrefixIndex
 from services.router.prefill_cost import (
     CandidateLoad,
     CandidateScore,
@@ -48,6 +48,8 @@ class PrefillQuery:
     # blocks held; every live holder, candidates or not): the ledger scores with them instead
     # of matching again. None: the ledger matches, atomically with its pick.
     matched: Mapping[str, int] | None = None
+    # With ``matched``: how many of each worker's matched blocks are in its tier alone.
+    tier_matched: Mapping[str, int] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,13 +67,15 @@ class Reservation:
 @dataclass(frozen=True, slots=True)
 class Selection:
     """One decision: every candidate's score, the chosen one (None: no candidate, or all
-    saturated), the index's matches for every live worker (decode workers too) and the
-    reservation made (None when nothing was chosen or nothing was to be reserved)."""
+    saturated), the index's matches for every live worker (decode workers too), the
+    reservation made (None when nothing was chosen or nothing was to be reserved) and, of each
+    worker's matched blocks, those in its tier alone (absent: none)."""
 
     scores: tuple[CandidateScore, ...]
     chosen: int | None
     matched: dict[str, int]
     reservation: Reservation | None
+    tier_matched: dict[str, int] = field(default_factory=dict)
 
 
 def reservation_member(router_id: str, req_id: str, blocks: int) -> str:
@@ -110,7 +114,7 @@ class PrefillLedger(abc.ABC):
 class LocalPrefillLedger(PrefillLedger):
     """Reservations in this process; matches from ``index`` (None: route on load alone)."""
 
-    def __init__(self, router_id: str, index: PrefixIndex | None) -> None:
+    def __init__(self, router_id: str, index: InProcessPrefixIndex | None) -> None:
         self._router_id = router_id
         self._index = index
         self._reserved: dict[str, dict[str, int]] = {}  # worker id -> member -> blocks
@@ -122,10 +126,14 @@ class LocalPrefillLedger(PrefillLedger):
 
     async def select(self, req_id: str | None, query: PrefillQuery) -> Selection:
         block_hashes, candidates, weights = query.block_hashes, query.candidates, query.weights
+        tier_matched: dict[str, int] = {}
         if query.matched is not None:
             matched = dict(query.matched)
+            tier_matched = dict(query.tier_matched)
         else:
             matched = await self._index.match(block_hashes) if self._index and block_hashes else {}
+            if self._index is not None:
+                tier_matched = self._index.tier_blocks(block_hashes, matched)
         reserved = [self._reserved.get(c.worker_id, {}) for c in candidates]
         scores = score_candidates(
             len(block_hashes),
@@ -134,6 +142,7 @@ class LocalPrefillLedger(PrefillLedger):
             [sum(r.values()) for r in reserved],
             [len(r) for r in reserved],
             weights,
+            tier_matched,
         )
         chosen = pick(scores, weights, query.tie_value)
         reservation = None
@@ -145,8 +154,8 @@ class LocalPrefillLedger(PrefillLedger):
             recorded = tuple(block_hashes[scores[chosen].matched_blocks :])
             reservation = Reservation(worker_id, member, blocks, recorded)
             if self._index is not None:
-                await self._index.store(worker_id, block_hashes)
-        return Selection(scores, chosen, matched, reservation)
+                await self._index.store(worker_id, recorded)
+        return Selection(scores, chosen, matched, reservation, tier_matched)
 
     async def release(self, reservation: Reservation) -> None:
         self._reserved.get(reservation.worker_id, {}).pop(reservation.member, None)

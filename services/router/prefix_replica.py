@@ -24,12 +24,13 @@ import asyncio
 import contextlib
 import logging
 import secrets
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import cast
 
 import redis.asyncio as aioredis
 
 from engine.block_hash import BlockHash
+from engine.block_pool import KVMedium
 from services.common.kv_event_stream import StreamOp, split_hashes, stream_key
 from services.common.logs import rate_limited
 from services.common.prefix_index import BlockHolders, match_holders
@@ -84,6 +85,13 @@ class PrefixIndexReplica:
         ``block_hashes`` it holds (no liveness filter: see the module's docstring)."""
         return match_holders(self._entries.holders, block_hashes)
 
+    def tier_blocks(
+        self, block_hashes: Sequence[BlockHash], matched: Mapping[str, int]
+    ) -> dict[str, int]:
+        """For each worker of ``matched`` (``match``'s answer for ``block_hashes``) whose tier
+        alone holds some of its matched blocks: how many."""
+        return self._entries.tier_blocks(block_hashes, matched)
+
     def note_prediction(self, worker_id: str, block_hashes: Sequence[BlockHash]) -> None:
         """This router recorded ``block_hashes`` as ``worker_id``'s (its decision's prediction)."""
         self._entries.store(worker_id, block_hashes)
@@ -133,7 +141,12 @@ class PrefixIndexReplica:
         prefix = f"{self._ns}worker:"
         async for key in self._redis.scan_iter(f"{prefix}*", count=1000):
             worker_id = key.decode()[len(prefix) :]
-            entries.store(worker_id, cast(list[BlockHash], list(await self._redis.smembers(key))))
+            async with self._redis.pipeline(transaction=True) as pipe:
+                pipe.smembers(key)
+                pipe.smembers(f"{self._ns}tier:{worker_id}")
+                blocks, tier = await pipe.execute()
+            entries.store(worker_id, cast(set[BlockHash], blocks) - tier)
+            entries.store(worker_id, cast(set[BlockHash], tier), KVMedium.TIER)
         self._entries, self._last_id, self._num_consumed = entries, last_id, num_added
         self._ready = True
         self.num_snapshots += 1
@@ -152,6 +165,8 @@ class PrefixIndexReplica:
             op = StreamOp(fields[b"o"])
             if op is StreamOp.STORE:
                 self._entries.store(worker_id, split_hashes(fields[b"h"]))
+            elif op is StreamOp.STORE_TIER:
+                self._entries.store(worker_id, split_hashes(fields[b"h"]), KVMedium.TIER)
             elif op is StreamOp.REMOVE:
                 self._entries.remove(worker_id, split_hashes(fields[b"h"]))
             else:

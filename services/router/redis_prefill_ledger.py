@@ -40,11 +40,11 @@ logger = logging.getLogger(__name__)
 # ARGV: 1 namespace, 2 router id, 3 req id ('' = reserve nothing), 4 router ttl ms,
 # 5 reservation max ms, 6 cache weight, 7 load weight, 8 load bound, 9 load bound slack,
 # 10 saturation blocks, 11 tie value, 12 change stream length (0: off), 13 n candidates, then
-# n x (worker id, reported queued blocks), then the prompt's block hashes concatenated (32 bytes
-# each), then optionally n known matched-block counts, one per candidate (the prompt is then
-# not matched here).
-# Returns {chosen (1-based, 0: none), n x (matched, reserved blocks, reserved requests),
-# then (worker id, matched) for matched workers that are not candidates}.
+# n x (worker id, reported queued blocks, tier load cost), then the prompt's block hashes
+# concatenated (32 bytes each), then optionally n known matched-block counts and n known
+# tier-block counts, one each per candidate (the prompt is then not matched here).
+# Returns {chosen (1-based, 0: none), n x (matched, tier, reserved blocks, reserved requests),
+# then (worker id, matched, tier) for matched workers that are not candidates}.
 # Mirrors prefill_cost.score_candidates and pick operation for operation.
 _SELECT_SCRIPT = (
     MATCH_PREFIX_LUA
@@ -55,21 +55,26 @@ local cache_w, load_w = tonumber(ARGV[6]), tonumber(ARGV[7])
 local bound, slack = tonumber(ARGV[8]), tonumber(ARGV[9])
 local saturation, tie = tonumber(ARGV[10]), tonumber(ARGV[11])
 local stream_len, n = tonumber(ARGV[12]), tonumber(ARGV[13])
-local hashes = split_hashes(ARGV[14 + 2 * n])
+local hashes = split_hashes(ARGV[14 + 3 * n])
 local prompt_blocks = #hashes
 local t = redis.call('TIME')
 local now_ms = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 redis.call('SET', ns .. 'router:' .. router, '1', 'PX', ARGV[4])
-local matched = {}
-if #ARGV > 14 + 2 * n then
-  for i = 1, n do matched[ARGV[12 + 2 * i]] = tonumber(ARGV[14 + 2 * n + i]) end
+local matched, tier = {}, {}
+if #ARGV > 14 + 3 * n then
+  for i = 1, n do
+    matched[ARGV[11 + 3 * i]] = tonumber(ARGV[14 + 3 * n + i])
+    tier[ARGV[11 + 3 * i]] = tonumber(ARGV[14 + 4 * n + i])
+  end
 elseif prompt_blocks > 0 then
   matched = match_prefix(ns, hashes)
+  for worker, count in pairs(matched) do tier[worker] = tier_count(ns, worker, hashes, count) end
 end
-local alive, ids, m, rblocks, rreqs, total = {}, {}, {}, {}, {}, 0
+local alive, ids, m, tm, rblocks, rreqs, total = {}, {}, {}, {}, {}, {}, 0
 for i = 1, n do
-  ids[i] = ARGV[12 + 2 * i]
+  ids[i] = ARGV[11 + 3 * i]
   m[i] = matched[ids[i]] or 0
+  tm[i] = math.min(tier[ids[i]] or 0, m[i])
   local key = ns .. 'resv:' .. ids[i]
   redis.call('ZREMRANGEBYSCORE', key, '-inf', now_ms)
   local blocks, reqs = 0, 0
@@ -92,8 +97,9 @@ if bound > 0 and n > 0 then capacity = math.max(math.ceil(bound * (total + 1) / 
 local cost, eligible = {}, {}
 local saturated = n > 0 and saturation > 0
 for i = 1, n do
-  local queued = math.max(tonumber(ARGV[13 + 2 * i]), rblocks[i])
-  cost[i] = cache_w * (prompt_blocks - m[i]) + load_w * queued
+  local queued = math.max(tonumber(ARGV[12 + 3 * i]), rblocks[i])
+  local uncached = prompt_blocks - m[i] + tm[i] * tonumber(ARGV[13 + 3 * i])
+  cost[i] = cache_w * uncached + load_w * queued
   eligible[i] = rreqs[i] + 1 <= capacity
   if queued < saturation then saturated = false end
 end
@@ -121,7 +127,7 @@ if n > 0 and not saturated then
       redis.call('SADD', ns .. 'worker:' .. worker, unpack(hashes, i, last))
     end
     if m[chosen] < prompt_blocks then
-      stream_append(ns, stream_len, 's', worker, string.sub(ARGV[14 + 2 * n], 32 * m[chosen] + 1))
+      stream_append(ns, stream_len, 's', worker, string.sub(ARGV[14 + 3 * n], 32 * m[chosen] + 1))
     end
   end
 end
@@ -129,6 +135,7 @@ local out = {chosen}
 local is_candidate = {}
 for i = 1, n do
   table.insert(out, m[i])
+  table.insert(out, tm[i])
   table.insert(out, rblocks[i])
   table.insert(out, rreqs[i])
   is_candidate[ids[i]] = true
@@ -137,6 +144,7 @@ for worker, count in pairs(matched) do
   if not is_candidate[worker] then
     table.insert(out, worker)
     table.insert(out, count)
+    table.insert(out, tier[worker] or 0)
   end
 end
 return out
@@ -206,10 +214,15 @@ class RedisPrefillLedger(PrefillLedger):
             len(candidates),
         ]
         for candidate in candidates:
-            args += [candidate.worker_id, candidate.reported_queued_blocks]
+            args += [
+                candidate.worker_id,
+                candidate.reported_queued_blocks,
+                candidate.tier_load_cost,
+            ]
         args.append(b"".join(query.block_hashes))
         if query.matched is not None:
             args += [query.matched.get(c.worker_id, 0) for c in candidates]
+            args += [query.tier_matched.get(c.worker_id, 0) for c in candidates]
         try:
             reply = await self._select(args=args)
         except asyncio.CancelledError:
@@ -254,18 +267,23 @@ class RedisPrefillLedger(PrefillLedger):
     def _selection(self, req_id: str | None, query: PrefillQuery, reply: list) -> Selection:
         block_hashes, candidates = query.block_hashes, query.candidates
         n = len(candidates)
-        matched = {c.worker_id: int(reply[1 + 3 * i]) for i, c in enumerate(candidates)}
-        rest = reply[1 + 3 * n :]
-        matched.update({rest[i].decode(): int(rest[i + 1]) for i in range(0, len(rest), 2)})
+        matched = {c.worker_id: int(reply[1 + 4 * i]) for i, c in enumerate(candidates)}
+        tier = {c.worker_id: int(reply[2 + 4 * i]) for i, c in enumerate(candidates)}
+        rest = reply[1 + 4 * n :]
+        for i in range(0, len(rest), 3):
+            worker_id = rest[i].decode()
+            matched[worker_id], tier[worker_id] = int(rest[i + 1]), int(rest[i + 2])
         if query.matched is not None:  # the script saw the candidates' counts alone
             matched.update(query.matched)
+            tier.update(query.tier_matched)
         scores = score_candidates(
             len(block_hashes),
             candidates,
             matched,
-            [int(reply[2 + 3 * i]) for i in range(n)],
-            [int(reply[3 + 3 * i]) for i in range(n)],
+            [int(reply[3 + 4 * i]) for i in range(n)],
+            [int(reply[4 + 4 * i]) for i in range(n)],
             query.weights,
+            tier,
         )
         chosen = int(reply[0]) - 1 if int(reply[0]) > 0 else None
         reservation = None
@@ -275,7 +293,13 @@ class RedisPrefillLedger(PrefillLedger):
             member = reservation_member(self._router_id, req_id, blocks)
             recorded = tuple(block_hashes[matched_blocks:])
             reservation = Reservation(candidates[chosen].worker_id, member, blocks, recorded)
-        return Selection(scores, chosen, {w: c for w, c in matched.items() if c}, reservation)
+        return Selection(
+            scores,
+            chosen,
+            {w: c for w, c in matched.items() if c},
+            reservation,
+            {w: c for w, c in tier.items() if c},
+        )
 
     async def _abandon_reservation(self, req_id: str, candidates: Sequence[CandidateLoad]) -> None:
         prefix = reservation_member(self._router_id, req_id, 0)[:-1]

@@ -38,6 +38,7 @@ class ResponseStream:
         self.detokenizer = IncrementalDetokenizer(tokenizer.backend, prompt_token_ids, params)
         self.output_token_ids: list[int] = []
         self.num_cached_tokens = 0
+        self.num_tier_tokens = 0  # of num_cached_tokens, loaded from a worker's tier
         self.finished = False
         # Sent on the first message when prompt_logprobs are asked for.
         self._prompt_token_ids = prompt_token_ids if params.prompt_logprobs is not None else ()

@@ -147,7 +147,7 @@ class RoutedRequest:
                 yield message
             if plan.place is PrefillPlace.COLOCATED:  # the replica's prefix hits, now known
                 self._planner.prefill_chooser.record_hits(
-                    plan.prefill, self.stream.num_cached_tokens
+                    plan.prefill, self.stream.num_cached_tokens, self.stream.num_tier_tokens
                 )
         finally:
             await self.holdings.close()
@@ -287,6 +287,7 @@ class RoutedRequest:
                 async for response in call:
                     if response.finished and not request.HasField("kv_ref"):
                         stream.num_cached_tokens = response.num_cached_tokens
+                        stream.num_tier_tokens = response.num_tier_tokens
                     message = stream.push(
                         response.token_ids,
                         response.logprobs,

@@ -4,12 +4,12 @@ everything again whenever the index lost track of it.
 The engine thread hands each step's events to ``submit`` (on the asyncio loop, in order); one
 task applies them to the index and heartbeats every ``ttl_s / 3``. A heartbeat answered "not
 live before" (the first one, a lapse, a Redis restarted empty) triggers a full republication:
-the worker's index entries are cleared and replaced by a snapshot of every block hash the engine
-holds. While the index is unreachable, events are dropped and the next successful heartbeat
-republishes: the index is a hint, so it may lag, but it never keeps a worker's stale blocks
-after the worker came back. Every ``reconcile_interval_s`` the worker's entries are trimmed to
-what its engine holds (blocks a router predicted for a prefill that never ran); on ``stop``
-(a drain, SIGTERM) they are removed.
+the worker's index entries are cleared and replaced by a snapshot of every block the engine
+holds, in its cache or its tier alone. While the index is unreachable, events are dropped and
+the next successful heartbeat republishes: the index is a hint, so it may lag, but it never
+keeps a worker's stale blocks after the worker came back. Every ``reconcile_interval_s`` the
+worker's entries are trimmed to what its engine holds (blocks a router predicted for a prefill
+that never ran); on ``stop`` (a drain, SIGTERM) they are removed.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import logging
 from collections.abc import Awaitable, Callable
 
 from engine.block_hash import BlockHash
-from engine.block_pool import KVCacheEvent
+from engine.block_pool import KVCacheEvent, KVMedium
 from services.common.logs import rate_limited
 from services.common.prefix_index import PrefixIndex
 
@@ -36,7 +36,7 @@ class KVEventPublisher:
         self,
         index: PrefixIndex,
         worker_id: str,
-        snapshot: Callable[[], Awaitable[list[BlockHash]]],
+        snapshot: Callable[[], Awaitable[dict[BlockHash, KVMedium]]],
         ttl_s: float = 3.0,
         reconcile_interval_s: float = 30.0,
     ) -> None:
@@ -94,7 +94,7 @@ class KVEventPublisher:
                 await self.index.apply(self.worker_id, events)
                 if loop.time() >= next_reconcile_s:
                     next_reconcile_s = loop.time() + self._reconcile_interval_s
-                    await self.index.retain(self.worker_id, await self._snapshot())
+                    await self.index.retain(self.worker_id, list(await self._snapshot()))
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # Redis down or restarting: republish once it is back
@@ -110,12 +110,14 @@ class KVEventPublisher:
     async def _republish(self) -> None:
         # Events queued so far are part of the snapshot taken after them.
         self._pending.clear()
-        block_hashes = await self._snapshot()
+        held = await self._snapshot()
         await self.index.clear(self.worker_id)
-        await self.index.store(self.worker_id, block_hashes)
+        for medium in KVMedium:
+            block_hashes = [h for h, held_in in held.items() if held_in is medium]
+            await self.index.store(self.worker_id, block_hashes, medium)
         self.num_republished += 1
         logger.info(
             "worker %s published %d cached blocks to the prefix index",
             self.worker_id,
-            len(block_hashes),
+            len(held),
         )

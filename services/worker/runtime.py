@@ -349,7 +349,7 @@ def make_kv_event_publisher(
     publisher = KVEventPublisher(
         RedisPrefixIndex.from_config(config.redis),
         runtime.worker_id,
-        snapshot=lambda: runtime.loop.call(lambda engine: engine.prefix_cache_block_hashes()),
+        snapshot=lambda: runtime.loop.call(lambda engine: engine.prefix_cache_blocks()),
         ttl_s=config.heartbeat_ttl_s,
     )
     runtime.loop.on_kv_events = publisher.submit

@@ -8,7 +8,7 @@ import pytest
 
 from engine import LLMEngine, SamplingParams
 from engine.block_hash import hash_block_tokens
-from engine.block_pool import BlockRemoved, BlockStored
+from engine.block_pool import BlockRemoved, BlockStored, KVMedium
 from engine.config import EngineConfig
 from engine.kv_offload import KVOffload
 from engine.kv_tier import DiskKVTier
@@ -149,14 +149,15 @@ def test_kv_offload_flags_are_checked():
 
 
 def test_kv_events_report_the_blocks_held_in_the_cache_or_the_tier(tiny_llama_dir):
-    """Replaying the events gives, after every step, exactly what a prefix hit can use, so the
-    router's index keeps sending a conversation to the worker whose tier holds it; a tier too
-    small for everything reports the blocks it drops."""
+    """Replaying the events gives, after every step, exactly what a prefix hit can use and where
+    it is, so the router's index keeps sending a conversation to the worker whose tier holds it
+    and prices the hit as a load; a tier too small for everything reports the blocks it drops."""
     block_bytes = make_engine(tiny_llama_dir, None).kv_cache_spec.block_bytes
     # A tier of 12 blocks, about one request's: the rest of what is evicted is dropped.
     engine = make_engine(tiny_llama_dir, None, kv_offload_gib=12 * block_bytes / 2**30)
     offload = offload_of(engine)
-    held: set[bytes] = set()
+    held: dict[bytes, KVMedium] = {}
+    media_seen: set[KVMedium] = set()
     prompts = [random_prompt(PROMPT_TOKENS, seed=900 + i) for i in range(5)]
     for i, prompt in enumerate([*prompts, prompts[-2]]):
         engine.add_request(f"r{i}", prompt, GREEDY)
@@ -164,12 +165,19 @@ def test_kv_events_report_the_blocks_held_in_the_cache_or_the_tier(tiny_llama_di
             engine.step()
             for event in engine.take_kv_cache_events():
                 if isinstance(event, BlockStored):
-                    held.update(event.block_hashes)
+                    held.update(dict.fromkeys(event.block_hashes, event.medium))
+                    media_seen.add(event.medium)
                 elif isinstance(event, BlockRemoved):
-                    held.difference_update(event.block_hashes)
+                    for block_hash in event.block_hashes:
+                        held.pop(block_hash, None)
                 else:
                     held.clear()
-            assert held == set(engine.prefix_cache_block_hashes())
+            assert held == engine.prefix_cache_blocks()
+    assert media_seen == set(KVMedium)
     assert offload.tier.counters.num_evicted > 0  # the tier dropped blocks, and said so
-    assert set(hash_block_tokens(prompts[-2], 16)[:9]) <= held  # back from the tier
-    assert not set(hash_block_tokens(prompts[0], 16)) & held  # evicted from both
+    loaded_back = hash_block_tokens(prompts[-2], 16)[:9]
+    assert all(held[h] is KVMedium.CACHE for h in loaded_back)  # back from the tier
+    assert not set(hash_block_tokens(prompts[0], 16)) & held.keys()  # evicted from both
+    in_tier = {h for h, medium in held.items() if medium is KVMedium.TIER}
+    assert in_tier and in_tier <= set(offload.tier.hashes())
+    assert not in_tier & set(engine.kv_cache_manager.block_pool.block_hashes())

@@ -181,7 +181,7 @@ def test_a_forged_grant_pulls_nothing_and_the_decode_side_computes_the_prompt(pa
         pulling = pair.puller.busy
         pair.puller.before_step(pair.decode)
         if pulling and not pair.puller.busy:
-            cached_when_the_pull_ended = pair.decode.prefix_cache_block_hashes()
+            cached_when_the_pull_ended = list(pair.decode.prefix_cache_blocks())
         outputs = pair.decode.step()
         pair.puller.after_step(pair.decode, outputs)
         final = next((o for o in outputs if o.finished), final)

@@ -141,5 +141,10 @@ def test_in_process_index_keeps_the_most_recent_blocks_only():
         assert len(await index.entries("w")) == 8
         assert await index.match(new) == {"w": 6}
         assert await index.match(old) == {}
+        # A prefix that keeps matching is kept over blocks stored before its last match.
+        await index.store("w", old[:2])
+        assert await index.match(old) == {"w": 2}
+        await index.store("w", chain(seed=9, num_blocks=6))
+        assert await index.match(old) == {"w": 2}
 
     asyncio.run(scenario())

@@ -269,7 +269,7 @@ class WorkerStatus(_message.Message):
     def __init__(self, address: _Optional[str] = ..., role: _Optional[_Union[_worker_pb2.WorkerRole, str]] = ..., healthy: _Optional[bool] = ..., info: _Optional[_Union[_worker_pb2.WorkerInfo, _Mapping]] = ..., load: _Optional[_Union[_worker_pb2.WorkerLoad, _Mapping]] = ..., last_error: _Optional[str] = ..., draining: _Optional[bool] = ...) -> None: ...
 
 class PrefillCandidateScore(_message.Message):
-    __slots__ = ("address", "worker_id", "matched_blocks", "queued_blocks", "cost", "reserved_blocks", "reserved_requests", "eligible")
+    __slots__ = ("address", "worker_id", "matched_blocks", "queued_blocks", "cost", "reserved_blocks", "reserved_requests", "eligible", "tier_blocks")
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     MATCHED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
@@ -278,6 +278,7 @@ class PrefillCandidateScore(_message.Message):
     RESERVED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     RESERVED_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     ELIGIBLE_FIELD_NUMBER: _ClassVar[int]
+    TIER_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     address: str
     worker_id: str
     matched_blocks: int
@@ -286,23 +287,26 @@ class PrefillCandidateScore(_message.Message):
     reserved_blocks: int
     reserved_requests: int
     eligible: bool
-    def __init__(self, address: _Optional[str] = ..., worker_id: _Optional[str] = ..., matched_blocks: _Optional[int] = ..., queued_blocks: _Optional[float] = ..., cost: _Optional[float] = ..., reserved_blocks: _Optional[int] = ..., reserved_requests: _Optional[int] = ..., eligible: _Optional[bool] = ...) -> None: ...
+    tier_blocks: int
+    def __init__(self, address: _Optional[str] = ..., worker_id: _Optional[str] = ..., matched_blocks: _Optional[int] = ..., queued_blocks: _Optional[float] = ..., cost: _Optional[float] = ..., reserved_blocks: _Optional[int] = ..., reserved_requests: _Optional[int] = ..., eligible: _Optional[bool] = ..., tier_blocks: _Optional[int] = ...) -> None: ...
 
 class DecodeCandidateScore(_message.Message):
-    __slots__ = ("address", "worker_id", "matched_blocks", "active_requests", "kv_usage", "cost")
+    __slots__ = ("address", "worker_id", "matched_blocks", "active_requests", "kv_usage", "cost", "tier_blocks")
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     MATCHED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     ACTIVE_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     KV_USAGE_FIELD_NUMBER: _ClassVar[int]
     COST_FIELD_NUMBER: _ClassVar[int]
+    TIER_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     address: str
     worker_id: str
     matched_blocks: int
     active_requests: int
     kv_usage: float
     cost: float
-    def __init__(self, address: _Optional[str] = ..., worker_id: _Optional[str] = ..., matched_blocks: _Optional[int] = ..., active_requests: _Optional[int] = ..., kv_usage: _Optional[float] = ..., cost: _Optional[float] = ...) -> None: ...
+    tier_blocks: int
+    def __init__(self, address: _Optional[str] = ..., worker_id: _Optional[str] = ..., matched_blocks: _Optional[int] = ..., active_requests: _Optional[int] = ..., kv_usage: _Optional[float] = ..., cost: _Optional[float] = ..., tier_blocks: _Optional[int] = ...) -> None: ...
 
 class ExplainResponse(_message.Message):
     __slots__ = ("prompt_tokens", "prompt_blocks", "prefill", "chosen_prefill", "decode", "chosen_decode", "prefill_place", "peer_pull_source", "peer_pull_blocks")

@@ -141,7 +141,7 @@ class PrefillRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[WorkerSamplingParams, _Mapping]] = ..., cache_salt: _Optional[str] = ..., priority: _Optional[int] = ..., lora_name: _Optional[str] = ..., peer_kv_ref: _Optional[_Union[KVRef, _Mapping]] = ..., peer_kv_peer: _Optional[_Union[KVPeerInfo, _Mapping]] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
-    __slots__ = ("token_id", "logprob", "finished", "finish_reason", "num_cached_tokens", "kv_ref", "kv_peer", "prefill_time_s", "stop_reason", "prompt_logprobs", "num_peer_blocks", "peer_pull_failed")
+    __slots__ = ("token_id", "logprob", "finished", "finish_reason", "num_cached_tokens", "kv_ref", "kv_peer", "prefill_time_s", "stop_reason", "prompt_logprobs", "num_peer_blocks", "peer_pull_failed", "num_tier_tokens")
     TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     LOGPROB_FIELD_NUMBER: _ClassVar[int]
     FINISHED_FIELD_NUMBER: _ClassVar[int]
@@ -154,6 +154,7 @@ class PrefillResponse(_message.Message):
     PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     NUM_PEER_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     PEER_PULL_FAILED_FIELD_NUMBER: _ClassVar[int]
+    NUM_TIER_TOKENS_FIELD_NUMBER: _ClassVar[int]
     token_id: int
     logprob: TokenLogprob
     finished: bool
@@ -166,7 +167,8 @@ class PrefillResponse(_message.Message):
     prompt_logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprob]
     num_peer_blocks: int
     peer_pull_failed: bool
-    def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[_Union[TokenLogprob, _Mapping]] = ..., finished: _Optional[bool] = ..., finish_reason: _Optional[str] = ..., num_cached_tokens: _Optional[int] = ..., kv_ref: _Optional[_Union[KVRef, _Mapping]] = ..., kv_peer: _Optional[_Union[KVPeerInfo, _Mapping]] = ..., prefill_time_s: _Optional[float] = ..., stop_reason: _Optional[str] = ..., prompt_logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., num_peer_blocks: _Optional[int] = ..., peer_pull_failed: _Optional[bool] = ...) -> None: ...
+    num_tier_tokens: int
+    def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[_Union[TokenLogprob, _Mapping]] = ..., finished: _Optional[bool] = ..., finish_reason: _Optional[str] = ..., num_cached_tokens: _Optional[int] = ..., kv_ref: _Optional[_Union[KVRef, _Mapping]] = ..., kv_peer: _Optional[_Union[KVPeerInfo, _Mapping]] = ..., prefill_time_s: _Optional[float] = ..., stop_reason: _Optional[str] = ..., prompt_logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., num_peer_blocks: _Optional[int] = ..., peer_pull_failed: _Optional[bool] = ..., num_tier_tokens: _Optional[int] = ...) -> None: ...
 
 class PinPrefixRequest(_message.Message):
     __slots__ = ("pin_id", "prompt_token_ids", "max_blocks", "cache_salt", "lora_name", "ttl_s")
@@ -227,7 +229,7 @@ class DecodeRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., output_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[WorkerSamplingParams, _Mapping]] = ..., kv_ref: _Optional[_Union[KVRef, _Mapping]] = ..., kv_peer: _Optional[_Union[KVPeerInfo, _Mapping]] = ..., cache_salt: _Optional[str] = ..., priority: _Optional[int] = ..., lora_name: _Optional[str] = ...) -> None: ...
 
 class DecodeResponse(_message.Message):
-    __slots__ = ("token_ids", "logprobs", "finished", "finish_reason", "stop_reason", "num_cached_tokens", "num_transferred_blocks", "kv_transfer_failed", "prompt_logprobs")
+    __slots__ = ("token_ids", "logprobs", "finished", "finish_reason", "stop_reason", "num_cached_tokens", "num_transferred_blocks", "kv_transfer_failed", "prompt_logprobs", "num_tier_tokens")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     FINISHED_FIELD_NUMBER: _ClassVar[int]
@@ -237,6 +239,7 @@ class DecodeResponse(_message.Message):
     NUM_TRANSFERRED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     KV_TRANSFER_FAILED_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    NUM_TIER_TOKENS_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprob]
     finished: bool
@@ -246,7 +249,8 @@ class DecodeResponse(_message.Message):
     num_transferred_blocks: int
     kv_transfer_failed: bool
     prompt_logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprob]
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., finished: _Optional[bool] = ..., finish_reason: _Optional[str] = ..., stop_reason: _Optional[str] = ..., num_cached_tokens: _Optional[int] = ..., num_transferred_blocks: _Optional[int] = ..., kv_transfer_failed: _Optional[bool] = ..., prompt_logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ...) -> None: ...
+    num_tier_tokens: int
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., finished: _Optional[bool] = ..., finish_reason: _Optional[str] = ..., stop_reason: _Optional[str] = ..., num_cached_tokens: _Optional[int] = ..., num_transferred_blocks: _Optional[int] = ..., kv_transfer_failed: _Optional[bool] = ..., prompt_logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., num_tier_tokens: _Optional[int] = ...) -> None: ...
 
 class GetInfoRequest(_message.Message):
     __slots__ = ()
@@ -289,7 +293,7 @@ class GetLoadRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerLoad(_message.Message):
-    __slots__ = ("num_running", "num_waiting", "num_waiting_for_kv", "num_kv_leases", "num_total_blocks", "num_used_blocks", "num_cached_blocks", "kv_usage", "num_queued_prefill_tokens", "num_preemptions", "num_transfers_failed", "num_leases_expired", "shutting_down", "num_draft_tokens", "num_accepted_draft_tokens", "lora_adapters", "num_tier_blocks", "num_tier_stored_blocks", "num_tier_hit_blocks", "num_tier_refused_blocks")
+    __slots__ = ("num_running", "num_waiting", "num_waiting_for_kv", "num_kv_leases", "num_total_blocks", "num_used_blocks", "num_cached_blocks", "kv_usage", "num_queued_prefill_tokens", "num_preemptions", "num_transfers_failed", "num_leases_expired", "shutting_down", "num_draft_tokens", "num_accepted_draft_tokens", "lora_adapters", "num_tier_blocks", "num_tier_stored_blocks", "num_tier_hit_blocks", "num_tier_refused_blocks", "tier_load_s_per_block", "prefill_s_per_token")
     NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
     NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
     NUM_WAITING_FOR_KV_FIELD_NUMBER: _ClassVar[int]
@@ -310,6 +314,8 @@ class WorkerLoad(_message.Message):
     NUM_TIER_STORED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     NUM_TIER_HIT_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     NUM_TIER_REFUSED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    TIER_LOAD_S_PER_BLOCK_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_S_PER_TOKEN_FIELD_NUMBER: _ClassVar[int]
     num_running: int
     num_waiting: int
     num_waiting_for_kv: int
@@ -330,7 +336,9 @@ class WorkerLoad(_message.Message):
     num_tier_stored_blocks: int
     num_tier_hit_blocks: int
     num_tier_refused_blocks: int
-    def __init__(self, num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_waiting_for_kv: _Optional[int] = ..., num_kv_leases: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., num_used_blocks: _Optional[int] = ..., num_cached_blocks: _Optional[int] = ..., kv_usage: _Optional[float] = ..., num_queued_prefill_tokens: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., num_transfers_failed: _Optional[int] = ..., num_leases_expired: _Optional[int] = ..., shutting_down: _Optional[bool] = ..., num_draft_tokens: _Optional[int] = ..., num_accepted_draft_tokens: _Optional[int] = ..., lora_adapters: _Optional[_Iterable[_Union[LoraAdapterInfo, _Mapping]]] = ..., num_tier_blocks: _Optional[int] = ..., num_tier_stored_blocks: _Optional[int] = ..., num_tier_hit_blocks: _Optional[int] = ..., num_tier_refused_blocks: _Optional[int] = ...) -> None: ...
+    tier_load_s_per_block: float
+    prefill_s_per_token: float
+    def __init__(self, num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_waiting_for_kv: _Optional[int] = ..., num_kv_leases: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., num_used_blocks: _Optional[int] = ..., num_cached_blocks: _Optional[int] = ..., kv_usage: _Optional[float] = ..., num_queued_prefill_tokens: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., num_transfers_failed: _Optional[int] = ..., num_leases_expired: _Optional[int] = ..., shutting_down: _Optional[bool] = ..., num_draft_tokens: _Optional[int] = ..., num_accepted_draft_tokens: _Optional[int] = ..., lora_adapters: _Optional[_Iterable[_Union[LoraAdapterInfo, _Mapping]]] = ..., num_tier_blocks: _Optional[int] = ..., num_tier_stored_blocks: _Optional[int] = ..., num_tier_hit_blocks: _Optional[int] = ..., num_tier_refused_blocks: _Optional[int] = ..., tier_load_s_per_block: _Optional[float] = ..., prefill_s_per_token: _Optional[float] = ...) -> None: ...
 
 class LoraAdapterInfo(_message.Message):
     __slots__ = ("name", "block_key")

@@ -11,6 +11,7 @@ from loadtest.generator.conversations import (
     Conversation,
     ConversationPlan,
     TurnRecord,
+    history_recomputed_tokens,
     run_conversations,
     summarize_turns,
     synthetic_conversations,
@@ -82,6 +83,12 @@ def test_summaries_aggregate_the_turns_asked_for():
     assert later.turns == "2-"
     assert (later.prompt_tokens, later.cached_tokens, later.computed_tokens) == (500, 400, 100)
     assert (later.ttft_p50_ms, later.ttft_p99_ms) == (100.0, 300.0)
+    # Turn 2 has 99 new tokens (200 less turn 1's 100 and its one-token reply) and computed
+    # 50: none of its history; turn 3 has 99 new ones and computed 50 as well.
+    assert history_recomputed_tokens(records) == 0
+    # A turn that reused only part of its history: turn 3 computed 120 = 99 new + 21 of it.
+    records[2] = record(3, 0.3, 300, 180)
+    assert history_recomputed_tokens(records) == 21
 
 
 def test_synthetic_conversations_share_one_system_prompt_and_repeat_for_a_seed(tiny_llama_dir):

@@ -15,6 +15,7 @@ import signal
 import pytest
 
 from engine.block_hash import BlockHash, hash_block_tokens
+from engine.block_pool import AllBlocksCleared, BlockRemoved, BlockStored, KVMedium
 from services.common.prefix_index import (
     InProcessPrefixIndex,
     PrefixIndex,
@@ -67,11 +68,13 @@ async def index_and_ledger(kind: str, url: str) -> tuple[PrefixIndex, PrefillLed
 
 
 def test_redis_script_decides_exactly_as_the_python_reference(redis_server):
-    """Random caches, loads, weights and reservations, matches known or not: every decision,
-    score and reservation of the Lua script equals the in-process ledger's."""
+    """Random caches (parts of them in a worker's tier alone), loads, tier load costs, weights
+    and reservations, matches known or not: every decision, score and reservation of the Lua
+    script equals the in-process ledger's."""
 
     async def main() -> None:
         rng = random.Random(7)
+        num_tier_scores = 0
         for trial in range(12):
             local_index = InProcessPrefixIndex()
             local = LocalPrefillLedger("r1", local_index)
@@ -84,8 +87,11 @@ def test_redis_script_decides_exactly_as_the_python_reference(redis_server):
                     await index.heartbeat(worker, ttl_s=60)
                 prompt = rng.choice(prompts)
                 cached = prompt[: rng.randrange(0, len(prompt) + 1)]
+                start = rng.randrange(0, len(cached) + 1)
+                in_tier = cached[start : rng.randrange(start, len(cached) + 1)]
                 for index in (local_index, redis_index):
                     await index.store(worker, cached)
+                    await index.store(worker, in_tier, KVMedium.TIER)
             weights = PrefillWeights(
                 cache_weight=rng.choice([1.0, 0.5, 2.0]),
                 load_weight=rng.choice([1.0, 0.25, 3.0]),
@@ -95,20 +101,28 @@ def test_redis_script_decides_exactly_as_the_python_reference(redis_server):
             )
             for step in range(20):
                 prompt = rng.choice(prompts)
-                loads = [CandidateLoad(w, rng.choice([0.0, 1.5, 4.0])) for w in WORKERS]
+                loads = [
+                    CandidateLoad(w, rng.choice([0.0, 1.5, 4.0]), rng.choice([0.0, 0.03, 0.5]))
+                    for w in WORKERS
+                ]
                 tie = rng.random()
                 req_id = f"req-{step}" if rng.random() < 0.8 else None
+                query = PrefillQuery(prompt, loads, weights, tie)
                 # Sometimes with the matches known (a large pool's sample): none recomputed.
-                known = await local_index.match(prompt) if rng.random() < 0.3 else None
-                query = PrefillQuery(prompt, loads, weights, tie, known)
+                if rng.random() < 0.3:
+                    known = await local_index.match(prompt)
+                    known_tier = local_index.tier_blocks(prompt, known)
+                    query = PrefillQuery(prompt, loads, weights, tie, known, known_tier)
                 ours = await local.select(req_id, query)
                 theirs = await remote.select(req_id, query)
                 assert theirs == ours, (trial, step)
+                num_tier_scores += sum(s.tier_blocks > 0 for s in ours.scores)
                 if ours.reservation is not None and rng.random() < 0.3:
                     await local.release(ours.reservation)
                     await remote.release(ours.reservation)
             await redis_index.close()
             await remote.close()
+        assert num_tier_scores > 20  # the tier's part was exercised
 
     asyncio.run(main())
 
@@ -180,6 +194,47 @@ def test_a_withdrawn_reservation_leaves_only_what_the_worker_held_before(ledger_
         assert sorted(await index.entries("w0")) == sorted(prompt[:2])
         after = await ledger.select(None, PrefillQuery(prompt, idle(("w0",)), weights, 0.0))
         assert (after.scores[0].reserved_blocks, after.scores[0].reserved_requests) == (0, 0)
+        await index.close()
+        await ledger.close()
+
+    asyncio.run(main())
+
+
+def test_a_prefix_in_a_workers_tier_is_matched_and_priced_as_a_load(ledger_kind, redis_server):
+    """The index follows a worker's events as its blocks move between its cache and its tier:
+    a prefix in the tier alone is matched in full and its blocks cost the worker's measured
+    load cost each, so the worker holding it in its cache wins; loaded back, it is free."""
+
+    async def main() -> None:
+        index, ledger = await index_and_ledger(ledger_kind, redis_server.url)
+        prompt = tuple(chain(seed=4, num_blocks=8))
+        for worker in ("w0", "w1"):
+            await index.heartbeat(worker, ttl_s=60)
+        await index.apply("w0", [BlockStored(prompt, None, 4)])
+        await index.apply(
+            "w1", [BlockStored(prompt, None, 4), BlockStored(prompt[3:], None, 4, KVMedium.TIER)]
+        )
+        loads = [CandidateLoad("w0", 0.0, 0.05), CandidateLoad("w1", 0.0, 0.05)]
+        query = PrefillQuery(prompt, loads, PrefillWeights(), tie_value=0.99)
+
+        async def scores() -> tuple[int | None, list[tuple[int, int, float]]]:
+            selection = await ledger.select(None, query)
+            assert selection.tier_matched == {
+                s.worker_id: s.tier_blocks for s in selection.scores if s.tier_blocks
+            }
+            return selection.chosen, [
+                (s.matched_blocks, s.tier_blocks, round(s.cost, 9)) for s in selection.scores
+            ]
+
+        assert await scores() == (0, [(8, 0, 0.0), (8, 5, 0.25)])
+        # w1 loads them back into its cache; w0 evicts its last four into its tier.
+        await index.apply("w1", [BlockStored(prompt[3:], None, 4)])
+        await index.apply("w0", [BlockStored(prompt[4:], None, 4, KVMedium.TIER)])
+        assert await scores() == (1, [(8, 4, 0.2), (8, 0, 0.0)])
+        # w0's tier drops them; w1's cache is reset.
+        await index.apply("w0", [BlockRemoved(prompt[4:])])
+        await index.apply("w1", [AllBlocksCleared()])
+        assert await scores() == (0, [(4, 0, 4.0), (0, 0, 8.0)])
         await index.close()
         await ledger.close()
 

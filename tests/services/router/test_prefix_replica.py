@@ -13,6 +13,7 @@ from collections.abc import Awaitable, Callable
 import redis.asyncio
 
 from engine.block_hash import BlockHash
+from engine.block_pool import KVMedium
 from services.common import kv_event_stream
 from services.common.kv_event_stream import StreamOp
 from services.common.prefix_index import RedisPrefixIndex
@@ -49,14 +50,28 @@ async def _caught_up(replica: PrefixIndexReplica, client: redis.asyncio.Redis, n
     return replica.last_id == info["last-generated-id"]
 
 
-async def _assert_same(replica: PrefixIndexReplica, index: RedisPrefixIndex, seed: int) -> None:
-    """The replica matches every prompt as the Redis index does (all workers alive)."""
+async def _assert_same(
+    replica: PrefixIndexReplica,
+    index: RedisPrefixIndex,
+    seed: int,
+    client: redis.asyncio.Redis,
+    ns: str,
+) -> None:
+    """The replica matches every prompt as the Redis index does (all workers alive), and
+    counts the same blocks of each match in the worker's tier alone."""
     for worker in WORKERS:
         await index.heartbeat(worker, 3600)
+    tiers = {w: await client.smembers(f"{ns}tier:{w}") for w in WORKERS}
     rng = random.Random(seed)
     prompts = [chain(seed=rng.randrange(8), num_blocks=rng.randrange(1, 9)) for _ in range(40)]
+    num_in_tier = 0
     for prompt in prompts:
-        assert replica.match(prompt) == await index.match(prompt)
+        matched = await index.match(prompt)
+        assert replica.match(prompt) == matched
+        in_tier = {w: sum(h in tiers[w] for h in prompt[:n]) for w, n in matched.items()}
+        assert replica.tier_blocks(prompt, matched) == {w: n for w, n in in_tier.items() if n}
+        num_in_tier += sum(in_tier.values())
+    assert num_in_tier > 0
 
 
 def _random_ops(
@@ -68,8 +83,10 @@ def _random_ops(
         worker = rng.choice(WORKERS)
         hashes: list[BlockHash] = chain(seed=rng.randrange(8), num_blocks=8)[: rng.randrange(1, 9)]
         kind = rng.random()
-        if kind < 0.6:
+        if kind < 0.45:
             ops.append(lambda w=worker, h=hashes: index.store(w, h))
+        elif kind < 0.6:
+            ops.append(lambda w=worker, h=hashes: index.store(w, h, KVMedium.TIER))
         elif kind < 0.9:
             tail = hashes[rng.randrange(len(hashes)) :]
             ops.append(lambda w=worker, h=tail: index.remove(w, h))
@@ -93,7 +110,7 @@ def test_the_replica_ends_where_the_index_is(redis_server) -> None:
         replica = PrefixIndexReplica(RedisConfig(redis_server.url).client(), ns)
         replica.start()
         await _wait_for(lambda: _caught_up(replica, client, ns), "the first snapshot")
-        await _assert_same(replica, index, seed=1)
+        await _assert_same(replica, index, 1, client, ns)
         writers = [_random_ops(random.Random(s), index, 150) for s in range(3)]
 
         async def write(ops: list[Callable[[], Awaitable[None]]]) -> None:
@@ -102,7 +119,7 @@ def test_the_replica_ends_where_the_index_is(redis_server) -> None:
 
         await asyncio.gather(*(write(ops) for ops in writers))
         await _wait_for(lambda: _caught_up(replica, client, ns), "the streamed changes")
-        await _assert_same(replica, index, seed=2)
+        await _assert_same(replica, index, 2, client, ns)
         assert replica.num_snapshots == 1
         await replica.close()
         await index.close()
