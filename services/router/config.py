@@ -213,6 +213,12 @@ class RouterConfig:
     router_heartbeat_ttl_s: float = flag(
         3.0, "seconds a crashed router's prefill reservations keep counting in Redis"
     )
+    prefix_index_timeout_s: float = flag(
+        0.25,
+        "seconds a prefill decision waits for Redis before it routes on load alone, blind to "
+        "every cache (a busy router's own event loop counts: a decision under overload often "
+        "takes tens of ms, and a blind one costs the prompt's whole recompute)",
+    )
     api_key_file: str = flag(
         "",
         "file of the API keys clients must send ('authorization: Bearer KEY'): one per line, "
@@ -299,6 +305,7 @@ class RouterConfig:
             "http_header_timeout_s",
             "http_body_timeout_s",
             "http_keep_alive_timeout_s",
+            "prefix_index_timeout_s",
         ):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")

@@ -54,8 +54,6 @@ from splitserve.v1 import worker_pb2
 
 logger = logging.getLogger(__name__)
 
-# How long the router waits for a Redis decision before deciding on load alone.
-_SELECT_TIMEOUT_S = 0.05
 # TTL of the router's own liveness entries in an in-process index (refreshed at every choice).
 _LOCAL_TTL_S = 3600.0
 
@@ -128,6 +126,7 @@ class PrefillChooser:
         policy: PrefillPolicy = PrefillPolicy.COST,
         max_candidates: int = 0,
         replica: PrefixIndexReplica | None = None,
+        select_timeout_s: float = 0.25,
     ) -> None:
         self.pool = pool
         self.ledger = ledger
@@ -137,6 +136,8 @@ class PrefillChooser:
         self.num_tier_hit_blocks_realized = 0
         self._local_index = local_index
         self._replica = replica
+        # How long a decision waits for the ledger before deciding on load alone.
+        self._select_timeout_s = select_timeout_s
         self._weights = weights if policy is PrefillPolicy.COST else _BLIND
         self._policy = policy
         self._num_choices = 0
@@ -176,7 +177,7 @@ class PrefillChooser:
             with metrics.DECISION_SECONDS.time():
                 selection, considered = await asyncio.wait_for(
                     self._select(ledger, req_id, query, workers),
-                    _SELECT_TIMEOUT_S,
+                    self._select_timeout_s,
                 )
         except Exception as exc:  # Redis down or slow: decide on load alone
             if self._fallback is None:

@@ -302,6 +302,7 @@ def build_planner(
         policy=PrefillPolicy(config.prefill_policy),
         max_candidates=config.prefill_max_candidates,
         replica=replica,
+        select_timeout_s=config.prefix_index_timeout_s,
     )
     decode_chooser = DecodeChooser(
         decode_pool,
