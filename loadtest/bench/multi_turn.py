@@ -154,13 +154,17 @@ def run_arm(
             for (name, outcome), value in counters.items()
             if name == "splitserve_router_peer_pulls_total"
         },
-        # What the router predicted of the chosen prefill workers' tier hits, and what they
-        # loaded (blocks).
-        "tier_hit_blocks_predicted": int(
-            counters.get(("splitserve_router_prefix_tier_hit_blocks_predicted_total", ""), 0)
-        ),
-        "tier_hit_blocks_realized": int(
-            counters.get(("splitserve_router_prefix_tier_hit_blocks_realized_total", ""), 0)
+        # What the router predicted of the chosen prefill workers' hits, in all and in their
+        # tiers, and what they found (blocks); decisions made blind (Redis too slow).
+        **{
+            f"{kind}_blocks_{side}": int(
+                counters.get((f"splitserve_router_prefix_{kind}_blocks_{side}_total", ""), 0)
+            )
+            for kind in ("hit", "tier_hit")
+            for side in ("predicted", "realized")
+        },
+        "blind_decisions": int(
+            counters.get(("splitserve_router_prefix_index_errors_total", ""), 0)
         ),
         # Why turns failed (the client's error, e.g. "HTTP 503", "ServerDisconnectedError").
         "errors": dict(Counter(r.record.error or "no [DONE]" for r in records if not r.record.ok)),

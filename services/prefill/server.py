@@ -71,7 +71,7 @@ class PrefillServicer(WorkerServicerBase, worker_pb2_grpc.PrefillWorkerServicer)
             if error:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, error)
         peer = peer_info_from_proto(request.peer_kv_peer)
-        puller = self.hooks.puller
+        puller, leases = self.hooks.puller, self.hooks.leases
 
         def add(engine: EngineBackend) -> None:
             puller.add_request(
@@ -90,6 +90,8 @@ class PrefillServicer(WorkerServicerBase, worker_pb2_grpc.PrefillWorkerServicer)
                     lora_name=request.lora_name,
                 ),
             )
+            # Added: it finishes (and leases its blocks) on a later step of this thread.
+            leases.wait_for_reader(req_id, request.kv_lease_ttl_s)
 
         loop = self.runtime.loop
         final: RequestOutput | None = None

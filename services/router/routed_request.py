@@ -181,6 +181,8 @@ class RoutedRequest:
             cache_salt=self.prepared.cache_salt,
             priority=self.prepared.priority,
             lora_name=self.prepared.lora_name,
+            # The decode worker may queue the request before it pulls the prefill's KV.
+            kv_lease_ttl_s=self._call_timeout_s(),
         )
         pull = plan.peer_pull
         pinned = None

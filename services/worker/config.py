@@ -69,7 +69,8 @@ class WorkerConfig:
     lease_ttl_s: float = flag(
         30.0,
         "seconds leased blocks wait for their reader's pull: a finished prefill's (for the "
-        "decode worker), a cached prefix pinned for a peer",
+        "decode worker), a cached prefix pinned for a peer; the router asks for as long as "
+        "the request may still wait (its reader may queue it first), at most 10 times this",
     )
     tls_dir: str = flag(
         "",

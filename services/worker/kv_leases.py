@@ -52,6 +52,8 @@ class LeaseHooks:
         self.num_leases_expired = 0
         # Released leases whose blocks readers may still be sending; freed once reported.
         self._unpublishing: set[str] = set()
+        # The TTL of the lease a request in flight takes when it finishes (``wait_for_reader``).
+        self._reader_ttl_s: dict[str, float] = {}
 
     def get(self, req_id: str) -> Lease | None:
         return self._leases.get(req_id)
@@ -68,9 +70,18 @@ class LeaseHooks:
         for output in outputs:
             if not output.finished:
                 continue
+            ttl_s = self._reader_ttl_s.pop(output.req_id, None)
             block_ids = engine.held_kv_block_ids(output.req_id)
             if block_ids:
-                self._lease(output.req_id, block_ids)
+                self._lease(output.req_id, block_ids, ttl_s)
+
+    def wait_for_reader(self, req_id: str, ttl_s: float) -> None:
+        """The lease that ``req_id``'s prefill takes when it finishes waits ``ttl_s`` for its
+        reader (0: the TTL of every lease), at most ``MAX_PIN_TTL_FACTOR`` times that TTL: a
+        decode worker may queue the request before it pulls, and a lease that expires first
+        costs the whole prompt's recompute there. Call before adding the request."""
+        if ttl_s > 0:
+            self._reader_ttl_s[req_id] = min(ttl_s, MAX_PIN_TTL_FACTOR * self.ttl_s)
 
     def pin(
         self,
@@ -121,6 +132,7 @@ class LeaseHooks:
                 engine.release_held_kv(req_id)
 
     def abort(self, engine: EngineBackend, req_id: str) -> list[RequestOutput]:
+        self._reader_ttl_s.pop(req_id, None)
         outputs = engine.abort_requests([req_id])
         self.release(engine, req_id)
         return outputs

@@ -121,7 +121,7 @@ class KVRef(_message.Message):
     def __init__(self, engine_id: _Optional[str] = ..., req_id: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ..., grant: _Optional[bytes] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling", "cache_salt", "priority", "lora_name", "peer_kv_ref", "peer_kv_peer")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "cache_salt", "priority", "lora_name", "peer_kv_ref", "peer_kv_peer", "kv_lease_ttl_s")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
@@ -130,6 +130,7 @@ class PrefillRequest(_message.Message):
     LORA_NAME_FIELD_NUMBER: _ClassVar[int]
     PEER_KV_REF_FIELD_NUMBER: _ClassVar[int]
     PEER_KV_PEER_FIELD_NUMBER: _ClassVar[int]
+    KV_LEASE_TTL_S_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: WorkerSamplingParams
@@ -138,7 +139,8 @@ class PrefillRequest(_message.Message):
     lora_name: str
     peer_kv_ref: KVRef
     peer_kv_peer: KVPeerInfo
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[WorkerSamplingParams, _Mapping]] = ..., cache_salt: _Optional[str] = ..., priority: _Optional[int] = ..., lora_name: _Optional[str] = ..., peer_kv_ref: _Optional[_Union[KVRef, _Mapping]] = ..., peer_kv_peer: _Optional[_Union[KVPeerInfo, _Mapping]] = ...) -> None: ...
+    kv_lease_ttl_s: float
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[WorkerSamplingParams, _Mapping]] = ..., cache_salt: _Optional[str] = ..., priority: _Optional[int] = ..., lora_name: _Optional[str] = ..., peer_kv_ref: _Optional[_Union[KVRef, _Mapping]] = ..., peer_kv_peer: _Optional[_Union[KVPeerInfo, _Mapping]] = ..., kv_lease_ttl_s: _Optional[float] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
     __slots__ = ("token_id", "logprob", "finished", "finish_reason", "num_cached_tokens", "kv_ref", "kv_peer", "prefill_time_s", "stop_reason", "prompt_logprobs", "num_peer_blocks", "peer_pull_failed", "num_tier_tokens")

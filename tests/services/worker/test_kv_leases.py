@@ -98,3 +98,27 @@ def test_hung_readers_delay_no_other_leases_release(source: Source) -> None:
             sock.close()
     source.step_until_freed(hung)
     assert not source.hooks.busy and source.engine.stats().num_held_kv == 0
+
+
+def test_a_prefill_lease_waits_for_its_reader_as_asked_within_a_cap(source: Source) -> None:
+    """A decode worker may queue a request before it pulls: the router asks the prefill's
+    lease to wait that long (``PrefillRequest.kv_lease_ttl_s``), at most 10 x the TTL."""
+    hooks = LeaseHooks(source.backend, ttl_s=1.0)
+    source = dataclasses.replace(source, hooks=hooks)
+    asked = {"default": 0.0, "longer": 5.0, "capped": 1e6}
+    for i, (req_id, ttl_s) in enumerate(asked.items()):
+        source.engine.add_request(
+            req_id, [3 + i, 5, 7, 11] * 10, SamplingParams(max_tokens=1), hold_kv=True
+        )
+        hooks.wait_for_reader(req_id, ttl_s)
+        while source.engine.has_unfinished_requests():
+            hooks.after_step(source.engine, source.engine.step())
+    leases = {req_id: hooks.get(req_id) for req_id in asked}
+    assert {r: lease.ttl_s for r, lease in leases.items() if lease} == {
+        "default": 1.0,
+        "longer": 5.0,
+        "capped": 10.0,
+    }
+    source.step_until_freed(["default"])  # expired
+    assert source.engine.holds_kv("longer") and source.engine.holds_kv("capped")
+    assert hooks.num_leases_expired == 1
