@@ -49,6 +49,9 @@ class ModelCard:
     max_model_len: int
 
 
+_IDLE_S = 4.0
+
+
 def _session(api_key: str, ca_file: str) -> aiohttp.ClientSession:
     """A session sending ``Authorization: Bearer api_key``, with no cap on open connections
     (an open loop must not queue in the client), TLS verified against ``ca_file`` if given."""
@@ -56,9 +59,11 @@ def _session(api_key: str, ca_file: str) -> aiohttp.ClientSession:
         ssl.create_default_context(cafile=ca_file) if ca_file else True
     )
     headers = {"Authorization": BEARER_PREFIX + api_key} if api_key else {}
-    return aiohttp.ClientSession(
-        connector=aiohttp.TCPConnector(limit=0, ssl=ssl_context), headers=headers
-    )
+    # An idle connection is dropped before the router's --http-keep-alive-timeout-s (5 s) ends
+    # it: a request sent on a connection as the server closes it fails (ClientOSError), which
+    # users with think time between turns would otherwise meet.
+    connector = aiohttp.TCPConnector(limit=0, ssl=ssl_context, keepalive_timeout=_IDLE_S)
+    return aiohttp.ClientSession(connector=connector, headers=headers)
 
 
 class OpenAIClient:
