@@ -45,15 +45,12 @@ from engine.config import EngineConfig
 from engine.flags import add_flags, from_args
 from loadtest.fixtures.redis_server import RedisServer
 from loadtest.generator.backends import Backend
-from loadtest.generator.conversations import (
-    Conversation,
-    ConversationPlan,
-    history_recomputed_tokens,
-    run_conversations,
-    summarize_turns,
-    synthetic_conversations,
+from loadtest.generator.conversation_load import (
+    add_conversation_flags,
+    conversation_report,
+    conversations_of,
 )
-from loadtest.generator.datasets import sharegpt_user_turns
+from loadtest.generator.conversations import Conversation, ConversationPlan, run_conversations
 from loadtest.generator.openai_http import OpenAIClient
 from loadtest.generator.sweep import served_model
 from services.common.roles import Role
@@ -124,7 +121,7 @@ def run_arm(
         tier_before = tier_hit_blocks(cluster.router_address)
         plan = ConversationPlan(
             num_users=args.users,
-            max_tokens=args.output_tokens,
+            max_tokens=args.reply_tokens,
             think_time_s=args.think_time_s,
             seed=args.seed,
         )
@@ -135,14 +132,10 @@ def run_arm(
         cluster.stop()
         redis_server.stop()
         redis_dir.cleanup()
-    first, later = summarize_turns(records, 1, 1), summarize_turns(records, 2)
     return {
         "arm": arm,
-        "first_turn": dataclasses.asdict(first),
-        "later_turns": dataclasses.asdict(later),
-        "later_turns_computed_tokens": later.computed_tokens,
-        # Of those, the history's (reused by no cache): what is left to save.
-        "later_turns_history_recomputed_tokens": history_recomputed_tokens(records),
+        # Per turn, and the history's tokens computed again (reused by no cache).
+        **conversation_report(records, args.turns),
         # The tier's hits over the whole run (turn 1 may hit a tier too, for the system prompt).
         "tier_tokens": tier_tokens,
         "peer_tokens": int(
@@ -168,9 +161,6 @@ def run_arm(
         ),
         # Why turns failed (the client's error, e.g. "HTTP 503", "ServerDisconnectedError").
         "errors": dict(Counter(r.record.error or "no [DONE]" for r in records if not r.record.ok)),
-        "per_turn": [
-            dataclasses.asdict(summarize_turns(records, t, t)) for t in range(1, args.turns + 1)
-        ],
     }
 
 
@@ -184,12 +174,8 @@ def main() -> None:
     parser.add_argument(
         "--decode-num-kv-blocks", type=int, help="the decode workers' (default: --num-kv-blocks)"
     )
-    parser.add_argument("--users", type=int, default=64)
-    parser.add_argument("--turns", type=int, default=6)
-    parser.add_argument("--system-prompt-tokens", type=int, default=64)
-    parser.add_argument("--user-turn-tokens", default="32,96", help="min,max tokens per turn")
-    parser.add_argument("--output-tokens", type=int, default=32)
-    parser.add_argument("--think-time-s", type=float, default=1.0)
+    parser.add_argument("--users", type=int, default=64, help="users at once, a conversation each")
+    add_conversation_flags(parser)
     parser.add_argument("--sharegpt", type=Path, help="replay this file's human turns instead")
     parser.add_argument("--out", type=Path, default=Path("bench-out/multi_turn"))
     args = parser.parse_args()
@@ -204,17 +190,11 @@ def main() -> None:
 
 
 def _conversations(engine: EngineConfig, args: argparse.Namespace) -> list[Conversation]:
-    if args.sharegpt is not None:
-        turns = [t[: args.turns] for t in sharegpt_user_turns(args.sharegpt)]
-        return [Conversation(t) for t in turns[: args.users]]
     from engine.loader.models import resolve_model
     from engine.tokenizer import Tokenizer
 
-    low, high = (int(n) for n in args.user_turn_tokens.split(","))
     tokenizer = Tokenizer(resolve_model(engine.model))
-    return synthetic_conversations(
-        tokenizer, args.users, args.turns, args.system_prompt_tokens, (low, high), args.seed
-    )
+    return conversations_of(args, tokenizer, args.users, args.sharegpt)
 
 
 def _report(results: list[dict[str, Any]]) -> None:

@@ -5,6 +5,9 @@
 --dataset-path FILE [--output-len N]] (--rate R[,R...] | --concurrency C) [--duration S]
 [--num-requests N] [--slo-ttft-ms T] [--slo-itl-ms I] [--slo-itl-percentile P] [--burstiness B]
 [--seed S] --out DIR``. Several rates run one after the other (a sweep) into the same reports.
+``--users U`` instead replays multi-turn conversations (``conversation_load``: ``--turns``,
+``--think-time-s``, ...; synthetic, or ``--dataset sharegpt``) through ``--backend openai-chat``,
+each turn's prompt the whole history, and reports per turn.
 ``grpc`` calls the router's ``Generate`` at ``--target``; the ``openai-*`` backends its HTTP API
 at ``--base-url`` (``loadtest.generator.openai_http``). The workloads are described in
 ``loadtest.generator.synthetic``, the datasets in ``loadtest.generator.datasets``, the metrics in
@@ -18,13 +21,21 @@ import asyncio
 import shlex
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
 
 from loadtest.generator.backends import Backend, GrpcClient, LoadClient
-from loadtest.generator.datasets import DatasetKind, load_dataset
+from loadtest.generator.conversation_load import (
+    add_conversation_flags,
+    conversation_report,
+    conversations_of,
+    write_conversation_report,
+)
+from loadtest.generator.conversations import ConversationPlan, run_conversations
+from loadtest.generator.datasets import Dataset, DatasetKind, load_dataset
 from loadtest.generator.metrics import DEFAULT_SLO_ITL_PERCENTILE
 from loadtest.generator.openai_http import OpenAIClient, ServerRefused, wait_for_model
 from loadtest.generator.report import write_reports
@@ -89,6 +100,13 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "--rate", help="offered requests/s, open loop; a comma-separated list runs a sweep"
     )
     load.add_argument("--concurrency", type=int, help="requests kept in flight (closed loop)")
+    load.add_argument(
+        "--users",
+        type=int,
+        help="multi-turn: this many users at once, each replaying a conversation turn by turn "
+        "(--backend openai-chat)",
+    )
+    add_conversation_flags(parser)
     parser.add_argument("--duration", type=float, default=60.0, help="seconds of sending per run")
     parser.add_argument("--num-requests", type=int, default=1000, help="most requests per run")
     parser.add_argument("--slo-ttft-ms", type=float, default=None)
@@ -177,6 +195,9 @@ def _fail(message: str) -> int:
 def main(args: argparse.Namespace) -> int:
     try:
         source = source_of(args)
+        if args.users is not None:
+            _check_conversation_source(source, args)
+            return _with_served_model(source, args, _replay_conversations)
         dataset = (
             load_dataset(source.dataset, source.dataset_path, source.output_len)
             if source.dataset_path is not None
@@ -197,6 +218,17 @@ def main(args: argparse.Namespace) -> int:
         )
     except ValueError as exc:
         return _fail(str(exc))
+    return _with_served_model(
+        source, args, lambda source, args, served: _sweep(source, args, served, spec, dataset)
+    )
+
+
+def _with_served_model(
+    source: Source,
+    args: argparse.Namespace,
+    run: Callable[[Source, argparse.Namespace, ServedModel], int],
+) -> int:
+    """``run`` once the cluster serves (its exit status); a cluster that does not: exit 2."""
     deadline_s = time.monotonic() + args.timeout_s
     try:
         served = _served_model(source, args, deadline_s)
@@ -206,6 +238,16 @@ def main(args: argparse.Namespace) -> int:
         return _fail(f"{exc.code().name}: {exc.details()}")
     except (ServerRefused, ValueError, OSError) as exc:
         return _fail(str(exc))
+    return run(source, args, served)
+
+
+def _sweep(
+    source: Source,
+    args: argparse.Namespace,
+    served: ServedModel,
+    spec: LoadSpec,
+    dataset: Dataset | None,
+) -> int:
     client: LoadClient = (
         GrpcClient(source.address, **router_credentials(args))
         if source.backend is Backend.GRPC
@@ -234,6 +276,50 @@ def main(args: argparse.Namespace) -> int:
     }
     for path in write_reports(args.out, config, runs):
         print(f"wrote {path}")
+    return 0
+
+
+def _check_conversation_source(source: Source, args: argparse.Namespace) -> None:
+    """``ValueError`` naming the flag unless ``--users`` can replay conversations."""
+    if source.backend is not Backend.OPENAI_CHAT:
+        raise ValueError(
+            "--users replays conversations through the chat API: --backend openai-chat"
+        )
+    if args.users < 1:
+        raise ValueError(f"--users must be >= 1, got {args.users}")
+    if args.workload is not None or source.dataset is DatasetKind.JSONL:
+        raise ValueError("--users replays synthetic conversations or --dataset sharegpt")
+
+
+def _replay_conversations(source: Source, args: argparse.Namespace, served: ServedModel) -> int:
+    try:
+        conversations = conversations_of(args, served.tokenizer, args.users, source.dataset_path)
+    except ValueError as exc:  # a DatasetError too
+        return _fail(str(exc))
+    client = OpenAIClient(source.backend, source.address, served.name, **router_credentials(args))
+    plan = ConversationPlan(
+        num_users=args.users,
+        max_tokens=args.reply_tokens,
+        think_time_s=args.think_time_s,
+        timeout_s=args.timeout_s,
+        seed=args.seed,
+    )
+    records = asyncio.run(run_conversations(client, plan, conversations))
+    config = {
+        "command": "splitserve loadtest " + shlex.join(sys.argv[2:]),
+        "target": source.address,
+        "dataset": source.dataset.value,
+        "dataset_path": str(source.dataset_path) if source.dataset_path is not None else None,
+        "model": served.name,
+        "users": args.users,
+        "turns": args.turns,
+        "think_time_s": args.think_time_s,
+        "reply_tokens": args.reply_tokens,
+        "seed": args.seed,
+    }
+    report = conversation_report(records, args.turns)
+    for line in write_conversation_report(args.out, config, report):
+        print(line)
     return 0
 
 

@@ -36,7 +36,7 @@ def test_the_tier_and_peer_arms_recompute_less_of_later_turns(tiny_llama_dir, tm
         decode_num_kv_blocks=96,
         users=3,
         turns=3,
-        output_tokens=8,
+        reply_tokens=8,
         think_time_s=0.0,
         seed=0,
     )
@@ -52,4 +52,8 @@ def test_the_tier_and_peer_arms_recompute_less_of_later_turns(tiny_llama_dir, tm
     assert peer["later_turns_computed_tokens"] < cache["later_turns_computed_tokens"]
     assert tier["later_turns"]["prompt_tokens"] == cache["later_turns"]["prompt_tokens"]
     assert tier["later_turns_computed_tokens"] < cache["later_turns_computed_tokens"]
+    assert (
+        tier["later_turns_history_recomputed_tokens"]
+        < cache["later_turns_history_recomputed_tokens"]
+    )
     assert sorted(tier["per_turn"], key=lambda t: t["turns"])[0]["turns"] == "1"

@@ -172,3 +172,39 @@ def test_200_sharegpt_conversations_run_through_both_apis(cluster, tiny_llama_di
         assert summary["errors"] == {} and summary["num_completed"] == usable, backend
         assert run["completed"] == usable and run["total_output_tokens"] > 0
         assert all(r["error"] is None and r["end_s"] for r in run["requests"])
+
+
+def test_users_replay_conversations_turn_by_turn(cluster, tiny_llama_dir, tmp_path):
+    """``--users``: every turn of every conversation is sent with its whole history, later
+    turns reuse it from the cache, and the report says so per turn (synthetic conversations
+    and a ShareGPT file's human turns)."""
+    dataset = write_sharegpt_file(tmp_path / "sharegpt.json", Tokenizer(tiny_llama_dir), 20, seed=4)
+    sources = {
+        "synthetic": ["--system-prompt-tokens", "32", "--user-turn-tokens", "8,16"],
+        "sharegpt": ["--dataset", "sharegpt", "--dataset-path", str(dataset)],
+    }
+    for name, source in sources.items():
+        out = tmp_path / name
+        argv = [
+            sys.executable, "-m", "services.cli", "loadtest", "--backend", "openai-chat",
+            "--base-url", cluster.http_url, "--users", "4", "--turns", "3", "--think-time-s", "0",
+            "--reply-tokens", "4", *source, "--out", str(out),
+        ]  # fmt: skip
+        result = subprocess.run(argv, capture_output=True, text=True, timeout=600)
+        assert result.returncode == 0, result.stderr
+        report = json.loads((out / "conversations.json").read_text())
+        first, *later = report["per_turn"]
+        assert first["num_turns"] == 4 and first["num_errors"] == 0, name
+        assert all(t["num_errors"] == 0 and t["num_turns"] <= 4 for t in later), name
+        assert report["later_turns"]["num_turns"] > 0
+        # Each later turn's history is in the cache (it holds every conversation here).
+        reused = report["later_turns"]["cached_tokens"]
+        assert reused > 0 and report["later_turns_history_recomputed_tokens"] < reused
+        assert "turns 2+: history tokens recomputed" in result.stdout
+    refused = subprocess.run(
+        [sys.executable, "-m", "services.cli", "loadtest", "--target", cluster.router_address,
+         "--users", "4", "--out", str(tmp_path / "grpc")],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert refused.returncode == 2
+    assert "--backend openai-chat" in refused.stderr
