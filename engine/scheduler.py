@@ -398,11 +398,13 @@ class Scheduler:
                 )
             ):
                 victim = self._newest_paused_running()
-                if victim is None:
-                    break
-                self._preempt_running(victim, out)
-                index += 1  # the victim went to the front of the queue
-                continue
+                if victim is not None:
+                    self._preempt_running(victim, out)
+                    index += 1  # the victim went to the front of the queue
+                    continue
+                if not self.running and self._free_newest_waiting_holder(request, out):
+                    continue  # again, with the blocks it freed
+                break
             del self.waiting[index]
             request.mark_scheduled()
             if remote:
@@ -477,6 +479,23 @@ class Scheduler:
                 if self.running[index].req_id in self.paused:
                     return index
         return None
+
+    def _free_newest_waiting_holder(self, keep: Request, out: SchedulerOutput) -> bool:
+        """Free the blocks of the newest waiting request that holds some (KV that arrived by
+        transfer), other than ``keep``; it keeps its place in the queue and finds its prompt
+        again as prefix hits, or computes it, once admitted. With nothing running, those blocks
+        are the only ones that can come free: without this, requests whose KV arrived could
+        each hold part of the cache and wait for more, forever. False: no other holds any."""
+        for holder in reversed(self.waiting):
+            if holder is not keep and self.kv_cache_manager.has_blocks(holder.req_id):
+                self.kv_cache_manager.free(holder)
+                holder.num_computed_tokens = 0
+                holder.num_cached_tokens = -1
+                holder.num_preemptions += 1
+                self.num_preemptions += 1
+                out.preempted_req_ids.append(holder.req_id)
+                return True
+        return False
 
     def _last_to_run(self) -> int:
         """The index in ``running`` of the request that gives way first: the newest, or under

@@ -172,3 +172,29 @@ def test_arrived_kv_queues_in_arrival_order_behind_preempted_and_ahead_of_new_re
         scheduler.finish_remote_kv(req_id, True)
         assert ids(scheduler.waiting)[-1] == "N"
     assert ids(scheduler.waiting) == ["B", "R0", "R1", "R2", "N"]
+
+
+def test_requests_whose_kv_arrived_never_hold_the_cache_between_them() -> None:
+    """With nothing running, two requests whose KV arrived each hold part of the cache and need
+    more than is left: the newest one's blocks are freed (it finds them again, or computes
+    them) and the older runs; both finish."""
+    # 5 blocks of 4: each load takes 2, each prompt needs 2 more for its last 8 tokens, 1 is
+    # left; a prompt and its 2-token reply fit in the 5.
+    scheduler = make_scheduler(num_blocks=5)
+    remotes = [
+        req(f"R{i}", tokens(10 * i, 16), num_external_tokens=8, max_tokens=2) for i in range(2)
+    ]
+    admitting = run(scheduler, [*remotes, STEP])[-1]
+    assert [load.req_id for load in admitting.out.kv_loads] == ["R0", "R1"]
+    for req_id in ("R0", "R1"):
+        scheduler.finish_remote_kv(req_id, True)
+    unblocked = step(scheduler)
+    assert unblocked.out.preempted_req_ids == ["R1"]
+    assert unblocked.scheduled == [("R0", 8)]
+    assert ids(scheduler.waiting) == ["R1"] and scheduler.requests["R1"].num_computed_tokens == 0
+    finished: list[str] = []
+    for _ in range(64):
+        finished += ids(step(scheduler).finished)
+        if not (scheduler.running or scheduler.waiting):
+            break
+    assert sorted(finished) == ["R0", "R1"]
