@@ -132,8 +132,6 @@ class PrefillChooser:
         self.ledger = ledger
         self.num_hit_blocks_predicted = 0
         self.num_hit_blocks_realized = 0
-        self.num_tier_hit_blocks_predicted = 0
-        self.num_tier_hit_blocks_realized = 0
         self._local_index = local_index
         self._replica = replica
         # How long a decision waits for the ledger before deciding on load alone.
@@ -292,8 +290,6 @@ class PrefillChooser:
         tier_hit_blocks = min(num_tier_tokens // block_size, hit_blocks)
         self.num_hit_blocks_predicted += choice.matched_blocks
         self.num_hit_blocks_realized += hit_blocks
-        self.num_tier_hit_blocks_predicted += choice.tier_blocks
-        self.num_tier_hit_blocks_realized += tier_hit_blocks
         metrics.PREFIX_HITS_PREDICTED.inc(choice.matched_blocks)
         metrics.PREFIX_HITS_REALIZED.inc(hit_blocks)
         metrics.PREFIX_TIER_HITS_PREDICTED.inc(choice.tier_blocks)
