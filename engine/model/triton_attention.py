@@ -94,37 +94,42 @@ def compile_kernels(
     dtype: torch.dtype,
     sliding_window: int | None,
 ) -> None:
-    """Launch the attention kernels once in every variant a step can need (each prefill tile
-    height; the layer indices Triton specializes on), on scratch queries that write nothing,
-    so that no request's step waits for a compilation (seconds each on a GPU).
+    """Launch every attention kernel once in each variant a step can need (the prefill
+    kernel's tile heights), on scratch inputs, so that no request's step waits for a
+    compilation (seconds each on a GPU). The kernels specialize on nothing that changes from
+    step to step (layer, lengths, block-table width, metadata alignment), so these are all the
+    variants a model and cache ever use.
 
-    No side effect on the cache: the prefill and decode kernels only read it.
+    No side effect on the cache: the attention kernels only read it, and the KV write is
+    given only skipped (negative) slots.
     """
     device = kv_cache.device
-    _, num_layers, _, _, block_size, _ = kv_cache.shape
+    _, _, _, num_kv_heads, block_size, _ = kv_cache.shape
     code = quant_code(quant)
     scale = head_dim**-0.5
     for q_len in (16, 32, 64):  # the prefill kernel's tile heights
         q = torch.zeros(q_len, num_heads, head_dim, dtype=dtype, device=device)
         ints = torch.tensor([0, q_len, q_len], dtype=torch.int32, device=device)
         tables = torch.zeros(1, -(-q_len // block_size), dtype=torch.int32, device=device)
-        for layer in range(num_layers):
-            paged_prefill(
-                q,
-                kv_cache,
-                layer,
-                tables,
-                ints[:1],
-                ints[1:2],
-                ints[2:],
-                q_len,
-                scale,
-                sliding_window,
-                code,
-                torch.empty_like(q),
-            )
+        out = torch.empty_like(q)
+        paged_prefill(
+            q,
+            kv_cache,
+            0,
+            tables,
+            ints[:1],
+            ints[1:2],
+            ints[2:],
+            q_len,
+            scale,
+            sliding_window,
+            code,
+            out,
+        )
     q = torch.zeros(1, num_heads, head_dim, dtype=dtype, device=device)
     tables = torch.zeros(1, 1, dtype=torch.int32, device=device)
     lens = torch.ones(1, dtype=torch.int32, device=device)
-    for layer in range(num_layers):
-        paged_decode(q, kv_cache, layer, tables, lens, 1, scale, sliding_window, code)
+    paged_decode(q, kv_cache, 0, tables, lens, 1, scale, sliding_window, code)
+    kv = torch.zeros(1, num_kv_heads, head_dim, dtype=dtype, device=device)
+    skipped = torch.full((1, num_kv_heads), -1, dtype=torch.int64, device=device)
+    kv_write(kv_cache, 0, skipped, kv, kv, code, quant.max_code if quant is not None else 0.0)

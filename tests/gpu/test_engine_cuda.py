@@ -174,3 +174,51 @@ def test_constrained_and_seeded_sampling_on_device_logits(tiny_model_dirs):
     first = llm.generate(prompts, seeded)
     second = llm.generate(prompts, seeded)
     assert [o.token_ids for o in first] == [o.token_ids for o in second]
+
+
+def compiled_variants(*, attention_only: bool) -> dict[str, int]:
+    """How many variants of each of the engine's Triton kernels this process has compiled."""
+    from engine.model.triton_kernels import decode, elementwise, kv_write, prefill
+
+    kernels = {
+        "decode": decode._decode_pieces,
+        "merge": decode._merge_pieces,
+        "prefill": prefill._prefill_kernel,
+        "kv_write": kv_write._kv_write,
+    }
+    if not attention_only:
+        kernels |= {
+            "rms_norm": elementwise._rms_norm,
+            "silu_and_mul": elementwise._silu_and_mul,
+            "rotary": elementwise._rotary,
+        }
+    # JITFunction.device_caches: per device, the compiled kernels by specialization first.
+    return {
+        name: sum(len(caches[0]) for caches in fn.device_caches.values())
+        for name, fn in kernels.items()
+    }
+
+
+@pytest.mark.parametrize("enforce_eager", [False, True], ids=["graphs", "eager"])
+def test_serving_compiles_nothing_after_start_up(tiny_model_dirs, enforce_eager):
+    """Every kernel variant a step needs is compiled while the engine starts: prompts of many
+    lengths, chunked and batched with decodes, with contexts over several decode pieces,
+    compile nothing more (a compilation takes seconds and stalls every request in the step).
+    Under --enforce-eager no graph is captured, so the elementwise kernels compile at the
+    first step: there only the attention kernels and the KV write are checked."""
+    llm = LLM(
+        str(tiny_model_dirs["llama"]),
+        device="cuda",
+        dtype="bfloat16",
+        num_kv_blocks=256,
+        max_num_batched_tokens=200,
+        enforce_eager=enforce_eager,
+    )
+    before = compiled_variants(attention_only=enforce_eager)
+    rng = random.Random(7)
+    vocab_size = llm.engine.vocab_size
+    prompts = [[rng.randrange(3, vocab_size) for _ in range(n)] for n in (3, 40, 130, 300, 900)]
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    outputs = llm.generate(prompts, params)
+    assert all(len(o.token_ids) == 16 for o in outputs)
+    assert compiled_variants(attention_only=enforce_eager) == before

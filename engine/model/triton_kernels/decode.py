@@ -33,7 +33,12 @@ MAX_PIECES = 32
 _NO_WINDOW = 1 << 30
 
 
-@triton.jit
+# Arguments that change from step to step are neither value- nor alignment-specialized, so that
+# each kernel compiles once per model and cache (at start-up) and never while serving.
+@triton.jit(
+    do_not_specialize=["layer", "window", "num_pieces", "split", "table_stride"],
+    do_not_specialize_on_alignment=["block_tables", "context_lens"],
+)
 def _decode_pieces(
     q,
     cache,
@@ -47,6 +52,7 @@ def _decode_pieces(
     scale,
     window,
     num_pieces,
+    split,
     table_stride,
     NUM_LAYERS,
     NUM_KV_HEADS,
@@ -60,15 +66,14 @@ def _decode_pieces(
     QUANT: tl.constexpr,
     FLOAT32_DOT: tl.constexpr,
     TILE: tl.constexpr,
-    SPLIT: tl.constexpr,
 ):
     row = tl.program_id(0)
     kv_head = tl.program_id(1)
     piece = tl.program_id(2)
     context_len = tl.load(context_lens + row)
     first = tl.maximum(context_len - window, 0)
-    start = tl.maximum(piece * SPLIT, (first // TILE) * TILE)
-    end = tl.minimum((piece + 1) * SPLIT, context_len)
+    start = tl.maximum(piece * split, (first // TILE) * TILE)
+    end = tl.minimum((piece + 1) * split, context_len)
     heads = kv_head * GROUP + tl.arange(0, GROUP_PAD)
     head_mask = tl.arange(0, GROUP_PAD) < GROUP
     cols = tl.arange(0, BLOCK_D)
@@ -108,7 +113,10 @@ def _decode_pieces(
         tl.store(piece_sum + slot, l_i, mask=head_mask)
 
 
-@triton.jit
+@triton.jit(
+    do_not_specialize=["window", "num_pieces", "split"],
+    do_not_specialize_on_alignment=["context_lens"],
+)
 def _merge_pieces(
     out,
     context_lens,
@@ -117,19 +125,19 @@ def _merge_pieces(
     piece_sum,
     window,
     num_pieces,
+    split,
     NUM_HEADS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
     PIECES_PAD: tl.constexpr,
     TILE: tl.constexpr,
-    SPLIT: tl.constexpr,
 ):
     row = tl.program_id(0)
     head = tl.program_id(1)
     context_len = tl.load(context_lens + row)
     first = tl.maximum(context_len - window, 0)
     pieces = tl.arange(0, PIECES_PAD)
-    active = (pieces >= ((first // TILE) * TILE) // SPLIT) & (pieces * SPLIT < context_len)
+    active = (pieces >= ((first // TILE) * TILE) // split) & (pieces * split < context_len)
     slots = (row * NUM_HEADS + head) * num_pieces + pieces
     maxes = tl.load(piece_max + slots, mask=active, other=float("-inf"))
     m = tl.max(maxes, 0)
@@ -196,6 +204,7 @@ def paged_decode(
         scale,
         window,
         num_pieces,
+        split,
         block_tables.stride(0),
         num_layers,
         num_kv_heads,
@@ -209,7 +218,6 @@ def paged_decode(
         QUANT=quant,
         FLOAT32_DOT=float32_dot(q),
         TILE=TILE_TOKENS,
-        SPLIT=split,
     )
     _merge_pieces[(num_rows, num_heads)](
         out,
@@ -219,11 +227,11 @@ def paged_decode(
         piece_sum,
         window,
         num_pieces,
+        split,
         NUM_HEADS=num_heads,
         HEAD_DIM=head_dim,
         BLOCK_D=block_d,
-        PIECES_PAD=triton.next_power_of_2(num_pieces),
+        PIECES_PAD=MAX_PIECES,
         TILE=TILE_TOKENS,
-        SPLIT=split,
     )
     return out

@@ -44,7 +44,9 @@ def _store_row(
         tl.store(scales + row * (ROW // 4) + HEAD_DIM // 4, scale)
 
 
-@triton.jit
+# The layer and the slots change from step to step: not specialized, so that the kernel
+# compiles once per model and cache (at start-up) and never while serving.
+@triton.jit(do_not_specialize=["layer_offset"], do_not_specialize_on_alignment=["slot_rows"])
 def _kv_write(
     cache,
     scales,

@@ -25,7 +25,12 @@ from engine.model.triton_kernels.kv_rows import QUANT_NONE, cache_row, dot, floa
 _NO_WINDOW = 1 << 30
 
 
-@triton.jit
+# Arguments that change from step to step are neither value- nor alignment-specialized, so that
+# the kernel compiles once per tile height (at start-up) and never while serving.
+@triton.jit(
+    do_not_specialize=["layer", "window", "stride_bt"],
+    do_not_specialize_on_alignment=["block_tables", "q_starts", "q_lens", "context_lens"],
+)
 def _prefill_kernel(
     q_ptr,
     out_ptr,
