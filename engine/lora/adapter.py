@@ -71,7 +71,18 @@ class LoraAdapter:
     @property
     def block_key(self) -> str:
         """What the adapter puts into its requests' block hashes (``block_extra_key``)."""
-        return f"{self.name}@{self.fingerprint[:32]}"
+        return adapter_block_key(self.name, self.fingerprint)
+
+
+def adapter_block_key(name: str, fingerprint: str) -> str:
+    """The block key of adapter ``name`` whose weights file has sha256 ``fingerprint``."""
+    return f"{name}@{fingerprint[:32]}"
+
+
+def weights_fingerprint(path: str | Path) -> str:
+    """The sha256 of the weights file of the PEFT adapter at ``path``; ``ValueError`` if it
+    has none."""
+    return hashlib.sha256(_weights_file(Path(path)).read_bytes()).hexdigest()
 
 
 def load_lora_adapter(
@@ -149,20 +160,23 @@ def _read_config(directory: Path) -> dict[str, Any]:
     return config
 
 
+def _weights_file(directory: Path) -> Path:
+    for name in ("adapter_model.safetensors", "adapter_model.bin"):
+        if (directory / name).is_file():
+            return directory / name
+    raise ValueError(f"LoRA adapter: no adapter_model.safetensors in {directory}")
+
+
 def _read_tensors(directory: Path) -> tuple[dict[str, torch.Tensor], str]:
     """The weights file's tensors and its sha256."""
-    safetensors_path = directory / "adapter_model.safetensors"
-    if safetensors_path.is_file():
+    path = _weights_file(directory)
+    data = path.read_bytes()
+    if path.suffix == ".safetensors":
         from safetensors.torch import load
 
-        data = safetensors_path.read_bytes()
         return load(data), hashlib.sha256(data).hexdigest()
-    bin_path = directory / "adapter_model.bin"
-    if bin_path.is_file():
-        data = bin_path.read_bytes()
-        tensors = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
-        return tensors, hashlib.sha256(data).hexdigest()
-    raise ValueError(f"LoRA adapter: no adapter_model.safetensors in {directory}")
+    tensors = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+    return tensors, hashlib.sha256(data).hexdigest()
 
 
 def projection_shape(model: ModelConfig, module: str) -> tuple[int, int]:

@@ -1,10 +1,10 @@
 """``--engine vllm``: splitserve's engine flags as vLLM engine arguments, then ``--vllm-args``.
 
 What both engines mean the same way is mapped (model, served name, dtype, lengths, batch
-limits, prefix caching, seed, eager mode, KV cache size); everything else is vLLM's own,
-passed through ``--vllm-args`` exactly as ``vllm serve`` takes it, and later arguments win. So
-tensor and pipeline parallelism, quantization, LoRA, the attention backend, ``--block-size``
-and GPU memory utilization are set the way a vLLM user already sets them.
+limits, prefix caching, seed, eager mode, KV cache size, LoRA slots and rank); everything else
+is vLLM's own, passed through ``--vllm-args`` exactly as ``vllm serve`` takes it, and later
+arguments win. So tensor and pipeline parallelism, quantization, the attention backend,
+``--block-size`` and GPU memory utilization are set the way a vLLM user already sets them.
 """
 
 from __future__ import annotations
@@ -84,6 +84,11 @@ def vllm_argv(config: EngineConfig, *, cuda: bool) -> list[str]:
         argv += ["--kv-events-config", _KV_EVENTS_IN_PROCESS]
     if config.enforce_eager:
         argv.append("--enforce-eager")
+    if config.enable_lora:
+        # The adapters themselves are loaded through VLLMEngine (--lora-modules included),
+        # which names them by their block keys.
+        argv += ["--enable-lora", "--max-loras", str(config.max_loras)]
+        argv += ["--max-lora-rank", str(config.max_lora_rank)]
     if config.num_kv_blocks is not None:
         argv += ["--num-gpu-blocks-override", str(config.num_kv_blocks)]
     elif config.kv_cache_memory_gb is not None or not cuda:

@@ -33,6 +33,7 @@ from engine.constraint import Constraint
 from engine.cpu_isa import resolve_isa
 from engine.cpu_tuning import place_engine_threads
 from engine.kv_cache_spec import KVCacheSpec
+from engine.lora.names import parse_lora_modules
 from engine.outputs import RequestOutput
 from engine.request_limits import check_cache_salt
 from engine.sampler import TokenLogprobs
@@ -43,12 +44,10 @@ from engine.vllm_engine.args import engine_args, prepare_process_env, require_vl
 from engine.vllm_engine.connector import attach, layer_major_cache
 from engine.vllm_engine.convert import prompt_token_logprobs, sampling_params, token_logprobs
 from engine.vllm_engine.events import EventCollector, EventTranslator
+from engine.vllm_engine.lora import VLLMLoras
 from engine.vllm_engine.metrics import VLLMStatLogger
 
 logger = logging.getLogger(__name__)
-# vLLM's own LoRA (its --enable-lora in --vllm-args) is not mapped onto the workers' adapter
-# calls and block keys yet.
-_NO_LORA = "LoRA adapters through splitserve's API are served by --engine native only"
 
 
 @dataclass(slots=True)
@@ -64,6 +63,7 @@ class _RequestState:
     first_token_time_s: float | None = None
     scheduled_time_s: float | None = None
     num_cached_tokens: int = 0
+    lora_name: str = ""
 
 
 class VLLMEngine:
@@ -134,6 +134,9 @@ class VLLMEngine:
             cpu_isa=resolve_isa("auto").value if device_type == "cpu" else "",
             kernels=f"vLLM {_vllm_version()} ({device_type})",
         )
+        self._loras = VLLMLoras(self._core, vllm_config.lora_config)
+        for name, path in parse_lora_modules(config.lora_modules):
+            self._loras.load(name, path)
         logger.info("vLLM engine ready: %s", self._info.kernels)
 
     # ----------------------------------------------------------------------------- facts
@@ -183,8 +186,7 @@ class VLLMEngine:
                 f"num_external_tokens: {num_external_tokens} is more than the prompt's "
                 f"{len(prompt_token_ids)} tokens"
             )
-        if lora_name:
-            raise ValueError(f"lora_name: {_NO_LORA}")
+        lora_request = self._loras.request(lora_name) if lora_name else None
         if req_id in self._states:
             raise DuplicateRequestError(f"request_id {req_id!r} is already in flight")
         if len(output_token_ids) >= params.max_tokens:
@@ -199,6 +201,7 @@ class VLLMEngine:
             tokens_input(prompt, cache_salt=cache_salt or None),
             sampling_params(params, len(output_token_ids)),
             self._supported_tasks,
+            lora_request=lora_request,
             priority=priority,
         )
         if self._channel is not None:
@@ -213,6 +216,7 @@ class VLLMEngine:
             logprobs=[] if params.logprobs is not None else None,
             arrival_time_s=time.perf_counter(),
             prompt_logprobs=[] if params.prompt_logprobs is not None else None,
+            lora_name=lora_name,
         )
 
     def abort_requests(self, req_ids: Iterable[str]) -> list[RequestOutput]:
@@ -360,13 +364,14 @@ class VLLMEngine:
 
     @property
     def lora_adapters(self) -> dict[str, str]:
-        return {}
+        """The LoRA adapters a request may name, with their block keys (``lora.py``)."""
+        return self._loras.block_keys
 
     def load_lora_adapter(self, name: str, path: str) -> None:
-        raise ValueError(_NO_LORA)
+        self._loras.load(name, path)
 
     def unload_lora_adapter(self, name: str) -> None:
-        raise ValueError(_NO_LORA)
+        self._loras.unload(name, (state.lora_name for state in self._states.values()))
 
     def stats(self) -> EngineStats:
         scheduler = self._scheduler

@@ -1,10 +1,12 @@
 """vLLM's prefix-cache events as splitserve's, so the router's prefix index covers vLLM pools.
 
 vLLM names a block by its own hash; splitserve's router hashes prompts with
-``engine.block_hash`` (``cache_salt`` in every block). vLLM's ``BlockStored`` carries each
-block's token ids and, on a chain's first block, its ``cache_salt``, so the splitserve hash of
-every stored block can be computed here, chained through the parent's. The translator keeps
-the mapping of live blocks, which is also the state ``prefix_cache_blocks`` reports.
+``engine.block_hash`` (``cache_salt`` and the LoRA adapter's block key in every block). vLLM's
+``BlockStored`` carries each block's token ids, its adapter's name (``VLLMLoras`` names
+adapters to vLLM by their block keys) and, on a chain's first block, its ``cache_salt``, so the
+splitserve hash of every stored block can be computed here, chained through the parent's. The
+translator keeps the mapping of live blocks, which is also the state ``prefix_cache_blocks``
+reports.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import logging
 from collections.abc import Iterable
 from typing import Any
 
-from engine.block_hash import ROOT_PARENT_HASH, BlockHash, hash_block
+from engine.block_hash import ROOT_PARENT_HASH, BlockHash, block_extra_key, hash_block
 from engine.block_pool import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
 
 logger = logging.getLogger(__name__)
@@ -46,7 +48,7 @@ class EventTranslator:
 
     def __init__(self, block_size: int) -> None:
         self.block_size = block_size
-        # vLLM's hash of a live block -> (splitserve's hash, the chain's cache_salt)
+        # vLLM's hash of a live block -> (splitserve's hash, the chain's block_extra_key)
         self._live: dict[Any, tuple[BlockHash, str]] = {}
 
     def translate(self, events: Iterable[Any]) -> list[KVCacheEvent]:
@@ -78,9 +80,11 @@ class EventTranslator:
         if event.block_size != self.block_size:
             return None
         if event.parent_block_hash is None:
-            parent, salt = ROOT_PARENT_HASH, _cache_salt(event.extra_keys)
+            lora_key = event.lora_name or ""
+            salt = _cache_salt(event.extra_keys, lora_key)
+            parent, extra_key = ROOT_PARENT_HASH, block_extra_key(salt, lora_key)
         elif event.parent_block_hash in self._live:
-            parent, salt = self._live[event.parent_block_hash]
+            parent, extra_key = self._live[event.parent_block_hash]
         else:
             logger.debug("KV event for a block whose parent was never stored; skipped")
             return None
@@ -88,8 +92,8 @@ class EventTranslator:
         hashes: list[BlockHash] = []
         for i, vllm_hash in enumerate(event.block_hashes):
             tokens = event.token_ids[i * self.block_size : (i + 1) * self.block_size]
-            parent = hash_block(parent, tokens, salt)
-            self._live[vllm_hash] = (parent, salt)
+            parent = hash_block(parent, tokens, extra_key)
+            self._live[vllm_hash] = (parent, extra_key)
             hashes.append(parent)
         if not hashes:
             return None
@@ -105,11 +109,13 @@ class EventTranslator:
         return [splitserve_hash for splitserve_hash, _ in self._live.values()]
 
 
-def _cache_salt(extra_keys: list[tuple[Any, ...] | None] | None) -> str:
-    """The ``cache_salt`` in a chain's first block's extra keys ("" when unsalted). A salt is
-    the only plain string there when the request has no LoRA adapter or multimodal input,
-    which the workers never send."""
+def _cache_salt(extra_keys: list[tuple[Any, ...] | None] | None, lora_name: str) -> str:
+    """The ``cache_salt`` in a chain's first block's extra keys ("" when unsalted). They hold,
+    in order, the adapter's name (when ``lora_name``), multimodal keys (never sent by the
+    workers) and the salt: the salt is the plain string after the adapter's name."""
     if not extra_keys or not extra_keys[0]:
         return ""
     strings = [key for key in extra_keys[0] if isinstance(key, str)]
+    if lora_name and strings and strings[0] == lora_name:
+        strings = strings[1:]
     return strings[-1] if strings else ""
