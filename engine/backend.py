@@ -31,7 +31,7 @@ from engine.constraint import Constraint
 from engine.kv_cache_spec import KVCacheSpec
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
-from engine.scheduler import KVLoad
+from engine.scheduler_output import KVLoad
 from engine.stats import EngineStats
 
 

@@ -23,7 +23,7 @@ from engine.sampler import (
     is_plain_greedy,
     raw_token_logprobs,
 )
-from engine.scheduler import ScheduledRequest
+from engine.scheduler_output import ScheduledRequest
 
 logger = logging.getLogger(__name__)
 

@@ -17,7 +17,7 @@ import torch
 from engine.model.attention import AttentionMetadata
 from engine.model.cuda_graphs import DecodeBuffers, DecodeGraphs, GraphCapture, capture_sizes
 from engine.model.triton_inputs import TritonInputs
-from engine.scheduler import ScheduledRequest
+from engine.scheduler_output import ScheduledRequest
 
 if TYPE_CHECKING:
     from engine.model_runner import ModelRunner

@@ -20,7 +20,7 @@ from engine.cpu_isa import CpuIsa
 from engine.kv_cache_spec import KVCacheSpec
 from engine.model_runner import ModelRunner
 from engine.sampler import Sampler, SamplerOutput
-from engine.scheduler import ScheduledRequest
+from engine.scheduler_output import ScheduledRequest
 from engine.simulated import SimulatedExecutor, StepProfile
 
 

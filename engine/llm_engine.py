@@ -6,14 +6,11 @@ prefill and decode workers) own the loop and the threading; the engine itself is
 
 from __future__ import annotations
 
-import concurrent.futures
 import itertools
 import logging
 import os
-import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -27,6 +24,7 @@ from engine.cpu_isa import CpuIsa, host_isa, resolve_isa
 from engine.cpu_tuning import BuildThread, keep_freed_memory_in_heap, place_engine_threads
 from engine.detokenizer import IncrementalDetokenizer
 from engine.executor import NativeExecutor, build_executor
+from engine.grammar_admission import GrammarAdmission
 from engine.grammar_pool import GrammarPool
 from engine.kv_cache_manager import KVCacheManager
 from engine.kv_cache_spec import KVCacheSpec
@@ -45,16 +43,10 @@ from engine.request_state import RequestState
 from engine.resolve import resolve_device, resolve_dtype, resolve_kv_cache_dtype
 from engine.sampler import Sampler, TokenLogprobs
 from engine.sampling_params import SamplingParams
-from engine.scheduler import (
-    DuplicateRequestError,
-    KVLoad,
-    ScheduledRequest,
-    Scheduler,
-    SchedulerConfig,
-    SchedulerOutput,
-)
+from engine.scheduler import DuplicateRequestError, Scheduler, SchedulerConfig
+from engine.scheduler_output import KVLoad, ScheduledRequest, SchedulerOutput
 from engine.stats import EngineStats, make_stats
-from engine.structured_output import CompiledGrammar, GrammarCompiler
+from engine.structured_output import CompiledGrammar
 from engine.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -72,15 +64,6 @@ def _check_kv_capacity(num_kv_blocks: int, block_size: int, max_model_len: int) 
         )
 
 
-@dataclass(frozen=True, slots=True)
-class _Compiling:
-    """A request held out of the scheduler until its constraint's grammar compiles."""
-
-    constraint: Constraint
-    grammar: concurrent.futures.Future[CompiledGrammar]
-    deadline_s: float  # time.monotonic(): past it, the request fails
-
-
 class LLMEngine:
     """A paged-KV, continuous-batching engine for one model on one device: the native
     ``EngineBackend``.
@@ -91,7 +74,7 @@ class LLMEngine:
 
     A constrained request whose grammar is not compiled yet waits outside the scheduler while
     ``grammars`` compiles it on threads of its own; each ``step`` first hands the compiled ones
-    to the scheduler (see ``add_request``).
+    to the scheduler (``engine.grammar_admission``; see ``add_request``).
     """
 
     def __init__(self, config: EngineConfig) -> None:
@@ -117,15 +100,6 @@ class LLMEngine:
         # The name clients see (WorkerInfo, Router.Status): --served-model-name, else --model.
         self.served_model_name = config.served_model_name or config.model
         self.tokenizer = Tokenizer(self.model_dir)
-        # Constraints compile off this thread (engine.grammar_pool); a worker compiles one
-        # before adding its request, so that the request starts at once.
-        self.grammars = GrammarPool(self._compile_grammar, config.constraint_limits)
-        # Called on a compile thread when a held request's grammar is done (or failed): an
-        # engine loop idling between steps wakes up to admit it.
-        self.on_constraint_compiled: Callable[[], object] | None = None
-        self._compiler: GrammarCompiler | None = None
-        self._compiler_lock = threading.Lock()
-        self._compiling: dict[str, _Compiling] = {}
         self.kv_cache_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, self.dtype, self.device)
         self.sampler = Sampler(config.seed)
         self.executor = build_executor(
@@ -176,6 +150,7 @@ class LLMEngine:
             ),
         )
         self.vocab_size = self.executor.vocab_size
+        self.admission = GrammarAdmission(self.tokenizer, self.vocab_size, config.constraint_limits)
         self._states: dict[str, RequestState] = {}
         self._kv_loads: list[KVLoad] = []
         self.last_num_scheduled_tokens = 0
@@ -262,23 +237,13 @@ class LLMEngine:
             lora_name=lora_name,
             priority=priority,
         )
-        constraint = params.constraint
-        grammar = None if constraint is None else self.grammars.submit(constraint)
-        if constraint is not None and grammar is not None and not grammar.done():
-            if req_id in self._states or self.holds_kv(req_id):
-                raise DuplicateRequestError(
-                    f"request_id {req_id!r} is already in flight or holds KV here"
-                )
-            deadline_s = time.monotonic() + self.grammars.limits.compile_timeout_s
-            self._compiling[req_id] = _Compiling(constraint, grammar, deadline_s)
-            grammar.add_done_callback(self._notify_compiled)
-        else:
-            if req_id in self._compiling:  # the scheduler knows only the ids it holds
-                raise DuplicateRequestError(f"request_id {req_id!r} is already in flight")
-            if constraint is not None and grammar is not None:
-                request.matcher = self.grammars.outcome(constraint, grammar).matcher(
-                    output_token_ids
-                )
+        if req_id in self._states:
+            raise DuplicateRequestError(f"request_id {req_id!r} is already in flight")
+        if self.holds_kv(req_id):
+            raise DuplicateRequestError(
+                f"request_id {req_id!r} still holds its KV cache under a lease"
+            )
+        if self.admission.start(request):
             self.scheduler.add_request(request)
         detokenizer = None
         if self.config.detokenize:
@@ -302,56 +267,48 @@ class LLMEngine:
         check_cache_salt(cache_salt)
         return block_extra_key(cache_salt, self.lora.block_key(lora_name) if lora_name else "")
 
-    def _compile_grammar(self, constraint: Constraint) -> CompiledGrammar:
-        """``grammars``' compile, on a compile thread. The compiler is built by the first one
-        (it converts the whole vocabulary once, about a second)."""
-        with self._compiler_lock:
-            if self._compiler is None:
-                self._compiler = GrammarCompiler(
-                    self.tokenizer.backend.to_str(), self.vocab_size, self.tokenizer.eos_token_ids
-                )
-        return self._compiler.compile(constraint)
+    @property
+    def grammars(self) -> GrammarPool[CompiledGrammar]:
+        """Where constraints compile, off this thread (``engine.grammar_pool``; thread-safe): a
+        worker compiles one before adding its request, so that the request starts at once."""
+        return self.admission.grammars
 
-    def _notify_compiled(self, _: concurrent.futures.Future[CompiledGrammar]) -> None:
-        if self.on_constraint_compiled is not None:
-            self.on_constraint_compiled()
+    @grammars.setter
+    def grammars(self, pool: GrammarPool[CompiledGrammar]) -> None:
+        self.admission.grammars = pool
+
+    @property
+    def on_constraint_compiled(self) -> Callable[[], object] | None:
+        """Called on a compile thread when a held request's grammar is done (or failed): an
+        engine loop idling between steps wakes up to admit it."""
+        return self.admission.on_compiled
+
+    @on_constraint_compiled.setter
+    def on_constraint_compiled(self, callback: Callable[[], object] | None) -> None:
+        self.admission.on_compiled = callback
 
     def wait_for_grammars(self) -> None:
         """Block until a held request's grammar is done or the earliest compile budget runs
         out; return at once when no request is held. What a caller that steps the engine in a
         loop does when a step scheduled nothing, instead of spinning."""
-        if not self._compiling:
-            return
-        deadline_s = min(c.deadline_s for c in self._compiling.values())
-        concurrent.futures.wait(
-            [c.grammar for c in self._compiling.values()],
-            timeout=max(deadline_s - time.monotonic(), 0.0),
-            return_when=concurrent.futures.FIRST_COMPLETED,
-        )
+        self.admission.wait()
 
     def _admit_compiled(self) -> list[RequestOutput]:
         """Hand the held requests whose grammar compiled to the scheduler, in the order they
         were added; finish with an error those whose compile failed or ran out of time, and
         return their outputs."""
-        outputs = []
-        now_s = time.monotonic()
-        for req_id, compiling in list(self._compiling.items()):
-            grammar = compiling.grammar
-            if not grammar.done() and now_s < compiling.deadline_s:
-                continue
-            del self._compiling[req_id]
-            request = self._states[req_id].request
+        ready, failed = self.admission.admit()
+        for request in ready:
             try:
-                if not grammar.done():
-                    raise self.grammars.give_up(compiling.constraint, grammar)
-                compiled = self.grammars.outcome(compiling.constraint, grammar)
-                request.matcher = compiled.matcher(request.output_token_ids)
                 self.scheduler.add_request(request)
             except ValueError as exc:
-                request.status = RequestStatus.FINISHED_ERROR
-                request.error = f"constraint: {exc}"
-                logger.warning("req_id=%s failed: %s", req_id, request.error)
-                outputs.append(self._states.pop(req_id).output([]))
+                request.error = str(exc)
+                logger.warning("req_id=%s failed: %s", request.req_id, request.error)
+                failed.append(request)
+        outputs = []
+        for request in failed:
+            request.status = RequestStatus.FINISHED_ERROR
+            outputs.append(self._states.pop(request.req_id).output([]))
         return outputs
 
     def abort_requests(self, req_ids: Iterable[str]) -> list[RequestOutput]:
@@ -360,7 +317,7 @@ class LLMEngine:
         req_ids = list(req_ids)
         outputs = []
         for req_id in req_ids:
-            if self._compiling.pop(req_id, None) is not None:
+            if self.admission.discard(req_id) is not None:
                 state = self._states.pop(req_id)
                 state.request.status = RequestStatus.FINISHED_ABORTED
                 outputs.append(state.output([]))
@@ -429,7 +386,7 @@ class LLMEngine:
         return self.scheduler.pin_cached_prefix(request, max_blocks)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.num_unfinished_requests > 0 or bool(self._compiling)
+        return self.scheduler.num_unfinished_requests > 0 or bool(self.admission)
 
     async def prepare_constraint(self, constraint: Constraint) -> None:
         """Compile ``constraint`` on ``grammars``' threads and wait for it (on the asyncio
@@ -459,7 +416,7 @@ class LLMEngine:
         self.lora.unload(name)
 
     def stats(self) -> EngineStats:
-        return make_stats(self.scheduler, len(self._compiling), self.prefill_s_per_token.value)
+        return make_stats(self.scheduler, len(self.admission), self.prefill_s_per_token.value)
 
     @property
     def info(self) -> EngineInfo:

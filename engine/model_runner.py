@@ -37,7 +37,7 @@ from engine.model.packed_linear import pack_linears, pack_lm_head
 from engine.model.rotary import RotaryEmbedding
 from engine.model.triton_inputs import triton_inputs
 from engine.model.triton_kernels import triton_available
-from engine.scheduler import ScheduledRequest
+from engine.scheduler_output import ScheduledRequest
 
 logger = logging.getLogger(__name__)
 

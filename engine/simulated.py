@@ -37,7 +37,7 @@ from engine.lora.adapter import load_lora_adapter
 from engine.model.config import ModelConfig
 from engine.request import Request
 from engine.sampler import SamplerOutput, TokenLogprobs
-from engine.scheduler import ScheduledRequest
+from engine.scheduler_output import ScheduledRequest
 
 _TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # Without --num-kv-blocks or --kv-cache-memory-gb: a quarter of the native engine's 2 GiB, so

@@ -37,7 +37,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from engine.kv_cache_spec import DTYPE_SIZE_BYTES, KVCacheSpec, KVLayout
-from engine.scheduler import KVLoad
+from engine.scheduler_output import KVLoad
 from engine.vllm_engine.args import kv_stays_reason
 
 if TYPE_CHECKING:

@@ -38,7 +38,8 @@ from engine.outputs import RequestOutput
 from engine.request_limits import check_cache_salt
 from engine.sampler import TokenLogprobs
 from engine.sampling_params import SamplingParams
-from engine.scheduler import DuplicateRequestError, KVLoad
+from engine.scheduler import DuplicateRequestError
+from engine.scheduler_output import KVLoad
 from engine.stats import EngineStats
 from engine.vllm_engine.args import engine_args, prepare_process_env, require_vllm
 from engine.vllm_engine.connector import attach, layer_major_cache

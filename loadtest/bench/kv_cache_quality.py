@@ -36,7 +36,7 @@ from engine.llm import LLM
 from engine.llm_engine import LLMEngine
 from engine.resolve import resolve_dtype
 from engine.sampling_params import SamplingParams
-from engine.scheduler import ScheduledRequest
+from engine.scheduler_output import ScheduledRequest
 from loadtest.bench.engine import resolve_model_dir
 from loadtest.generator.workloads import random_token_workload
 

@@ -27,7 +27,7 @@ from engine.kv_cache_manager import cdiv
 from engine.llm_engine import LLMEngine
 from engine.sampler import SamplerOutput
 from engine.sampling_params import SamplingParams
-from engine.scheduler import ScheduledRequest
+from engine.scheduler_output import ScheduledRequest
 from engine.simulated import StepProfile
 from loadtest.bench.engine import resolve_model_dir
 

@@ -46,7 +46,7 @@ from engine.model import attention
 from engine.model.packed_linear import PackedLinear
 from engine.model_runner import ModelRunner
 from engine.sampling_params import SamplingParams
-from engine.scheduler import ScheduledRequest
+from engine.scheduler_output import ScheduledRequest
 from loadtest.bench.engine import resolve_model_dir
 from loadtest.bench.step_profile import Step, decode_floor, gpu_report, marked_steps
 from loadtest.generator.workloads import (

@@ -30,7 +30,7 @@ from engine.llm import LLM
 from engine.llm_engine import LLMEngine
 from engine.outputs import RequestOutput
 from engine.sampler import SamplerOutput
-from engine.scheduler import ScheduledRequest
+from engine.scheduler_output import ScheduledRequest
 
 
 class Step(enum.Enum):

@@ -20,7 +20,8 @@ from dataclasses import dataclass, replace
 from engine.backend import EngineBackend
 from engine.kv_cache_manager import cdiv
 from engine.outputs import RequestOutput
-from engine.scheduler import DuplicateRequestError, KVLoad
+from engine.scheduler import DuplicateRequestError
+from engine.scheduler_output import KVLoad
 from kvtransfer.base import KVRef, KVTransferBackend, KVTransferError, PeerInfo, TransferState
 from services.worker.kv_metrics import KV_PULL_SECONDS, KV_PULLED_BLOCKS, KV_PULLED_BYTES
 

@@ -12,7 +12,8 @@ from engine.kv_cache_manager import KVCacheManager, cdiv
 from engine.ngram_proposer import NgramProposer
 from engine.request import Request, RequestStatus
 from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from engine.scheduler import Scheduler, SchedulerConfig
+from engine.scheduler_output import SchedulerOutput
 
 BLOCK_SIZE = 4
 EOS = 2

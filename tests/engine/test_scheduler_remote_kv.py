@@ -13,7 +13,8 @@ import pytest
 from engine.block_pool import BlockStored
 from engine.kv_cache_manager import cdiv
 from engine.request import Request, RequestStatus
-from engine.scheduler import KVLoad, Scheduler
+from engine.scheduler import Scheduler
+from engine.scheduler_output import KVLoad
 from tests.engine.scheduler_script import (
     BLOCK_SIZE,
     SAMPLED,

@@ -15,7 +15,7 @@ from engine import LLMEngine, SamplingParams
 from engine.config import EngineConfig, EngineKind
 from engine.kv_cache_manager import cdiv
 from engine.sampler import SamplerOutput
-from engine.scheduler import ScheduledRequest
+from engine.scheduler_output import ScheduledRequest
 from engine.simulated import StepProfile, kv_matches, prompt_digest, simulated_token_id
 
 PROMPT = list(range(5, 45))  # 40 tokens: 2.5 blocks of 16

