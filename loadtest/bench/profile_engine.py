@@ -13,6 +13,10 @@ request) and mixed steps (any prefill chunk). "Other" is the rest of ``execute``
 elementwise ops, embedding, the step's metadata and Python. Timers add a few microseconds per
 call, so compare runs of this tool with each other, and ``bench_engine`` for throughput.
 
+A third table sets each kind of step's wall time against its floor, what the host allows: every
+weight read once and the decode rows' KV at the read bandwidth measured on this host, and the
+step's linears at the rate the engine's largest linear runs at here (``step_floor``).
+
 Parts are only counted where they run through the wrapped functions: unpacked linears
 (``F.linear``) count as "other", and at levels where prefill runs the compiled kernel its
 attention is "other" too.
@@ -48,6 +52,7 @@ from engine.model_runner import ModelRunner
 from engine.sampling_params import SamplingParams
 from engine.scheduler_output import ScheduledRequest
 from loadtest.bench.engine import resolve_model_dir
+from loadtest.bench.step_floor import floor_table, measure_rates, worked_steps
 from loadtest.bench.step_profile import Step, decode_floor, gpu_report, marked_steps
 from loadtest.generator.workloads import (
     add_workload_flags,
@@ -204,7 +209,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.device == "cuda":
         warm_up(llm, model_dir, args)
         profiler = torch.profiler.profile(activities=list(GPU_ACTIVITIES))
-    with step_timers() as timers, marked_steps() as shapes, profiler or contextlib.nullcontext():
+    with (
+        step_timers() as timers,
+        marked_steps() as shapes,
+        worked_steps() as worked,
+        profiler or contextlib.nullcontext(),
+    ):
         start_s = time.perf_counter()
         for _ in llm.generate_stream(workload.prompt_token_ids, params):
             pass
@@ -219,6 +229,8 @@ def main(argv: list[str] | None = None) -> int:
     if profiler is not None:
         print("Host-side time of each part (the kernels run asynchronously):\n")
     print(timers.table())
+    print("\nEach kind of step against its floor (``step_floor``):\n")
+    print(floor_table(worked, measure_rates(engine)))
     if profiler is not None:
         print("\nGPU-busy and host time per step (torch.profiler):\n")
         floor = decode_floor(llm) if engine.device.type == "cuda" else None

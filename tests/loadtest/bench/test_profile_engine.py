@@ -72,7 +72,9 @@ def test_main_prints_one_row_per_kind_of_step(capsys, tiny_llama_dir):
     argv += ["--max-prompt-tokens", "20", "--output-tokens", "3", "--threads", "1"]
     assert profile_engine.main([*argv, "--device", "cpu"]) == 0
     out = capsys.readouterr().out
-    assert "| decode | 2 |" in out and "| mixed | 1 |" in out
+    # The parts' table and the floors' table (step_floor), each a row per kind of step.
+    assert out.count("| decode | 2 |") == 2 and out.count("| mixed | 1 |") == 2
+    assert "| all | 3 |" in out and "GB/s" in out
     assert f"{torch.get_num_threads()} threads" in out and " on cpu: " in out
     assert "GPU-busy" not in out  # the profiler's report is CUDA's only
 
@@ -261,7 +263,7 @@ def test_main_on_cuda_prints_the_gpu_report(capsys, monkeypatch, tiny_llama_dir)
     argv += ["--max-prompt-tokens", "20", "--output-tokens", "3", "--threads", "1"]
     assert profile_engine.main([*argv, "--device", "cuda"]) == 0
     out = capsys.readouterr().out
-    assert out.count("| decode | 2 |") == 2 and out.count("| mixed | 1 |") == 2
+    assert out.count("| decode | 2 |") == 3 and out.count("| mixed | 1 |") == 3
     assert "| decode step at batch 3 | 2 |" in out and "| aten::" in out
 
 
