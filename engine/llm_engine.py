@@ -409,11 +409,7 @@ class LLMEngine:
         """Stop serving adapter ``name``; ``ValueError`` if it is not loaded or a request in
         flight uses it. Its cached blocks stay until evicted: a reload of other weights under
         the same name hashes differently (``LoraAdapter.block_key``)."""
-        self.lora.block_key(name)
-        in_use = sum(state.request.lora_name == name for state in self._states.values())
-        if in_use:
-            raise ValueError(f"LoRA adapter {name!r} is in use by {in_use} requests")
-        self.lora.unload(name)
+        self.lora.unload(name, (state.request.lora_name for state in self._states.values()))
 
     def stats(self) -> EngineStats:
         return make_stats(self.scheduler, len(self.admission), self.prefill_s_per_token.value)

@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterable
 from typing import Protocol
 
 logger = logging.getLogger(__name__)
 
 
 class AdapterLoader(Protocol):
-    """What installs adapters: an engine's model executor."""
+    """What installs adapters: the native engine's model executor, or vLLM's engine core
+    (``engine.vllm_engine.lora``). ``load_lora_adapter`` returns the adapter's block key."""
 
     def load_lora_adapter(self, name: str, path: str) -> str: ...
 
@@ -48,9 +50,13 @@ class LoraRegistry:
         self._keys[name] = self._loader.load_lora_adapter(name, path)
         logger.info("LoRA adapter %s loaded from %s", name, path)
 
-    def unload(self, name: str) -> None:
-        """Stop serving ``name``; ``ValueError`` if it is not loaded."""
+    def unload(self, name: str, in_flight: Iterable[str] = ()) -> None:
+        """Stop serving ``name``; ``ValueError`` if it is not loaded or a request in flight
+        (``in_flight``: the adapter names of the engine's requests) uses it."""
         self.block_key(name)
+        in_use = sum(lora_name == name for lora_name in in_flight)
+        if in_use:
+            raise ValueError(f"LoRA adapter {name!r} is in use by {in_use} requests")
         self._loader.unload_lora_adapter(name)
         del self._keys[name]
         logger.info("LoRA adapter %s unloaded", name)

@@ -34,6 +34,7 @@ from engine.cpu_isa import resolve_isa
 from engine.cpu_tuning import place_engine_threads
 from engine.kv_cache_spec import KVCacheSpec
 from engine.lora.names import parse_lora_modules
+from engine.lora.registry import LoraRegistry
 from engine.outputs import RequestOutput
 from engine.request_limits import check_cache_salt
 from engine.sampler import TokenLogprobs
@@ -45,7 +46,7 @@ from engine.vllm_engine.args import engine_args, prepare_process_env, require_vl
 from engine.vllm_engine.connector import attach, layer_major_cache
 from engine.vllm_engine.convert import prompt_token_logprobs, sampling_params, token_logprobs
 from engine.vllm_engine.events import EventCollector, EventTranslator
-from engine.vllm_engine.lora import VLLMLoras
+from engine.vllm_engine.lora import VLLMAdapterLoader
 from engine.vllm_engine.metrics import VLLMStatLogger
 
 logger = logging.getLogger(__name__)
@@ -135,7 +136,14 @@ class VLLMEngine:
             cpu_isa=resolve_isa("auto").value if device_type == "cpu" else "",
             kernels=f"vLLM {_vllm_version()} ({device_type})",
         )
-        self._loras = VLLMLoras(self._core, vllm_config.lora_config)
+        lora_config = vllm_config.lora_config
+        # vLLM keeps up to --max-cpu-loras adapters (default: --max-loras); past that it would
+        # evict one from memory and reload it from disk at its next request.
+        max_loaded = 0
+        if lora_config is not None:
+            max_loaded = lora_config.max_cpu_loras or lora_config.max_loras
+        self._adapters = VLLMAdapterLoader(self._core)
+        self._loras = LoraRegistry(self._adapters, lora_config is not None, max_loaded)
         for name, path in parse_lora_modules(config.lora_modules):
             self._loras.load(name, path)
         logger.info("vLLM engine ready: %s", self._info.kernels)
@@ -187,7 +195,10 @@ class VLLMEngine:
                 f"num_external_tokens: {num_external_tokens} is more than the prompt's "
                 f"{len(prompt_token_ids)} tokens"
             )
-        lora_request = self._loras.request(lora_name) if lora_name else None
+        lora_request = None
+        if lora_name:
+            self._loras.block_key(lora_name)  # ValueError naming it unless loaded
+            lora_request = self._adapters.request(lora_name)
         if req_id in self._states:
             raise DuplicateRequestError(f"request_id {req_id!r} is already in flight")
         if len(output_token_ids) >= params.max_tokens:

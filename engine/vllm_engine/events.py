@@ -1,12 +1,11 @@
 """vLLM's prefix-cache events as splitserve's, so the router's prefix index covers vLLM pools.
 
-vLLM names a block by its own hash; splitserve's router hashes prompts with
-``engine.block_hash`` (``cache_salt`` and the LoRA adapter's block key in every block). vLLM's
-``BlockStored`` carries each block's token ids, its adapter's name (``VLLMLoras`` names
-adapters to vLLM by their block keys) and, on a chain's first block, its ``cache_salt``, so the
-splitserve hash of every stored block can be computed here, chained through the parent's. The
-translator keeps the mapping of live blocks, which is also the state ``prefix_cache_blocks``
-reports.
+vLLM names a block by its own hash; splitserve's router hashes prompts with ``engine.block_hash``
+(``cache_salt`` and the LoRA adapter's block key in every block). vLLM's ``BlockStored`` carries
+each block's token ids, its adapter's name (``VLLMAdapterLoader`` names adapters to vLLM by their
+block keys) and, on a chain's first block, its ``cache_salt``, so the splitserve hash of every
+stored block can be computed here, chained through the parent's. The translator keeps the mapping
+of live blocks, which is also the state ``prefix_cache_blocks`` reports.
 """
 
 from __future__ import annotations

@@ -53,7 +53,7 @@ from engine.sampling_params import SamplingParams
 from engine.scheduler_output import ScheduledRequest
 from loadtest.bench.engine import resolve_model_dir
 from loadtest.bench.step_floor import floor_table, measure_rates, worked_steps
-from loadtest.bench.step_profile import Step, decode_floor, gpu_report, marked_steps
+from loadtest.bench.step_profile import Step, decode_floor, gpu_report, marked_steps, patched
 from loadtest.generator.workloads import (
     add_workload_flags,
     random_token_workload,
@@ -125,14 +125,8 @@ def step_timers() -> Iterator[StepTimers]:
             timers.timed("K/V writes", attention.PagedKVCache.write),
         ),
     ]
-    saved = [(owner, name, getattr(owner, name)) for owner, name, _ in patches]
-    for owner, name, replacement in patches:
-        setattr(owner, name, replacement)
-    try:
+    with patched(patches):
         yield timers
-    finally:
-        for owner, name, original in saved:
-            setattr(owner, name, original)
 
 
 # What --device cuda profiles and counts as device work (module-level: a CPU test stands the

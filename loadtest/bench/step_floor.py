@@ -15,7 +15,6 @@ import contextlib
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 from torch import nn
@@ -26,7 +25,7 @@ from engine.model.packed_linear import PackedLinear
 from engine.outputs import RequestOutput
 from engine.sampler import SamplerOutput
 from engine.scheduler_output import ScheduledRequest
-from loadtest.bench.step_profile import Step, classify_step, decode_context_tokens
+from loadtest.bench.step_profile import Step, patched, shape_of
 
 # Rows of the GEMM that measures the linears' rate: a typical prefill chunk.
 GEMM_ROWS = 512
@@ -122,32 +121,14 @@ def worked_steps() -> Iterator[list[tuple[StepWork, float]]]:
     def noted_run(
         runner: BatchRunner, scheduled: list[ScheduledRequest]
     ) -> tuple[SamplerOutput, dict[str, str]]:
-        kind = classify_step([(s.is_decode, s.num_new_tokens) for s in scheduled]).kind
-        context = 0
-        if kind is Step.DECODE:
-            items = [(s.request.num_computed_tokens, s.num_new_tokens) for s in scheduled]
-            context = decode_context_tokens(items)
-        pending.append(
-            StepWork(
-                kind,
-                sum(s.num_new_tokens for s in scheduled),
-                sum(s.num_sample_rows for s in scheduled),
-                context,
-            )
-        )
+        shape = shape_of(scheduled)
+        num_tokens = sum(s.num_new_tokens for s in scheduled)
+        num_sample_rows = sum(s.num_sample_rows for s in scheduled)
+        pending.append(StepWork(shape.kind, num_tokens, num_sample_rows, shape.context_tokens))
         return run(runner, scheduled)
 
-    patches: list[tuple[object, str, Any, Any]] = [
-        (LLMEngine, "step", step, timed_step),
-        (BatchRunner, "run", run, noted_run),
-    ]
-    for owner, name, _, replacement in patches:
-        setattr(owner, name, replacement)
-    try:
+    with patched([(LLMEngine, "step", timed_step), (BatchRunner, "run", noted_run)]):
         yield steps
-    finally:
-        for owner, name, original, _ in patches:
-            setattr(owner, name, original)
 
 
 def measure_rates(engine: LLMEngine) -> HostRates:

@@ -337,21 +337,31 @@ def marked_steps() -> Iterator[list[StepShape | None]]:
     def noted_run(
         runner: BatchRunner, scheduled: list[ScheduledRequest]
     ) -> tuple[SamplerOutput, dict[str, str]]:
-        shape = classify_step([(s.is_decode, s.num_new_tokens) for s in scheduled])
-        if shape.kind is Step.DECODE:
-            items = [(s.request.num_computed_tokens, s.num_new_tokens) for s in scheduled]
-            shape = dataclasses.replace(shape, context_tokens=decode_context_tokens(items))
-        shapes[-1] = shape
+        shapes[-1] = shape_of(scheduled)
         return run(runner, scheduled)
 
-    patches: list[tuple[object, str, Any, Any]] = [
-        (LLMEngine, "step", step, marked_step),
-        (BatchRunner, "run", run, noted_run),
-    ]
-    for owner, name, _, replacement in patches:
+    with patched([(LLMEngine, "step", marked_step), (BatchRunner, "run", noted_run)]):
+        yield shapes
+
+
+def shape_of(scheduled: Sequence[ScheduledRequest]) -> StepShape:
+    """The ``StepShape`` of a scheduled batch, before it runs."""
+    shape = classify_step([(s.is_decode, s.num_new_tokens) for s in scheduled])
+    if shape.kind is Step.DECODE:
+        items = [(s.request.num_computed_tokens, s.num_new_tokens) for s in scheduled]
+        shape = dataclasses.replace(shape, context_tokens=decode_context_tokens(items))
+    return shape
+
+
+@contextlib.contextmanager
+def patched(patches: Sequence[tuple[object, str, Any]]) -> Iterator[None]:
+    """Set each ``(owner, name, replacement)`` for the duration of the block; restores the
+    originals in reverse order (nested patches of one name unwind correctly)."""
+    saved = [(owner, name, getattr(owner, name)) for owner, name, _ in patches]
+    for owner, name, replacement in patches:
         setattr(owner, name, replacement)
     try:
-        yield shapes
+        yield
     finally:
-        for owner, name, original, _ in patches:
+        for owner, name, original in reversed(saved):
             setattr(owner, name, original)

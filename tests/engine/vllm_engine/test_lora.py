@@ -130,7 +130,11 @@ def test_bad_adapter_calls_say_what_is_wrong(engine, adapters, tmp_path):
 
 
 def test_lora_off_refuses_adapters_by_flag():
-    from engine.vllm_engine.lora import VLLMLoras
+    """Without --enable-lora vLLM has no LoRA config: the engine's registry is off."""
+    from engine.lora.registry import LoraRegistry
+    from engine.vllm_engine.lora import VLLMAdapterLoader
 
     with pytest.raises(ValueError, match="need --enable-lora"):
-        VLLMLoras(core=None, lora_config=None).load("first", "/nonexistent")
+        LoraRegistry(VLLMAdapterLoader(core=None), enabled=False, max_loras=0).load(
+            "first", "/nonexistent"
+        )
